@@ -1,0 +1,1 @@
+"""The drafter service: proposes draft chains (MTP and suffix lookup) over gRPC."""

@@ -1,0 +1,225 @@
+"""The processed target distribution and how tokens are drawn from it (DESIGN §2).
+
+p for a position: temperature → top_k → top_p → min_p → renormalise, then capped to the
+`max_support` most likely tokens and renormalised. The cap is part of the definition, so
+every distribution in tandem is a sparse row of at most `max_support` (token id, prob)
+pairs. Rows are kept sorted by ascending token id, because inverse-CDF sampling walks the
+support in token-id order: two close distributions sampled with the same u then usually
+agree, which is what coupled drafting relies on.
+
+Ties are always broken towards the lower token id (greedy argmax, top_k, top_p and the cap).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels.rng import uniform
+
+DEFAULT_MAX_SUPPORT = 64
+PAD_ID = -1  # padding entries of a sparse row: id -1, prob 0, always after the real ones
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings; temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    max_support: int = DEFAULT_MAX_SUPPORT
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature {self.temperature!r} must be finite and >= 0")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k {self.top_k!r} must be an integer >= 0")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p {self.top_p!r} must lie in (0, 1]")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p {self.min_p!r} must lie in [0, 1]")
+        if isinstance(self.max_support, bool) or not isinstance(self.max_support, int) or self.max_support < 1:
+            raise ValueError(f"max_support {self.max_support!r} must be an integer >= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class SparseRows:
+    """Sparse distributions, one per row, sorted by ascending token id.
+
+    Padding entries (id -1, prob 0) follow the real ones, so every row has the same width
+    and a fixed shape suits CUDA graphs and the wire format alike.
+    """
+
+    token_ids: Tensor  # [rows, width] int64
+    probs: Tensor  # [rows, width] float64
+
+    def __post_init__(self) -> None:
+        if self.token_ids.shape != self.probs.shape or self.token_ids.dim() != 2:
+            raise ValueError(
+                f"token_ids {tuple(self.token_ids.shape)} and probs {tuple(self.probs.shape)} must be equal 2-D shapes"
+            )
+
+    @property
+    def num_rows(self) -> int:
+        return self.token_ids.shape[0]
+
+    def row(self, index: int) -> dict[int, float]:
+        """One row as {token id: prob} (padding dropped); for tests and the wire format."""
+        ids = self.token_ids[index].tolist()
+        probs = self.probs[index].tolist()
+        return {t: p for t, p in zip(ids, probs) if t != PAD_ID}
+
+    def __getitem__(self, index: slice | int) -> SparseRows:
+        if isinstance(index, int):
+            index = slice(index, index + 1)
+        return SparseRows(self.token_ids[index], self.probs[index])
+
+    def to(self, device: torch.device | str) -> SparseRows:
+        return SparseRows(self.token_ids.to(device), self.probs.to(device))
+
+    @staticmethod
+    def from_dicts(rows: list[dict[int, float]], width: int | None = None) -> SparseRows:
+        """Build rows from {token id: prob} dicts (sorted here); width defaults to the widest row."""
+        width = max([len(r) for r in rows] + [1]) if width is None else width
+        token_ids = torch.full((len(rows), width), PAD_ID, dtype=torch.int64)
+        probs = torch.zeros((len(rows), width), dtype=torch.float64)
+        for i, row in enumerate(rows):
+            if len(row) > width:
+                raise ValueError(f"row {i} has {len(row)} entries, more than width {width}")
+            items = sorted(row.items())
+            token_ids[i, : len(items)] = torch.tensor([t for t, _ in items], dtype=torch.int64)
+            probs[i, : len(items)] = torch.tensor([p for _, p in items], dtype=torch.float64)
+        return SparseRows(token_ids, probs)
+
+    @staticmethod
+    def point_masses(token_ids: Tensor) -> SparseRows:
+        """q = one-hot rows (suffix-lookup drafts, greedy targets)."""
+        ids = token_ids.reshape(-1, 1).to(torch.int64)
+        return SparseRows(ids, torch.ones(ids.shape, dtype=torch.float64, device=ids.device))
+
+
+def _renormalise(probs: Tensor, keep: Tensor) -> Tensor:
+    kept = torch.where(keep, probs, torch.zeros_like(probs))
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def process_logits(logits: Tensor, params: SamplingParams) -> SparseRows:
+    """The processed distribution p of each row of `logits` [rows, vocab] as sparse rows.
+
+    Computed in float64 from the given logits. Width is min(max_support, vocab); greedy rows
+    are point masses on the argmax (lowest id on ties).
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [rows, vocab]; got shape {tuple(logits.shape)}")
+    num_rows, vocab_size = logits.shape
+    width = min(params.max_support, vocab_size)
+    if params.greedy:
+        # torch.argmax returns the first maximal index: the lowest token id on ties.
+        best = logits.argmax(dim=-1, keepdim=True)
+        token_ids = torch.full((num_rows, width), PAD_ID, dtype=torch.int64, device=logits.device)
+        probs = torch.zeros((num_rows, width), dtype=torch.float64, device=logits.device)
+        token_ids[:, :1] = best
+        probs[:, :1] = 1.0
+        return SparseRows(token_ids, probs)
+
+    scaled = logits.to(torch.float64) / params.temperature
+    # Stable descending sort: equal logits keep ascending-id order, so every prefix filter
+    # below (top_k, top_p, min_p, the cap) breaks ties towards the lower id.
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    rank = torch.arange(vocab_size, device=logits.device).expand(num_rows, vocab_size)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    if params.top_k:
+        keep &= rank < params.top_k
+        probs = _renormalise(probs, keep)
+    if params.top_p < 1:
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        keep &= mass_before < params.top_p
+        probs = _renormalise(probs, keep)
+    if params.min_p > 0:
+        keep &= probs >= params.min_p * probs[:, :1]
+        probs = _renormalise(probs, keep)
+    keep &= rank < width
+    probs = _renormalise(probs, keep)[:, :width]
+    keep = keep[:, :width]
+    token_ids = torch.where(keep, order[:, :width], torch.full_like(order[:, :width], vocab_size))
+    token_ids, by_id = torch.sort(token_ids, dim=-1)
+    probs = torch.gather(probs, -1, by_id)
+    token_ids = torch.where(token_ids == vocab_size, torch.full_like(token_ids, PAD_ID), token_ids)
+    return SparseRows(token_ids, probs)
+
+
+def sample(rows: SparseRows, u: Tensor) -> Tensor:
+    """Inverse-CDF draw of one token per row with the given uniforms u [rows] (float64).
+
+    Walks each row's support in ascending token id order and returns the first token whose
+    cumulative probability exceeds u. If rounding leaves u above the total mass, the last
+    token with positive probability is returned. No host synchronisation.
+    """
+    if u.shape != (rows.num_rows,):
+        raise ValueError(f"u shape {tuple(u.shape)} must be ({rows.num_rows},)")
+    cdf = torch.cumsum(rows.probs, dim=-1)
+    below = (cdf <= u.unsqueeze(-1).to(cdf.dtype)).sum(dim=-1)
+    positive = rows.probs > 0
+    last_positive = (positive.cumsum(dim=-1) == positive.sum(dim=-1, keepdim=True)) & positive
+    last_index = last_positive.to(torch.int64).argmax(dim=-1)
+    # The first entry whose cdf exceeds u has positive probability (the cdf rose there), so
+    # zero-probability entries (padding, or holes in a residual row) are never returned.
+    index = torch.minimum(below, last_index)
+    return rows.token_ids.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+
+
+def sample_gumbel(rows: SparseRows, seed: int | Tensor, positions: Tensor) -> Tensor:
+    """Gumbel-max (exponential race) draw: argmax_i p_i / E_i, E_i ~ Exp(1).
+
+    E_i = -log u(seed, position, "pick", token id i): keyed by token id, so a drafter with a
+    different distribution over the same tokens sees the same noise (coupling).
+    positions: [rows] int64. Lowest id wins exact ties.
+    """
+    safe_ids = torch.where(rows.token_ids == PAD_ID, torch.zeros_like(rows.token_ids), rows.token_ids)
+    u = uniform(seed, positions.unsqueeze(-1).expand_as(safe_ids).contiguous(), "pick", token_ids=safe_ids)
+    score = rows.probs / -torch.log(u)
+    score = torch.where(rows.probs > 0, score, torch.full_like(score, -1.0))
+    index = score.argmax(dim=-1, keepdim=True)
+    return rows.token_ids.gather(-1, index).squeeze(-1)
+
+
+def draw(
+    rows: SparseRows,
+    seed: int | Tensor,
+    positions: Tensor,
+    *,
+    stream: str = "pick",
+    sampler: str = "inverse_cdf",
+) -> Tensor:
+    """The one way tandem draws a token from each row: plain decoding, verification and
+    coupled drafting all call this, so equal rows and positions give equal tokens.
+
+    positions: [rows] int64 (the position of the token being drawn); sampler
+    "inverse_cdf" (u from `stream`) or "gumbel" (Gumbel-max, pick stream only).
+    """
+    if sampler == "inverse_cdf":
+        return sample(rows, uniform(seed, positions, stream))
+    if sampler == "gumbel":
+        if stream != "pick":
+            raise ValueError(f"the gumbel sampler draws from the pick stream only; got stream {stream!r}")
+        return sample_gumbel(rows, seed, positions)
+    raise ValueError(f"sampler {sampler!r} must be 'inverse_cdf' or 'gumbel'")
+
+
+def lookup(rows: SparseRows, token_ids: Tensor) -> Tensor:
+    """Probability of token_ids [rows] (or [rows, n]) under each row; 0 where absent."""
+    query = token_ids if token_ids.dim() == 2 else token_ids.unsqueeze(-1)
+    match = rows.token_ids.unsqueeze(1) == query.unsqueeze(-1)  # [rows, n, width]
+    found = (match & (query.unsqueeze(-1) != PAD_ID)).to(rows.probs.dtype)
+    probs = (found * rows.probs.unsqueeze(1)).sum(dim=-1)
+    return probs if token_ids.dim() == 2 else probs.squeeze(-1)

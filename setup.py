@@ -1,0 +1,44 @@
+"""Build hook: generate the protobuf/gRPC Python modules from protos/ at build time.
+
+The generated `*_pb2.py`, `*_pb2.pyi` and `*_pb2_grpc.py` files are git-ignored; both a
+regular install and an editable install (`pip install -e .`) run this before collecting
+the packages.
+"""
+
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+PROTO_ROOT = ROOT / "protos"
+
+
+def generate_protos() -> None:
+    import grpc_tools
+    from grpc_tools import protoc
+
+    include = Path(grpc_tools.__file__).parent / "_proto"
+    sources = sorted(PROTO_ROOT.glob("tandem/v1/*.proto"))
+    if not sources:
+        raise RuntimeError(f"no .proto files under {PROTO_ROOT}")
+    args = [
+        "grpc_tools.protoc",
+        f"-I{PROTO_ROOT}",
+        f"-I{include}",
+        f"--python_out={PROTO_ROOT}",
+        f"--pyi_out={PROTO_ROOT}",
+        f"--grpc_python_out={PROTO_ROOT}",
+        *(str(s.relative_to(PROTO_ROOT)) for s in sources),
+    ]
+    if protoc.main(args) != 0:
+        raise RuntimeError("protoc failed: " + " ".join(args))
+
+
+class BuildPyWithProtos(build_py):
+    def run(self) -> None:
+        generate_protos()
+        super().run()
+
+
+setup(cmdclass={"build_py": BuildPyWithProtos})

@@ -1,0 +1,169 @@
+"""DESIGN §2: the processed distribution (temperature → top_k → top_p → min_p → cap) and draws."""
+
+import math
+
+import pytest
+import torch
+
+from kernels.rng import uniform
+from kernels.sampling import PAD_ID, SamplingParams, SparseRows, draw, lookup, process_logits, sample, sample_gumbel
+
+
+def processed(logits, **params):
+    return process_logits(torch.tensor([logits], dtype=torch.float32), SamplingParams(**params)).row(0)
+
+
+def softmax(values):
+    exps = [math.exp(v) for v in values]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+LOGITS = [2.0, 1.0, 0.0, 3.0, -1.0]  # by prob: 3 > 0 > 1 > 2 > 4
+
+
+def test_plain_softmax_sorted_by_token_id():
+    row = processed(LOGITS)
+    assert list(row) == [0, 1, 2, 3, 4]
+    for token, expected in enumerate(softmax(LOGITS)):
+        assert row[token] == pytest.approx(expected, abs=1e-12)
+
+
+def test_temperature_scales_logits():
+    row = processed(LOGITS, temperature=0.5)
+    for token, expected in enumerate(softmax([v / 0.5 for v in LOGITS])):
+        assert row[token] == pytest.approx(expected, abs=1e-12)
+
+
+def test_greedy_is_a_point_mass_on_the_argmax():
+    assert processed(LOGITS, temperature=0.0) == {3: 1.0}
+
+
+def test_greedy_ties_go_to_the_lowest_id():
+    assert processed([1.0, 5.0, 2.0, 5.0], temperature=0.0) == {1: 1.0}
+
+
+def test_top_k():
+    row = processed(LOGITS, top_k=2)
+    e3, e0 = math.exp(3.0), math.exp(2.0)
+    assert row == pytest.approx({0: e0 / (e0 + e3), 3: e3 / (e0 + e3)}, abs=1e-12)
+
+
+def test_top_k_ties_keep_the_lower_id():
+    assert set(processed([1.0, 2.0, 2.0, 2.0], top_k=2)) == {1, 2}
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    probs = softmax(LOGITS)  # [0.2341, 0.0861, 0.0317, 0.6364, 0.0117]
+    # 0.6364 < 0.8, 0.6364 + 0.2341 >= 0.8: keep {3, 0}
+    row = processed(LOGITS, top_p=0.8)
+    assert row == pytest.approx({0: probs[0] / (probs[0] + probs[3]), 3: probs[3] / (probs[0] + probs[3])}, abs=1e-12)
+    assert processed(LOGITS, top_p=0.6) == {3: 1.0}
+
+
+def test_top_p_applies_to_the_renormalised_top_k_distribution():
+    # After top_k=3 the kept probs are {3: .6653, 0: .2447, 1: .0900}; top_p=0.9 needs
+    # only {3, 0} (0.910). On the unfiltered softmax {3, 0} reach 0.8705 < 0.9, so applying
+    # top_p before top_k would keep three tokens: the order of filters matters.
+    assert set(processed(LOGITS, top_k=3, top_p=0.9)) == {0, 3}
+    assert set(processed(LOGITS, top_p=0.9)) == {0, 1, 3}
+
+
+def test_min_p_is_relative_to_the_most_likely_token():
+    probs = softmax(LOGITS)
+    threshold = 0.3 * probs[3]
+    expected = {t for t, p in enumerate(probs) if p >= threshold}
+    assert set(processed(LOGITS, min_p=0.3)) == expected == {0, 3}
+
+
+def test_min_p_after_top_p_and_renormalised():
+    probs = softmax(LOGITS)
+    # top_p 0.97: {3, 0, 1} reach 0.9566 < 0.97, so token 2 is kept too (0.9883); then
+    # min_p 0.1 drops token 2 (0.0317 < 0.1 * 0.6364) and the rest is renormalised.
+    assert probs[3] + probs[0] + probs[1] < 0.97 <= probs[3] + probs[0] + probs[1] + probs[2]
+    assert set(processed(LOGITS, top_p=0.97)) == {0, 1, 2, 3}
+    row = processed(LOGITS, top_p=0.97, min_p=0.1)
+    kept = probs[0] + probs[1] + probs[3]
+    assert row == pytest.approx({0: probs[0] / kept, 1: probs[1] / kept, 3: probs[3] / kept}, abs=1e-12)
+
+
+def test_cap_keeps_the_max_support_most_likely_tokens():
+    row = processed(LOGITS, max_support=2)
+    assert set(row) == {0, 3}
+    row = processed([0.0] * 10, max_support=3)  # all tied: the three lowest ids
+    assert row == pytest.approx({0: 1 / 3, 1: 1 / 3, 2: 1 / 3}, abs=1e-12)
+
+
+def test_cap_is_applied_last_after_the_other_filters():
+    # top_k=3 keeps {3,0,1}; the cap of 2 then keeps {3,0}; renormalised over the two.
+    row = processed(LOGITS, top_k=3, max_support=2)
+    e3, e0 = math.exp(3.0), math.exp(2.0)
+    assert row == pytest.approx({0: e0 / (e0 + e3), 3: e3 / (e0 + e3)}, abs=1e-12)
+
+
+def test_rows_are_padded_and_fixed_width():
+    rows = process_logits(torch.tensor([LOGITS, LOGITS]), SamplingParams(top_k=2, max_support=4))
+    assert rows.token_ids.shape == (2, 4)
+    assert rows.token_ids[0].tolist() == [0, 3, PAD_ID, PAD_ID]
+    assert rows.probs[0, 2:].tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+     ({"top_k": -1}, "top_k"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+     ({"min_p": -0.01}, "min_p"), ({"min_p": 1.01}, "min_p"), ({"max_support": 0}, "max_support")],
+)
+def test_params_validate(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_inverse_cdf_walks_token_id_order():
+    rows = SparseRows.from_dicts([{7: 0.25, 2: 0.5, 9: 0.25}] * 5)
+    u = torch.tensor([0.0001, 0.4999, 0.5001, 0.7499, 0.9999], dtype=torch.float64)
+    assert sample(rows, u).tolist() == [2, 2, 7, 7, 9]
+
+
+def test_inverse_cdf_never_returns_zero_probability_entries():
+    rows = SparseRows.from_dicts([{1: 0.5, 2: 0.0, 3: 0.5, 4: 0.0}] * 3)
+    assert sample(rows, torch.tensor([0.5, 0.9999999999, 1.0 - 1e-17], dtype=torch.float64)).tolist() == [3, 3, 3]
+
+
+def test_draw_uses_the_pick_stream_by_default():
+    rows = process_logits(torch.randn(16, 50, generator=torch.Generator().manual_seed(0)), SamplingParams())
+    positions = torch.arange(100, 116, dtype=torch.int64)
+    assert torch.equal(draw(rows, 5, positions), sample(rows, uniform(5, positions, "pick")))
+    assert torch.equal(draw(rows, 5, positions, stream="draft"), sample(rows, uniform(5, positions, "draft")))
+
+
+def test_draw_frequencies_match_the_distribution():
+    rows = SparseRows.from_dicts([{0: 0.1, 3: 0.6, 5: 0.3}])
+    n = 60_000
+    batch = SparseRows(rows.token_ids.expand(n, -1), rows.probs.expand(n, -1))
+    for sampler in ("inverse_cdf", "gumbel"):
+        tokens = draw(batch, 11, torch.arange(n, dtype=torch.int64), sampler=sampler)
+        for token, p in ((0, 0.1), (3, 0.6), (5, 0.3)):
+            freq = float((tokens == token).double().mean())
+            assert abs(freq - p) < 5 * math.sqrt(p * (1 - p) / n), (sampler, token, freq)
+
+
+def test_gumbel_noise_is_keyed_by_token_so_close_rows_agree():
+    n = 20_000
+    p = SparseRows.from_dicts([{0: 0.3, 1: 0.4, 2: 0.3}])
+    q = SparseRows.from_dicts([{0: 0.25, 1: 0.45, 2: 0.3}])
+    positions = torch.arange(n, dtype=torch.int64)
+    expand = lambda r: SparseRows(r.token_ids.expand(n, -1), r.probs.expand(n, -1))  # noqa: E731
+    agree = float((sample_gumbel(expand(p), 3, positions) == sample_gumbel(expand(q), 3, positions)).double().mean())
+    assert agree > 0.9  # coupling: identical noise on identical tokens
+
+
+def test_draw_rejects_unknown_sampler():
+    with pytest.raises(ValueError, match="sampler"):
+        draw(SparseRows.from_dicts([{0: 1.0}]), 1, torch.tensor([0]), sampler="bogus")
+
+
+def test_lookup():
+    rows = SparseRows.from_dicts([{1: 0.25, 4: 0.75}, {2: 1.0}])
+    assert lookup(rows, torch.tensor([4, 3])).tolist() == [0.75, 0.0]
+    assert lookup(rows, torch.tensor([[1, 4, PAD_ID], [2, 2, 0]])).tolist() == [[0.25, 0.75, 0.0], [1.0, 1.0, 0.0]]
