@@ -1,0 +1,153 @@
+"""Expert store: one MoE layer's routed experts in host memory with a bounded set of device slots.
+
+Every expert's weights live in host memory (pinned on CUDA, so copies are asynchronous);
+`num_slots` device slots hold the resident ones, replaced least-recently-used. The slot map
+is the residency map handed to routing (`resident_mask`), so MoCE routing prefers experts
+already on the device. With all experts resident (the default) the store is a plain stacked
+weight tensor and lookups need no host synchronisation.
+
+Weights are stacked in nn.Linear layout: gate_up [experts, 2*intermediate, hidden] (gate
+rows first, then up rows) and down [experts, hidden, intermediate].
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kernels.moe import moe_forward
+
+
+@dataclass
+class ExpertCounters:
+    hits: int = 0
+    misses: int = 0
+    bytes_moved: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 1.0
+
+
+class ExpertStore:
+    def __init__(
+        self,
+        gate_up: Tensor,  # [experts, 2*intermediate, hidden]
+        down: Tensor,  # [experts, hidden, intermediate]
+        *,
+        device: torch.device | str,
+        num_slots: int | None = None,
+    ) -> None:
+        num_experts = gate_up.shape[0]
+        if down.shape[0] != num_experts or gate_up.shape[2] != down.shape[1] or gate_up.shape[1] != 2 * down.shape[2]:
+            raise ValueError(f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} are not one set of experts")
+        num_slots = num_experts if num_slots is None else num_slots
+        if not 1 <= num_slots <= num_experts:
+            raise ValueError(f"num_slots {num_slots} must lie in [1, {num_experts}]")
+        self.device = torch.device(device)
+        self.num_experts = num_experts
+        self.num_slots = num_slots
+        self.counters = ExpertCounters()
+        self.all_resident = num_slots == num_experts
+        if self.all_resident:
+            self.gate_up = gate_up.to(self.device)
+            self.down = down.to(self.device)
+            self.host_gate_up = self.host_down = None
+            self.slot_of_expert = torch.arange(num_experts, device=self.device)
+            self._lru: OrderedDict[int, int] = OrderedDict((e, e) for e in range(num_experts))
+            return
+        pin = self.device.type == "cuda"
+        self.host_gate_up = gate_up.cpu().pin_memory() if pin else gate_up.cpu()
+        self.host_down = down.cpu().pin_memory() if pin else down.cpu()
+        self.gate_up = torch.empty((num_slots, *gate_up.shape[1:]), dtype=gate_up.dtype, device=self.device)
+        self.down = torch.empty((num_slots, *down.shape[1:]), dtype=down.dtype, device=self.device)
+        self.slot_of_expert = torch.full((num_experts,), -1, dtype=torch.int64, device=self.device)
+        self._lru = OrderedDict()  # expert -> slot, least recently used first
+        for expert in range(num_slots):  # start with the first experts resident
+            self._load(expert, expert)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's weights."""
+        return (self.gate_up[0].numel() + self.down[0].numel()) * self.gate_up.element_size()
+
+    def expert_weights(self, expert: int) -> tuple[Tensor, Tensor]:
+        """(gate_up, down) of one expert, wherever it lives."""
+        if self.all_resident:
+            return self.gate_up[expert], self.down[expert]
+        return self.host_gate_up[expert], self.host_down[expert]
+
+    def resident_mask(self) -> Tensor:
+        """[experts] bool: which experts sit in a device slot now (the routing residency map)."""
+        return self.slot_of_expert >= 0
+
+    def resident_experts(self) -> list[int]:
+        """Resident experts, least recently used first."""
+        return list(self._lru)
+
+    def _load(self, expert: int, slot: int) -> None:
+        self.gate_up[slot].copy_(self.host_gate_up[expert], non_blocking=True)
+        self.down[slot].copy_(self.host_down[expert], non_blocking=True)
+        self.slot_of_expert[expert] = slot
+        self._lru[expert] = slot
+        self.counters.bytes_moved += self.expert_bytes
+
+    def ensure(self, experts: list[int]) -> None:
+        """Make `experts` resident (LRU replacement), counting hits and misses.
+
+        Raises ValueError if more distinct experts are asked for at once than there are slots.
+        """
+        wanted = list(dict.fromkeys(experts))
+        if len(wanted) > self.num_slots:
+            raise ValueError(f"{len(wanted)} distinct experts needed at once but only {self.num_slots} slots")
+        for expert in wanted:
+            if expert in self._lru:
+                self.counters.hits += 1
+                self._lru.move_to_end(expert)
+        for expert in wanted:
+            if expert in self._lru:
+                continue
+            self.counters.misses += 1
+            if self.all_resident:  # pragma: no cover - every expert is always resident
+                raise AssertionError("unreachable")
+            victim = next(e for e in self._lru if e not in wanted)
+            slot = self._lru.pop(victim)
+            self.slot_of_expert[victim] = -1
+            self._load(expert, slot)
+
+    def forward(self, hidden: Tensor, expert_ids: Tensor, weights: Tensor, *, fused: bool | None = None) -> Tensor:
+        """MoE output [T, hidden] for routed `expert_ids` / `weights` [T, k].
+
+        fused=True runs the gather + batched-matmul path (no host synchronisation; needs
+        all experts resident and no dropped (-1) routes); otherwise dispatch/combine runs
+        each selected expert once. Default: fused on CUDA when possible.
+        """
+        if fused is None:
+            fused = self.all_resident and hidden.device.type == "cuda"
+        if fused:
+            if not self.all_resident:
+                raise ValueError("the fused expert path needs every expert resident")
+            return self._forward_fused(hidden, expert_ids, weights)
+        if not self.all_resident:  # all resident: nothing can miss, and counting would sync
+            self.ensure([e for e in torch.unique(expert_ids).tolist() if e >= 0])
+
+        def run(expert: int, rows: Tensor) -> Tensor:
+            slot = expert if self.all_resident else self._lru[expert]
+            gate, up = F.linear(rows, self.gate_up[slot]).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, self.down[slot])
+
+        return moe_forward(hidden, expert_ids, weights, run, num_experts=self.num_experts, resident=None)
+
+    def _forward_fused(self, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
+        num_tokens, top_k = expert_ids.shape
+        flat = expert_ids.reshape(-1)  # [T*k]
+        rows = hidden.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [T*k, hidden, 1]
+        gate, up = torch.bmm(self.gate_up[flat], rows).squeeze(-1).chunk(2, dim=-1)
+        out = torch.bmm(self.down[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [T*k, hidden]
+        out = out.view(num_tokens, top_k, -1) * weights.unsqueeze(-1).to(out.dtype)
+        return out.sum(dim=1)
