@@ -102,7 +102,9 @@ def route_topk(
 
     probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
     if resident is None:
-        expert_ids = _select(probs, top_k, _plain)
+        # Plain top-k in one kernel: a stable descending sort orders equal probabilities by
+        # ascending id, exactly what rank-by-rank argmax with lowest-id ties picks.
+        expert_ids = torch.sort(probs, dim=-1, descending=True, stable=True)[1][:, :top_k]
         return expert_ids, _weights(probs, expert_ids, normalize)
 
     # The multipliers are exact float32 values (m, r or 1), so every score is one float32

@@ -22,6 +22,16 @@ from torch import Tensor
 from kernels.moe import moe_forward
 
 
+def grouped_mm_available(dtype: torch.dtype) -> bool:
+    """torch._grouped_mm runs bf16 on Hopper-class GPUs (torch >= 2.8)."""
+    return (
+        hasattr(torch, "_grouped_mm")
+        and dtype == torch.bfloat16
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability() >= (9, 0)
+    )
+
+
 @dataclass
 class ExpertCounters:
     hits: int = 0
@@ -54,6 +64,7 @@ class ExpertStore:
         self.num_slots = num_slots
         self.counters = ExpertCounters()
         self.all_resident = num_slots == num_experts
+        self.path: str | None = None  # expert path override (benchmarks); None = default_path
         if self.all_resident:
             self.gate_up = gate_up.to(self.device)
             self.down = down.to(self.device)
@@ -120,19 +131,30 @@ class ExpertStore:
             self.slot_of_expert[victim] = -1
             self._load(expert, slot)
 
-    def forward(self, hidden: Tensor, expert_ids: Tensor, weights: Tensor, *, fused: bool | None = None) -> Tensor:
+    def default_path(self, device: torch.device) -> str:
+        """dispatch on the CPU; on CUDA with every expert resident, a sync-free path."""
+        if device.type != "cuda" or not self.all_resident:
+            return "dispatch"
+        return "grouped" if grouped_mm_available(self.gate_up.dtype) else "gather"
+
+    def forward(self, hidden: Tensor, expert_ids: Tensor, weights: Tensor, *, path: str | None = None) -> Tensor:
         """MoE output [T, hidden] for routed `expert_ids` / `weights` [T, k].
 
-        fused=True runs the gather + batched-matmul path (no host synchronisation; needs
-        all experts resident and no dropped (-1) routes); otherwise dispatch/combine runs
-        each selected expert once. Default: fused on CUDA when possible.
+        Paths: "dispatch" runs each selected expert once on its rows (kernels.moe; handles
+        dropped -1 routes and partial residency; synchronises with the host); "gather"
+        gathers each route's expert weights and runs batched matmuls; "grouped" runs
+        torch._grouped_mm over routes sorted by expert. "gather" and "grouped" need every
+        expert resident and no -1 routes, and never synchronise (CUDA-graph safe).
         """
-        if fused is None:
-            fused = self.all_resident and hidden.device.type == "cuda"
-        if fused:
+        path = path or self.path or self.default_path(hidden.device)
+        if path in ("gather", "grouped"):
             if not self.all_resident:
-                raise ValueError("the fused expert path needs every expert resident")
-            return self._forward_fused(hidden, expert_ids, weights)
+                raise ValueError(f"the {path!r} expert path needs every expert resident")
+            return self._forward_gather(hidden, expert_ids, weights) if path == "gather" else self._forward_grouped(
+                hidden, expert_ids, weights
+            )
+        if path != "dispatch":
+            raise ValueError(f"expert path {path!r} must be 'dispatch', 'gather' or 'grouped'")
         if not self.all_resident:  # all resident: nothing can miss, and counting would sync
             self.ensure([e for e in torch.unique(expert_ids).tolist() if e >= 0])
 
@@ -143,7 +165,19 @@ class ExpertStore:
 
         return moe_forward(hidden, expert_ids, weights, run, num_experts=self.num_experts, resident=None)
 
-    def _forward_fused(self, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
+    def _forward_grouped(self, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
+        num_tokens, top_k = expert_ids.shape
+        flat = expert_ids.reshape(-1)  # [T*k]
+        order = torch.argsort(flat, stable=True)
+        rows = hidden[order // top_k]  # [T*k, hidden], grouped by expert
+        ends = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), dim=0).to(torch.int32)
+        gate, up = torch._grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        out = torch._grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=ends)  # [T*k, hidden]
+        per_route = torch.empty_like(out).index_copy_(0, order, out)
+        per_route = per_route.view(num_tokens, top_k, -1) * weights.unsqueeze(-1).to(out.dtype)
+        return per_route.sum(dim=1)
+
+    def _forward_gather(self, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         num_tokens, top_k = expert_ids.shape
         flat = expert_ids.reshape(-1)  # [T*k]
         rows = hidden.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [T*k, hidden, 1]

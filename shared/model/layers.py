@@ -127,7 +127,6 @@ class RoutingOptions:
     protect: int = 0
     draft_rows: Tensor | None = None
     prompt_packed: float | None = None
-    fused_experts: bool | None = None
 
 
 FULL_ROUTING = RoutingOptions()
@@ -157,10 +156,10 @@ class MoeBlock(nn.Module):
     def forward(self, x: Tensor, routing: RoutingOptions | None = None) -> Tensor:
         routing = routing or FULL_ROUTING
         expert_ids, weights = self.route(x, routing)
-        fused = routing.fused_experts
+        path = None
         if routing.prompt_packed is not None and routing.prompt_packed < 0:
-            fused = False  # dropped (-1) routes go through dispatch, which never indexes with them
-        return self.experts.forward(x, expert_ids, weights.to(x.dtype), fused=fused)
+            path = "dispatch"  # dropped (-1) routes go through dispatch, which never indexes with them
+        return self.experts.forward(x, expert_ids, weights.to(x.dtype), path=path)
 
 
 class DecoderLayer(nn.Module):

@@ -59,3 +59,17 @@ def test_outputs_identical_with_a_quarter_of_the_slots(mtp_checkpoint):
     assert sum(s.counters.misses for s in stores) > 0  # experts really moved
     assert all(s.resident_mask().sum() == 2 for s in stores)
     assert (torch.cat(rows) - expected).abs().max() < 1e-4
+
+
+def test_gather_path_matches_dispatch(mtp_checkpoint):
+    """The sync-free gather path (used on CUDA) computes the same MoE output on the CPU."""
+    model = load_model(mtp_checkpoint)
+    ids = torch.randint(0, 97, (9,), generator=torch.Generator().manual_seed(4))
+    stores = [layer.mlp.experts for layer in model.layers]
+    expected, _ = model.score(ids)
+    for s in stores:
+        s.path = "gather"
+    logits, _ = model.score(ids)
+    assert (logits - expected).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="expert path"):
+        stores[0].forward(torch.zeros(1, 32), torch.zeros(1, 2, dtype=torch.int64), torch.ones(1, 2), path="bogus")
