@@ -170,7 +170,11 @@ class ExpertStore:
         flat = expert_ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)
         rows = hidden[order // top_k]  # [T*k, hidden], grouped by expert
-        ends = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), dim=0).to(torch.int32)
+        # Counts by scatter_add, not bincount: bincount sizes its output on the host (a sync).
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat)
+        )
+        ends = torch.cumsum(counts, dim=0).to(torch.int32)
         gate, up = torch._grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
         out = torch._grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=ends)  # [T*k, hidden]
         per_route = torch.empty_like(out).index_copy_(0, order, out)
