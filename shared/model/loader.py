@@ -24,6 +24,7 @@ from shared.model.config import ModelConfig
 from shared.model.experts import ExpertStore
 from shared.model.layers import MoeBlock
 from shared.model.model import Qwen3MoeModel
+from shared.model.registry import resolve_model
 
 EXPERT_NAME = re.compile(r"^(model\.layers\.\d+|mtp\.layers\.0)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 SINGLE_FILE = "model.safetensors"
@@ -96,19 +97,16 @@ def load_model(
     seed: int = 0,
     progress: bool | None = None,
 ) -> Qwen3MoeModel:
-    """Load a checkpoint directory, or build a random-weight model from `config` / `path`'s config."""
+    """Load a checkpoint (a directory, a model name under models/, or None for the embedded
+    default model), or build a random-weight model from `config` / `path`'s config."""
     device = torch.device(device)
     if progress is None:
         progress = sys.stderr.isatty()
     if random_weights:
         if config is None:
-            if path is None:
-                raise ValueError("random_weights needs a config or a path holding config.json")
-            config = ModelConfig.from_file(path)
+            config = ModelConfig.from_file(resolve_model(path))
         return _random_model(config, dtype=dtype, device=device, num_expert_slots=num_expert_slots, seed=seed)
-    if path is None:
-        raise ValueError("load_model needs a checkpoint path (or random_weights=True with a config)")
-    path = Path(path)
+    path = resolve_model(path)
     config = ModelConfig.from_file(path)
     files = _list_files(path)
     if not config.has_mtp and any(name.startswith("mtp.") for name in files):
