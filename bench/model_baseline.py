@@ -17,6 +17,7 @@ import argparse
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -195,6 +196,7 @@ def main() -> None:
             del decoder, cache
         except Exception as error:  # report, keep measuring the rest
             log(f"graph {path} failed: {type(error).__name__}: {error}")
+            traceback.print_exc(limit=-4)
     best_path = min(graph_ms, key=graph_ms.get) if graph_ms else "dispatch"
     for store in stores:
         store.path = best_path
