@@ -98,7 +98,8 @@ def render_card(m: dict) -> str:
          f"which was `{m['command']}` on {m['device']}), so its step count depends on the GPU's speed. The budget "
          "still applies as a safety limit (raise `--max-minutes` / `--total-minutes` on a slower GPU). With "
          "`--max-steps` the learning-rate schedule follows the step fraction; this run's followed the elapsed "
-         "fraction of its time budget, which at its steady ~38 ms/step is the same curve to within rounding. "The corpus is read from the roots listed under Corpus (by default "
+         "fraction of its time budget, which at its steady ~38 ms/step is the same curve to within rounding. "
+         "The corpus is read from the roots listed under Corpus (by default "
          "the running interpreter's stdlib and site-packages; pass `--roots` to change them). Seeds are fixed, but "
          "GPU kernels are not bitwise deterministic, so a rerun matches these numbers closely, not bit for bit."),
     ]
