@@ -1,10 +1,19 @@
-"""The `tandem` command line: one entry point with a subcommand per job."""
+"""The `tandem` command line: one entry point with a subcommand per job.
+
+Each subcommand is registered by an `_add_<name>(subcommands)` function that builds its
+parser and binds a handler with `set_defaults(handler=...)`; a handler takes the parsed
+arguments and returns the exit status. Heavy imports (grpc, torch) stay inside handlers so
+`tandem --help` and `tandem protocol` start fast.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from importlib import metadata
+
+_FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 
 
 def _version() -> str:
@@ -18,15 +27,59 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tandem",
         description="Speculative decoding for mixture-of-experts models, served as a drafter and a verifier.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_FORMATTER,
     )
     parser.add_argument("--version", action="version", version=f"tandem {_version()}")
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    subcommands.add_parser("protocol", help="print the wire protocol version and the gRPC services")
+    # Subcommands, in the order `tandem --help` lists them. Services (verifier, drafter) and
+    # the demo register here the same way.
+    _add_verifier(subcommands)
+    _add_generate(subcommands)
+    _add_protocol(subcommands)
     return parser
 
 
-def _print_protocol() -> int:
+# --- tandem verifier --------------------------------------------------------------------
+
+
+def _add_verifier(subcommands) -> None:
+    from verifier_service import settings
+
+    parser = subcommands.add_parser(
+        "verifier",
+        help="run the verifier service (owns the target model; clients call Generate)",
+        description="Run the verifier gRPC service. Every option also reads an environment variable; flags win.",
+    )
+    settings.add_arguments(parser)
+    parser.set_defaults(handler=_run_verifier)
+
+
+def _run_verifier(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from verifier_service import settings
+    from verifier_service.server import serve
+
+    try:
+        config = settings.from_args(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(config))
+    return 0
+
+
+# --- tandem protocol --------------------------------------------------------------------
+
+
+def _add_protocol(subcommands) -> None:
+    parser = subcommands.add_parser(
+        "protocol", help="print the wire protocol version and the gRPC services", formatter_class=_FORMATTER
+    )
+    parser.set_defaults(handler=_run_protocol)
+
+
+def _run_protocol(args: argparse.Namespace) -> int:
     from shared.protocol import PROTOCOL_VERSION, service_names
 
     print(f"tandem protocol v{PROTOCOL_VERSION}")
@@ -35,13 +88,191 @@ def _print_protocol() -> int:
     return 0
 
 
+# --- tandem generate --------------------------------------------------------------------
+
+
+def _token_id_list(value: str) -> list[int]:
+    """argparse type: "1,2,3" -> [1, 2, 3] (uint32 ids, at least one)."""
+    parts = [part.strip() for part in value.split(",")]
+    try:
+        ids = [int(part) for part in parts]
+    except ValueError:
+        ids = None
+    if not ids or any(not 0 <= token < 2**32 for token in ids):
+        raise argparse.ArgumentTypeError(f"invalid token id list {value!r}: expected comma-separated integers in [0, 2**32)")
+    return ids
+
+
+def _add_generate(subcommands) -> None:
+    parser = subcommands.add_parser(
+        "generate",
+        help="send one request to a verifier and print the generation as it streams",
+        description=(
+            "Send one Generate request to a verifier. Text is streamed to stdout as it is "
+            "committed (token ids when the verifier has no tokenizer), then a summary goes to "
+            "stderr; --json prints a single JSON object instead."
+        ),
+        formatter_class=_FORMATTER,
+    )
+    parser.set_defaults(handler=_run_generate)
+    parser.add_argument("--verifier", required=True, metavar="HOST:PORT", help="address of the verifier service")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="prompt text (the verifier tokenizes it)")
+    prompt.add_argument("--prompt-ids", type=_token_id_list, metavar="IDS", help="prompt token ids, comma-separated")
+    parser.add_argument("--max-new-tokens", type=int, required=True, metavar="N", help="most tokens to generate")
+
+    sampling = parser.add_argument_group("sampling (the target distribution)")
+    sampling.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
+    sampling.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
+    sampling.add_argument("--top-p", type=float, default=None, metavar="P", help="in (0, 1]; unset = off")
+    sampling.add_argument("--min-p", type=float, default=0.0, metavar="P", help="0 = off")
+    sampling.add_argument("--seed", type=int, default=0, metavar="N", help="sampling seed (uint64)")
+    sampling.add_argument("--max-support", type=int, default=0, metavar="N", help="0 = server default")
+
+    speculation = parser.add_argument_group("speculation")
+    speculation.add_argument("--mode", choices=("exact", "probabilistic"), default="exact", help="verification mode")
+    speculation.add_argument("--gate", choices=("top", "pick"), default="top", help="admission statistic (probabilistic mode)")
+    speculation.add_argument("--max-draft-tokens", type=int, default=0, metavar="N", help="0 = server default")
+    speculation.add_argument(
+        "--retention-schedule", default=None, metavar="THRESHOLDS", help='e.g. "0.10,0.35,0.55"; unset = min-p per step'
+    )
+    speculation.add_argument("--retention-min-cum", type=float, default=0.0, metavar="C", help="cumulative floor; 0 = off")
+    speculation.add_argument(
+        "--no-speculation", action="store_true", help="decode without drafts (the plain-decoding baseline)"
+    )
+    speculation.add_argument("--coupled", action="store_true", help="exact mode: drafter draws with the target's u_pick")
+
+    stopping = parser.add_argument_group("stopping")
+    stopping.add_argument("--stop", action="append", default=None, metavar="STR", help="stop sequence (repeatable)")
+    stopping.add_argument("--eos-ids", type=_token_id_list, default=None, metavar="IDS", help="end-of-sequence token ids, comma-separated")
+
+    output = parser.add_argument_group("output")
+    output.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    output.add_argument("--timeout", type=float, default=None, metavar="S", help="deadline of the whole request in seconds; unset = none")
+    output.add_argument("--request-id", default=None, metavar="ID", help="caller-chosen id, echoed in the verifier's logs and traces")
+
+
+def _generation_config(args: argparse.Namespace):
+    from shared.client import GenerationConfig
+
+    return GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        max_support=args.max_support,
+        mode=args.mode,
+        gate=args.gate,
+        max_draft_tokens=args.max_draft_tokens,
+        retention_schedule=args.retention_schedule,
+        retention_min_cum=args.retention_min_cum,
+        speculation=not args.no_speculation,
+        coupled=args.coupled,
+        eos_token_ids=tuple(args.eos_ids or ()),
+        stop=tuple(args.stop or ()),
+        request_id=args.request_id or "",
+    )
+
+
+def _summary(generation) -> str:
+    stats = generation.stats
+    parts = [
+        f"{len(generation.token_ids)} tokens",
+        f"finish: {generation.finish_reason or 'none'}",
+        f"{stats['tokens_per_s']:.1f} tokens/s",
+        f"{stats['rounds']} rounds",
+        f"mean accepted length {stats['mean_accepted_length']:.2f} (bonus included)",
+    ]
+    by_source = stats["acceptance_by_source"]
+    if by_source:
+        parts.append("acceptance " + ", ".join(f"{name} {rate:.2f}" for name, rate in by_source.items()))
+    else:
+        parts.append("acceptance -")
+    if stats["drafter_faults"]:
+        parts.append(f"{stats['drafter_faults']} drafter faults")
+    return "; ".join(parts)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from shared.client import GenerationAccumulator, VerifierClient, VerifierError
+
+    prompt = args.prompt if args.prompt is not None else args.prompt_ids
+    try:
+        config = _generation_config(args)
+        config.to_request(prompt)  # out-of-range values fail here, before any connection
+    except (TypeError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    accumulator = GenerationAccumulator()
+    out = sys.stdout
+    wrote = False  # anything streamed to stdout (owes a closing newline)
+    # A text prompt means the verifier has a tokenizer: an event without text there is text
+    # held back (an incomplete character), not a verifier that sends none.
+    ids_until_text = args.prompt is None
+    try:
+        with VerifierClient(args.verifier, timeout=args.timeout) as client:
+            events = client.stream(prompt, config)
+            try:
+                for event in events:
+                    accumulator.add(event)
+                    if args.json:
+                        continue
+                    if event.text_delta:
+                        ids_until_text = False
+                        out.write(event.text_delta)
+                    elif ids_until_text and event.token_ids:
+                        out.write(("" if not wrote else " ") + " ".join(map(str, event.token_ids)))
+                    else:
+                        continue
+                    wrote = True
+                    out.flush()
+            finally:
+                events.close()
+    except VerifierError as error:
+        if wrote:
+            out.write("\n")
+            out.flush()
+        print(f"error: {error.code.name}: {error.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if wrote:
+            out.write("\n")
+            out.flush()
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+    generation = accumulator.result()
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "token_ids": generation.token_ids,
+                    "text": generation.text,
+                    "finish_reason": generation.finish_reason,
+                    "stats": generation.stats,
+                }
+            )
+        )
+    else:
+        out.write("\n")
+        out.flush()
+        print(_summary(generation), file=sys.stderr)
+    return 0
+
+
+# --- entry point ------------------------------------------------------------------------
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "protocol":
-        return _print_protocol()
-    parser.print_help(sys.stderr)
-    return 2
+    handler = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return handler(args)
 
 
 if __name__ == "__main__":

@@ -33,3 +33,30 @@ def service_names() -> list[str]:
         verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name,
         drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name,
     ]
+
+
+def encode_hidden(rows) -> "drafter_pb2.HiddenRows":
+    """Final-norm hidden rows [n, hidden] as bf16 bytes (row-major)."""
+    import torch
+
+    rows = rows.detach().to("cpu", torch.bfloat16).contiguous()
+    num_rows, hidden_size = rows.shape
+    return drafter_pb2.HiddenRows(
+        num_rows=num_rows, hidden_size=hidden_size, bf16=rows.view(torch.int16).numpy().tobytes()
+    )
+
+
+def decode_hidden(message: "drafter_pb2.HiddenRows"):
+    """HiddenRows → bf16 tensor [num_rows, hidden_size]; ValueError if the byte count is off."""
+    import numpy as np
+    import torch
+
+    expected = 2 * message.num_rows * message.hidden_size
+    if len(message.bf16) != expected:
+        raise ValueError(
+            f"hidden rows carry {len(message.bf16)} bytes; {message.num_rows} x {message.hidden_size} bf16 needs {expected}"
+        )
+    if expected == 0:
+        return torch.zeros((message.num_rows, message.hidden_size), dtype=torch.bfloat16)
+    data = np.frombuffer(message.bf16, dtype=np.int16).copy()
+    return torch.from_numpy(data).view(torch.bfloat16).view(message.num_rows, message.hidden_size)

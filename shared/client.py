@@ -1,0 +1,332 @@
+"""A Python client for the verifier's `Generate` stream, async (`grpc.aio`) and sync.
+
+    async with AsyncVerifierClient("localhost:50051") as client:
+        result = await client.generate("Once upon a time", GenerationConfig(max_new_tokens=32))
+        async for event in client.stream([1, 2, 3], GenerationConfig(temperature=0.7, seed=7)):
+            ...
+
+    with VerifierClient("localhost:50051") as client:
+        result = client.generate([1, 2, 3], GenerationConfig())
+
+Both clients raise `VerifierError` (the gRPC status code and the server's message) for every
+failed call, including a verifier that cannot be reached (UNAVAILABLE) or a deadline that
+passed (DEADLINE_EXCEEDED). A bad `GenerationConfig` raises ValueError/TypeError before any
+call is made.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Self
+
+import grpc
+
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    common_pb2,
+    verifier_pb2,
+    verifier_pb2_grpc,
+)
+
+__all__ = [
+    "MAX_MESSAGE_BYTES",
+    "AsyncVerifierClient",
+    "Generation",
+    "GenerationAccumulator",
+    "GenerationConfig",
+    "VerifierClient",
+    "VerifierError",
+    "round_to_dict",
+    "source_name",
+    "stats_to_dict",
+]
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+"""Largest message either way on the client's channels."""
+
+_MODES = {"exact": common_pb2.MODE_EXACT, "probabilistic": common_pb2.MODE_PROBABILISTIC}
+_GATES = {"top": common_pb2.GATE_TOP, "pick": common_pb2.GATE_PICK}
+_SOURCE_PREFIX = "DRAFT_SOURCE_"
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Everything a `Generate` request carries besides the prompt.
+
+    Zeros mean "off" or "server default" exactly as in the protocol (common.proto); `top_p`
+    None leaves the optional field unset (1.0, off). `speculation=False` asks the verifier
+    to decode without drafts (plain decoding, the baseline).
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float | None = None
+    min_p: float = 0.0
+    seed: int = 0
+    max_support: int = 0
+    mode: str = "exact"  # exact | probabilistic
+    gate: str = "top"  # top | pick (probabilistic mode only)
+    max_draft_tokens: int = 0
+    retention_schedule: str | None = None
+    retention_min_cum: float = 0.0
+    speculation: bool = True
+    coupled: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.mode not in _MODES:
+            raise ValueError(f"mode must be one of {sorted(_MODES)}; got {self.mode!r}")
+        if self.gate not in _GATES:
+            raise ValueError(f"gate must be one of {sorted(_GATES)}; got {self.gate!r}")
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must lie in [0, 2**64); got {self.seed}")
+        # Lists are accepted for convenience; tuples keep the config hashable.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "eos_token_ids", tuple(_token_ids(self.eos_token_ids, "eos_token_ids")))
+
+    def to_request(self, prompt: Prompt) -> verifier_pb2.GenerateRequest:
+        """The `GenerateRequest` for `prompt`: text (`prompt_text`) or token ids (`prompt_ids`)."""
+        request = verifier_pb2.GenerateRequest(
+            protocol_version=PROTOCOL_VERSION,
+            max_new_tokens=self.max_new_tokens,
+            request_id=self.request_id,
+        )
+        if isinstance(prompt, str):
+            request.prompt_text = prompt
+        elif isinstance(prompt, bytes | bytearray):
+            raise TypeError("prompt must be a str or a sequence of token ids, not bytes")
+        else:
+            request.prompt_ids.ids.extend(_token_ids(prompt, "prompt"))
+
+        sampling = request.sampling
+        sampling.temperature = self.temperature
+        sampling.top_k = self.top_k
+        if self.top_p is not None:
+            sampling.top_p = self.top_p
+        sampling.min_p = self.min_p
+        sampling.seed = self.seed
+        sampling.max_support = self.max_support
+
+        request.stop.eos_token_ids.extend(self.eos_token_ids)
+        request.stop.stop_sequences.extend(self.stop)
+
+        speculation = request.speculation
+        speculation.mode = _MODES[self.mode]
+        speculation.gate = _GATES[self.gate]
+        speculation.max_draft_tokens = self.max_draft_tokens
+        speculation.retention.schedule = self.retention_schedule or ""
+        speculation.retention.min_cum = self.retention_min_cum
+        speculation.disable = not self.speculation
+        speculation.coupled = self.coupled
+        return request
+
+
+def _token_ids(values: Iterable[int], what: str) -> list[int]:
+    ids = []
+    for value in values:
+        try:
+            token = operator.index(value)  # ints (numpy ints too), never floats or strings
+        except TypeError:
+            raise TypeError(f"{what} token ids must be integers; got {value!r}") from None
+        if not 0 <= token < 2**32:
+            raise ValueError(f"{what} token ids must lie in [0, 2**32); got {token}")
+        ids.append(token)
+    return ids
+
+
+@dataclass
+class Generation:
+    """A finished request: the committed tokens, their text, why it stopped, and statistics.
+
+    `text` is None when the server sent no text (a verifier without a tokenizer).
+    `finish_reason` is "" when the stream ended without a final event.
+    """
+
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    stats: dict
+    rounds: list[dict] = field(default_factory=list)
+
+
+class VerifierError(Exception):
+    """A failed `Generate` call: the gRPC status code and the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.RpcError) -> VerifierError:
+        code = error.code() if callable(getattr(error, "code", None)) else None
+        details = error.details() if callable(getattr(error, "details", None)) else None
+        return cls(code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN, details or str(error))
+
+
+def source_name(source: int) -> str:
+    """"MTP", "SUFFIX", "NONE", "UNSPECIFIED"; an enum value this version does not know reads as its number."""
+    try:
+        name = common_pb2.DraftSource.Name(source)
+    except ValueError:
+        return str(source)
+    return name.removeprefix(_SOURCE_PREFIX)
+
+
+def round_to_dict(info: verifier_pb2.RoundInfo) -> dict:
+    return {
+        "round_id": info.round_id,
+        "source": source_name(info.source),
+        "proposed": info.proposed,
+        "retained": info.retained,
+        "accepted": info.accepted,
+        "verify_ms": info.verify_ms,
+        "draft_wait_ms": info.draft_wait_ms,
+    }
+
+
+def stats_to_dict(stats: verifier_pb2.RequestStats) -> dict:
+    return {
+        "rounds": stats.rounds,
+        "proposed": stats.proposed,
+        "retained": stats.retained,
+        "accepted": stats.accepted,
+        "mean_accepted_length": stats.mean_accepted_length,
+        "ttft_ms": stats.ttft_ms,
+        "tokens_per_s": stats.tokens_per_s,
+        "acceptance_by_source": {name: stats.acceptance_by_source[name] for name in sorted(stats.acceptance_by_source)},
+        "drafter_faults": stats.drafter_faults,
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+    }
+
+
+class GenerationAccumulator:
+    """Folds `GenerateEvent`s into a `Generation` (for callers that consume `stream()` themselves)."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.text_parts: list[str] = []
+        self.rounds: list[dict] = []
+        self.final: verifier_pb2.FinalEvent | None = None
+
+    def add(self, event: verifier_pb2.GenerateEvent) -> None:
+        self.token_ids.extend(event.token_ids)
+        if event.text_delta:
+            self.text_parts.append(event.text_delta)
+        if event.HasField("round"):
+            self.rounds.append(round_to_dict(event.round))
+        if event.HasField("final"):
+            self.final = event.final
+
+    def result(self) -> Generation:
+        final = self.final if self.final is not None else verifier_pb2.FinalEvent()
+        return Generation(
+            token_ids=list(self.token_ids),
+            text="".join(self.text_parts) if self.text_parts else None,
+            finish_reason=final.finish_reason,
+            stats=stats_to_dict(final.stats),
+            rounds=list(self.rounds),
+        )
+
+
+def _channel_options(extra) -> list[tuple[str, object]]:
+    options = {
+        "grpc.max_send_message_length": MAX_MESSAGE_BYTES,
+        "grpc.max_receive_message_length": MAX_MESSAGE_BYTES,
+    }
+    options.update(dict(extra or ()))  # the caller's options win
+    return list(options.items())
+
+
+class AsyncVerifierClient:
+    """`grpc.aio` client of `Verifier.Generate`. The channel opens on first use (inside the
+    running event loop); `timeout` is the deadline of each whole call, in seconds."""
+
+    def __init__(self, target: str, *, timeout: float | None = None, channel_options=None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._options = _channel_options(channel_options)
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: verifier_pb2_grpc.VerifierStub | None = None
+
+    def _get_stub(self) -> verifier_pb2_grpc.VerifierStub:
+        if self._stub is None:
+            self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
+            self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
+        return self._stub
+
+    async def stream(self, prompt: Prompt, config: GenerationConfig) -> AsyncIterator[verifier_pb2.GenerateEvent]:
+        """The request's events as they arrive; leaving the loop early cancels the call
+        (wrap in `contextlib.aclosing` to cancel at once rather than when collected)."""
+        request = config.to_request(prompt)
+        call = self._get_stub().Generate(request, timeout=self.timeout)
+        try:
+            async for event in call:
+                yield event
+        except grpc.RpcError as error:
+            raise VerifierError.from_rpc_error(error) from error
+        finally:
+            call.cancel()  # no-op once the call is done
+
+    async def generate(self, prompt: Prompt, config: GenerationConfig) -> Generation:
+        accumulator = GenerationAccumulator()
+        async for event in self.stream(prompt, config):
+            accumulator.add(event)
+        return accumulator.result()
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+            self._stub = None
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+
+class VerifierClient:
+    """Blocking client of `Verifier.Generate`; `timeout` is the deadline of each whole call."""
+
+    def __init__(self, target: str, *, timeout: float | None = None, channel_options=None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(target, options=_channel_options(channel_options))
+        self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
+
+    def stream(self, prompt: Prompt, config: GenerationConfig) -> Iterator[verifier_pb2.GenerateEvent]:
+        """The request's events as they arrive; closing the iterator early cancels the call."""
+        request = config.to_request(prompt)
+        call = self._stub.Generate(request, timeout=self.timeout)
+        try:
+            yield from call
+        except grpc.RpcError as error:
+            raise VerifierError.from_rpc_error(error) from error
+        finally:
+            call.cancel()
+
+    def generate(self, prompt: Prompt, config: GenerationConfig) -> Generation:
+        accumulator = GenerationAccumulator()
+        for event in self.stream(prompt, config):
+            accumulator.add(event)
+        return accumulator.result()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

@@ -1,0 +1,88 @@
+"""Settings plumbing shared by both services: frozen dataclasses filled from environment
+variables and command-line flags (flags win), validated at construction.
+
+Each service declares its settings as a frozen dataclass whose fields carry
+`metadata={"help": ...}`; `build_parser` turns the fields into `--flag`s (defaults shown in
+--help) and `from_env_and_args` reads `<PREFIX><FIELD>` environment variables first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def _field_type(cls: type, field: dataclasses.Field) -> type:
+    hint = typing.get_type_hints(cls)[field.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return args[0]
+    return hint
+
+
+def _convert(kind: type, raw: str, name: str) -> Any:
+    if kind is bool:
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name} = {raw!r} is not a boolean (true/false)")
+    try:
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{name} = {raw!r} is not a valid {kind.__name__}") from None
+
+
+def build_parser(cls: type, parser: argparse.ArgumentParser, env_prefix: str) -> argparse.ArgumentParser:
+    """Add one --flag per settings field (dashes for underscores)."""
+    for field in dataclasses.fields(cls):
+        kind = _field_type(cls, field)
+        flag = "--" + field.name.replace("_", "-")
+        default = "none" if field.default is None else field.default
+        help_text = f"{field.metadata.get('help', '')} (default: {default}; env {env_prefix}{field.name.upper()})"
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, type=str, default=None, metavar=field.name.upper(), help=help_text)
+    return parser
+
+
+def from_env_and_args(
+    cls: type[T], args: argparse.Namespace | None, env_prefix: str, environ: Mapping[str, str] | None = None
+) -> T:
+    """Defaults < environment < flags. Raises ValueError naming the bad setting."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        kind = _field_type(cls, field)
+        env_name = f"{env_prefix}{field.name.upper()}"
+        raw = environ.get(env_name)
+        if raw is not None and raw != "":
+            values[field.name] = _convert(kind, raw, env_name)
+        flag_value = getattr(args, field.name, None) if args is not None else None
+        if flag_value is not None:
+            flag = "--" + field.name.replace("_", "-")
+            values[field.name] = flag_value if isinstance(flag_value, bool) else _convert(kind, flag_value, flag)
+    return cls(**values)
+
+
+def describe(settings: Any) -> dict[str, Any]:
+    """Settings as a plain dict (for the startup log line)."""
+    return dataclasses.asdict(settings)
+
+
+def help_rows(cls: type, env_prefix: str) -> Sequence[tuple[str, str, str, str]]:
+    """(flag, env var, default, help) rows for the README configuration table."""
+    rows = []
+    for field in dataclasses.fields(cls):
+        rows.append(("--" + field.name.replace("_", "-"), f"{env_prefix}{field.name.upper()}", repr(field.default),
+                     field.metadata.get("help", "")))
+    return rows

@@ -1,0 +1,154 @@
+"""Fixtures for verifier tests: a tiny model, real servers on port 0, scripted test drafters."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+import torch
+
+from kernels.sampling import SparseRows, draw
+from shared.model import ModelConfig, load_model
+from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from verifier_service.server import VerifierServer
+from verifier_service.settings import VerifierSettings
+
+TINY = dict(
+    model_type="qwen3_moe", vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
+    num_experts_per_tok=2, max_position_embeddings=256, rope_theta=10000.0, norm_topk_prob=True,
+    initializer_range=0.5,  # a peaked random model: p has a few likely tokens, like a real one
+)
+
+STALL = "stall"
+CLOSE = "close"
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return load_model(config=ModelConfig.from_dict(TINY), random_weights=True, seed=1)
+
+
+@dataclass
+class DrafterState:
+    tokens: list[int]
+    round_id: int
+    seed: int
+    mode: int
+    opens: int = 1
+    commits: list = field(default_factory=list)
+
+
+class ScriptedDrafter(drafter_pb2_grpc.DrafterServicer):
+    """A real Drafter servicer whose chains come from `propose(state)` (a chain, None, STALL or CLOSE)."""
+
+    def __init__(self, propose):
+        self.propose = propose
+        self.sessions: list[DrafterState] = []
+
+    async def Draft(self, request_iterator, context):
+        state = None
+        async for up in request_iterator:
+            if up.HasField("open"):
+                o = up.open
+                state = DrafterState(list(o.token_ids), o.next_round_id, o.sampling.seed, o.speculation.mode)
+                self.sessions.append(state)
+            else:
+                state.tokens += list(up.commit.emitted_token_ids)
+                state.commits.append(up.commit)
+                state.round_id = up.commit.round_id + 1
+            action = self.propose(state)
+            if action == STALL:
+                await asyncio.sleep(5)
+                continue
+            if action == CLOSE:
+                return
+            if action is not None:
+                yield drafter_pb2.DraftDown(protocol_version=PROTOCOL_VERSION, chain=action)
+
+
+def chain(state: DrafterState, tokens, q_rows=None, source=common_pb2.DRAFT_SOURCE_MTP, **overrides):
+    fields = dict(round_id=state.round_id, base_length=len(state.tokens), source=source, token_ids=tokens,
+                  q_rows=q_rows or [], confidences=[1.0] * len(tokens))
+    fields.update(overrides)
+    return drafter_pb2.DraftChain(**fields)
+
+
+def q_row(probs: dict[int, float]):
+    items = sorted(probs.items())
+    return common_pb2.SparseRow(token_ids=[t for t, _ in items], probs=[p for _, p in items])
+
+
+def sampled_chain(state: DrafterState, q: dict[int, float], k: int):
+    """k drafts drawn from a fixed q on the draft stream (independent of the verifier's draws)."""
+    rows = SparseRows.from_dicts([q])
+    tokens = []
+    for j in range(k):
+        position = torch.tensor([len(state.tokens) + j])
+        tokens.append(int(draw(rows, state.seed, position, stream="draft")[0]))
+    return chain(state, tokens, [q_row(q)] * k)
+
+
+class Servers:
+    """A verifier (and optionally a scripted drafter) on real loopback ports."""
+
+    def __init__(self):
+        self.verifier: VerifierServer | None = None
+        self.drafter_server = None
+        self.channel = None
+
+    async def start(self, model, *, drafter: ScriptedDrafter | None = None, tokenizer=None, **settings):
+        target = None
+        if drafter is not None:
+            self.drafter_server = grpc.aio.server()
+            drafter_pb2_grpc.add_DrafterServicer_to_server(drafter, self.drafter_server)
+            port = self.drafter_server.add_insecure_port("127.0.0.1:0")
+            await self.drafter_server.start()
+            target = f"127.0.0.1:{port}"
+        self.verifier = VerifierServer(VerifierSettings(port=0, drafter=target, **settings), model=model, tokenizer=tokenizer)
+        port = await self.verifier.start()
+        await self.verifier.wait_loaded()
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        return verifier_pb2_grpc.VerifierStub(self.channel)
+
+    async def stop(self):
+        if self.channel is not None:
+            await self.channel.close()
+        if self.verifier is not None:
+            await self.verifier.stop(0)
+        if self.drafter_server is not None:
+            await self.drafter_server.stop(0)
+
+
+@pytest.fixture
+async def servers():
+    s = Servers()
+    yield s
+    await s.stop()
+
+
+def request(prompt_ids, max_new_tokens=8, *, temperature=0.0, seed=0, mode=common_pb2.MODE_EXACT, gate=0,
+            max_draft_tokens=0, schedule="", top_k=0, disable=False):
+    return verifier_pb2.GenerateRequest(
+        protocol_version=PROTOCOL_VERSION,
+        prompt_ids=verifier_pb2.TokenIds(ids=prompt_ids),
+        max_new_tokens=max_new_tokens,
+        sampling=common_pb2.SamplingParams(temperature=temperature, seed=seed, top_k=top_k),
+        speculation=common_pb2.SpeculationParams(mode=mode, gate=gate, max_draft_tokens=max_draft_tokens,
+                                                 retention=common_pb2.RetentionParams(schedule=schedule),
+                                                 disable=disable),
+    )
+
+
+async def generate(stub, req):
+    """(token ids, final event, round infos) of one Generate call."""
+    tokens, final, rounds = [], None, []
+    async for event in stub.Generate(req):
+        tokens += list(event.token_ids)
+        if event.HasField("round"):
+            rounds.append(event.round)
+        if event.HasField("final"):
+            final = event.final
+    return tokens, final, rounds

@@ -1,0 +1,64 @@
+"""Plain decoding through a real verifier on port 0 (no drafter)."""
+
+import torch
+
+from shared.model import load_model
+from shared.model.registry import resolve_model
+from shared.protocol import verifier_pb2
+from shared.tokenizer import load_tokenizer
+
+from .conftest import generate, request
+
+
+async def test_greedy_matches_transformers_generate(servers, tmp_path):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=8, num_experts_per_tok=2, max_position_embeddings=256, norm_topk_prob=True)
+    hf = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "experts" in name or "mlp.gate" in name:
+                param.mul_(10.0)
+    hf.save_pretrained(tmp_path)
+    prompt = [5, 17, 42, 8, 61]
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    stub = await servers.start(load_model(tmp_path))
+    tokens, final, rounds = await generate(stub, request(prompt, 24))
+    assert tokens == expected[0, len(prompt):].tolist()
+    assert final.finish_reason == "length"
+    assert final.stats.completion_tokens == 24 and final.stats.rounds == 24 == len(rounds)
+    assert final.stats.prompt_tokens == 5
+
+
+async def test_same_seed_same_tokens_and_seeds_differ(servers, tiny_model):
+    stub = await servers.start(tiny_model)
+    runs = [await generate(stub, request([1, 2, 3], 16, temperature=1.0, seed=seed)) for seed in (7, 7, 8)]
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][0] != runs[2][0]
+
+
+async def test_text_prompt_streams_text_with_the_embedded_model(servers):
+    path = resolve_model(None)
+    tokenizer = load_tokenizer(path)
+    stub = await servers.start(load_model(path), tokenizer=tokenizer)
+    req = verifier_pb2.GenerateRequest(prompt_text="import os\n\n\ndef read_file(path):", max_new_tokens=20)
+    text, tokens = "", []
+    async for event in stub.Generate(req):
+        text += event.text_delta
+        tokens += list(event.token_ids)
+    assert text == tokenizer.decode(tokens)
+    assert text.startswith("\n    ")
+
+
+async def test_eos_stops_and_is_not_emitted(servers, tiny_model):
+    stub = await servers.start(tiny_model)
+    tokens, _, _ = await generate(stub, request([1, 2, 3], 12))
+    eos = tokens[4]
+    req = request([1, 2, 3], 12)
+    req.stop.eos_token_ids.append(eos)
+    stopped, final, _ = await generate(stub, req)
+    assert stopped == tokens[: tokens.index(eos)]
+    assert final.finish_reason == "stop"

@@ -1,0 +1,143 @@
+"""The verifier's side of one request's Draft stream, and the per-round deadline.
+
+Every wait on the drafter is bounded: a chain that does not arrive before the round's
+deadline costs one plain round. A stream that breaks (drafter killed, session evicted:
+FAILED_PRECONDITION) is re-opened with the full committed context (re-sync) on the same
+address — which may resolve to another replica — a bounded number of times per request;
+after that the request continues without drafts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+
+import grpc
+
+from shared.protocol import PROTOCOL_VERSION, drafter_pb2, drafter_pb2_grpc
+from verifier_service.settings import VerifierSettings
+
+MAX_RESYNCS = 3
+HISTORY = 64
+
+
+class DeadlineTracker:
+    """Per-round chain deadline: fixed, or a margin above the recent p95 wait (shared by requests)."""
+
+    def __init__(self, settings: VerifierSettings) -> None:
+        self.settings = settings
+        self.waits_ms: deque[float] = deque(maxlen=HISTORY)
+
+    def deadline_s(self) -> float:
+        s = self.settings
+        if s.drafter_deadline_ms > 0:
+            return s.drafter_deadline_ms / 1e3
+        if len(self.waits_ms) < 8:
+            return s.drafter_deadline_max_ms / 1e3
+        ordered = sorted(self.waits_ms)
+        p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+        return min(p95 + s.drafter_deadline_margin_ms, s.drafter_deadline_max_ms) / 1e3
+
+    def record(self, wait_ms: float) -> None:
+        self.waits_ms.append(wait_ms)
+
+
+class DrafterLink:
+    def __init__(self, stub: drafter_pb2_grpc.DrafterStub, deadlines: DeadlineTracker, metadata=()) -> None:
+        self.stub = stub
+        self.deadlines = deadlines
+        self.metadata = tuple(metadata)
+        self.call = None
+        self.chains: asyncio.Queue[drafter_pb2.DraftChain] = asyncio.Queue()
+        self.reader: asyncio.Task | None = None
+        self.broken: str | None = "not opened"
+        self.resyncs = 0
+        self.faults: dict[str, int] = {}
+
+    def fault(self, kind: str) -> None:
+        self.faults[kind] = self.faults.get(kind, 0) + 1
+
+    @property
+    def usable(self) -> bool:
+        return self.broken is None
+
+    async def open(self, message: drafter_pb2.DraftOpen) -> None:
+        """(Re)open the stream and send the full context."""
+        await self.close()
+        self.chains = asyncio.Queue()
+        self.broken = None
+        self.call = self.stub.Draft(metadata=self.metadata)
+        self.reader = asyncio.create_task(self._read(self.call))
+        await self._write(drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, open=message))
+
+    async def resync(self, message: drafter_pb2.DraftOpen) -> bool:
+        """Re-open a broken stream if the request still has re-syncs left."""
+        if self.usable or self.resyncs >= MAX_RESYNCS:
+            return self.usable
+        self.resyncs += 1
+        self.fault("resync")
+        await self.open(message)
+        return self.usable
+
+    async def _read(self, call) -> None:
+        try:
+            async for message in call:
+                if message.HasField("chain"):
+                    await self.chains.put(message.chain)
+            self.broken = "stream closed by the drafter"
+        except grpc.aio.AioRpcError as error:
+            self.broken = f"{error.code().name}: {error.details()}"
+        except asyncio.CancelledError:
+            self.broken = "closed"
+            raise
+        self.fault("stream_lost")
+
+    async def _write(self, message: drafter_pb2.DraftUp) -> None:
+        try:
+            await self.call.write(message)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as error:
+            self.broken = f"write failed: {error}"
+            self.fault("stream_lost")
+
+    async def commit(self, message: drafter_pb2.DraftCommit) -> None:
+        if self.usable:
+            await self._write(drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, commit=message))
+
+    async def next_chain(self, round_id: int) -> tuple[drafter_pb2.DraftChain | None, float]:
+        """The chain for `round_id`, or None at the deadline; stale chains are dropped."""
+        if not self.usable:
+            return None, 0.0
+        started = time.perf_counter()
+        deadline = started + self.deadlines.deadline_s()
+        while True:
+            remaining = deadline - time.perf_counter()
+            try:
+                chain = await asyncio.wait_for(self.chains.get(), timeout=max(remaining, 0.0))
+            except TimeoutError:
+                waited = (time.perf_counter() - started) * 1e3
+                self.deadlines.record(waited)
+                self.fault("deadline")
+                return None, waited
+            if chain.round_id < round_id:
+                self.fault("stale_chain")  # a late chain for an earlier round
+                continue
+            waited = (time.perf_counter() - started) * 1e3
+            self.deadlines.record(waited)
+            return chain, waited
+
+    async def close(self) -> None:
+        if self.call is not None:
+            try:
+                await self.call.done_writing()
+            except Exception:  # the stream may already be gone
+                pass
+            self.call.cancel()
+            self.call = None
+        if self.reader is not None:
+            self.reader.cancel()
+            try:
+                await self.reader
+            except (asyncio.CancelledError, Exception):
+                pass
+            self.reader = None

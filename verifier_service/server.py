@@ -1,0 +1,303 @@
+"""The verifier gRPC service: Generate, health checking, reflection, graceful drain.
+
+Each request: validate → open a session (prefill on the model worker) → open the Draft
+stream → rounds of (await chain within the deadline, validate, retain, verify on the model
+worker, stream the committed tokens, commit to the drafter) → final event with stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from shared.model import load_model
+from shared.model.registry import resolve_model
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    common_pb2,
+    drafter_pb2,
+    drafter_pb2_grpc,
+    encode_hidden,
+    verifier_pb2,
+    verifier_pb2_grpc,
+)
+from shared.tokenizer import load_tokenizer
+from shared.worker import ModelWorker
+from verifier_service.chains import ChainFault, retain, validate_chain
+from verifier_service.drafter_link import DeadlineTracker, DrafterLink
+from verifier_service.engine import Engine, Session
+from verifier_service.requests import RequestError, RequestSpec, parse_request
+from verifier_service.settings import VerifierSettings
+from verifier_service.stops import Completion
+
+log = structlog.get_logger("verifier")
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+SOURCE_ENUM = {"MTP": common_pb2.DRAFT_SOURCE_MTP, "SUFFIX": common_pb2.DRAFT_SOURCE_SUFFIX, "NONE": common_pb2.DRAFT_SOURCE_NONE}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def drafter_channel(target: str) -> grpc.aio.Channel:
+    """One channel to the drafter address; round_robin spreads streams over resolved replicas."""
+    config = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+    return grpc.aio.insecure_channel(target, options=[*CHANNEL_OPTIONS, ("grpc.service_config", config)])
+
+
+class RequestStats:
+    def __init__(self, prompt_tokens: int) -> None:
+        self.started = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.prompt_tokens = prompt_tokens
+        self.rounds = self.proposed = self.retained = self.accepted = 0
+        self.by_source: dict[str, list[int]] = {}  # source -> [retained, accepted]
+
+    def round(self, source: str, proposed: int, retained: int, accepted: int) -> None:
+        self.rounds += 1
+        self.proposed += proposed
+        self.retained += retained
+        self.accepted += accepted
+        if retained:
+            counts = self.by_source.setdefault(source, [0, 0])
+            counts[0] += retained
+            counts[1] += accepted
+
+    def message(self, completion_tokens: int, faults: int) -> verifier_pb2.RequestStats:
+        now = time.perf_counter()
+        elapsed = max(now - self.started, 1e-9)
+        return verifier_pb2.RequestStats(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=completion_tokens,
+            rounds=self.rounds,
+            proposed=self.proposed,
+            retained=self.retained,
+            accepted=self.accepted,
+            mean_accepted_length=completion_tokens / self.rounds if self.rounds else 0.0,
+            ttft_ms=((self.first_token_at or now) - self.started) * 1e3,
+            tokens_per_s=completion_tokens / elapsed,
+            acceptance_by_source={s: a / r for s, (r, a) in self.by_source.items() if r},
+            drafter_faults=faults,
+        )
+
+
+class VerifierService(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, settings: VerifierSettings, health_servicer: health.aio.HealthServicer, model=None, tokenizer=None):
+        self.settings = settings
+        self.health = health_servicer
+        self.worker = ModelWorker("verifier-model")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.engine: Engine | None = None
+        self.active = 0
+        self.draining = False
+        self.deadlines = DeadlineTracker(settings)
+        self.channel = drafter_channel(settings.drafter) if settings.drafter else None
+        self.drafter = drafter_pb2_grpc.DrafterStub(self.channel) if self.channel else None
+        self.faults: dict[str, int] = {}
+
+    async def load(self) -> None:
+        s = self.settings
+        if self.model is None:
+            path = resolve_model(s.model)
+            log.info("loading model", path=str(path), device=s.device, dtype=s.dtype)
+            self.model = await self.worker.run(
+                load_model, path, device=s.device, dtype=DTYPES[s.dtype], num_expert_slots=s.num_expert_slots or None
+            )
+            self.tokenizer = load_tokenizer(path)
+        max_context = min(s.max_context or self.model.config.max_position_embeddings, self.model.config.max_position_embeddings)
+        self.engine = Engine(self.model, max_context=max_context, prefill_chunk=s.prefill_chunk)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("tandem.v1.Verifier", health_pb2.HealthCheckResponse.SERVING)
+        log.info("verifier ready", address=s.address, drafter=s.drafter, vocab=self.model.config.vocab_size)
+
+    def _open_message(self, session: Session, round_id: int) -> drafter_pb2.DraftOpen:
+        spec = session.spec
+        s = spec.sampling
+        return drafter_pb2.DraftOpen(
+            session_id=spec.request_id,
+            token_ids=session.token_ids,
+            sampling=common_pb2.SamplingParams(
+                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=spec.seed,
+                max_support=s.max_support,
+            ),
+            speculation=common_pb2.SpeculationParams(
+                mode=common_pb2.MODE_PROBABILISTIC if spec.mode.value == "probabilistic" else common_pb2.MODE_EXACT,
+                gate=common_pb2.GATE_PICK if spec.gate.value == "pick" else common_pb2.GATE_TOP,
+                max_draft_tokens=spec.max_draft_tokens,
+                retention=common_pb2.RetentionParams(schedule=spec.retention_schedule, min_cum=spec.retention_min_cum),
+                coupled=spec.coupled,
+            ),
+            max_new_tokens=spec.max_new_tokens,
+            hidden=encode_hidden(session.hidden()) if session.hidden_rows else drafter_pb2.HiddenRows(),
+            max_draft_tokens=spec.max_draft_tokens,
+            next_round_id=round_id,
+        )
+
+    def _parse(self, request: verifier_pb2.GenerateRequest) -> RequestSpec:
+        config = self.model.config
+        return parse_request(
+            request,
+            settings=self.settings,
+            tokenizer=self.tokenizer,
+            vocab_size=config.vocab_size,
+            max_context=self.engine.max_context,
+            model_eos_ids=config.eos_token_ids,
+            request_id=request.request_id or uuid.uuid4().hex,
+        )
+
+    async def Generate(
+        self, request: verifier_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[verifier_pb2.GenerateEvent]:
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when health is SERVING")
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down")
+        try:
+            spec = self._parse(request)
+        except RequestError as error:
+            await context.abort(error.code, error.message)
+        if self.active >= self.settings.max_sessions:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"too many sessions: {self.active} in flight (max_sessions = {self.settings.max_sessions})",
+            )
+        self.active += 1
+        link: DrafterLink | None = None
+        try:
+            stats = RequestStats(len(spec.prompt_ids))
+            session = await self.worker.run(self.engine.open, spec)
+            if self.drafter is not None and spec.speculate:
+                link = DrafterLink(self.drafter, self.deadlines)
+                await link.open(self._open_message(session, 0))
+            completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences,
+                                    self.tokenizer if spec.text_prompt or spec.stop_sequences else None)
+            round_id = 0
+            while completion.finish_reason is None:
+                if session.cache.length >= session.cache.max_length:
+                    completion.finish_reason = "length"
+                    break
+                chain, wait_ms = None, 0.0
+                if link is not None:
+                    if not link.usable:
+                        await link.resync(self._open_message(session, round_id))
+                    raw, wait_ms = await link.next_chain(round_id)
+                    if raw is not None:
+                        chain = self._checked(raw, session, round_id, link)
+                proposed = chain.proposed if chain else 0
+                if chain is not None:
+                    limit = min(spec.max_draft_tokens, session.capacity_left)
+                    chain = retain(chain, mode=spec.mode, gate=spec.gate, policy=spec.retention, limit=limit)
+                drafts = chain.token_ids if chain else []
+                outcome = await self.worker.run(self.engine.run_round, session, drafts, chain.q_rows if chain else None)
+                source = chain.source if chain else "NONE"
+                stats.round(source, proposed, len(drafts), outcome.num_accepted)
+                tokens, delta = completion.extend(outcome.emitted)
+                if tokens and stats.first_token_at is None:
+                    stats.first_token_at = time.perf_counter()
+                yield verifier_pb2.GenerateEvent(
+                    token_ids=tokens,
+                    text_delta=delta,
+                    round=verifier_pb2.RoundInfo(
+                        round_id=round_id, source=SOURCE_ENUM[source], proposed=proposed, retained=len(drafts),
+                        accepted=outcome.num_accepted, verify_ms=outcome.forward_ms + outcome.verify_ms,
+                        draft_wait_ms=wait_ms,
+                    ),
+                )
+                if link is not None and completion.finish_reason is None:
+                    await link.commit(drafter_pb2.DraftCommit(
+                        round_id=round_id, num_accepted=outcome.num_accepted, emitted_token_ids=outcome.emitted,
+                        hidden=encode_hidden(outcome.hidden_rows),
+                    ))
+                round_id += 1
+            faults = sum(v for k, v in (link.faults if link else {}).items() if k != "resync")
+            yield verifier_pb2.GenerateEvent(final=verifier_pb2.FinalEvent(
+                finish_reason=completion.finish_reason, stats=stats.message(len(completion.token_ids), faults)))
+            log.info("request done", request_id=spec.request_id, rounds=stats.rounds, tokens=len(completion.token_ids),
+                     finish=completion.finish_reason, faults=link.faults if link else {})
+        finally:
+            self.active -= 1
+            if link is not None:
+                for kind, count in link.faults.items():
+                    self.faults[kind] = self.faults.get(kind, 0) + count
+                await link.close()
+
+    def _checked(self, raw: drafter_pb2.DraftChain, session: Session, round_id: int, link: DrafterLink):
+        spec = session.spec
+        try:
+            return validate_chain(
+                raw, round_id=round_id, base_length=len(session.token_ids), vocab_size=self.engine.vocab_size,
+                max_drafts=spec.max_draft_tokens, max_support=spec.sampling.max_support,
+            )
+        except ChainFault as fault:
+            link.fault("invalid_chain")
+            log.warning("dropped draft chain", request_id=spec.request_id, round_id=round_id, reason=str(fault))
+            return None
+
+
+class VerifierServer:
+    """A verifier on a real port: start(), wait until loaded, stop(grace)."""
+
+    def __init__(self, settings: VerifierSettings, *, model=None, tokenizer=None) -> None:
+        self.settings = settings
+        self.health = health.aio.HealthServicer()
+        self.service = VerifierService(settings, self.health, model=model, tokenizer=tokenizer)
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self.port: int | None = None
+        self.loaded: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        verifier_pb2_grpc.add_VerifierServicer_to_server(self.service, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name, reflection.SERVICE_NAME,
+                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+        reflection.enable_server_reflection(names, self.server)
+        for name in ("", "tandem.v1.Verifier"):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = self.server.add_insecure_port(self.settings.address)
+        if self.port == 0:
+            raise RuntimeError(f"could not bind {self.settings.address}")
+        await self.server.start()
+        self.loaded = asyncio.create_task(self.service.load())
+        return self.port
+
+    async def wait_loaded(self) -> None:
+        await self.loaded
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Drain: health NOT_SERVING, refuse new requests, let in-flight ones finish (up to grace)."""
+        self.service.draining = True
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.settings.grace_s if grace is None else grace)
+        if self.service.channel is not None:
+            await self.service.channel.close()
+        self.service.worker.shutdown()
+
+
+async def serve(settings: VerifierSettings) -> None:
+    """Run until SIGTERM/SIGINT, then drain gracefully."""
+    server = VerifierServer(settings)
+    port = await server.start()
+    log.info("verifier listening", host=settings.host, port=port, protocol=PROTOCOL_VERSION)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({server.loaded, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if server.loaded in done and server.loaded.exception() is not None:
+        raise server.loaded.exception()
+    await stop.wait()
+    log.info("draining", grace_s=settings.grace_s, in_flight=server.service.active)
+    await server.stop()

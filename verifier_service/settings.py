@@ -1,0 +1,70 @@
+"""Verifier settings: `tandem verifier --help` lists them; env TANDEM_VERIFIER_<NAME> too."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+
+from shared import settings as base
+
+ENV_PREFIX = "TANDEM_VERIFIER_"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class VerifierSettings:
+    model: str | None = field(default=None, metadata={"help": "checkpoint directory or model name; none = the embedded demo model"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind (loopback unless told otherwise)"})
+    port: int = field(default=50051, metadata={"help": "port to bind; 0 picks a free one"})
+    drafter: str | None = field(default=None, metadata={"help": "drafter address (host:port, dns:///name:port, ipv4:a:p,b:p); none = decode without drafts"})
+    device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
+    dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16 or float16"})
+    num_expert_slots: int = field(default=0, metadata={"help": "device slots per MoE layer (0 = all experts resident)"})
+    max_sessions: int = field(default=8, metadata={"help": "requests in flight at once; more get RESOURCE_EXHAUSTED"})
+    max_new_tokens_limit: int = field(default=4096, metadata={"help": "largest max_new_tokens a request may ask for"})
+    max_context: int = field(default=0, metadata={"help": "prompt + completion limit in tokens (0 = the model's max_position_embeddings)"})
+    prefill_chunk: int = field(default=256, metadata={"help": "prompt tokens per prefill forward"})
+    max_draft_tokens: int = field(default=4, metadata={"help": "drafts per round when a request does not say"})
+    max_draft_tokens_limit: int = field(default=16, metadata={"help": "largest max_draft_tokens a request may ask for"})
+    drafter_deadline_ms: float = field(default=0.0, metadata={"help": "fixed per-round wait for a chain (0 = adaptive: recent p95 + margin)"})
+    drafter_deadline_margin_ms: float = field(default=5.0, metadata={"help": "adaptive deadline: margin above the recent p95"})
+    drafter_deadline_max_ms: float = field(default=1000.0, metadata={"help": "adaptive deadline: upper bound (also the first round's wait)"})
+    grace_s: float = field(default=10.0, metadata={"help": "SIGTERM: seconds in-flight requests get to finish"})
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port {self.port} must lie in [0, 65535]")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} must be one of {', '.join(DTYPES)}")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ValueError(f"device {self.device!r} must be cpu, cuda or cuda:N")
+        positive = ("max_sessions", "max_new_tokens_limit", "prefill_chunk", "max_draft_tokens_limit")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
+        for name in ("num_expert_slots", "max_context"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} {getattr(self, name)} must be >= 0")
+        if not 0 <= self.max_draft_tokens <= self.max_draft_tokens_limit:
+            raise ValueError(
+                f"max_draft_tokens {self.max_draft_tokens} must lie in [0, max_draft_tokens_limit = {self.max_draft_tokens_limit}]"
+            )
+        for name in ("drafter_deadline_ms", "drafter_deadline_margin_ms", "grace_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} {value!r} must be finite and >= 0")
+        if not (math.isfinite(self.drafter_deadline_max_ms) and self.drafter_deadline_max_ms > 0):
+            raise ValueError(f"drafter_deadline_max_ms {self.drafter_deadline_max_ms!r} must be finite and > 0")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    return base.build_parser(VerifierSettings, parser, ENV_PREFIX)
+
+
+def from_args(args: argparse.Namespace | None = None, environ=None) -> VerifierSettings:
+    return base.from_env_and_args(VerifierSettings, args, ENV_PREFIX, environ)
