@@ -1,0 +1,116 @@
+"""Health, reflection, cancellation, and the SIGTERM drain of a real verifier process."""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from shared.model import save_checkpoint
+from shared.protocol import verifier_pb2_grpc
+
+from .conftest import generate, request
+
+
+async def test_health_is_serving_once_loaded_and_reflection_lists_services(servers, tiny_model):
+    await servers.start(tiny_model)
+    health = health_pb2_grpc.HealthStub(servers.channel)
+    reply = await health.Check(health_pb2.HealthCheckRequest(service="tandem.v1.Verifier"))
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(servers.channel)
+    responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = [s.name async for r in responses for s in r.list_services_response.service]
+    assert "tandem.v1.Verifier" in names and "grpc.health.v1.Health" in names
+
+
+async def test_cancellation_frees_the_session(servers, tiny_model):
+    stub = await servers.start(tiny_model, max_sessions=1)
+    call = stub.Generate(request([1, 2, 3], 200))
+    await call.read()
+    assert servers.verifier.service.active == 1
+    call.cancel()
+    for _ in range(100):
+        if servers.verifier.service.active == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert servers.verifier.service.active == 0
+    tokens, _, _ = await generate(stub, request([1, 2, 3], 3))  # the slot is free again
+    assert len(tokens) == 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def verifier_process(tmp_path, tiny_model):
+    save_checkpoint(tiny_model, tmp_path / "tiny")
+    port = free_port()
+    env = dict(os.environ, TANDEM_VERIFIER_MODEL=str(tmp_path / "tiny"), TANDEM_VERIFIER_GRACE_S="20")
+    process = subprocess.Popen([sys.executable, "-m", "verifier_service", "--port", str(port)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    yield process, port
+    if process.poll() is None:
+        process.kill()
+    process.wait(10)
+
+
+async def wait_serving(channel, timeout=60.0):
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.aio.AioRpcError:
+            pass
+        await asyncio.sleep(0.1)
+    raise TimeoutError("verifier never became SERVING")
+
+
+async def test_sigterm_drains_in_flight_requests(verifier_process):
+    process, port = verifier_process
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        await wait_serving(channel)
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        call = stub.Generate(request([1, 2, 3], 150))
+        first = await call.read()
+        assert len(first.token_ids) == 1
+        process.send_signal(signal.SIGTERM)
+        tokens, final = list(first.token_ids), None
+        while (event := await call.read()) != grpc.aio.EOF:
+            tokens += list(event.token_ids)
+            if event.HasField("final"):
+                final = event.final
+        assert final is not None and final.finish_reason == "length" and len(tokens) == 150
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await generate(stub, request([1, 2, 3], 3))
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert process.wait(30) == 0
+
+
+async def test_tandem_generate_against_a_verifier_process(verifier_process):
+    import json
+
+    process, port = verifier_process
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        await wait_serving(channel)
+    command = [sys.executable, "-m", "shared.cli", "generate", "--verifier", f"127.0.0.1:{port}",
+               "--prompt-ids", "1,2,3", "--max-new-tokens", "5", "--temperature", "0.7", "--seed", "9", "--json"]
+    out = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert len(result["token_ids"]) == 5 and result["finish_reason"] == "length"
+    assert result["stats"]["rounds"] == 5 and result["text"] is None
+    bad = await asyncio.to_thread(subprocess.run, command[:-1] + ["--top-p", "1.5"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "top_p" in bad.stderr

@@ -1,0 +1,62 @@
+"""Every bad-input class gets the right status code and a message naming the field."""
+
+import grpc
+import pytest
+
+from shared.protocol import common_pb2, verifier_pb2
+
+from .conftest import generate, request
+
+
+def with_changes(change):
+    req = request([1, 2, 3], 4)
+    change(req)
+    return req
+
+
+CASES = {
+    "empty prompt": (lambda r: r.prompt_ids.ClearField("ids"), "prompt is empty"),
+    "token id out of range": (lambda r: r.prompt_ids.ids.append(97), "prompt_ids[3] = 97 is out of range [0, 97)"),
+    "prompt longer than the context": (lambda r: r.prompt_ids.ids.extend([1] * 300), "the context holds 256"),
+    "max_new_tokens zero": (lambda r: setattr(r, "max_new_tokens", 0), "max_new_tokens must lie in [1, 4096]; got 0"),
+    "max_new_tokens over the limit": (lambda r: setattr(r, "max_new_tokens", 5000), "max_new_tokens must lie in [1, 4096]; got 5000"),
+    "negative temperature": (lambda r: setattr(r.sampling, "temperature", -0.5), "sampling.temperature -0.5"),
+    "top_p zero": (lambda r: setattr(r.sampling, "top_p", 0.0), "sampling.top_p 0.0"),
+    "top_p above one": (lambda r: setattr(r.sampling, "top_p", 1.5), "sampling.top_p 1.5"),
+    "min_p above one": (lambda r: setattr(r.sampling, "min_p", 2.0), "sampling.min_p 2.0"),
+    "negative top_k": (lambda r: setattr(r.sampling, "top_k", -3), "sampling.top_k -3"),
+    "bad retention schedule": (lambda r: setattr(r.speculation.retention, "schedule", "0.1,abc"), "retention schedule '0.1,abc': 'abc' is not a number"),
+    "retention floor out of range": (lambda r: setattr(r.speculation.retention, "min_cum", 1.5), "min_cum"),
+    "too many drafts": (lambda r: setattr(r.speculation, "max_draft_tokens", 99), "speculation.max_draft_tokens must lie in [0, 16]; got 99"),
+    "text prompt without tokenizer": (lambda r: setattr(r, "prompt_text", "hello"), "prompt_text needs a tokenizer"),
+    "eos id out of range": (lambda r: r.stop.eos_token_ids.append(1000), "stop.eos_token_ids[0] = 1000"),
+    "unknown protocol version": (lambda r: setattr(r, "protocol_version", 99), "protocol_version 99"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+async def test_bad_input_is_invalid_argument_naming_the_field(servers, tiny_model, case):
+    change, fragment = CASES[case]
+    stub = await servers.start(tiny_model)
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await generate(stub, with_changes(change))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in error.value.details()
+
+
+async def test_too_many_sessions_is_resource_exhausted(servers, tiny_model):
+    stub = await servers.start(tiny_model, max_sessions=1)
+    first = stub.Generate(request([1, 2, 3], 200))
+    await first.read()  # the first request holds the only session
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await generate(stub, request([1, 2, 3], 4))
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_sessions = 1" in error.value.details()
+    first.cancel()
+
+
+async def test_probabilistic_mode_and_pick_gate_are_accepted(servers, tiny_model):
+    stub = await servers.start(tiny_model)
+    req = request([1, 2, 3], 3, temperature=1.0, mode=common_pb2.MODE_PROBABILISTIC, gate=common_pb2.GATE_PICK)
+    tokens, final, _ = await generate(stub, req)
+    assert len(tokens) == 3 and isinstance(final, verifier_pb2.FinalEvent)
