@@ -33,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
     # Subcommands, in the order `tandem --help` lists them. Services (verifier, drafter) and
     # the demo register here the same way.
+    _add_demo(subcommands)
     _add_verifier(subcommands)
+    _add_drafter(subcommands)
     _add_generate(subcommands)
     _add_protocol(subcommands)
     return parser
@@ -67,6 +69,62 @@ def _run_verifier(args: argparse.Namespace) -> int:
         return 2
     asyncio.run(serve(config))
     return 0
+
+
+# --- tandem drafter ---------------------------------------------------------------------
+
+
+def _add_drafter(subcommands) -> None:
+    from drafter_service import settings
+
+    parser = subcommands.add_parser(
+        "drafter",
+        help="run the drafter service (MTP drafting and suffix lookup; the verifier calls Draft)",
+        description="Run the drafter gRPC service. Every option also reads an environment variable; flags win.",
+    )
+    settings.add_arguments(parser)
+    parser.set_defaults(handler=_run_drafter)
+
+
+def _run_drafter(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from drafter_service import settings
+    from drafter_service.server import serve
+
+    try:
+        config = settings.from_args(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(config))
+    return 0
+
+
+# --- tandem demo ------------------------------------------------------------------------
+
+
+def _add_demo(subcommands) -> None:
+    parser = subcommands.add_parser(
+        "demo",
+        help="start a drafter and a verifier on localhost with the embedded model and stream a completion",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--prompt", default="import os\n\n\ndef read_lines(path):\n", help="text prompt (\\n for newlines)")
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mode", choices=("exact", "probabilistic"), default="exact")
+    parser.add_argument("--max-draft-tokens", type=int, default=4)
+    parser.add_argument("--model", default=None, help="checkpoint directory or name (default: the embedded model)")
+    parser.add_argument("--no-color", action="store_true", help="mark accepted drafts with [brackets] instead of color")
+    parser.set_defaults(handler=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from shared.demo import run_demo
+
+    return run_demo(args)
 
 
 # --- tandem protocol --------------------------------------------------------------------

@@ -218,7 +218,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 if link is not None and completion.finish_reason is None:
                     await link.commit(drafter_pb2.DraftCommit(
                         round_id=round_id, num_accepted=outcome.num_accepted, emitted_token_ids=outcome.emitted,
-                        hidden=encode_hidden(outcome.hidden_rows),
+                        hidden=encode_hidden(outcome.hidden_rows), num_verified=len(drafts),
+                        verify_ms=outcome.forward_ms + outcome.verify_ms,
                     ))
                 round_id += 1
             faults = sum(v for k, v in (link.faults if link else {}).items() if k != "resync")

@@ -1,0 +1,245 @@
+"""The drafter gRPC service: one Draft stream per request.
+
+Up: open (full context + hidden rows), then one commit per round. Down: one chain per
+open/commit, for the next round. All model work runs on the drafter's model worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+import structlog
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from drafter_service.planner import Planner, choose
+from drafter_service.proposers import Proposal
+from drafter_service.proposers.mtp import MTPProposer, MTPState
+from drafter_service.proposers.suffix import GlobalIndex, SuffixIndex
+from drafter_service.session import DraftSession, SessionStore, session_params
+from drafter_service.settings import DrafterSettings
+from kernels.speculative import Mode
+from shared.model import RoutingOptions, load_model
+from shared.model.registry import resolve_model
+from shared.protocol import PROTOCOL_VERSION, common_pb2, decode_hidden, drafter_pb2, drafter_pb2_grpc
+from shared.worker import ModelWorker
+
+log = structlog.get_logger("drafter")
+MAX_MESSAGE_BYTES = 64 << 20
+OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SOURCES = {"MTP": common_pb2.DRAFT_SOURCE_MTP, "SUFFIX": common_pb2.DRAFT_SOURCE_SUFFIX, "NONE": common_pb2.DRAFT_SOURCE_NONE}
+MAX_DRAFTS = 16
+
+
+class Drafter:
+    """Model-side drafting logic (runs on the worker thread)."""
+
+    def __init__(self, model, settings: DrafterSettings) -> None:
+        self.model = model
+        self.settings = settings
+        routing = None
+        if settings.moce_scale != 1.0 or settings.expert_slots:
+            routing = RoutingOptions(moce=True, scale=settings.moce_scale)
+        self.mtp = MTPProposer(model, routing) if model.mtp is not None else None
+        self.planner = Planner(MAX_DRAFTS)
+        self.global_index = GlobalIndex(settings.global_index_contexts)
+
+    def _mtp_store(self):
+        return self.model.mtp.layers[0].mlp.experts if self.mtp is not None else None
+
+    def open(self, message: drafter_pb2.DraftOpen) -> DraftSession:
+        sampling, mode, gate, policy = session_params(message)
+        tokens = list(message.token_ids)
+        if not tokens:
+            raise ValueError("open.token_ids is empty")
+        suffix = SuffixIndex()
+        suffix.extend(tokens)
+        max_drafts = max(0, min(message.max_draft_tokens, MAX_DRAFTS))
+        mtp_state = None
+        if self.mtp is not None:
+            length = min(self.model.config.max_position_embeddings,
+                         len(tokens) + max(message.max_new_tokens, 0) + max_drafts + 2)
+            mtp_state = MTPState(self.model, length)
+            hidden = decode_hidden(message.hidden)
+            if hidden.shape[0] != len(tokens) - 1:
+                raise ValueError(f"open.hidden has {hidden.shape[0]} rows for {len(tokens)} tokens (need {len(tokens) - 1})")
+            self.mtp.catch_up(mtp_state, hidden, tokens[1:])
+        return DraftSession(
+            session_id=message.session_id, sampling=sampling, seed=message.sampling.seed, mode=mode, gate=gate,
+            coupled=message.speculation.coupled, policy=policy, max_drafts=max_drafts,
+            snapshot=self.planner.snapshot(), suffix=suffix, mtp=mtp_state, round_id=message.next_round_id,
+        )
+
+    def commit(self, session: DraftSession, message: drafter_pb2.DraftCommit) -> None:
+        emitted = list(message.emitted_token_ids)
+        if session.in_flight is not None and session.in_flight.source != "NONE":
+            plan = session.in_flight
+            self.planner.learn(plan.source, plan.bucket, message.num_verified, message.num_accepted,
+                               message.verify_ms, message.num_verified + 1)
+        elif message.verify_ms > 0:
+            self.planner.learn("MTP", 0, 0, 0, message.verify_ms, 1)
+        session.suffix.extend(emitted)
+        session.round_id = message.round_id + 1
+        if session.mtp is not None:
+            hidden = decode_hidden(message.hidden)
+            if hidden.shape[0] != len(emitted):
+                raise ValueError(f"commit.hidden has {hidden.shape[0]} rows for {len(emitted)} emitted tokens")
+            self.mtp.catch_up(session.mtp, hidden, emitted)
+
+    def propose(self, session: DraftSession) -> drafter_pb2.DraftChain:
+        started = time.perf_counter()
+        limit = session.max_drafts
+        match = session.suffix.lookup(limit)
+        if match is None and session.mode == Mode.EXACT:
+            # Other sessions' outputs only in exact mode: a same-seed session's tokens encode
+            # its accept draws, which would bias probabilistic acceptance here.
+            match = self.global_index.lookup(session.tokens, limit)
+        mtp_ready = session.mtp is not None and session.mtp.next_logits is not None
+        plan = choose(session.snapshot, limit=limit, mtp_available=mtp_ready,
+                      suffix_length=match.length if match else None,
+                      suffix_tokens=len(match.continuation) if match else 0)
+        proposal = Proposal("NONE", [], None, [])
+        store = self._mtp_store()
+        misses = store.counters.misses if store is not None else 0
+        if plan.source == "MTP":
+            proposal = self.mtp.draft(
+                session.mtp, plan.num_drafts, sampling=session.sampling, seed=session.seed,
+                base_position=len(session.tokens), mode=session.mode, gate=session.gate, coupled=session.coupled,
+                policy=session.policy,
+            )
+            elapsed = (time.perf_counter() - started) * 1e3
+            if plan.num_drafts:
+                self.planner.learn_draft_cost(elapsed / plan.num_drafts)
+        elif plan.source == "SUFFIX":
+            tokens = match.continuation[: plan.num_drafts]
+            proposal = Proposal("SUFFIX", tokens, None, [1.0] * len(tokens))
+        session.in_flight = plan if proposal.token_ids else None
+        slot_misses = (store.counters.misses - misses) if store is not None else 0
+        q_rows = []
+        if proposal.q_rows is not None:
+            for index in range(len(proposal.token_ids)):
+                row = proposal.q_rows.row(index)
+                q_rows.append(common_pb2.SparseRow(token_ids=list(row), probs=list(row.values())))
+        return drafter_pb2.DraftChain(
+            round_id=session.round_id,
+            base_length=len(session.tokens),
+            source=SOURCES[proposal.source if proposal.token_ids else "NONE"],
+            token_ids=proposal.token_ids,
+            q_rows=q_rows,
+            confidences=proposal.confidences,
+            costs=drafter_pb2.DrafterCosts(draft_ms=(time.perf_counter() - started) * 1e3, expert_slot_misses=slot_misses),
+        )
+
+
+class DrafterService(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, settings: DrafterSettings, health_servicer, model=None) -> None:
+        self.settings = settings
+        self.health = health_servicer
+        self.worker = ModelWorker("drafter-model")
+        self.model = model
+        self.drafter: Drafter | None = None
+        self.sessions = SessionStore(settings.max_sessions)
+
+    async def load(self) -> None:
+        if self.model is None:
+            path = resolve_model(self.settings.model)
+            log.info("loading model", path=str(path), device=self.settings.device)
+            self.model = await self.worker.run(
+                load_model, path, device=self.settings.device, dtype=DTYPES[self.settings.dtype],
+                num_expert_slots=self.settings.expert_slots or None,
+            )
+        self.drafter = Drafter(self.model, self.settings)
+        for name in ("", "tandem.v1.Drafter"):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("drafter ready", address=self.settings.address, mtp=self.drafter.mtp is not None)
+
+    def _open_and_propose(self, message):
+        session = self.drafter.open(message)
+        return session, self.drafter.propose(session)
+
+    def _commit_and_propose(self, session, message):
+        self.drafter.commit(session, message)
+        return self.drafter.propose(session)
+
+    async def Draft(self, request_iterator, context: grpc.aio.ServicerContext):
+        if self.drafter is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter model is still loading")
+        session: DraftSession | None = None
+        try:
+            async for up in request_iterator:
+                kind = up.WhichOneof("kind")
+                if kind == "open":
+                    try:
+                        session, chain = await self.worker.run(self._open_and_propose, up.open)
+                    except ValueError as error:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                    self.sessions.put(session)
+                elif kind == "commit":
+                    if session is None or not self.sessions.touch(session):
+                        await context.abort(
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            "unknown or evicted session: re-open the stream with the full context",
+                        )
+                    try:
+                        chain = await self.worker.run(self._commit_and_propose, session, up.commit)
+                    except ValueError as error:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                else:
+                    continue  # a message kind this version does not know
+                yield drafter_pb2.DraftDown(protocol_version=PROTOCOL_VERSION, chain=chain)
+        finally:
+            if session is not None:
+                self.sessions.remove(session)
+                if self.drafter is not None:
+                    self.drafter.global_index.add(session.tokens)
+
+
+class DrafterServer:
+    def __init__(self, settings: DrafterSettings, *, model=None) -> None:
+        self.settings = settings
+        self.health = health.aio.HealthServicer()
+        self.service = DrafterService(settings, self.health, model=model)
+        self.server = grpc.aio.server(options=OPTIONS)
+        self.port: int | None = None
+        self.loaded: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        drafter_pb2_grpc.add_DrafterServicer_to_server(self.service, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name, reflection.SERVICE_NAME,
+                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+        reflection.enable_server_reflection(names, self.server)
+        for name in ("", "tandem.v1.Drafter"):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = self.server.add_insecure_port(self.settings.address)
+        if self.port == 0:
+            raise RuntimeError(f"could not bind {self.settings.address}")
+        await self.server.start()
+        self.loaded = asyncio.create_task(self.service.load())
+        return self.port
+
+    async def wait_loaded(self) -> None:
+        await self.loaded
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.settings.grace_s if grace is None else grace)
+        self.service.worker.shutdown()
+
+
+async def serve(settings: DrafterSettings) -> None:
+    server = DrafterServer(settings)
+    port = await server.start()
+    log.info("drafter listening", host=settings.host, port=port, protocol=PROTOCOL_VERSION)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.wait_loaded()
+    await stop.wait()
+    await server.stop()

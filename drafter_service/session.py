@@ -1,0 +1,81 @@
+"""One request's drafting state: committed tokens, the MTP cache, the suffix index, the
+planner snapshot taken at open, and the plan of the chain in flight (to learn from)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kernels.retention import RetentionPolicy
+from kernels.sampling import DEFAULT_MAX_SUPPORT, SamplingParams
+from kernels.speculative import Gate, Mode
+from shared.protocol import common_pb2, drafter_pb2
+from drafter_service.planner import Estimates, Plan
+from drafter_service.proposers.mtp import MTPState
+from drafter_service.proposers.suffix import SuffixIndex
+
+
+@dataclass
+class DraftSession:
+    session_id: str
+    sampling: SamplingParams
+    seed: int
+    mode: Mode
+    gate: Gate
+    coupled: bool
+    policy: RetentionPolicy
+    max_drafts: int
+    snapshot: Estimates
+    suffix: SuffixIndex
+    mtp: MTPState | None
+    round_id: int
+    in_flight: Plan | None = None  # the plan of the last chain sent (learned from at commit)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.suffix.tokens
+
+
+def session_params(message: drafter_pb2.DraftOpen) -> tuple[SamplingParams, Mode, Gate, RetentionPolicy]:
+    """The request's sampling and speculation settings; ValueError naming a bad one."""
+    s = message.sampling
+    sampling = SamplingParams(
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p if s.HasField("top_p") else 1.0,
+        min_p=s.min_p, max_support=s.max_support or DEFAULT_MAX_SUPPORT,
+    )
+    spec = message.speculation
+    mode = Mode.PROBABILISTIC if spec.mode == common_pb2.MODE_PROBABILISTIC else Mode.EXACT
+    gate = Gate.PICK if spec.gate == common_pb2.GATE_PICK else Gate.TOP
+    schedule = spec.retention.schedule or None
+    policy = RetentionPolicy.parse(schedule, spec.retention.min_cum, min_p=sampling.min_p)
+    return sampling, mode, gate, policy
+
+
+class SessionStore:
+    """Bounded sessions by id, least recently used evicted first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._sessions: OrderedDict[str, DraftSession] = OrderedDict()
+        self.evictions = 0
+
+    def put(self, session: DraftSession) -> None:
+        self._sessions[session.session_id] = session
+        self._sessions.move_to_end(session.session_id)
+        while len(self._sessions) > self.capacity:
+            self._sessions.popitem(last=False)
+            self.evictions += 1
+
+    def touch(self, session: DraftSession) -> bool:
+        """Whether `session` is still held (and mark it used)."""
+        if self._sessions.get(session.session_id) is not session:
+            return False
+        self._sessions.move_to_end(session.session_id)
+        return True
+
+    def remove(self, session: DraftSession) -> None:
+        if self._sessions.get(session.session_id) is session:
+            del self._sessions[session.session_id]
+
+    def __len__(self) -> int:
+        return len(self._sessions)

@@ -1,0 +1,54 @@
+"""Drafter settings: `tandem drafter --help` lists them; env TANDEM_DRAFTER_<NAME> too."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+
+from shared import settings as base
+
+ENV_PREFIX = "TANDEM_DRAFTER_"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class DrafterSettings:
+    model: str | None = field(default=None, metadata={"help": "checkpoint directory or model name; none = the embedded demo model"})
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind (loopback unless told otherwise)"})
+    port: int = field(default=50052, metadata={"help": "port to bind; 0 picks a free one"})
+    device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
+    dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16 or float16"})
+    max_sessions: int = field(default=256, metadata={"help": "sessions kept; the least recently used is evicted (its verifier re-syncs)"})
+    moce_scale: float = field(default=1.0, metadata={"help": "MoCE base scale b for the MTP layer's draft rows (m = b*b; 1 = plain routing)"})
+    expert_slots: int = field(default=0, metadata={"help": "device expert slots per MoE layer (0 = all resident)"})
+    global_index_contexts: int = field(default=200_000, metadata={"help": "contexts kept in the cross-session suffix index"})
+    grace_s: float = field(default=5.0, metadata={"help": "SIGTERM: seconds open streams get to finish"})
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port {self.port} must lie in [0, 65535]")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} must be one of {', '.join(DTYPES)}")
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ValueError(f"device {self.device!r} must be cpu, cuda or cuda:N")
+        if self.max_sessions < 1:
+            raise ValueError(f"max_sessions {self.max_sessions} must be >= 1")
+        if not (math.isfinite(self.moce_scale) and self.moce_scale > 0):
+            raise ValueError(f"moce_scale {self.moce_scale!r} must be finite and > 0")
+        if self.expert_slots < 0 or self.global_index_contexts < 0:
+            raise ValueError("expert_slots and global_index_contexts must be >= 0")
+        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
+            raise ValueError(f"grace_s {self.grace_s!r} must be finite and >= 0")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    return base.build_parser(DrafterSettings, parser, ENV_PREFIX)
+
+
+def from_args(args: argparse.Namespace | None = None, environ=None) -> DrafterSettings:
+    return base.from_env_and_args(DrafterSettings, args, ENV_PREFIX, environ)

@@ -1,0 +1,109 @@
+"""`tandem demo`: a drafter and a verifier as separate processes on localhost, one streamed
+completion with each round's accepted drafts marked, then both stopped."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.client import GenerationConfig, VerifierClient
+from shared.model.registry import resolve_model
+from shared.tokenizer import load_tokenizer
+
+COLORS = {"MTP": "\033[32m", "SUFFIX": "\033[36m"}
+RESET = "\033[0m"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_serving(address: str, name: str, process: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"the {name} exited with status {process.returncode}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"the {name} at {address} did not become SERVING within {timeout:.0f}s")
+
+
+def _start(kind: str, args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "shared.cli", kind, *args], env=dict(os.environ),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    model_dir = resolve_model(args.model)
+    tokenizer = load_tokenizer(model_dir)
+    prompt = args.prompt.encode().decode("unicode_escape")
+    drafter_port, verifier_port = _free_port(), _free_port()
+    model_args = ["--model", str(model_dir)]
+    print(f"starting drafter on :{drafter_port} and verifier on :{verifier_port} ({model_dir.name}) ...", file=sys.stderr)
+    drafter = _start("drafter", [*model_args, "--port", str(drafter_port)])
+    verifier = _start("verifier", [*model_args, "--port", str(verifier_port), "--drafter", f"127.0.0.1:{drafter_port}"])
+    color = not args.no_color and sys.stdout.isatty()
+    try:
+        _wait_serving(f"127.0.0.1:{drafter_port}", "drafter", drafter)
+        _wait_serving(f"127.0.0.1:{verifier_port}", "verifier", verifier)
+        config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                                  mode=args.mode, max_draft_tokens=args.max_draft_tokens)
+        legend = "accepted drafts: green = MTP, cyan = suffix lookup" if color else "accepted drafts in [MTP: ...] / [SUFFIX: ...]"
+        print(f"--- {legend} ---", file=sys.stderr)
+        sys.stdout.write(prompt)
+        completion: list[int] = []
+        shown = ""
+        final = None
+        with VerifierClient(f"127.0.0.1:{verifier_port}") as client:
+            for event in client.stream(prompt, config):
+                if event.HasField("final"):
+                    final = event.final
+                    continue
+                tokens = list(event.token_ids)
+                accepted = min(event.round.accepted, len(tokens)) if event.HasField("round") else 0
+                source = {2: "MTP", 3: "SUFFIX"}.get(event.round.source, "")
+                for part, is_draft in ((tokens[:accepted], True), (tokens[accepted:], False)):
+                    if not part:
+                        continue
+                    completion += part
+                    text = tokenizer.decode(completion)
+                    piece, shown = text[len(shown):], text
+                    if is_draft and color:
+                        piece = f"{COLORS.get(source, '')}{piece}{RESET}"
+                    elif is_draft:
+                        piece = f"[{source}: {piece}]"
+                    sys.stdout.write(piece)
+                sys.stdout.flush()
+        print()
+        if final is not None:
+            st = final.stats
+            by_source = ", ".join(f"{k} {v:.0%}" for k, v in sorted(st.acceptance_by_source.items())) or "none"
+            print(f"--- {st.completion_tokens} tokens in {st.rounds} rounds: {st.mean_accepted_length:.2f} tokens/round "
+                  f"(bonus included), acceptance by source: {by_source}, {st.tokens_per_s:.1f} tokens/s, "
+                  f"finish: {final.finish_reason} ---", file=sys.stderr)
+        return 0
+    finally:
+        for process in (verifier, drafter):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in (verifier, drafter):
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
