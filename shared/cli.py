@@ -110,7 +110,7 @@ def _add_demo(subcommands) -> None:
         help="start a drafter and a verifier on localhost with the embedded model and stream a completion",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--prompt", default="import os\n\n\ndef read_lines(path):\n", help="text prompt (\\n for newlines)")
+    parser.add_argument("--prompt", default="import os\n\n\ndef read_lines(path):", help="text prompt (\\n for newlines)")
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
