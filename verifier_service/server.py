@@ -113,7 +113,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             path = resolve_model(s.model)
             log.info("loading model", path=str(path), device=s.device, dtype=s.dtype)
             self.model = await self.worker.run(
-                load_model, path, device=s.device, dtype=DTYPES[s.dtype], num_expert_slots=s.num_expert_slots or None
+                load_model, path, device=s.device, dtype=DTYPES[s.dtype], num_expert_slots=s.num_expert_slots or None,
+                random_weights=s.random_weights,
             )
             self.tokenizer = load_tokenizer(path)
         max_context = min(s.max_context or self.model.config.max_position_embeddings, self.model.config.max_position_embeddings)

@@ -20,6 +20,7 @@ class VerifierSettings:
     drafter: str | None = field(default=None, metadata={"help": "drafter address (host:port, dns:///name:port, ipv4:a:p,b:p); none = decode without drafts"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16 or float16"})
+    random_weights: bool = field(default=False, metadata={"help": "benchmarks: random weights from the model directory's config.json (no safetensors needed)"})
     num_expert_slots: int = field(default=0, metadata={"help": "device slots per MoE layer (0 = all experts resident)"})
     max_sessions: int = field(default=8, metadata={"help": "requests in flight at once; more get RESOURCE_EXHAUSTED"})
     max_new_tokens_limit: int = field(default=4096, metadata={"help": "largest max_new_tokens a request may ask for"})
