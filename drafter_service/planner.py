@@ -90,8 +90,30 @@ class Planner:
             e.mtp_step_ms = step_ms if e.mtp_step_ms == 0 else (1 - self.ema) * e.mtp_step_ms + self.ema * step_ms
 
 
-def choose(snapshot: Estimates, *, limit: int, mtp_available: bool, suffix_length: int | None, suffix_tokens: int) -> Plan:
-    """The best (source, k) by expected tokens per cost, from committed-context facts only."""
+EXPLORE_EVERY = 8  # rounds: keep the estimates fresh even when drafting looks unprofitable
+
+
+def choose(
+    snapshot: Estimates,
+    *,
+    limit: int,
+    mtp_available: bool,
+    suffix_length: int | None,
+    suffix_tokens: int,
+    round_id: int = 1,
+    policy: str = "adaptive",
+) -> Plan:
+    """The best (source, k) by expected tokens per cost, from committed-context facts only.
+
+    policy "mtp" / "suffix" fixes the source at the full limit (benchmarks, ablations);
+    "adaptive" also explores one MTP draft every EXPLORE_EVERY rounds (a function of the
+    round number, never of a draw).
+    """
+    if policy == "mtp":
+        return Plan("MTP", limit) if mtp_available and limit else Plan("NONE", 0)
+    if policy == "suffix":
+        k = min(limit, suffix_tokens)
+        return Plan("SUFFIX", k, suffix_bucket(suffix_length)) if suffix_length is not None and k else Plan("NONE", 0)
     best = Plan("NONE", 0, expected_tokens=1.0)
     best_rate = 1.0 / snapshot.verify_cost(1)
     options = []
@@ -104,8 +126,11 @@ def choose(snapshot: Estimates, *, limit: int, mtp_available: bool, suffix_lengt
         for k in range(1, most + 1):
             survive *= snapshot.acceptance(source, bucket, k - 1)
             expected += survive
-            draft_cost = snapshot.mtp_step_ms * k if source == "MTP" else 0.0
+            # Draft cost counts once verify costs are measured too (same unit: ms).
+            draft_cost = snapshot.mtp_step_ms * k if source == "MTP" and snapshot.verify_ms else 0.0
             rate = expected / (draft_cost + snapshot.verify_cost(k + 1))
             if rate > best_rate:
                 best, best_rate = Plan(source, k, bucket, expected), rate
+    if best.source == "NONE" and mtp_available and limit and round_id % EXPLORE_EVERY == 0:
+        return Plan("MTP", 1, 0, 1.0 + snapshot.acceptance("MTP", 0, 0))
     return best

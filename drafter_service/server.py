@@ -102,7 +102,8 @@ class Drafter:
         mtp_ready = session.mtp is not None and session.mtp.next_logits is not None
         plan = choose(session.snapshot, limit=limit, mtp_available=mtp_ready,
                       suffix_length=match.length if match else None,
-                      suffix_tokens=len(match.continuation) if match else 0)
+                      suffix_tokens=len(match.continuation) if match else 0, round_id=session.round_id,
+                      policy=self.settings.planner)
         proposal = Proposal("NONE", [], None, [])
         store = self._mtp_store()
         misses = store.counters.misses if store is not None else 0

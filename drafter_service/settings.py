@@ -23,6 +23,7 @@ class DrafterSettings:
     moce_scale: float = field(default=1.0, metadata={"help": "MoCE base scale b for the MTP layer's draft rows (m = b*b; 1 = plain routing)"})
     expert_slots: int = field(default=0, metadata={"help": "device expert slots per MoE layer (0 = all resident)"})
     global_index_contexts: int = field(default=200_000, metadata={"help": "contexts kept in the cross-session suffix index"})
+    planner: str = field(default="adaptive", metadata={"help": "source choice: adaptive (learned estimates), mtp or suffix (fixed, for ablations)"})
     grace_s: float = field(default=5.0, metadata={"help": "SIGTERM: seconds open streams get to finish"})
 
     def __post_init__(self) -> None:
@@ -32,6 +33,8 @@ class DrafterSettings:
             raise ValueError(f"dtype {self.dtype!r} must be one of {', '.join(DTYPES)}")
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
             raise ValueError(f"device {self.device!r} must be cpu, cuda or cuda:N")
+        if self.planner not in ("adaptive", "mtp", "suffix"):
+            raise ValueError(f"planner {self.planner!r} must be adaptive, mtp or suffix")
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions {self.max_sessions} must be >= 1")
         if not (math.isfinite(self.moce_scale) and self.moce_scale > 0):

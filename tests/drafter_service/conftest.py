@@ -1,0 +1,66 @@
+"""Fixtures: a real drafter and a real verifier on loopback port 0, in this process."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from drafter_service.server import DrafterServer
+from drafter_service.settings import DrafterSettings
+from shared.model import ModelConfig, load_model
+from shared.protocol import verifier_pb2_grpc
+from verifier_service.server import VerifierServer
+from verifier_service.settings import VerifierSettings
+
+TINY_MTP = dict(
+    model_type="qwen3_moe", vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
+    num_experts_per_tok=2, max_position_embeddings=256, rope_theta=10000.0, norm_topk_prob=True,
+    initializer_range=0.5, mtp_num_hidden_layers=1,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_mtp_model():
+    return load_model(config=ModelConfig.from_dict(TINY_MTP), random_weights=True, seed=2)
+
+
+@pytest.fixture(scope="session")
+def demo_model():
+    return load_model()
+
+
+class Pair:
+    def __init__(self):
+        self.drafter: DrafterServer | None = None
+        self.verifier: VerifierServer | None = None
+        self.channel = None
+
+    async def start(self, model, *, tokenizer=None, drafter_settings=None, **verifier_settings):
+        self.drafter = DrafterServer(DrafterSettings(port=0, **(drafter_settings or {})), model=model)
+        port = await self.drafter.start()
+        await self.drafter.wait_loaded()
+        # A fixed generous deadline: the adaptive one (recent p95 + 5 ms) turns a slow CPU
+        # moment into a plain round, which is correct but makes "every round drafted" flaky.
+        verifier_settings.setdefault("drafter_deadline_ms", 2000.0)
+        settings = VerifierSettings(port=0, drafter=f"127.0.0.1:{port}", **verifier_settings)
+        self.verifier = VerifierServer(settings, model=model, tokenizer=tokenizer)
+        vport = await self.verifier.start()
+        await self.verifier.wait_loaded()
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{vport}")
+        return verifier_pb2_grpc.VerifierStub(self.channel)
+
+    async def stop(self):
+        if self.channel is not None:
+            await self.channel.close()
+        if self.verifier is not None:
+            await self.verifier.stop(0)
+        if self.drafter is not None:
+            await self.drafter.stop(0)
+
+
+@pytest.fixture
+async def pair():
+    p = Pair()
+    yield p
+    await p.stop()

@@ -1,0 +1,133 @@
+"""A real drafter and a real verifier together: lossless, accepting, and robust."""
+
+import asyncio
+import sysconfig
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from scipy import stats
+
+from kernels.sampling import SamplingParams
+from shared.model.registry import resolve_model
+from shared.protocol import common_pb2
+from shared.tokenizer import load_tokenizer
+
+from ..verifier_service.conftest import generate, request
+from ..verifier_service.test_speculation import target_law_two_tokens
+
+PROMPT = [3, 14, 15, 92, 65]
+
+
+async def same_with_and_without(stub, prompt, n, temperature, seed, mode=common_pb2.MODE_EXACT):
+    req = request(prompt, n, temperature=temperature, seed=seed, mode=mode)
+    spec, final, rounds = await generate(stub, req)
+    req.speculation.disable = True
+    plain, _, _ = await generate(stub, req)
+    return spec, plain, final, rounds
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+async def test_exact_mode_identical_random_weight_checkpoint(pair, tiny_mtp_model, temperature):
+    stub = await pair.start(tiny_mtp_model, drafter_settings={"planner": "mtp"})  # always draft
+    for seed in range(3):
+        spec, plain, final, _ = await same_with_and_without(stub, PROMPT, 24, temperature, seed)
+        assert spec == plain
+        assert final.stats.proposed > 0 and final.stats.drafter_faults == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+async def test_exact_mode_identical_embedded_model(pair, demo_model, temperature):
+    tokenizer = load_tokenizer(resolve_model(None))
+    stub = await pair.start(demo_model, tokenizer=tokenizer)
+    prompt = [0] + tokenizer.encode("import os\n\n\ndef read_lines(path):").ids
+    spec, plain, final, _ = await same_with_and_without(stub, prompt, 48, temperature, 3)
+    assert spec == plain
+    assert final.stats.accepted > 0
+
+
+async def test_suffix_lookup_accepts_a_repeated_passage(pair, demo_model):
+    tokenizer = load_tokenizer(resolve_model(None))
+    stub = await pair.start(demo_model, tokenizer=tokenizer)
+    passage = (Path(sysconfig.get_paths()["stdlib"]) / "json" / "decoder.py").read_text()[:1500]
+    ids = tokenizer.encode(passage).ids
+    prompt = [0] + ids + [0] + ids[:40]  # the passage, then its start again
+    tokens, final, rounds = await generate(stub, request(prompt, 64, max_draft_tokens=6))
+    by_source = dict(final.stats.acceptance_by_source)
+    suffix_rounds = [r for r in rounds if r.source == common_pb2.DRAFT_SOURCE_SUFFIX]
+    # Measured 2026-11-29 (CPU fp32, greedy, fresh drafter): 17 of 22 rounds drafted by suffix
+    # lookup, SUFFIX acceptance 0.765 per draft, 2.91 tokens/round. Thresholds leave margin.
+    assert len(suffix_rounds) >= 10
+    assert by_source["SUFFIX"] > 0.6
+    assert final.stats.mean_accepted_length > 2.3
+
+
+async def test_mtp_accepts_on_held_out_code(pair, demo_model):
+    tokenizer = load_tokenizer(resolve_model(None))
+    stub = await pair.start(demo_model, tokenizer=tokenizer)
+    source = (Path(sysconfig.get_paths()["stdlib"]) / "json" / "encoder.py").read_text()
+    accepted = retained = 0
+    for start in (2000, 4000, 6000):
+        prompt = [0] + tokenizer.encode(source[start : start + 600]).ids
+        _, final, rounds = await generate(stub, request(prompt, 32, max_draft_tokens=3))
+        for r in rounds:
+            if r.source == common_pb2.DRAFT_SOURCE_MTP:
+                accepted += r.accepted
+                retained += r.retained
+    # Measured 2026-11-29 (CPU fp32, greedy, fresh drafter, held-out json/encoder.py): 20 of 30
+    # retained MTP drafts accepted (0.667). Thresholds leave margin.
+    assert retained >= 15
+    assert accepted / retained > 0.45
+
+
+async def test_probabilistic_mode_through_the_pair_matches_the_target_law(pair, tiny_mtp_model):
+    """N = 1500 requests, chi-square at alpha = 1e-3 against the exact law of two tokens."""
+    stub = await pair.start(tiny_mtp_model, drafter_settings={"planner": "mtp"})
+    law, _ = target_law_two_tokens(tiny_mtp_model, SamplingParams(temperature=1.0, top_k=3))
+    outcomes = []
+    n = 1500
+    for start in range(0, n, 8):
+        batch = await asyncio.gather(*(generate(stub, request(
+            PROMPT, 2, temperature=1.0, top_k=3, seed=seed, mode=common_pb2.MODE_PROBABILISTIC, max_draft_tokens=2))
+            for seed in range(start, min(n, start + 8))))
+        outcomes += [tuple(tokens) for tokens, final, _ in batch]
+        assert all(final.stats.drafter_faults == 0 and final.stats.retained > 0 for _, final, _ in batch)
+    cells = sorted(law)
+    observed = np.array([outcomes.count(c) for c in cells])
+    assert observed.sum() == n
+    expected = np.array([law[c] for c in cells]) * n
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    assert stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue > 1e-3
+
+
+async def test_session_eviction_resyncs_transparently(pair, tiny_mtp_model):
+    stub = await pair.start(tiny_mtp_model, drafter_settings={"max_sessions": 1, "planner": "mtp"})
+    reqs = [request(PROMPT, 20, temperature=0.8, seed=s) for s in range(3)]
+    results = await asyncio.gather(*(generate(stub, r) for r in reqs))
+    for req, (tokens, final, _) in zip(reqs, results):
+        req.speculation.disable = True
+        plain, _, _ = await generate(stub, req)
+        assert tokens == plain and final.finish_reason == "length"
+    assert pair.drafter.service.sessions.evictions > 0
+
+
+async def test_drafter_killed_mid_request_completes(pair, tiny_mtp_model):
+    stub = await pair.start(tiny_mtp_model, drafter_settings={"planner": "mtp"}, drafter_deadline_ms=200)
+    req = request(PROMPT, 120, temperature=0.8, seed=4)
+    call = stub.Generate(req)
+    tokens = list((await call.read()).token_ids)
+    await pair.drafter.stop(0)
+    pair.drafter = None
+    final = None
+    while (event := await call.read()) != grpc.aio.EOF:
+        tokens += list(event.token_ids)
+        if event.HasField("final"):
+            final = event.final
+    req.speculation.disable = True
+    plain, _, _ = await generate(stub, req)
+    assert final is not None and final.finish_reason == "length"
+    assert tokens == plain
