@@ -1,0 +1,300 @@
+"""A SYNTHETIC drafter with controlled acceptance, for benchmarks (bench/pair_speedup.py).
+
+A real `tandem.v1.Drafter` gRPC service (grpc.aio, with health checking) that proposes the
+next K tokens of a known reference continuation — the verifier's own output for the prompt
+— each token independently corrupted with probability 1 - alpha. Against a verifier in
+exact mode every uncorrupted draft is accepted (while the committed tokens still equal the
+reference), so the per-step acceptance is alpha by construction. Nothing it produces is a
+real draft: label every number measured with it "synthetic".
+
+    python bench/replay_drafter.py --port P --reference FILE --alpha A --seed S [--max-drafts K]
+        [--vocab-size V] [--stats FILE.jsonl]
+
+Reference file (JSON): {"prompt_ids": [...], "token_ids": [...]} for one prompt, or
+{"references": [{"prompt_ids": ..., "token_ids": ...}, ...], "vocab_size": V} for several
+(a plain JSON list of such objects works too). A session is matched to the reference whose
+prompt is a prefix of the opened context and whose continuation equals the rest.
+
+Per open / commit the chain for the next round is: the reference tokens at the session's
+committed position (at most K: min(--max-drafts, the verifier's max_draft_tokens)) if the
+committed tokens still equal the reference prefix, else no drafts. Draft j at absolute
+position p is corrupted iff u(seed, prompt, p) >= alpha, u a fixed hash-based uniform in
+[0, 1) (blake2b of seed, a CRC of the prompt ids and p), so a rerun proposes exactly the
+same chains; a corrupted token t becomes (t + 1) % vocab_size (t - 1 where the vocabulary
+size is unknown and t + 1 might fall outside it). Drafts are point masses (no q rows),
+source SUFFIX, confidences 1.0.
+
+A session id containing "@alpha=A" (the verifier forwards the request's request_id as the
+session id) overrides --alpha for that session, so one replay drafter and one verifier can
+serve several alpha values in one interleaved run.
+
+--stats FILE appends one JSON line per finished Draft stream (label "synthetic"): the
+session id, alpha, the bytes of every message each way (protobuf ByteSize: payload bytes,
+no gRPC/HTTP2 framing), the drafter's own compute time per chain (message received → chain
+built), drafts proposed and corrupted, and where the session left the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import re
+import signal
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+try:
+    from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, drafter_pb2_grpc
+except ImportError:  # run as a script from anywhere: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, drafter_pb2_grpc
+
+LABEL = "synthetic"
+MAX_DRAFTS = 16
+MAX_MESSAGE_BYTES = 64 << 20
+OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+ALPHA_IN_SESSION = re.compile(r"@alpha=([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)")
+
+
+@dataclass(frozen=True)
+class Reference:
+    index: int
+    prompt_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    key: int  # CRC32 of the prompt ids: keys the corruption draws per prompt
+
+    def matches(self, tokens: list[int]) -> bool:
+        n = len(self.prompt_ids)
+        if len(tokens) < n or tuple(tokens[:n]) != self.prompt_ids:
+            return False
+        rest = tokens[n:]
+        return len(rest) <= len(self.token_ids) and tuple(rest) == self.token_ids[: len(rest)]
+
+
+def load_references(path: str | Path) -> tuple[list[Reference], int]:
+    """The references in `path` and the vocabulary size it names (0 = unknown)."""
+    raw = json.loads(Path(path).read_text())
+    vocab_size = 0
+    if isinstance(raw, dict) and "references" in raw:
+        vocab_size = int(raw.get("vocab_size") or 0)
+        items = raw["references"]
+    elif isinstance(raw, dict):
+        vocab_size = int(raw.get("vocab_size") or 0)
+        items = [raw]
+    else:
+        items = raw
+    references = []
+    for index, item in enumerate(items):
+        prompt = tuple(int(t) for t in item["prompt_ids"])
+        tokens = tuple(int(t) for t in item["token_ids"])
+        if not prompt:
+            raise ValueError(f"reference {index}: prompt_ids is empty")
+        key = zlib.crc32(b",".join(str(t).encode() for t in prompt))
+        references.append(Reference(index, prompt, tokens, key))
+    if not references:
+        raise ValueError(f"{path}: no references")
+    return references, vocab_size
+
+
+def uniform(seed: int, key: int, position: int) -> float:
+    """A fixed uniform in [0, 1) for (seed, prompt key, absolute position)."""
+    digest = hashlib.blake2b(f"{seed}:{key}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0**64
+
+
+def corrupt(token: int, vocab_size: int) -> int:
+    if vocab_size > 0:
+        return (token + 1) % vocab_size
+    return token - 1 if token > 0 else token + 1
+
+
+@dataclass
+class ReplaySession:
+    session_id: str
+    alpha: float
+    max_drafts: int
+    reference: Reference | None
+    tokens: list[int]
+    round_id: int
+    diverged_at: int | None = None  # committed length where the session left its reference
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def on_reference(self) -> bool:
+        return self.reference is not None and self.diverged_at is None
+
+
+class ReplayDrafter:
+    """The drafting logic, without gRPC (bench/pair_speedup.py also times it in-process)."""
+
+    def __init__(self, references: list[Reference], *, alpha: float, seed: int, max_drafts: int = MAX_DRAFTS,
+                 vocab_size: int = 0) -> None:
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha {alpha} must lie in [0, 1]")
+        self.references = references
+        self.alpha = alpha
+        self.seed = seed
+        self.max_drafts = max(0, min(max_drafts, MAX_DRAFTS))
+        self.vocab_size = vocab_size
+
+    def session_alpha(self, session_id: str) -> float:
+        match = ALPHA_IN_SESSION.search(session_id)
+        if match is None:
+            return self.alpha
+        alpha = float(match.group(1))
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"session id {session_id!r}: alpha {alpha} must lie in [0, 1]")
+        return alpha
+
+    def open(self, message: drafter_pb2.DraftOpen) -> ReplaySession:
+        tokens = list(message.token_ids)
+        if not tokens:
+            raise ValueError("open.token_ids is empty")
+        reference = next((r for r in self.references if r.matches(tokens)), None)
+        session = ReplaySession(
+            session_id=message.session_id, alpha=self.session_alpha(message.session_id),
+            max_drafts=max(0, min(self.max_drafts, message.max_draft_tokens)), reference=reference,
+            tokens=tokens, round_id=message.next_round_id,
+        )
+        session.stats = {
+            "label": LABEL, "session_id": session.session_id, "alpha": session.alpha, "seed": self.seed,
+            "reference": reference.index if reference else None, "prompt_tokens": len(tokens),
+            "up": [], "down": [], "compute_ms": [], "drafted": 0, "corrupted": 0, "diverged_at": None,
+        }
+        return session
+
+    def commit(self, session: ReplaySession, message: drafter_pb2.DraftCommit) -> None:
+        emitted = list(message.emitted_token_ids)
+        start = len(session.tokens)
+        session.tokens.extend(emitted)
+        session.round_id = message.round_id + 1
+        if session.on_reference:
+            ref = session.reference
+            offset = start - len(ref.prompt_ids)
+            expected = list(ref.token_ids[offset : offset + len(emitted)])
+            if emitted != expected:  # the verifier left the reference (or ran past its end)
+                same = next((i for i, (a, b) in enumerate(zip(emitted, expected)) if a != b), min(len(emitted), len(expected)))
+                session.diverged_at = start + same
+                session.stats["diverged_at"] = session.diverged_at
+
+    def propose(self, session: ReplaySession) -> drafter_pb2.DraftChain:
+        drafts: list[int] = []
+        if session.on_reference and session.max_drafts:
+            ref = session.reference
+            base = len(session.tokens)
+            offset = base - len(ref.prompt_ids)
+            for j, token in enumerate(ref.token_ids[offset : offset + session.max_drafts]):
+                if uniform(self.seed, ref.key, base + j) >= session.alpha:
+                    token = corrupt(token, self.vocab_size)
+                    session.stats["corrupted"] += 1
+                drafts.append(token)
+            session.stats["drafted"] += len(drafts)
+        return drafter_pb2.DraftChain(
+            round_id=session.round_id,
+            base_length=len(session.tokens),
+            source=common_pb2.DRAFT_SOURCE_SUFFIX if drafts else common_pb2.DRAFT_SOURCE_NONE,
+            token_ids=drafts,
+            confidences=[1.0] * len(drafts),
+        )
+
+
+class ReplayDrafterService(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, drafter: ReplayDrafter, stats_path: str | None = None) -> None:
+        self.drafter = drafter
+        self.stats_path = stats_path
+        self.sessions = 0
+
+    def _write_stats(self, session: ReplaySession) -> None:
+        if not self.stats_path:
+            return
+        with open(self.stats_path, "a") as out:
+            out.write(json.dumps(session.stats) + "\n")
+
+    async def Draft(self, request_iterator, context: grpc.aio.ServicerContext):
+        session: ReplaySession | None = None
+        try:
+            async for up in request_iterator:
+                started = time.perf_counter()
+                kind = up.WhichOneof("kind")
+                try:
+                    if kind == "open":
+                        session = self.drafter.open(up.open)
+                        self.sessions += 1
+                    elif kind == "commit":
+                        if session is None:
+                            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "commit before open: re-open the stream")
+                        self.drafter.commit(session, up.commit)
+                    else:
+                        continue
+                    chain = self.drafter.propose(session)
+                except ValueError as error:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                elapsed = (time.perf_counter() - started) * 1e3
+                chain.costs.draft_ms = elapsed
+                down = drafter_pb2.DraftDown(protocol_version=PROTOCOL_VERSION, chain=chain)
+                session.stats["up"].append([kind, up.ByteSize()])
+                session.stats["down"].append(down.ByteSize())
+                session.stats["compute_ms"].append((time.perf_counter() - started) * 1e3)
+                yield down
+        finally:
+            if session is not None:
+                self._write_stats(session)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    references, file_vocab = load_references(args.reference)
+    drafter = ReplayDrafter(references, alpha=args.alpha, seed=args.seed, max_drafts=args.max_drafts,
+                            vocab_size=args.vocab_size or file_vocab)
+    health_servicer = health.aio.HealthServicer()
+    server = grpc.aio.server(options=OPTIONS)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(ReplayDrafterService(drafter, args.stats), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    if port == 0:
+        raise RuntimeError(f"could not bind {args.host}:{args.port}")
+    await server.start()
+    for name in ("", "tandem.v1.Drafter"):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    print(f"{LABEL} replay drafter listening on {args.host}:{port}: {len(references)} reference(s), "
+          f"alpha {args.alpha}, seed {args.seed}, max drafts {drafter.max_drafts}, vocab {drafter.vocab_size or 'unknown'}",
+          file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(2.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--reference", required=True, help="JSON reference file (see the module docstring)")
+    parser.add_argument("--alpha", type=float, required=True, help="probability that a draft token is left uncorrupted")
+    parser.add_argument("--seed", type=int, default=0, help="keys the corruption draws")
+    parser.add_argument("--max-drafts", type=int, default=MAX_DRAFTS, help="most drafts per chain (also capped by the verifier's max_draft_tokens)")
+    parser.add_argument("--vocab-size", type=int, default=0, help="0 = the reference file's vocab_size, else corrupt t to t-1")
+    parser.add_argument("--stats", default=None, help="append one JSON line per finished stream to this file")
+    args = parser.parse_args(argv)
+    if not 0.0 <= args.alpha <= 1.0:
+        parser.error(f"--alpha {args.alpha} must lie in [0, 1]")
+    try:
+        asyncio.run(serve(args))
+    except (OSError, ValueError, KeyError, RuntimeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
