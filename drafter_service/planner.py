@@ -21,6 +21,8 @@ PRIOR = {"MTP": (2.0, 2.0), "SUFFIX": (3.0, 1.0)}  # Beta(accepted, rejected) pe
 
 
 def suffix_bucket(length: int) -> int:
+    if length < BUCKETS[0][0]:
+        return 0
     for index, (low, high) in enumerate(BUCKETS):
         if low <= length <= high:
             return index

@@ -16,13 +16,18 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from drafter_service.planner import Planner, choose
+from collections import OrderedDict
+
+from drafter_service.planner import Estimates, Planner, choose
 from drafter_service.proposers import Proposal
 from drafter_service.proposers.mtp import MTPProposer, MTPState
 from drafter_service.proposers.suffix import GlobalIndex, SuffixIndex
 from drafter_service.session import DraftSession, SessionStore, session_params
 from drafter_service.settings import DrafterSettings
 from kernels.speculative import Mode
+from shared import telemetry
+from shared.logs import configure_logging
+from shared.metrics import DrafterMetrics, serve_metrics
 from shared.model import RoutingOptions, load_model
 from shared.model.registry import resolve_model
 from shared.protocol import PROTOCOL_VERSION, common_pb2, decode_hidden, drafter_pb2, drafter_pb2_grpc
@@ -48,6 +53,19 @@ class Drafter:
         self.mtp = MTPProposer(model, routing) if model.mtp is not None else None
         self.planner = Planner(MAX_DRAFTS)
         self.global_index = GlobalIndex(settings.global_index_contexts)
+        # Request-initial planner snapshots by session id: a re-sync of the same request (after
+        # an eviction or a lost stream) keeps planning with the estimates it started with.
+        self.snapshots: OrderedDict[str, Estimates] = OrderedDict()
+        self.max_snapshots = 4 * settings.max_sessions
+
+    def snapshot_for(self, session_id: str) -> Estimates:
+        snapshot = self.snapshots.get(session_id)
+        if snapshot is None:
+            snapshot = self.snapshots[session_id] = self.planner.snapshot()
+            while len(self.snapshots) > self.max_snapshots:
+                self.snapshots.popitem(last=False)
+        self.snapshots.move_to_end(session_id)
+        return snapshot
 
     def _mtp_store(self):
         return self.model.mtp.layers[0].mlp.experts if self.mtp is not None else None
@@ -72,7 +90,7 @@ class Drafter:
         return DraftSession(
             session_id=message.session_id, sampling=sampling, seed=message.sampling.seed, mode=mode, gate=gate,
             coupled=message.speculation.coupled, policy=policy, max_drafts=max_drafts,
-            snapshot=self.planner.snapshot(), suffix=suffix, mtp=mtp_state, round_id=message.next_round_id,
+            snapshot=self.snapshot_for(message.session_id), suffix=suffix, mtp=mtp_state, round_id=message.next_round_id,
         )
 
     def commit(self, session: DraftSession, message: drafter_pb2.DraftCommit) -> None:
@@ -145,6 +163,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.model = model
         self.drafter: Drafter | None = None
         self.sessions = SessionStore(settings.max_sessions)
+        self.metrics = DrafterMetrics()
 
     async def load(self) -> None:
         if self.model is None:
@@ -171,33 +190,59 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         if self.drafter is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter model is still loading")
         session: DraftSession | None = None
+        tracer = telemetry.tracer("tandem.drafter")
+        self.metrics.active.inc()
         try:
             async for up in request_iterator:
                 kind = up.WhichOneof("kind")
-                if kind == "open":
-                    try:
-                        session, chain = await self.worker.run(self._open_and_propose, up.open)
-                    except ValueError as error:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-                    self.sessions.put(session)
-                elif kind == "commit":
-                    if session is None or not self.sessions.touch(session):
-                        await context.abort(
-                            grpc.StatusCode.FAILED_PRECONDITION,
-                            "unknown or evicted session: re-open the stream with the full context",
-                        )
-                    try:
-                        chain = await self.worker.run(self._commit_and_propose, session, up.commit)
-                    except ValueError as error:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-                else:
+                if kind not in ("open", "commit"):
                     continue  # a message kind this version does not know
+                if kind == "commit" and (session is None or not self.sessions.touch(session)):
+                    await context.abort(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        "unknown or evicted session: re-open the stream with the full context",
+                    )
+                # Each message carries the verifier span it belongs to: the drafter's span
+                # joins that trace even though the stream outlives it.
+                parent = telemetry.extract_context(up.trace_context) if up.trace_context else None
+                with tracer.start_as_current_span("propose", context=parent) as span:
+                    try:
+                        if kind == "open":
+                            evictions = self.sessions.evictions
+                            session, chain = await self.worker.run(self._open_and_propose, up.open)
+                            self.sessions.put(session)
+                            self.metrics.evictions.inc(self.sessions.evictions - evictions)
+                            structlog.contextvars.bind_contextvars(request_id=session.session_id)
+                        else:
+                            chain = await self.worker.run(self._commit_and_propose, session, up.commit)
+                    except ValueError as error:
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                    self._observe(span, session, chain, kind)
                 yield drafter_pb2.DraftDown(protocol_version=PROTOCOL_VERSION, chain=chain)
         finally:
+            self.metrics.active.dec()
             if session is not None:
                 self.sessions.remove(session)
                 if self.drafter is not None:
                     self.drafter.global_index.add(session.tokens)
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    def _observe(self, span, session: DraftSession, chain: drafter_pb2.DraftChain, kind: str) -> None:
+        source = {common_pb2.DRAFT_SOURCE_MTP: "MTP", common_pb2.DRAFT_SOURCE_SUFFIX: "SUFFIX"}.get(chain.source, "NONE")
+        m = self.metrics
+        m.proposals.labels(source).inc()
+        m.draft_tokens.labels(source).inc(len(chain.token_ids))
+        m.draft_seconds.observe(chain.costs.draft_ms / 1e3)
+        m.slot_misses.inc(chain.costs.expert_slot_misses)
+        store = self.drafter._mtp_store()
+        if store is not None and not store.all_resident:
+            m.slot_hit_rate.set(store.counters.hit_rate)
+        span.set_attributes({
+            "tandem.request_id": session.session_id, "tandem.message": kind, "tandem.round_id": chain.round_id,
+            "tandem.base_length": chain.base_length, "tandem.source": source,
+            "tandem.drafts": len(chain.token_ids), "tandem.confidences": list(chain.confidences),
+            "tandem.draft_ms": chain.costs.draft_ms, "tandem.slot_misses": chain.costs.expert_slot_misses,
+        })
 
 
 class DrafterServer:
@@ -208,6 +253,7 @@ class DrafterServer:
         self.server = grpc.aio.server(options=OPTIONS)
         self.port: int | None = None
         self.loaded: asyncio.Task | None = None
+        self.metrics_server = None
 
     async def start(self) -> int:
         drafter_pb2_grpc.add_DrafterServicer_to_server(self.service, self.server)
@@ -221,6 +267,7 @@ class DrafterServer:
         if self.port == 0:
             raise RuntimeError(f"could not bind {self.settings.address}")
         await self.server.start()
+        self.metrics_server = serve_metrics(self.service.metrics.registry, self.settings.host, self.settings.metrics_port)
         self.loaded = asyncio.create_task(self.service.load())
         return self.port
 
@@ -230,10 +277,14 @@ class DrafterServer:
     async def stop(self, grace: float | None = None) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.settings.grace_s if grace is None else grace)
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
         self.service.worker.shutdown()
 
 
 async def serve(settings: DrafterSettings) -> None:
+    configure_logging()
+    telemetry.setup_tracing("tandem-drafter")  # before any server or channel exists
     server = DrafterServer(settings)
     port = await server.start()
     log.info("drafter listening", host=settings.host, port=port, protocol=PROTOCOL_VERSION)
@@ -244,3 +295,4 @@ async def serve(settings: DrafterSettings) -> None:
     await server.wait_loaded()
     await stop.wait()
     await server.stop()
+    telemetry.shutdown_tracing()

@@ -24,9 +24,19 @@ class DrafterSettings:
     expert_slots: int = field(default=0, metadata={"help": "device expert slots per MoE layer (0 = all resident)"})
     global_index_contexts: int = field(default=200_000, metadata={"help": "contexts kept in the cross-session suffix index"})
     planner: str = field(default="adaptive", metadata={"help": "source choice: adaptive (learned estimates), mtp or suffix (fixed, for ablations)"})
+    metrics_port: int = field(default=0, metadata={"help": "port of the Prometheus /metrics endpoint (0 = off)"})
+    tls_cert: str | None = field(default=None, metadata={"help": "PEM server certificate: serve TLS (with tls_key)"})
+    tls_key: str | None = field(default=None, metadata={"help": "PEM private key of tls_cert"})
+    tls_client_ca: str | None = field(default=None, metadata={"help": "PEM CA bundle: require client certificates signed by it (mutual TLS)"})
     grace_s: float = field(default=5.0, metadata={"help": "SIGTERM: seconds open streams get to finish"})
 
     def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port {self.metrics_port} must lie in [0, 65535]")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port {self.port} must lie in [0, 65535]")
         if self.dtype not in DTYPES:

@@ -62,23 +62,24 @@ class DrafterLink:
     def usable(self) -> bool:
         return self.broken is None
 
-    async def open(self, message: drafter_pb2.DraftOpen) -> None:
-        """(Re)open the stream and send the full context."""
+    async def open(self, message: drafter_pb2.DraftOpen, trace_context: dict[str, str] | None = None) -> int:
+        """(Re)open the stream and send the full context; returns the bytes sent."""
         await self.close()
         self.chains = asyncio.Queue()
         self.broken = None
         self.call = self.stub.Draft(metadata=self.metadata)
         self.reader = asyncio.create_task(self._read(self.call))
-        await self._write(drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, open=message))
+        up = drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, open=message, trace_context=trace_context or {})
+        await self._write(up)
+        return up.ByteSize()
 
-    async def resync(self, message: drafter_pb2.DraftOpen) -> bool:
-        """Re-open a broken stream if the request still has re-syncs left."""
+    async def resync(self, message: drafter_pb2.DraftOpen, trace_context: dict[str, str] | None = None) -> int:
+        """Re-open a broken stream if the request still has re-syncs left; returns bytes sent."""
         if self.usable or self.resyncs >= MAX_RESYNCS:
-            return self.usable
+            return 0
         self.resyncs += 1
         self.fault("resync")
-        await self.open(message)
-        return self.usable
+        return await self.open(message, trace_context)
 
     async def _read(self, call) -> None:
         try:
@@ -100,9 +101,13 @@ class DrafterLink:
             self.broken = f"write failed: {error}"
             self.fault("stream_lost")
 
-    async def commit(self, message: drafter_pb2.DraftCommit) -> None:
-        if self.usable:
-            await self._write(drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, commit=message))
+    async def commit(self, message: drafter_pb2.DraftCommit, trace_context: dict[str, str] | None = None) -> int:
+        """Send a round's outcome; returns the bytes sent (0 when the stream is down)."""
+        if not self.usable:
+            return 0
+        up = drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, commit=message, trace_context=trace_context or {})
+        await self._write(up)
+        return up.ByteSize()
 
     async def next_chain(self, round_id: int) -> tuple[drafter_pb2.DraftChain | None, float]:
         """The chain for `round_id`, or None at the deadline; stale chains are dropped."""

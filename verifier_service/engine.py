@@ -42,6 +42,7 @@ class RoundOutcome:
     hidden_rows: Tensor  # [num_accepted + 1, hidden]: rows of the head and accepted drafts (CPU bf16)
     forward_ms: float
     verify_ms: float
+    slot_misses: int = 0  # expert slot misses of the target model in this round
 
 
 class Engine:
@@ -49,6 +50,7 @@ class Engine:
         self.model = model
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
+        self.stores = [layer.mlp.experts for layer in model.layers if hasattr(layer.mlp, "experts")]
 
     @property
     def vocab_size(self) -> int:
@@ -68,6 +70,7 @@ class Engine:
         spec = session.spec
         base = len(session.token_ids)  # position of the first token this round decides
         started = time.perf_counter()
+        misses = self.slot_misses()
         window = torch.tensor([session.token_ids[-1], *drafts], dtype=torch.int64, device=self.model.device)
         logits, hidden = self.model(window, session.cache)
         target = process_logits(logits, spec.sampling).to("cpu")  # row j: p at position base + j
@@ -80,4 +83,13 @@ class Engine:
         session.hidden_rows.append(rows)
         session.token_ids.extend(emitted)
         done = time.perf_counter()
-        return RoundOutcome(emitted, accepted, rows, (forwarded - started) * 1e3, (done - forwarded) * 1e3)
+        return RoundOutcome(emitted, accepted, rows, (forwarded - started) * 1e3, (done - forwarded) * 1e3,
+                            self.slot_misses() - misses)
+
+    def slot_misses(self) -> int:
+        return sum(store.counters.misses for store in self.stores)
+
+    def slot_hit_rate(self) -> float:
+        hits = sum(store.counters.hits for store in self.stores)
+        misses = self.slot_misses()
+        return hits / (hits + misses) if hits + misses else 1.0

@@ -20,6 +20,9 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shared import telemetry
+from shared.logs import configure_logging
+from shared.metrics import VerifierMetrics, serve_metrics
 from shared.model import load_model
 from shared.model.registry import resolve_model
 from shared.protocol import (
@@ -106,6 +109,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.channel = drafter_channel(settings.drafter) if settings.drafter else None
         self.drafter = drafter_pb2_grpc.DrafterStub(self.channel) if self.channel else None
         self.faults: dict[str, int] = {}
+        self.metrics = VerifierMetrics()
 
     async def load(self) -> None:
         s = self.settings
@@ -174,66 +178,124 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"too many sessions: {self.active} in flight (max_sessions = {self.settings.max_sessions})",
             )
+        structlog.contextvars.bind_contextvars(request_id=spec.request_id)
         self.active += 1
+        self.metrics.active.inc()
         link: DrafterLink | None = None
+        tracer = telemetry.tracer("tandem.verifier")
         try:
-            stats = RequestStats(len(spec.prompt_ids))
-            session = await self.worker.run(self.engine.open, spec)
-            if self.drafter is not None and spec.speculate:
-                link = DrafterLink(self.drafter, self.deadlines)
-                await link.open(self._open_message(session, 0))
-            completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences,
-                                    self.tokenizer if spec.text_prompt or spec.stop_sequences else None)
-            round_id = 0
-            while completion.finish_reason is None:
-                if session.cache.length >= session.cache.max_length:
-                    completion.finish_reason = "length"
-                    break
-                chain, wait_ms = None, 0.0
-                if link is not None:
-                    if not link.usable:
-                        await link.resync(self._open_message(session, round_id))
-                    raw, wait_ms = await link.next_chain(round_id)
-                    if raw is not None:
-                        chain = self._checked(raw, session, round_id, link)
-                proposed = chain.proposed if chain else 0
-                if chain is not None:
-                    limit = min(spec.max_draft_tokens, session.capacity_left)
-                    chain = retain(chain, mode=spec.mode, gate=spec.gate, policy=spec.retention, limit=limit)
-                drafts = chain.token_ids if chain else []
-                outcome = await self.worker.run(self.engine.run_round, session, drafts, chain.q_rows if chain else None)
-                source = chain.source if chain else "NONE"
-                stats.round(source, proposed, len(drafts), outcome.num_accepted)
-                tokens, delta = completion.extend(outcome.emitted)
-                if tokens and stats.first_token_at is None:
-                    stats.first_token_at = time.perf_counter()
+            with tracer.start_as_current_span("Generate", attributes={"tandem.request_id": spec.request_id}) as span:
+                stats = RequestStats(len(spec.prompt_ids))
+                with tracer.start_as_current_span("prefill", attributes={"tandem.prompt_tokens": len(spec.prompt_ids)}):
+                    session = await self.worker.run(self.engine.open, spec)
+                if self.drafter is not None and spec.speculate:
+                    link = DrafterLink(self.drafter, self.deadlines)
+                    await link.open(self._open_message(session, 0), self._trace_context())
+                completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences,
+                                        self.tokenizer if spec.text_prompt or spec.stop_sequences else None)
+                round_id = 0
+                while completion.finish_reason is None:
+                    if session.cache.length >= session.cache.max_length:
+                        completion.finish_reason = "length"
+                        break
+                    with tracer.start_as_current_span("round", attributes={"tandem.round_id": round_id}) as round_span:
+                        event = await self._round(session, link, completion, stats, round_id, round_span)
+                    yield event
+                    round_id += 1
+                faults = sum(v for k, v in (link.faults if link else {}).items() if k != "resync")
+                message = stats.message(len(completion.token_ids), faults)
+                self._finish_span(span, message, completion.finish_reason)
+                self.metrics.requests.labels(completion.finish_reason).inc()
                 yield verifier_pb2.GenerateEvent(
-                    token_ids=tokens,
-                    text_delta=delta,
-                    round=verifier_pb2.RoundInfo(
-                        round_id=round_id, source=SOURCE_ENUM[source], proposed=proposed, retained=len(drafts),
-                        accepted=outcome.num_accepted, verify_ms=outcome.forward_ms + outcome.verify_ms,
-                        draft_wait_ms=wait_ms,
-                    ),
-                )
-                if link is not None and completion.finish_reason is None:
-                    await link.commit(drafter_pb2.DraftCommit(
-                        round_id=round_id, num_accepted=outcome.num_accepted, emitted_token_ids=outcome.emitted,
-                        hidden=encode_hidden(outcome.hidden_rows), num_verified=len(drafts),
-                        verify_ms=outcome.forward_ms + outcome.verify_ms,
-                    ))
-                round_id += 1
-            faults = sum(v for k, v in (link.faults if link else {}).items() if k != "resync")
-            yield verifier_pb2.GenerateEvent(final=verifier_pb2.FinalEvent(
-                finish_reason=completion.finish_reason, stats=stats.message(len(completion.token_ids), faults)))
-            log.info("request done", request_id=spec.request_id, rounds=stats.rounds, tokens=len(completion.token_ids),
-                     finish=completion.finish_reason, faults=link.faults if link else {})
+                    final=verifier_pb2.FinalEvent(finish_reason=completion.finish_reason, stats=message))
+                log.info("request done", rounds=stats.rounds, tokens=len(completion.token_ids),
+                         finish=completion.finish_reason, faults=link.faults if link else {})
         finally:
             self.active -= 1
+            self.metrics.active.dec()
             if link is not None:
                 for kind, count in link.faults.items():
                     self.faults[kind] = self.faults.get(kind, 0) + count
+                    self.metrics.faults.labels(kind).inc(count)
                 await link.close()
+            structlog.contextvars.unbind_contextvars("request_id")
+
+    @staticmethod
+    def _trace_context() -> dict[str, str]:
+        carrier: dict[str, str] = {}
+        telemetry.inject_context(carrier)
+        return carrier
+
+    async def _round(self, session: Session, link: DrafterLink | None, completion: Completion, stats: RequestStats,
+                     round_id: int, span) -> verifier_pb2.GenerateEvent:
+        """One round: chain (bounded wait) → validate → retain → verify → commit."""
+        spec = session.spec
+        started = time.perf_counter()
+        chain, raw, wait_ms, bytes_up = None, None, 0.0, 0
+        if link is not None:
+            if not link.usable:
+                bytes_up += await link.resync(self._open_message(session, round_id), self._trace_context())
+            raw, wait_ms = await link.next_chain(round_id)
+            if raw is not None:
+                chain = self._checked(raw, session, round_id, link)
+        proposed = chain.proposed if chain else 0
+        if chain is not None:
+            limit = min(spec.max_draft_tokens, session.capacity_left)
+            chain = retain(chain, mode=spec.mode, gate=spec.gate, policy=spec.retention, limit=limit)
+        drafts = chain.token_ids if chain else []
+        outcome = await self.worker.run(self.engine.run_round, session, drafts, chain.q_rows if chain else None)
+        source = chain.source if chain else "NONE"
+        stats.round(source, proposed, len(drafts), outcome.num_accepted)
+        tokens, delta = completion.extend(outcome.emitted)
+        if tokens and stats.first_token_at is None:
+            stats.first_token_at = time.perf_counter()
+            self.metrics.ttft_seconds.observe(stats.first_token_at - stats.started)
+        if link is not None and completion.finish_reason is None:
+            bytes_up += await link.commit(drafter_pb2.DraftCommit(
+                round_id=round_id, num_accepted=outcome.num_accepted, emitted_token_ids=outcome.emitted,
+                hidden=encode_hidden(outcome.hidden_rows), num_verified=len(drafts),
+                verify_ms=outcome.forward_ms + outcome.verify_ms,
+            ), self._trace_context())
+        verify_ms = outcome.forward_ms + outcome.verify_ms
+        draft_ms = raw.costs.draft_ms if raw is not None else 0.0
+        m = self.metrics
+        m.tokens.inc(len(tokens))
+        m.accepted_length.observe(len(outcome.emitted))
+        m.round_seconds.observe(time.perf_counter() - started)
+        m.slot_hit_rate.set(self.engine.slot_hit_rate())
+        if drafts:
+            m.drafts.labels(source, "retained").inc(len(drafts))
+            m.drafts.labels(source, "accepted").inc(outcome.num_accepted)
+        span.set_attributes({
+            "tandem.source": source, "tandem.proposed": proposed, "tandem.retained": len(drafts),
+            "tandem.accepted": outcome.num_accepted, "tandem.emitted": len(outcome.emitted),
+            "tandem.confidences": list(raw.confidences) if raw is not None else [],
+            "tandem.draft_ms": draft_ms, "tandem.rpc_ms": max(wait_ms - draft_ms, 0.0), "tandem.wait_ms": wait_ms,
+            "tandem.verify_ms": verify_ms, "tandem.bytes_up": bytes_up,
+            "tandem.bytes_down": raw.ByteSize() if raw is not None else 0,
+            "tandem.drafter_slot_misses": raw.costs.expert_slot_misses if raw is not None else 0,
+            "tandem.verifier_slot_misses": outcome.slot_misses,
+        })
+        return verifier_pb2.GenerateEvent(
+            token_ids=tokens,
+            text_delta=delta,
+            round=verifier_pb2.RoundInfo(
+                round_id=round_id, source=SOURCE_ENUM[source], proposed=proposed, retained=len(drafts),
+                accepted=outcome.num_accepted, verify_ms=verify_ms, draft_wait_ms=wait_ms,
+            ),
+        )
+
+    @staticmethod
+    def _finish_span(span, message: verifier_pb2.RequestStats, finish_reason: str) -> None:
+        span.set_attributes({
+            "tandem.prompt_tokens": message.prompt_tokens, "tandem.completion_tokens": message.completion_tokens,
+            "tandem.rounds": message.rounds, "tandem.proposed": message.proposed, "tandem.retained": message.retained,
+            "tandem.accepted": message.accepted, "tandem.ttft_ms": message.ttft_ms,
+            "tandem.tokens_per_s": message.tokens_per_s,
+            "tandem.mean_accepted_length_with_bonus": message.mean_accepted_length,
+            "tandem.drafter_faults": message.drafter_faults, "tandem.finish_reason": finish_reason,
+            **{f"tandem.acceptance.{source}": rate for source, rate in message.acceptance_by_source.items()},
+        })
 
     def _checked(self, raw: drafter_pb2.DraftChain, session: Session, round_id: int, link: DrafterLink):
         spec = session.spec
@@ -258,6 +320,7 @@ class VerifierServer:
         self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
         self.port: int | None = None
         self.loaded: asyncio.Task | None = None
+        self.metrics_server = None
 
     async def start(self) -> int:
         verifier_pb2_grpc.add_VerifierServicer_to_server(self.service, self.server)
@@ -271,6 +334,7 @@ class VerifierServer:
         if self.port == 0:
             raise RuntimeError(f"could not bind {self.settings.address}")
         await self.server.start()
+        self.metrics_server = serve_metrics(self.service.metrics.registry, self.settings.host, self.settings.metrics_port)
         self.loaded = asyncio.create_task(self.service.load())
         return self.port
 
@@ -284,11 +348,15 @@ class VerifierServer:
         await self.server.stop(self.settings.grace_s if grace is None else grace)
         if self.service.channel is not None:
             await self.service.channel.close()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
         self.service.worker.shutdown()
 
 
 async def serve(settings: VerifierSettings) -> None:
     """Run until SIGTERM/SIGINT, then drain gracefully."""
+    configure_logging()
+    telemetry.setup_tracing("tandem-verifier")  # before any server or channel exists
     server = VerifierServer(settings)
     port = await server.start()
     log.info("verifier listening", host=settings.host, port=port, protocol=PROTOCOL_VERSION)
@@ -303,3 +371,4 @@ async def serve(settings: VerifierSettings) -> None:
     await stop.wait()
     log.info("draining", grace_s=settings.grace_s, in_flight=server.service.active)
     await server.stop()
+    telemetry.shutdown_tracing()

@@ -31,9 +31,23 @@ class VerifierSettings:
     drafter_deadline_ms: float = field(default=0.0, metadata={"help": "fixed per-round wait for a chain (0 = adaptive: recent p95 + margin)"})
     drafter_deadline_margin_ms: float = field(default=5.0, metadata={"help": "adaptive deadline: margin above the recent p95"})
     drafter_deadline_max_ms: float = field(default=1000.0, metadata={"help": "adaptive deadline: upper bound (also the first round's wait)"})
+    metrics_port: int = field(default=0, metadata={"help": "port of the Prometheus /metrics endpoint (0 = off)"})
+    tls_cert: str | None = field(default=None, metadata={"help": "PEM server certificate: serve TLS (with tls_key)"})
+    tls_key: str | None = field(default=None, metadata={"help": "PEM private key of tls_cert"})
+    tls_client_ca: str | None = field(default=None, metadata={"help": "PEM CA bundle: require client certificates signed by it (mutual TLS)"})
+    auth_token: str | None = field(default=None, metadata={"help": "bearer token Generate callers must send (authorization: Bearer ...); none = no auth"})
+    drafter_tls_ca: str | None = field(default=None, metadata={"help": "PEM CA bundle to verify the drafter's certificate (TLS to the drafter)"})
+    drafter_tls_cert: str | None = field(default=None, metadata={"help": "PEM client certificate for mutual TLS to the drafter"})
+    drafter_tls_key: str | None = field(default=None, metadata={"help": "PEM private key of drafter_tls_cert"})
     grace_s: float = field(default=10.0, metadata={"help": "SIGTERM: seconds in-flight requests get to finish"})
 
     def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port {self.metrics_port} must lie in [0, 65535]")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port {self.port} must lie in [0, 65535]")
         if self.dtype not in DTYPES:

@@ -6,7 +6,16 @@ import random
 
 import pytest
 
-from drafter_service.planner import BUCKETS, PRIOR, Estimates, Plan, Planner, choose, suffix_bucket
+from drafter_service.planner import (
+    BUCKETS,
+    EXPLORE_EVERY,
+    PRIOR,
+    Estimates,
+    Plan,
+    Planner,
+    choose,
+    suffix_bucket,
+)
 from drafter_service.proposers.suffix import SuffixIndex
 from drafter_service.session import DraftSession
 from kernels.retention import RetentionPolicy
@@ -37,8 +46,15 @@ def flat_cost(estimates, value=10.0, rows=40):
     estimates.verify_ms = {r: value for r in range(1, rows + 1)}
 
 
-def run_choose(estimates, limit=STEPS, mtp=True, suffix_length=None, suffix_tokens=0):
-    return choose(estimates, limit=limit, mtp_available=mtp, suffix_length=suffix_length, suffix_tokens=suffix_tokens)
+def run_choose(estimates, limit=STEPS, mtp=True, suffix_length=None, suffix_tokens=0, **extra):
+    return choose(
+        estimates,
+        limit=limit,
+        mtp_available=mtp,
+        suffix_length=suffix_length,
+        suffix_tokens=suffix_tokens,
+        **extra,
+    )
 
 
 # --- suffix_bucket -----------------------------------------------------------------------
@@ -46,7 +62,18 @@ def run_choose(estimates, limit=STEPS, mtp=True, suffix_length=None, suffix_toke
 
 @pytest.mark.parametrize(
     "length, bucket",
-    [(3, 0), (4, 1), (7, 1), (8, 2), (15, 2), (16, 3), (31, 3), (32, 3), (33, 3), (1000, 3)],
+    [
+        (3, 0),
+        (4, 1),
+        (7, 1),
+        (8, 2),
+        (15, 2),
+        (16, 3),
+        (31, 3),
+        (32, 3),
+        (33, 3),
+        (1000, 3),
+    ],
 )
 def test_suffix_bucket_boundaries(length, bucket):
     assert suffix_bucket(length) == bucket
@@ -139,10 +166,11 @@ def test_limit_and_suffix_tokens_bound_k():
     flat_acceptance(e, "SUFFIX", 1, 0.99, steps=40)
     flat_acceptance(e, "MTP", 0, 0.99, steps=40)
     assert run_choose(e, limit=8, mtp=False, suffix_length=5, suffix_tokens=3) == Plan(
-        "SUFFIX", 3, 1, pytest.approx(1 + 0.99 + 0.99**2 + 0.99**3))
+        "SUFFIX", 3, 1, pytest.approx(1 + 0.99 + 0.99**2 + 0.99**3)
+    )
     assert run_choose(e, limit=5, mtp=False, suffix_length=5, suffix_tokens=20).num_drafts == 5
     assert run_choose(e, limit=4, mtp=True).num_drafts == 4
-    for limit, tokens in itertools.product(range(0, 10), range(0, 10)):
+    for limit, tokens in itertools.product(range(10), range(10)):
         plan = run_choose(e, limit=limit, suffix_length=5, suffix_tokens=tokens)
         assert plan.num_drafts <= limit
         if plan.source == "SUFFIX":
@@ -156,7 +184,7 @@ def test_expected_tokens_hand_computed():
     e.tried[("SUFFIX", 0, 0)], e.accepted[("SUFFIX", 0, 0)] = 6, 5  # 8/10 = 0.8
     e.tried[("SUFFIX", 0, 1)], e.accepted[("SUFFIX", 0, 1)] = 6, 2  # 5/10 = 0.5
     e.tried[("SUFFIX", 0, 2)], e.accepted[("SUFFIX", 0, 2)] = 8, 0  # 3/12 = 0.25
-    kwargs = dict(mtp_available=False, suffix_length=3, suffix_tokens=10)
+    kwargs = {"mtp_available": False, "suffix_length": 3, "suffix_tokens": 10}
     assert choose(e, limit=1, **kwargs) == Plan("SUFFIX", 1, 0, pytest.approx(1.8))
     assert choose(e, limit=2, **kwargs) == Plan("SUFFIX", 2, 0, pytest.approx(1 + 0.8 + 0.4))
     assert choose(e, limit=3, **kwargs) == Plan("SUFFIX", 3, 0, pytest.approx(1 + 0.8 + 0.4 + 0.1))
@@ -185,13 +213,71 @@ def test_choose_is_a_pure_function_of_its_inputs():
     e.verify_ms = {r: 8.0 + rng.uniform(0, 3) * r for r in range(1, 6)}
     e.mtp_step_ms = 0.7
     frozen = copy.deepcopy(e)
-    cases = list(itertools.product(range(0, 9), (False, True), (None, 3, 5, 9, 20, 32), (0, 1, 4, 8)))
-    first = {case: run_choose(e, *case) for case in cases}
-    for _ in range(20):
+    cases = list(
+        itertools.product(
+            range(9),
+            (False, True),
+            (None, 3, 5, 9, 20, 32),
+            (0, 1, 4, 8),
+            (1, EXPLORE_EVERY),
+            ("adaptive", "mtp", "suffix"),
+        )
+    )
+
+    def call(case):
+        *facts, round_id, policy = case
+        return run_choose(e, *facts, round_id=round_id, policy=policy)
+
+    first = {case: call(case) for case in cases}
+    for _ in range(5):
         for case in rng.sample(cases, len(cases)):
-            assert run_choose(e, *case) == first[case]
+            assert call(case) == first[case]
     assert e == frozen  # choose does not touch its snapshot
     assert {plan.source for plan in first.values()} >= {"MTP", "SUFFIX", "NONE"}
+
+
+def test_draft_cost_ignored_until_verify_costs_are_measured():
+    e = Estimates(STEPS)
+    flat_acceptance(e, "MTP", 0, 0.9)
+    e.mtp_step_ms = 1000.0  # ms, while the unmeasured verify model is unitless
+    assert run_choose(e).source == "MTP"
+    e.verify_ms = {1: 10.0}
+    assert run_choose(e).source == "NONE"
+
+
+def test_adaptive_explores_one_mtp_draft_on_schedule():
+    e = Estimates(STEPS)
+    flat_acceptance(e, "MTP", 0, 0.05)
+    linear_cost(e)
+    e.mtp_step_ms = 1.0
+    for round_id in range(4 * EXPLORE_EVERY):
+        plan = run_choose(e, round_id=round_id)
+        if round_id % EXPLORE_EVERY == 0:
+            assert plan == Plan("MTP", 1, 0, pytest.approx(1.05))
+        else:
+            assert plan == Plan("NONE", 0)
+    # Nothing to explore with: no MTP, or no drafts allowed.
+    assert run_choose(e, mtp=False, round_id=EXPLORE_EVERY) == Plan("NONE", 0)
+    assert run_choose(e, limit=0, round_id=EXPLORE_EVERY) == Plan("NONE", 0)
+    # Exploration never overrides a profitable plan.
+    flat_acceptance(e, "SUFFIX", 1, 0.99)
+    plan = run_choose(e, suffix_length=5, suffix_tokens=6, round_id=EXPLORE_EVERY)
+    assert plan == run_choose(e, suffix_length=5, suffix_tokens=6, round_id=1)
+    assert plan.source == "SUFFIX"
+
+
+def test_fixed_policies_ignore_estimates():
+    e = Estimates(STEPS)
+    flat_acceptance(e, "MTP", 0, 0.01)
+    flat_acceptance(e, "SUFFIX", 2, 0.01)
+    e.verify_ms = {r: 10.0 * r * r for r in range(1, 20)}
+    assert run_choose(e, limit=6, policy="mtp", suffix_length=9, suffix_tokens=8) == Plan("MTP", 6)
+    assert run_choose(e, limit=6, mtp=False, policy="mtp") == Plan("NONE", 0)
+    assert run_choose(e, limit=0, policy="mtp") == Plan("NONE", 0)
+    assert run_choose(e, limit=6, policy="suffix", suffix_length=9, suffix_tokens=8) == Plan("SUFFIX", 6, 2)
+    assert run_choose(e, limit=6, policy="suffix", suffix_length=9, suffix_tokens=4) == Plan("SUFFIX", 4, 2)
+    assert run_choose(e, limit=6, policy="suffix", suffix_length=None, suffix_tokens=0) == Plan("NONE", 0)
+    assert run_choose(e, limit=6, policy="suffix", suffix_length=9, suffix_tokens=0) == Plan("NONE", 0)
 
 
 # --- Planner.learn -----------------------------------------------------------------------
@@ -201,7 +287,11 @@ def test_learn_counts_steps_up_to_the_first_rejection():
     p = Planner(STEPS)
     p.learn("MTP", 0, verified=5, accepted=2, verify_ms=12.0, rows=6)
     e = p.live
-    assert {k: v for k, v in e.tried.items()} == {("MTP", 0, 0): 1, ("MTP", 0, 1): 1, ("MTP", 0, 2): 1}
+    assert {k: v for k, v in e.tried.items()} == {
+        ("MTP", 0, 0): 1,
+        ("MTP", 0, 1): 1,
+        ("MTP", 0, 2): 1,
+    }
     assert {k: v for k, v in e.accepted.items()} == {("MTP", 0, 0): 1, ("MTP", 0, 1): 1}
     # Steps past accepted + 1 were never judged.
     assert ("MTP", 0, 3) not in e.tried and ("MTP", 0, 4) not in e.tried
@@ -214,7 +304,11 @@ def test_learn_all_accepted_and_none_verified():
     assert p.live.accepted == {("SUFFIX", 2, s): 1 for s in range(3)}
     p.learn("SUFFIX", 2, verified=0, accepted=0, verify_ms=0.0, rows=1)
     p.learn("SUFFIX", 2, verified=4, accepted=0, verify_ms=0.0, rows=5)
-    assert p.live.tried == {("SUFFIX", 2, 0): 2, ("SUFFIX", 2, 1): 1, ("SUFFIX", 2, 2): 1}
+    assert p.live.tried == {
+        ("SUFFIX", 2, 0): 2,
+        ("SUFFIX", 2, 1): 1,
+        ("SUFFIX", 2, 2): 1,
+    }
     assert p.live.accepted == {("SUFFIX", 2, s): 1 for s in range(3)}
     assert p.live.verify_ms == {}  # verify_ms 0: no cost learned
     assert p.live.acceptance("SUFFIX", 2, 0) == pytest.approx((1 + 3) / (2 + 4))
@@ -275,8 +369,18 @@ def test_snapshot_is_a_deep_copy():
 
 def make_session(snapshot):
     return DraftSession(
-        session_id="s", sampling=SamplingParams(), seed=1, mode=Mode.PROBABILISTIC, gate=Gate.TOP, coupled=False,
-        policy=RetentionPolicy(), max_drafts=STEPS, snapshot=snapshot, suffix=SuffixIndex(), mtp=None, round_id=0,
+        session_id="s",
+        sampling=SamplingParams(),
+        seed=1,
+        mode=Mode.PROBABILISTIC,
+        gate=Gate.TOP,
+        coupled=False,
+        policy=RetentionPolicy(),
+        max_drafts=STEPS,
+        snapshot=snapshot,
+        suffix=SuffixIndex(),
+        mtp=None,
+        round_id=0,
     )
 
 
@@ -288,7 +392,12 @@ def test_session_choice_fixed_while_live_policy_learns():
     p.learn("MTP", 0, 0, 0, verify_ms=10.0, rows=1)
     p.learn_draft_cost(1.0)
     session = make_session(p.snapshot())
-    facts = dict(limit=STEPS, mtp_available=True, suffix_length=5, suffix_tokens=6)
+    facts = {
+        "limit": STEPS,
+        "mtp_available": True,
+        "suffix_length": 5,
+        "suffix_tokens": 6,
+    }
     before = choose(session.snapshot, **facts)
     assert before.source == "SUFFIX"
     for _ in range(200):  # the live policy turns against suffix drafts and long windows

@@ -1,12 +1,16 @@
 """SessionStore (bounded LRU by id) and session_params (DraftOpen → settings)."""
 
+import copy
 import re
+from types import SimpleNamespace
 
 import pytest
 
 from drafter_service.planner import Estimates
 from drafter_service.proposers.suffix import SuffixIndex
+from drafter_service.server import Drafter
 from drafter_service.session import DraftSession, SessionStore, session_params
+from drafter_service.settings import DrafterSettings
 from kernels.retention import RetentionPolicy
 from kernels.sampling import DEFAULT_MAX_SUPPORT, SamplingParams
 from kernels.speculative import Gate, Mode
@@ -15,8 +19,18 @@ from shared.protocol import common_pb2, drafter_pb2
 
 def make_session(session_id):
     return DraftSession(
-        session_id=session_id, sampling=SamplingParams(), seed=0, mode=Mode.EXACT, gate=Gate.TOP, coupled=False,
-        policy=RetentionPolicy(), max_drafts=4, snapshot=Estimates(8), suffix=SuffixIndex(), mtp=None, round_id=0,
+        session_id=session_id,
+        sampling=SamplingParams(),
+        seed=0,
+        mode=Mode.EXACT,
+        gate=Gate.TOP,
+        coupled=False,
+        policy=RetentionPolicy(),
+        max_drafts=4,
+        snapshot=Estimates(8),
+        suffix=SuffixIndex(),
+        mtp=None,
+        round_id=0,
     )
 
 
@@ -151,7 +165,9 @@ def test_session_params_full():
     message = open_message(
         common_pb2.SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=123, max_support=16),
         common_pb2.SpeculationParams(
-            mode=common_pb2.MODE_PROBABILISTIC, gate=common_pb2.GATE_PICK, coupled=True,
+            mode=common_pb2.MODE_PROBABILISTIC,
+            gate=common_pb2.GATE_PICK,
+            coupled=True,
             retention=common_pb2.RetentionParams(schedule="0.10, 0.35 ,0.55", min_cum=0.25),
         ),
     )
@@ -171,11 +187,26 @@ def test_session_params_full():
 @pytest.mark.parametrize(
     "proto_mode, proto_gate, mode, gate",
     [
-        (common_pb2.MODE_UNSPECIFIED, common_pb2.GATE_UNSPECIFIED, Mode.EXACT, Gate.TOP),
+        (
+            common_pb2.MODE_UNSPECIFIED,
+            common_pb2.GATE_UNSPECIFIED,
+            Mode.EXACT,
+            Gate.TOP,
+        ),
         (common_pb2.MODE_EXACT, common_pb2.GATE_TOP, Mode.EXACT, Gate.TOP),
         (common_pb2.MODE_EXACT, common_pb2.GATE_PICK, Mode.EXACT, Gate.PICK),
-        (common_pb2.MODE_PROBABILISTIC, common_pb2.GATE_TOP, Mode.PROBABILISTIC, Gate.TOP),
-        (common_pb2.MODE_PROBABILISTIC, common_pb2.GATE_UNSPECIFIED, Mode.PROBABILISTIC, Gate.TOP),
+        (
+            common_pb2.MODE_PROBABILISTIC,
+            common_pb2.GATE_TOP,
+            Mode.PROBABILISTIC,
+            Gate.TOP,
+        ),
+        (
+            common_pb2.MODE_PROBABILISTIC,
+            common_pb2.GATE_UNSPECIFIED,
+            Mode.PROBABILISTIC,
+            Gate.TOP,
+        ),
     ],
 )
 def test_session_params_mode_and_gate(proto_mode, proto_gate, mode, gate):
@@ -191,8 +222,13 @@ def test_top_p_unset_means_off_but_explicit_zero_is_rejected():
 
 @pytest.mark.parametrize(
     "fields, name",
-    [({"top_k": -1}, "top_k"), ({"temperature": -0.5}, "temperature"), ({"max_support": -3}, "max_support"),
-     ({"min_p": 1.5}, "min_p"), ({"temperature": float("nan")}, "temperature")],
+    [
+        ({"top_k": -1}, "top_k"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"max_support": -3}, "max_support"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"temperature": float("nan")}, "temperature"),
+    ],
 )
 def test_bad_sampling_raises_value_error_naming_it(fields, name):
     with pytest.raises(ValueError, match=name):
@@ -233,3 +269,53 @@ def test_bad_retention_min_cum_raises_value_error_naming_it(min_cum):
     )
     with pytest.raises(ValueError, match="min_cum"):
         session_params(message)
+
+
+# --- snapshots through the Drafter (seed 002), without a model: suffix drafts only --------
+
+
+def suffix_only_drafter():
+    return Drafter(SimpleNamespace(mtp=None), DrafterSettings())
+
+
+def run_rejected_rounds(drafter, session, rounds):
+    """Rounds in which every suffix draft is rejected and verification is slow."""
+    chain = drafter.propose(session)
+    for _ in range(rounds):
+        commit = drafter_pb2.DraftCommit(
+            round_id=session.round_id,
+            num_accepted=0,
+            emitted_token_ids=[900 + session.round_id],
+            num_verified=len(chain.token_ids),
+            verify_ms=50.0,
+        )
+        drafter.commit(session, commit)
+        chain = drafter.propose(session)
+
+
+def test_open_session_keeps_its_snapshot_while_its_rounds_are_learned():
+    drafter = suffix_only_drafter()
+    message = drafter_pb2.DraftOpen(session_id="req", token_ids=[1, 2, 3, 4, 5, 1, 2, 3], max_draft_tokens=4)
+    session = drafter.open(message)
+    initial = copy.deepcopy(session.snapshot)
+    run_rejected_rounds(drafter, session, 10)
+    assert drafter.planner.live != initial  # the live policy learned from these rounds
+    assert session.snapshot == initial  # the request's own choices still use the initial one
+    # A new request starts from the live policy.
+    other = drafter.open(drafter_pb2.DraftOpen(session_id="other", token_ids=[1, 2, 3], max_draft_tokens=4))
+    assert other.snapshot == drafter.planner.live
+
+
+def test_resync_of_the_same_request_keeps_the_request_initial_snapshot():
+    drafter = suffix_only_drafter()
+    message = drafter_pb2.DraftOpen(session_id="req", token_ids=[1, 2, 3, 4, 5, 1, 2, 3], max_draft_tokens=4)
+    session = drafter.open(message)
+    initial = copy.deepcopy(session.snapshot)
+    run_rejected_rounds(drafter, session, 10)
+    resync = drafter_pb2.DraftOpen(
+        session_id="req",
+        token_ids=session.tokens,
+        max_draft_tokens=4,
+        next_round_id=session.round_id,
+    )
+    assert drafter.open(resync).snapshot == initial

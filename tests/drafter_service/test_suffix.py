@@ -45,7 +45,34 @@ def test_longest_match_wins_over_a_shorter_newer_one():
 
 
 def test_longest_match_wins_by_several_tokens():
-    tokens = [40, 41, 42, 1, 2, 3, 70, 71, 72, 5, 1, 2, 3, 80, 81, 6, 1, 2, 3, 90, 40, 41, 42, 1, 2, 3]
+    tokens = [
+        40,
+        41,
+        42,
+        1,
+        2,
+        3,
+        70,
+        71,
+        72,
+        5,
+        1,
+        2,
+        3,
+        80,
+        81,
+        6,
+        1,
+        2,
+        3,
+        90,
+        40,
+        41,
+        42,
+        1,
+        2,
+        3,
+    ]
     match = index_of(tokens).lookup(3)
     assert match == SuffixMatch(6, [70, 71, 72])
 
@@ -143,7 +170,8 @@ def test_every_match_is_an_earlier_occurrence_with_a_nonempty_continuation():
             history = tokens[:n]
             suffix = history[n - match.length :]
             ends = [
-                e for e in range(match.length, n)
+                e
+                for e in range(match.length, n)
                 if history[e - match.length : e] == suffix and history[e : e + k] == match.continuation
             ]
             assert ends, (position, match)
@@ -179,7 +207,10 @@ def test_matches_brute_force_reference(vocab):
     for position, token in enumerate(tokens):
         index.extend([token])
         for k in (1, 5):
-            assert index.lookup(k) == reference_lookup(tokens[: position + 1], k), (position, k)
+            assert index.lookup(k) == reference_lookup(tokens[: position + 1], k), (
+                position,
+                k,
+            )
 
 
 def test_incremental_extend_equals_one_extend():

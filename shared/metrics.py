@@ -1,0 +1,49 @@
+"""Prometheus metrics of both services, each on its own registry, served at /metrics.
+
+A registry per server instance (not the process-global one) keeps several servers in one
+process (tests, the demo) apart.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+ROUND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 17)
+
+
+class VerifierMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.tokens = Counter("tandem_verifier_completion_tokens", "Completion tokens streamed to clients", registry=r)
+        self.requests = Counter("tandem_verifier_requests", "Finished requests", ["finish_reason"], registry=r)
+        self.drafts = Counter("tandem_verifier_drafts", "Draft tokens by source and outcome (retained, accepted)",
+                              ["source", "outcome"], registry=r)
+        self.accepted_length = Histogram("tandem_verifier_accepted_length", "Committed tokens per round (bonus included)",
+                                         buckets=LENGTH_BUCKETS, registry=r)
+        self.round_seconds = Histogram("tandem_verifier_round_seconds", "Round latency: chain wait + verification",
+                                       buckets=ROUND_BUCKETS, registry=r)
+        self.ttft_seconds = Histogram("tandem_verifier_ttft_seconds", "Time to first token", registry=r)
+        self.active = Gauge("tandem_verifier_active_sessions", "Requests in flight", registry=r)
+        self.faults = Counter("tandem_verifier_drafter_faults", "Drafter faults seen by the verifier", ["kind"], registry=r)
+        self.slot_hit_rate = Gauge("tandem_verifier_expert_slot_hit_rate", "Expert slot hit rate of the target model", registry=r)
+
+
+class DrafterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.proposals = Counter("tandem_drafter_proposals", "Chains sent, by source", ["source"], registry=r)
+        self.draft_tokens = Counter("tandem_drafter_draft_tokens", "Draft tokens sent, by source", ["source"], registry=r)
+        self.draft_seconds = Histogram("tandem_drafter_draft_seconds", "Drafter compute per chain", buckets=ROUND_BUCKETS, registry=r)
+        self.active = Gauge("tandem_drafter_active_sessions", "Open Draft streams", registry=r)
+        self.evictions = Counter("tandem_drafter_session_evictions", "Sessions evicted (their verifier re-syncs)", registry=r)
+        self.slot_misses = Counter("tandem_drafter_expert_slot_misses", "Expert slot misses on draft rows", registry=r)
+        self.slot_hit_rate = Gauge("tandem_drafter_expert_slot_hit_rate", "Expert slot hit rate of the MTP layer", registry=r)
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int):
+    """Start the /metrics HTTP server; returns an object with shutdown() (None when port is 0)."""
+    if not port:
+        return None
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server
