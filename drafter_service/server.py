@@ -25,7 +25,7 @@ from drafter_service.proposers.suffix import GlobalIndex, SuffixIndex
 from drafter_service.session import DraftSession, SessionStore, session_params
 from drafter_service.settings import DrafterSettings
 from kernels.speculative import Mode
-from shared import telemetry
+from shared import security, telemetry
 from shared.logs import configure_logging
 from shared.metrics import DrafterMetrics, serve_metrics
 from shared.model import RoutingOptions, load_model
@@ -263,9 +263,8 @@ class DrafterServer:
         reflection.enable_server_reflection(names, self.server)
         for name in ("", "tandem.v1.Drafter"):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self.server.add_insecure_port(self.settings.address)
-        if self.port == 0:
-            raise RuntimeError(f"could not bind {self.settings.address}")
+        s = self.settings
+        self.port = security.add_port(self.server, s.address, security.server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca))
         await self.server.start()
         self.metrics_server = serve_metrics(self.service.metrics.registry, self.settings.host, self.settings.metrics_port)
         self.loaded = asyncio.create_task(self.service.load())

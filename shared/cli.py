@@ -9,6 +9,7 @@ arguments and returns the exit status. Heavy imports (grpc, torch) stay inside h
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 from importlib import metadata
@@ -209,6 +210,13 @@ def _add_generate(subcommands) -> None:
     output.add_argument("--timeout", type=float, default=None, metavar="S", help="deadline of the whole request in seconds; unset = none")
     output.add_argument("--request-id", default=None, metavar="ID", help="caller-chosen id, echoed in the verifier's logs and traces")
 
+    security = parser.add_argument_group("security")
+    security.add_argument("--tls-ca", default=None, metavar="PEM", help="CA bundle to verify the verifier's certificate (TLS)")
+    security.add_argument("--tls-cert", default=None, metavar="PEM", help="client certificate (mutual TLS)")
+    security.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+    security.add_argument("--token", default=None, metavar="TOKEN",
+                          help="bearer token for Generate; unset = env TANDEM_TOKEN if set")
+
 
 def _generation_config(args: argparse.Namespace):
     from shared.client import GenerationConfig
@@ -270,7 +278,11 @@ def _run_generate(args: argparse.Namespace) -> int:
     # held back (an incomplete character), not a verifier that sends none.
     ids_until_text = args.prompt is None
     try:
-        with VerifierClient(args.verifier, timeout=args.timeout) as client:
+        from shared.security import channel_credentials
+
+        credentials = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key, prefix="--tls-")
+        token = args.token or os.environ.get("TANDEM_TOKEN") or None
+        with VerifierClient(args.verifier, timeout=args.timeout, credentials=credentials, token=token) as client:
             events = client.stream(prompt, config)
             try:
                 for event in events:

@@ -29,6 +29,7 @@ from shared.protocol import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
+from shared.security import bearer_metadata, open_channel
 
 __all__ = [
     "MAX_MESSAGE_BYTES",
@@ -251,16 +252,21 @@ class AsyncVerifierClient:
     """`grpc.aio` client of `Verifier.Generate`. The channel opens on first use (inside the
     running event loop); `timeout` is the deadline of each whole call, in seconds."""
 
-    def __init__(self, target: str, *, timeout: float | None = None, channel_options=None) -> None:
+    def __init__(
+        self, target: str, *, timeout: float | None = None, channel_options=None,
+        credentials: grpc.ChannelCredentials | None = None, token: str | None = None,
+    ) -> None:
         self.target = target
         self.timeout = timeout
         self._options = _channel_options(channel_options)
+        self._credentials = credentials
+        self._metadata = bearer_metadata(token)
         self._channel: grpc.aio.Channel | None = None
         self._stub: verifier_pb2_grpc.VerifierStub | None = None
 
     def _get_stub(self) -> verifier_pb2_grpc.VerifierStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.target, options=self._options)
+            self._channel = open_channel(self.target, self._credentials, self._options)
             self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
         return self._stub
 
@@ -268,7 +274,7 @@ class AsyncVerifierClient:
         """The request's events as they arrive; leaving the loop early cancels the call
         (wrap in `contextlib.aclosing` to cancel at once rather than when collected)."""
         request = config.to_request(prompt)
-        call = self._get_stub().Generate(request, timeout=self.timeout)
+        call = self._get_stub().Generate(request, timeout=self.timeout, metadata=self._metadata)
         try:
             async for event in call:
                 yield event
@@ -299,16 +305,24 @@ class AsyncVerifierClient:
 class VerifierClient:
     """Blocking client of `Verifier.Generate`; `timeout` is the deadline of each whole call."""
 
-    def __init__(self, target: str, *, timeout: float | None = None, channel_options=None) -> None:
+    def __init__(
+        self, target: str, *, timeout: float | None = None, channel_options=None,
+        credentials: grpc.ChannelCredentials | None = None, token: str | None = None,
+    ) -> None:
         self.target = target
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(target, options=_channel_options(channel_options))
+        self._metadata = bearer_metadata(token)
+        options = _channel_options(channel_options)
+        if credentials is None:
+            self._channel = grpc.insecure_channel(target, options=options)
+        else:
+            self._channel = grpc.secure_channel(target, credentials, options=options)
         self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
 
     def stream(self, prompt: Prompt, config: GenerationConfig) -> Iterator[verifier_pb2.GenerateEvent]:
         """The request's events as they arrive; closing the iterator early cancels the call."""
         request = config.to_request(prompt)
-        call = self._stub.Generate(request, timeout=self.timeout)
+        call = self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
         try:
             yield from call
         except grpc.RpcError as error:

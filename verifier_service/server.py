@@ -20,7 +20,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from shared import telemetry
+from shared import security, telemetry
 from shared.logs import configure_logging
 from shared.metrics import VerifierMetrics, serve_metrics
 from shared.model import load_model
@@ -53,10 +53,11 @@ SOURCE_ENUM = {"MTP": common_pb2.DRAFT_SOURCE_MTP, "SUFFIX": common_pb2.DRAFT_SO
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def drafter_channel(target: str) -> grpc.aio.Channel:
+def drafter_channel(settings: VerifierSettings) -> grpc.aio.Channel:
     """One channel to the drafter address; round_robin spreads streams over resolved replicas."""
     config = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
-    return grpc.aio.insecure_channel(target, options=[*CHANNEL_OPTIONS, ("grpc.service_config", config)])
+    credentials = security.channel_credentials(settings.drafter_tls_ca, settings.drafter_tls_cert, settings.drafter_tls_key)
+    return security.open_channel(settings.drafter, credentials, [*CHANNEL_OPTIONS, ("grpc.service_config", config)])
 
 
 class RequestStats:
@@ -106,7 +107,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.active = 0
         self.draining = False
         self.deadlines = DeadlineTracker(settings)
-        self.channel = drafter_channel(settings.drafter) if settings.drafter else None
+        self.channel = drafter_channel(settings) if settings.drafter else None
         self.drafter = drafter_pb2_grpc.DrafterStub(self.channel) if self.channel else None
         self.faults: dict[str, int] = {}
         self.metrics = VerifierMetrics()
@@ -317,7 +318,8 @@ class VerifierServer:
         self.settings = settings
         self.health = health.aio.HealthServicer()
         self.service = VerifierService(settings, self.health, model=model, tokenizer=tokenizer)
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        interceptors = [security.BearerTokenInterceptor(settings.auth_token)] if settings.auth_token else []
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
         self.port: int | None = None
         self.loaded: asyncio.Task | None = None
         self.metrics_server = None
@@ -330,9 +332,8 @@ class VerifierServer:
         reflection.enable_server_reflection(names, self.server)
         for name in ("", "tandem.v1.Verifier"):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self.server.add_insecure_port(self.settings.address)
-        if self.port == 0:
-            raise RuntimeError(f"could not bind {self.settings.address}")
+        s = self.settings
+        self.port = security.add_port(self.server, s.address, security.server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca))
         await self.server.start()
         self.metrics_server = serve_metrics(self.service.metrics.registry, self.settings.host, self.settings.metrics_port)
         self.loaded = asyncio.create_task(self.service.load())

@@ -1,0 +1,81 @@
+"""One trace from the client through the verifier's rounds into the drafter's proposals."""
+
+import grpc
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from shared import telemetry
+from shared.protocol import verifier_pb2_grpc
+
+from ..drafter_service.conftest import Pair
+from ..verifier_service.conftest import request
+
+
+@pytest.fixture(scope="module")
+def spans():
+    exporter = InMemorySpanExporter()
+    if isinstance(trace.get_tracer_provider(), TracerProvider):
+        pytest.fail("a tracer provider was installed before this module; tracing tests need the first bootstrap")
+    assert telemetry.setup_tracing("tandem-test", exporter=exporter)
+    return exporter
+
+
+async def test_one_trace_from_client_to_drafter(spans, tiny_mtp_model):
+    pair = Pair()
+    try:
+        await pair.start(tiny_mtp_model, drafter_settings={"planner": "mtp"})
+        port = pair.verifier.port
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:  # instrumented client
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            req = request([3, 14, 15, 92, 65], 12, temperature=0.8, seed=1)
+            req.request_id = "trace-me"
+            with telemetry.tracer("test-client").start_as_current_span("client") as client_span:
+                final = None
+                async for event in stub.Generate(req):
+                    if event.HasField("final"):
+                        final = event.final
+            trace_id = client_span.get_span_context().trace_id
+    finally:
+        await pair.stop()
+    finished = [s for s in spans.get_finished_spans() if s.context.trace_id == trace_id]
+    names = [s.name for s in finished]
+    by_name = {}
+    for s in finished:
+        by_name.setdefault(s.name, []).append(s)
+    assert "/tandem.v1.Verifier/Generate" in names  # gRPC server instrumentation joined the trace
+    assert {"Generate", "prefill", "round", "propose"} <= set(names)
+    generate = by_name["Generate"][0]
+    a = generate.attributes
+    stats = final.stats
+    assert a["tandem.request_id"] == "trace-me"
+    assert a["tandem.completion_tokens"] == stats.completion_tokens == 12
+    assert a["tandem.rounds"] == stats.rounds == len(by_name["round"])
+    assert a["tandem.accepted"] == stats.accepted == sum(r.attributes["tandem.accepted"] for r in by_name["round"])
+    assert a["tandem.mean_accepted_length_with_bonus"] == pytest.approx(stats.mean_accepted_length)
+    assert a["tandem.finish_reason"] == "length" and "tandem.ttft_ms" in a and "tandem.tokens_per_s" in a
+    assert a["tandem.acceptance.MTP"] == pytest.approx(stats.acceptance_by_source["MTP"])
+    for r in by_name["round"]:
+        for key in ("tandem.source", "tandem.proposed", "tandem.retained", "tandem.accepted", "tandem.confidences",
+                    "tandem.draft_ms", "tandem.rpc_ms", "tandem.verify_ms", "tandem.bytes_up", "tandem.bytes_down",
+                    "tandem.drafter_slot_misses", "tandem.verifier_slot_misses"):
+            assert key in r.attributes, key
+        assert r.parent.span_id == generate.context.span_id
+    drafted = [r for r in by_name["round"] if r.attributes["tandem.retained"] > 0]
+    assert drafted and all(r.attributes["tandem.bytes_down"] > 0 for r in drafted)
+    proposals = by_name["propose"]
+    assert len(proposals) >= stats.rounds - 1
+    assert all(p.attributes["tandem.request_id"] == "trace-me" for p in proposals)
+    # each proposal hangs under a verifier span of the same trace (open: Generate; commits: rounds)
+    verifier_span_ids = {s.context.span_id for s in by_name["round"]} | {generate.context.span_id}
+    assert all(p.parent.span_id in verifier_span_ids for p in proposals)
+
+
+def test_tracing_off_installs_nothing():
+    assert telemetry.setup_tracing("x", environ={"OTEL_SDK_DISABLED": "true"}) in (True, False)
+    assert telemetry._exporter({}) is None
+    assert telemetry._exporter({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4317"}) is None
+    assert telemetry._exporter({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}) is not None
+    with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER 'zipkin'"):
+        telemetry._exporter({"OTEL_TRACES_EXPORTER": "zipkin"})
