@@ -3,7 +3,9 @@
 Method (DESIGN §7): interleaved paired blocks. Each block runs the same prompts and seeds
 once per arm — with speculation (the verifier configured with a drafter) and without (the
 same verifier process, requests with speculation.disable = True) — with the arm order
-reversed on alternate blocks. Per block: ratio = tokens/s(spec) / tokens/s(plain), tokens/s
+reversed on alternate blocks; within a block the arms run back to back per prompt (block
+1: spec, plain for prompt 0, then prompt 1, ...; block 2: plain, spec), so a drift in
+machine load lands on both arms of a pair. Per block: ratio = tokens/s(spec) / tokens/s(plain), tokens/s
 = the block's completion tokens / its requests' wall time (client side, send → final
 event). Quoted: the MEDIAN OF PAIRED RATIOS (not the ratio of medians); the same from the
 verifier's own tokens_per_s as a cross-check.
@@ -21,7 +23,8 @@ Also reported (all from the timed runs unless said otherwise):
     device, timing commit + propose per round (open + propose for round 0);
   * replay drafter (synthetic setups): measured inside bench/replay_drafter.py during the
     timed runs (protobuf ByteSize, compute = message received → chain built);
-- hop + service overhead per round = mean draft_wait_ms (rounds >= 1) − drafter compute;
+- hop + service overhead per round = median draft_wait_ms (rounds >= 1) − median drafter
+  compute per round (medians: robust to bursts of load on a shared machine);
 - the ideal speedup (DESIGN §7 cost model, verify cost only: no draft cost, no hop, no
   per-round host overhead): C1 = mean verify_ms of the plain arm's 1-row rounds, C(w) =
   mean verify_ms of the spec arm's w-row windows; ideal = (spec tokens / spec verify ms) /
@@ -112,6 +115,11 @@ def free_port() -> int:
 def mean(values) -> float | None:
     values = list(values)
     return statistics.fmean(values) if values else None
+
+
+def median(values) -> float | None:
+    values = list(values)
+    return statistics.median(values) if values else None
 
 
 def fmt(value, spec: str = ".2f", none: str = "n/a") -> str:
@@ -299,7 +307,8 @@ def replay_real_drafter(streams: list[dict], model: str | None, device: str, dty
                     continue
                 sync()
                 (open_ms if kind == "open" else commit_ms).append((time.perf_counter() - started) * 1e3)
-    return {"open_ms": mean(open_ms), "commit_ms": mean(commit_ms), "steps": len(commit_ms)}
+    return {"open_ms": median(open_ms), "commit_ms": median(commit_ms), "commit_ms_mean": mean(commit_ms),
+            "steps": len(commit_ms)}
 
 
 def replay_stats(path: Path) -> list[dict]:
@@ -317,7 +326,8 @@ def synthetic_costs(records: list[dict]) -> dict:
         down_bytes.extend(record["down"])
     return {
         "streams": len(records), "open_bytes": mean(open_bytes), "commit_bytes": mean(commit_bytes),
-        "chain_bytes": mean(down_bytes), "chains": len(down_bytes), "open_ms": mean(open_ms), "commit_ms": mean(commit_ms),
+        "chain_bytes": mean(down_bytes), "chains": len(down_bytes), "open_ms": median(open_ms),
+        "commit_ms": median(commit_ms), "commit_ms_mean": mean(commit_ms),
         "diverged": sum(1 for r in records if r.get("diverged_at") is not None),
         "corrupted": sum(r["corrupted"] for r in records), "drafted": sum(r["drafted"] for r in records),
     }
@@ -376,9 +386,9 @@ class Run:
         started = time.perf_counter()
         for block in range(n):
             order = arms if block % 2 == 0 else arms[::-1]
-            log(f"block {block + 1}/{n}: {' -> '.join(arm.name for arm in order)}")
-            for arm in order:
-                for index in range(len(self.prompts)):
+            log(f"block {block + 1}/{n}: per prompt {' -> '.join(arm.name for arm in order)}")
+            for index in range(len(self.prompts)):
+                for arm in order:  # arms back to back per prompt: slow drifts of machine load hit both
                     children.check_alive()
                     record = await self.request(client, arm, index, f"b{block}")
                     record["block"] = block
@@ -456,11 +466,11 @@ def analyse(records: list[dict], spec: Arm, plain: Arm, blocks: int, k_max: int)
     p_verify = sum(x["verify_ms"] for x in p_rounds)
     p_tokens = sum(r["tokens"] for r in p_recs)
     ideal = (tokens / s_verify) / (p_tokens / p_verify) if s_verify and p_verify and p_tokens else None
-    median = statistics.median(ratios) if ratios else None
+    mid = statistics.median(ratios) if ratios else None
     identical = sum(
         1 for r in s_recs for q in p_recs if q["block"] == r["block"] and q["prompt"] == r["prompt"] and q["token_ids"] == r["token_ids"])
     return {
-        "arm": spec.name, "alpha": spec.alpha, "per_block": per_block, "median_ratio": median,
+        "arm": spec.name, "alpha": spec.alpha, "per_block": per_block, "median_ratio": mid,
         "min_ratio": min(ratios) if ratios else None, "max_ratio": max(ratios) if ratios else None,
         "median_server_ratio": statistics.median(server_ratios) if server_ratios else None,
         "tokens": tokens, "rounds": rounds, "requests": len(s_recs),
@@ -472,10 +482,11 @@ def analyse(records: list[dict], spec: Arm, plain: Arm, blocks: int, k_max: int)
         "spec_wall_ms_per_round": 1e3 * sum(r["wall_s"] for r in s_recs) / rounds if rounds else None,
         "spec_verify_ms": mean(x["verify_ms"] for x in s_rounds),
         "draft_wait_ms": mean(x["draft_wait_ms"] for x in s_rounds if x["round_id"] >= 1),
+        "draft_wait_median_ms": median(x["draft_wait_ms"] for x in s_rounds if x["round_id"] >= 1),
         "open_wait_ms": mean(x["draft_wait_ms"] for x in s_rounds if x["round_id"] == 0),
         "plain_wall_ms_per_round": 1e3 * sum(r["wall_s"] for r in p_recs) / len(p_rounds) if p_rounds else None,
         "c1_ms": c1, "curve": curve, "ideal": ideal,
-        "fraction_realised": median / ideal if median and ideal else None,
+        "fraction_realised": mid / ideal if mid and ideal else None,
         "identical_outputs": f"{identical}/{len(s_recs)}",
     }
 
@@ -510,18 +521,22 @@ def report(setup: str, header: dict, summaries: list[dict], costs: dict[str, dic
             f"| {fmt(s['drafts_retained_per_round'])} | {s['rounds'] / max(s['requests'], 1):.1f} | {s['faults']} "
             f"| {s['identical_outputs']} | {fmt(s['ideal'], '.3f')} | {fmt(s['fraction_realised'], '.2f')} |")
     out.append("")
-    out.append("Per round (ms; means over all timed rounds; 'draft wait' = RoundInfo.draft_wait_ms of rounds >= 1, "
-               "round 0's wait includes the drafter's open):")
+    out.append("Per round (ms; means over all timed rounds unless 'median'; 'draft wait' = RoundInfo.draft_wait_ms of "
+               "rounds >= 1, round 0's wait includes the drafter's open; hop + service overhead = median draft wait - "
+               "median drafter compute):")
     out.append("")
-    out.append("| arm | spec wall/round | spec verify | draft wait | round-0 wait | drafter compute | hop + service overhead "
+    out.append("| arm | spec wall/round | spec verify | draft wait (mean / median) | round-0 wait "
+               "| drafter compute (median) | hop + service overhead "
                "| plain wall/round | plain verify (C1) | bytes up/commit | bytes down/chain | bytes up/open | cost method |")
     out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for s in summaries:
         c = costs.get(s["name"], {})
         compute = c.get("commit_ms")
-        hop = s["draft_wait_ms"] - compute if s["draft_wait_ms"] is not None and compute is not None else None
+        wait = s["draft_wait_median_ms"]
+        hop = wait - compute if wait is not None and compute is not None else None
         out.append(
-            f"| {s['name']} | {fmt(s['spec_wall_ms_per_round'])} | {fmt(s['spec_verify_ms'])} | {fmt(s['draft_wait_ms'])} "
+            f"| {s['name']} | {fmt(s['spec_wall_ms_per_round'])} | {fmt(s['spec_verify_ms'])} "
+            f"| {fmt(s['draft_wait_ms'])} / {fmt(wait)} "
             f"| {fmt(s['open_wait_ms'])} | {fmt(compute, '.3f')} | {fmt(hop)} | {fmt(s['plain_wall_ms_per_round'])} "
             f"| {fmt(s['c1_ms'])} | {fmt(c.get('commit_bytes'), '.0f')} | {fmt(c.get('chain_bytes'), '.0f')} "
             f"| {fmt(c.get('open_bytes'), '.0f')} | {c.get('method', 'n/a')} |")
@@ -705,6 +720,7 @@ async def main_async(args) -> int:
         workdir = Path(tmp)
         children = Children(workdir)
         started = time.perf_counter()
+        load_before = os.getloadavg()[0]
         try:
             runner = run_synthetic if synthetic else run_embedded
             records, header, arms, plain, more = await runner(args, children, workdir)
@@ -716,8 +732,13 @@ async def main_async(args) -> int:
         header = {
             **header, "blocks": args.blocks, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
             "max_draft_tokens": args.max_draft_tokens, "temperature": args.temperature, "mode": args.mode,
-            "seed": args.seed, "wall": f"{time.perf_counter() - started:.0f}s",
+            "seed": args.seed, "wall": f"{time.perf_counter() - started:.0f}s", "cpus": os.cpu_count(),
+            "1-min load average before/after": f"{load_before:.1f}/{os.getloadavg()[0]:.1f}",
         }
+    payload = {"label": "synthetic" if synthetic else "real drafter", "setup": args.setup, "header": header,
+               "args": dict(vars(args)), "costs": more["costs"], "records": records, **more["extra"]}
+    if args.out:  # raw records first: they survive a failure of the analysis
+        Path(args.out).write_text(json.dumps(payload, indent=1, default=str))
     summaries = []
     for arm in arms:
         if arm is plain:
@@ -727,9 +748,7 @@ async def main_async(args) -> int:
         summaries.append(summary)
     print(report(args.setup, header, summaries, more["costs"], plain, synthetic))
     if args.out:
-        payload = {"label": "synthetic" if synthetic else "real drafter", "setup": args.setup, "header": header,
-                   "args": {k: v for k, v in vars(args).items()}, "summaries": summaries, "costs": more["costs"],
-                   "records": records, **more["extra"]}
+        payload["summaries"] = summaries
         Path(args.out).write_text(json.dumps(payload, indent=1, default=str))
         log(f"raw records written to {args.out}")
     return 0

@@ -152,12 +152,18 @@ def _rejecting_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, me
     async def reject(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(code, message)
 
+    async def reject_stream(request_or_iterator: Any, context: grpc.aio.ServicerContext):
+        # An async generator, like the handlers it stands in for: wrappers such as the
+        # OpenTelemetry server instrumentation iterate a response-streaming handler.
+        await context.abort(code, message)
+        yield  # pragma: no cover - abort raises
+
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(reject)
+        return grpc.stream_stream_rpc_method_handler(reject_stream)
     if handler.request_streaming:
         return grpc.stream_unary_rpc_method_handler(reject)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(reject)
+        return grpc.unary_stream_rpc_method_handler(reject_stream)
     return grpc.unary_unary_rpc_method_handler(reject)
 
 

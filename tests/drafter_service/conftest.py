@@ -7,23 +7,10 @@ import pytest
 
 from drafter_service.server import DrafterServer
 from drafter_service.settings import DrafterSettings
-from shared.model import ModelConfig, load_model
+from shared.model import load_model
 from shared.protocol import verifier_pb2_grpc
 from verifier_service.server import VerifierServer
 from verifier_service.settings import VerifierSettings
-
-TINY_MTP = dict(
-    model_type="qwen3_moe", vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
-    num_experts_per_tok=2, max_position_embeddings=256, rope_theta=10000.0, norm_topk_prob=True,
-    initializer_range=0.5, mtp_num_hidden_layers=1,
-)
-
-
-@pytest.fixture(scope="session")
-def tiny_mtp_model():
-    return load_model(config=ModelConfig.from_dict(TINY_MTP), random_weights=True, seed=2)
-
 
 @pytest.fixture(scope="session")
 def demo_model():

@@ -10,7 +10,6 @@ from shared.security import channel_credentials, make_test_pki
 from verifier_service.server import VerifierServer
 from verifier_service.settings import VerifierSettings
 
-from ..drafter_service.conftest import tiny_mtp_model  # noqa: F401  (shared fixture)
 
 TOKEN = "s3cret-token"
 
