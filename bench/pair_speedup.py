@@ -136,12 +136,14 @@ class ServiceError(RuntimeError):
 class Children:
     """The services this run starts: logs to files, health waits, SIGTERM at the end."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, threads: int = 0) -> None:
         self.workdir = workdir
         self.procs: dict[str, tuple[subprocess.Popen, Path]] = {}
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_VERIFIER_", "TANDEM_DRAFTER_"))}
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), *_EXTRA_PATHS, *filter(None, [env.get("PYTHONPATH")])])
         env["PYTHONUNBUFFERED"] = "1"
+        if threads > 0:  # torch's intra-op threads per service (OMP/MKL read these at start)
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
         self.env = env
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
@@ -272,7 +274,8 @@ def tap_costs(streams: list[dict]) -> dict:
     }
 
 
-def replay_real_drafter(streams: list[dict], model: str | None, device: str, dtype: str, passes: int = 2) -> dict:
+def replay_real_drafter(streams: list[dict], model: str | None, device: str, dtype: str, threads: int = 0,
+                        passes: int = 2) -> dict:
     """Replay the captured up-stream messages into an in-process Drafter; time each step
     (open + propose; commit + propose) on the last pass (earlier passes warm up)."""
     import torch
@@ -282,6 +285,8 @@ def replay_real_drafter(streams: list[dict], model: str | None, device: str, dty
     from shared.model import load_model
     from shared.model.registry import resolve_model
 
+    if threads > 0:
+        torch.set_num_threads(threads)
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     loaded = load_model(resolve_model(model), device=device, dtype=dtypes[dtype])
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -633,7 +638,7 @@ async def run_embedded(args, children: Children, workdir: Path) -> tuple[list[di
             c["same_tokens_as_timed"] = sum(1 for r in tap_records if timed.get(r["prompt"]) == r["token_ids"])
             log("replaying the captured streams into an in-process Drafter (compute timing) ...")
             try:
-                c.update(replay_real_drafter(tap.streams, str(model_dir), device, args.dtype))
+                c.update(replay_real_drafter(tap.streams, str(model_dir), device, args.dtype, args.threads))
                 c["method"] = ("bytes: tap, untimed pass; compute: in-process Drafter commit+propose "
                                "on the captured messages")
             except Exception as error:  # report what was measured, name what was not
@@ -718,7 +723,7 @@ async def main_async(args) -> int:
     synthetic = args.setup.endswith("synthetic")
     with tempfile.TemporaryDirectory(prefix="pair_speedup_") as tmp:
         workdir = Path(tmp)
-        children = Children(workdir)
+        children = Children(workdir, args.threads)
         started = time.perf_counter()
         load_before = os.getloadavg()[0]
         try:
@@ -732,7 +737,7 @@ async def main_async(args) -> int:
         header = {
             **header, "blocks": args.blocks, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
             "max_draft_tokens": args.max_draft_tokens, "temperature": args.temperature, "mode": args.mode,
-            "seed": args.seed, "wall": f"{time.perf_counter() - started:.0f}s", "cpus": os.cpu_count(),
+            "seed": args.seed, "threads per service": args.threads or "torch default", "wall": f"{time.perf_counter() - started:.0f}s", "cpus": os.cpu_count(),
             "1-min load average before/after": f"{load_before:.1f}/{os.getloadavg()[0]:.1f}",
         }
     payload = {"label": "synthetic" if synthetic else "real drafter", "setup": args.setup, "header": header,
@@ -768,12 +773,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alpha", type=parse_alphas, default=[0.6, 0.8, 0.9], help="synthetic setups: acceptance per draft")
     parser.add_argument("--model", default=None, help="checkpoint (default: the embedded model; gpu-synthetic: random 30B shapes)")
     parser.add_argument("--dtype", default=None, help="default float32 (embedded) / bfloat16 (gpu-synthetic)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads per service (OMP_NUM_THREADS); default 1 on CPU setups "
+                             "(two services on a small shared CPU: OpenMP barriers stall under oversubscription), "
+                             "torch's default on GPU setups; 0 = torch's default")
     parser.add_argument("--global-index", action="store_true", help="keep the drafter's cross-session suffix index")
     parser.add_argument("--no-tap", action="store_true", help="embedded setups: skip the tap pass (no bytes/compute)")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds a service gets to become SERVING")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="deadline of one request, seconds")
     parser.add_argument("--out", default=None, help="write the raw per-request records (JSON) here")
     args = parser.parse_args(argv)
+    if args.threads is None:
+        args.threads = 1 if args.setup.startswith("cpu") else 0
     args.dtype_given = args.dtype is not None
     args.dtype = args.dtype or "float32"
     if args.blocks < 1 or args.prompts < 1 or args.max_new_tokens < 1 or args.max_draft_tokens < 1:

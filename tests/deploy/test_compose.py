@@ -302,7 +302,7 @@ def test_dockerfile_installs_the_project_from_pypi_only():
     torch_step = next(i for i, run in enumerate(runs) if "${TORCH_SPEC}" in run)
     project_step = next(i for i, run in enumerate(runs) if re.search(r"pip install \.(\s|$)", run))
     assert torch_step < project_step, "torch first, so `pip install .` keeps the chosen build"
-    assert not re.search(r"\b(curl|wget)\b|ADD\s+https?://|--index-url", text), "nothing but PyPI/Debian at build time"
+    assert not re.search(r"\b(curl|wget)\b|ADD\s+https?://|index-url|find-links", text), "nothing but PyPI/Debian at build time"
     copied = {part.rstrip("/") for word, rest in instructions if word == "COPY" and "--from" not in rest
               for part in rest.split()[:-1]}
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
