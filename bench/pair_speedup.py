@@ -246,10 +246,11 @@ class Tap:
             call.cancel()
 
     async def stop(self) -> None:
-        if self.server is not None:
-            await self.server.stop(1.0)
-        if self.channel is not None:
-            await self.channel.close()
+        server, channel, self.server, self.channel = self.server, self.channel, None, None
+        if server is not None:
+            await server.stop(1.0)
+        if channel is not None:
+            await channel.close()
 
 
 def tap_costs(streams: list[dict]) -> dict:
@@ -401,7 +402,13 @@ class Run:
                     self.records.append(record)
             done = block + 1
             elapsed = time.perf_counter() - started
-            log(f"  block {done}/{n} done in {elapsed / done:.1f}s; about {elapsed / done * (n - done):.0f}s left")
+            mine = [r for r in self.records if r["block"] == block]
+            tps = {arm.name: sum(r["tokens"] for r in mine if r["arm"] == arm.name)
+                   / max(sum(r["wall_s"] for r in mine if r["arm"] == arm.name), 1e-9) for arm in arms}
+            plain = next((arm.name for arm in arms if not arm.speculation), None)
+            ratios = ", ".join(f"{name} {value / tps[plain]:.3f}" for name, value in tps.items() if name != plain and plain)
+            log(f"  block {done}/{n} done ({elapsed / done:.1f}s per block, about {elapsed / done * (n - done):.0f}s left); "
+                f"tokens/s ratio vs plain: {ratios}")
 
 
 # --- analysis -------------------------------------------------------------------------------
@@ -608,50 +615,56 @@ async def run_embedded(args, children: Children, workdir: Path) -> tuple[list[di
     children.start("verifier", [sys.executable, "-m", "shared.cli", "verifier", *verifier_args, "--port", str(v_port),
                                 "--drafter", f"127.0.0.1:{d_port}"])
     tap = None
-    if not args.no_tap:
-        children.start("tap-verifier", [sys.executable, "-m", "shared.cli", "verifier", *verifier_args,
-                                        "--port", str(tv_port), "--drafter", f"127.0.0.1:{t_port}"])
-        tap = Tap(f"127.0.0.1:{d_port}")
-        await tap.start(t_port)
-    waits = [children.wait_serving("drafter", f"127.0.0.1:{d_port}", args.startup_timeout),
-             children.wait_serving("verifier", f"127.0.0.1:{v_port}", args.startup_timeout)]
-    if tap:
-        waits.append(children.wait_serving("tap-verifier", f"127.0.0.1:{tv_port}", args.startup_timeout))
-    await asyncio.gather(*waits)
     spec, plain = Arm("spec", True), Arm("plain", False)
     arms = [spec, plain]
     costs: dict = {}
-    async with AsyncVerifierClient(f"127.0.0.1:{v_port}", timeout=args.request_timeout) as client:
-        log(f"warm-up ({len(arms)} requests) ...")
-        seconds = await run.warm_up(client, arms)
-        log(f"  warm-up {seconds:.1f}s")
-        await run.blocks(client, arms, children)
-    tap_records = []
-    if tap:
-        log(f"tap pass: {len(prompts)} spec requests through the byte-counting tap (untimed) ...")
-        try:
-            async with AsyncVerifierClient(f"127.0.0.1:{tv_port}", timeout=args.request_timeout) as client:
-                for index in range(len(prompts)):
-                    tap_records.append(await run.request(client, spec, index, "tap"))
-            c = tap_costs(tap.streams)
-            timed = {r["prompt"]: r["token_ids"] for r in run.records if r["arm"] == "spec"}
-            c["same_tokens_as_timed"] = sum(1 for r in tap_records if timed.get(r["prompt"]) == r["token_ids"])
-            log("replaying the captured streams into an in-process Drafter (compute timing) ...")
+    tap_records: list[dict] = []
+    try:
+        if not args.no_tap:
+            children.start("tap-verifier", [sys.executable, "-m", "shared.cli", "verifier", *verifier_args,
+                                            "--port", str(tv_port), "--drafter", f"127.0.0.1:{t_port}"])
+            tap = Tap(f"127.0.0.1:{d_port}")
+            await tap.start(t_port)
+        waits = [children.wait_serving("drafter", f"127.0.0.1:{d_port}", args.startup_timeout),
+                 children.wait_serving("verifier", f"127.0.0.1:{v_port}", args.startup_timeout)]
+        if tap:
+            waits.append(children.wait_serving("tap-verifier", f"127.0.0.1:{tv_port}", args.startup_timeout))
+        await asyncio.gather(*waits)
+        async with AsyncVerifierClient(f"127.0.0.1:{v_port}", timeout=args.request_timeout) as client:
+            log(f"warm-up ({len(arms)} requests) ...")
+            seconds = await run.warm_up(client, arms)
+            log(f"  warm-up {seconds:.1f}s")
+            await run.blocks(client, arms, children)
+        if tap:
+            log(f"tap pass: {len(prompts)} spec requests through the byte-counting tap (untimed) ...")
             try:
-                c.update(replay_real_drafter(tap.streams, str(model_dir), device, args.dtype, args.threads))
-                c["method"] = ("bytes: tap, untimed pass; compute: in-process Drafter commit+propose "
-                               "on the captured messages")
-            except Exception as error:  # report what was measured, name what was not
-                log(f"  in-process replay failed: {type(error).__name__}: {error}")
-                c["commit_ms"] = None
-                c["method"] = f"bytes: tap; compute: n/a ({type(error).__name__})"
-            costs["spec"] = c
-        except ServiceError as error:
-            log(f"  tap pass failed: {error}")
-        finally:
+                async with AsyncVerifierClient(f"127.0.0.1:{tv_port}", timeout=args.request_timeout) as client:
+                    for index in range(len(prompts)):
+                        tap_records.append(await run.request(client, spec, index, "tap"))
+            except ServiceError as error:
+                log(f"  tap pass failed: {error}")
+            if tap_records:
+                c = tap_costs(tap.streams)
+                timed = {r["prompt"]: r["token_ids"] for r in run.records if r["arm"] == "spec"}
+                c["same_tokens_as_timed"] = sum(1 for r in tap_records if timed.get(r["prompt"]) == r["token_ids"])
+                log("replaying the captured streams into an in-process Drafter (compute timing) ...")
+                try:
+                    c.update(replay_real_drafter(tap.streams, str(model_dir), device, args.dtype, args.threads))
+                    c["method"] = ("bytes: tap, untimed pass; compute: in-process Drafter commit+propose "
+                                   "on the captured messages")
+                except Exception as error:  # report what was measured, name what was not
+                    log(f"  in-process replay failed: {type(error).__name__}: {error}")
+                    c["commit_ms"] = None
+                    c["method"] = f"bytes: tap; compute: n/a ({type(error).__name__})"
+                costs["spec"] = c
+    finally:
+        if tap is not None:
             await tap.stop()
     header = {"model": model_dir.name, "device": device, "dtype": args.dtype,
               "drafter": "tandem drafter (MTP + suffix)" + ("" if args.global_index else ", cross-session index off")}
+    if tap_records:
+        header["tap-pass outputs equal to the timed spec arm"] = (
+            f"{costs.get('spec', {}).get('same_tokens_as_timed', 0)}/{len(tap_records)}")
     extra = {"tap": {k: v for k, v in costs.get("spec", {}).items()}, "tap_records": tap_records}
     return run.records, header, arms, plain, {"costs": costs, "extra": extra}
 
@@ -729,7 +742,7 @@ async def main_async(args) -> int:
         try:
             runner = run_synthetic if synthetic else run_embedded
             records, header, arms, plain, more = await runner(args, children, workdir)
-        except ServiceError as error:
+        except (ServiceError, FileNotFoundError) as error:
             log(f"error: {error}")
             return 1
         finally:

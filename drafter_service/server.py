@@ -6,15 +6,11 @@ open/commit, for the next round. All model work runs on the drafter's model work
 
 from __future__ import annotations
 
-import asyncio
-import signal
 import time
 
 import grpc
 import structlog
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from collections import OrderedDict
 
@@ -25,17 +21,15 @@ from drafter_service.proposers.suffix import GlobalIndex, SuffixIndex
 from drafter_service.session import DraftSession, SessionStore, session_params
 from drafter_service.settings import DrafterSettings
 from kernels.speculative import Mode
-from shared import security, telemetry
-from shared.logs import configure_logging
-from shared.metrics import DrafterMetrics, serve_metrics
+from shared import telemetry
+from shared.metrics import DrafterMetrics
 from shared.model import RoutingOptions, load_model
 from shared.model.registry import resolve_model
 from shared.protocol import PROTOCOL_VERSION, common_pb2, decode_hidden, drafter_pb2, drafter_pb2_grpc
+from shared.service import ServiceServer, run_until_signalled
 from shared.worker import ModelWorker
 
 log = structlog.get_logger("drafter")
-MAX_MESSAGE_BYTES = 64 << 20
-OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SOURCES = {"MTP": common_pb2.DRAFT_SOURCE_MTP, "SUFFIX": common_pb2.DRAFT_SOURCE_SUFFIX, "NONE": common_pb2.DRAFT_SOURCE_NONE}
 MAX_DRAFTS = 16
@@ -156,9 +150,8 @@ class Drafter:
 
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, settings: DrafterSettings, health_servicer, model=None) -> None:
+    def __init__(self, settings: DrafterSettings, model=None) -> None:
         self.settings = settings
-        self.health = health_servicer
         self.worker = ModelWorker("drafter-model")
         self.model = model
         self.drafter: Drafter | None = None
@@ -174,8 +167,6 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 num_expert_slots=self.settings.expert_slots or None,
             )
         self.drafter = Drafter(self.model, self.settings)
-        for name in ("", "tandem.v1.Drafter"):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("drafter ready", address=self.settings.address, mtp=self.drafter.mtp is not None)
 
     def _open_and_propose(self, message):
@@ -245,53 +236,28 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         })
 
 
-class DrafterServer:
+class DrafterServer(ServiceServer):
+    """A drafter on a real port: start(), wait_loaded(), stop(grace)."""
+
+    service_name = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
+
     def __init__(self, settings: DrafterSettings, *, model=None) -> None:
-        self.settings = settings
-        self.health = health.aio.HealthServicer()
-        self.service = DrafterService(settings, self.health, model=model)
-        self.server = grpc.aio.server(options=OPTIONS)
-        self.port: int | None = None
-        self.loaded: asyncio.Task | None = None
-        self.metrics_server = None
+        super().__init__(settings)
+        self.service = DrafterService(settings, model=model)
 
-    async def start(self) -> int:
+    def register(self) -> None:
         drafter_pb2_grpc.add_DrafterServicer_to_server(self.service, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = (drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name, reflection.SERVICE_NAME,
-                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
-        reflection.enable_server_reflection(names, self.server)
-        for name in ("", "tandem.v1.Drafter"):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        s = self.settings
-        self.port = security.add_port(self.server, s.address, security.server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca))
-        await self.server.start()
-        self.metrics_server = serve_metrics(self.service.metrics.registry, self.settings.host, self.settings.metrics_port)
-        self.loaded = asyncio.create_task(self.service.load())
-        return self.port
 
-    async def wait_loaded(self) -> None:
-        await self.loaded
+    async def load(self) -> None:
+        await self.service.load()
 
-    async def stop(self, grace: float | None = None) -> None:
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.settings.grace_s if grace is None else grace)
-        if self.metrics_server is not None:
-            self.metrics_server.shutdown()
+    @property
+    def metrics_registry(self):
+        return self.service.metrics.registry
+
+    async def close(self) -> None:
         self.service.worker.shutdown()
 
 
 async def serve(settings: DrafterSettings) -> None:
-    configure_logging()
-    telemetry.setup_tracing("tandem-drafter")  # before any server or channel exists
-    server = DrafterServer(settings)
-    port = await server.start()
-    log.info("drafter listening", host=settings.host, port=port, protocol=PROTOCOL_VERSION)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await server.wait_loaded()
-    await stop.wait()
-    await server.stop()
-    telemetry.shutdown_tracing()
+    await run_until_signalled(lambda: DrafterServer(settings), "tandem-drafter")

@@ -7,9 +7,7 @@ worker, stream the committed tokens, commit to the drafter) → final event with
 
 from __future__ import annotations
 
-import asyncio
 import json
-import signal
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,16 +15,12 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from shared import security, telemetry
-from shared.logs import configure_logging
-from shared.metrics import VerifierMetrics, serve_metrics
+from shared.metrics import VerifierMetrics
 from shared.model import load_model
 from shared.model.registry import resolve_model
 from shared.protocol import (
-    PROTOCOL_VERSION,
     common_pb2,
     drafter_pb2,
     drafter_pb2_grpc,
@@ -34,6 +28,7 @@ from shared.protocol import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
+from shared.service import MESSAGE_OPTIONS, ServiceServer, run_until_signalled
 from shared.tokenizer import load_tokenizer
 from shared.worker import ModelWorker
 from verifier_service.chains import ChainFault, retain, validate_chain
@@ -44,11 +39,7 @@ from verifier_service.settings import VerifierSettings
 from verifier_service.stops import Completion
 
 log = structlog.get_logger("verifier")
-MAX_MESSAGE_BYTES = 64 << 20
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+CHANNEL_OPTIONS = MESSAGE_OPTIONS
 SOURCE_ENUM = {"MTP": common_pb2.DRAFT_SOURCE_MTP, "SUFFIX": common_pb2.DRAFT_SOURCE_SUFFIX, "NONE": common_pb2.DRAFT_SOURCE_NONE}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -97,9 +88,8 @@ class RequestStats:
 
 
 class VerifierService(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, settings: VerifierSettings, health_servicer: health.aio.HealthServicer, model=None, tokenizer=None):
+    def __init__(self, settings: VerifierSettings, model=None, tokenizer=None):
         self.settings = settings
-        self.health = health_servicer
         self.worker = ModelWorker("verifier-model")
         self.model = model
         self.tokenizer = tokenizer
@@ -124,8 +114,6 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             self.tokenizer = load_tokenizer(path)
         max_context = min(s.max_context or self.model.config.max_position_embeddings, self.model.config.max_position_embeddings)
         self.engine = Engine(self.model, max_context=max_context, prefill_chunk=s.prefill_chunk)
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self.health.set("tandem.v1.Verifier", health_pb2.HealthCheckResponse.SERVING)
         log.info("verifier ready", address=s.address, drafter=s.drafter, vocab=self.model.config.vocab_size)
 
     def _open_message(self, session: Session, round_id: int) -> drafter_pb2.DraftOpen:
@@ -311,65 +299,37 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             return None
 
 
-class VerifierServer:
-    """A verifier on a real port: start(), wait until loaded, stop(grace)."""
+class VerifierServer(ServiceServer):
+    """A verifier on a real port: start(), wait_loaded(), stop(grace)."""
+
+    service_name = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
     def __init__(self, settings: VerifierSettings, *, model=None, tokenizer=None) -> None:
-        self.settings = settings
-        self.health = health.aio.HealthServicer()
-        self.service = VerifierService(settings, self.health, model=model, tokenizer=tokenizer)
         interceptors = [security.BearerTokenInterceptor(settings.auth_token)] if settings.auth_token else []
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
-        self.port: int | None = None
-        self.loaded: asyncio.Task | None = None
-        self.metrics_server = None
+        super().__init__(settings, interceptors=interceptors)
+        self.service = VerifierService(settings, model=model, tokenizer=tokenizer)
 
-    async def start(self) -> int:
+    def register(self) -> None:
         verifier_pb2_grpc.add_VerifierServicer_to_server(self.service, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        names = (verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name, reflection.SERVICE_NAME,
-                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
-        reflection.enable_server_reflection(names, self.server)
-        for name in ("", "tandem.v1.Verifier"):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        s = self.settings
-        self.port = security.add_port(self.server, s.address, security.server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca))
-        await self.server.start()
-        self.metrics_server = serve_metrics(self.service.metrics.registry, self.settings.host, self.settings.metrics_port)
-        self.loaded = asyncio.create_task(self.service.load())
-        return self.port
 
-    async def wait_loaded(self) -> None:
-        await self.loaded
+    async def load(self) -> None:
+        await self.service.load()
+
+    @property
+    def metrics_registry(self):
+        return self.service.metrics.registry
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: health NOT_SERVING, refuse new requests, let in-flight ones finish (up to grace)."""
         self.service.draining = True
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.settings.grace_s if grace is None else grace)
+        await super().stop(grace)
+
+    async def close(self) -> None:
         if self.service.channel is not None:
             await self.service.channel.close()
-        if self.metrics_server is not None:
-            self.metrics_server.shutdown()
         self.service.worker.shutdown()
 
 
 async def serve(settings: VerifierSettings) -> None:
     """Run until SIGTERM/SIGINT, then drain gracefully."""
-    configure_logging()
-    telemetry.setup_tracing("tandem-verifier")  # before any server or channel exists
-    server = VerifierServer(settings)
-    port = await server.start()
-    log.info("verifier listening", host=settings.host, port=port, protocol=PROTOCOL_VERSION)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    waiter = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait({server.loaded, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    if server.loaded in done and server.loaded.exception() is not None:
-        raise server.loaded.exception()
-    await stop.wait()
-    log.info("draining", grace_s=settings.grace_s, in_flight=server.service.active)
-    await server.stop()
-    telemetry.shutdown_tracing()
+    await run_until_signalled(lambda: VerifierServer(settings), "tandem-verifier")

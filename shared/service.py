@@ -1,0 +1,114 @@
+"""What both gRPC services share: the server lifecycle and the process entry point.
+
+A `ServiceServer` binds its port (TLS when configured), registers health checking
+(NOT_SERVING until the model is loaded) and reflection, starts the Prometheus endpoint,
+loads the model in the background, and drains on stop: health NOT_SERVING, new calls
+refused with UNAVAILABLE, in-flight calls given `grace_s` to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from shared import security, telemetry
+from shared.logs import configure_logging
+from shared.metrics import serve_metrics
+
+log = structlog.get_logger("tandem")
+MAX_MESSAGE_BYTES = 64 << 20
+MESSAGE_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class ServiceServer:
+    """Subclasses set `service_name` and implement `make_service` and `register`."""
+
+    service_name = ""  # fully-qualified gRPC service name, e.g. "tandem.v1.Verifier"
+
+    def __init__(self, settings, *, interceptors=()) -> None:
+        self.settings = settings
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(options=MESSAGE_OPTIONS, interceptors=list(interceptors))
+        self.port: int | None = None
+        self.loaded: asyncio.Task | None = None
+        self.metrics_server = None
+
+    # -- subclass hooks -----------------------------------------------------------------
+
+    def register(self) -> None:
+        """Add the service's servicer to self.server."""
+        raise NotImplementedError
+
+    async def load(self) -> None:
+        """Load the model; the base class marks the service SERVING afterwards."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """Release what the service holds (channels, workers) after the server stopped."""
+
+    @property
+    def metrics_registry(self):
+        raise NotImplementedError
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def _load_then_serve(self) -> None:
+        await self.load()
+        for name in ("", self.service_name):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def start(self) -> int:
+        self.register()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (self.service_name, reflection.SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
+        reflection.enable_server_reflection(names, self.server)
+        for name in ("", self.service_name):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        s = self.settings
+        credentials = security.server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca)
+        self.port = security.add_port(self.server, s.address, credentials)
+        await self.server.start()
+        self.metrics_server = serve_metrics(self.metrics_registry, s.host, s.metrics_port)
+        self.loaded = asyncio.create_task(self._load_then_serve())
+        return self.port
+
+    async def wait_loaded(self) -> None:
+        await self.loaded
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.settings.grace_s if grace is None else grace)
+        await self.close()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+
+
+async def run_until_signalled(make_server: Callable[[], ServiceServer], service: str) -> None:
+    """Process entry point: logs, tracing (before any server or channel), serve until
+    SIGTERM/SIGINT, then drain."""
+    configure_logging()
+    telemetry.setup_tracing(service)
+    server = make_server()
+    port = await server.start()
+    log.info("listening", service=service, host=server.settings.host, port=port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({server.loaded, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if server.loaded in done and server.loaded.exception() is not None:
+        raise server.loaded.exception()
+    await stop.wait()
+    log.info("draining", service=service, grace_s=server.settings.grace_s)
+    await server.stop()
+    telemetry.shutdown_tracing()
