@@ -5,9 +5,9 @@ once per arm — with speculation (the verifier configured with a drafter) and w
 same verifier process, requests with speculation.disable = True) — with the arm order
 reversed on alternate blocks; within a block the arms run back to back per prompt (block
 1: spec, plain for prompt 0, then prompt 1, ...; block 2: plain, spec), so a drift in
-machine load lands on both arms of a pair. Per block: ratio = tokens/s(spec) / tokens/s(plain), tokens/s
-= the block's completion tokens / its requests' wall time (client side, send → final
-event). Quoted: the MEDIAN OF PAIRED RATIOS (not the ratio of medians); the same from the
+machine load lands on both arms of a pair. Per block: ratio = tokens/s(spec) /
+tokens/s(plain), tokens/s = the block's completion tokens / its requests' wall time
+(client side, send → final event; prefill included). One warm-up request per arm first. Quoted: the MEDIAN OF PAIRED RATIOS (not the ratio of medians); the same from the
 verifier's own tokens_per_s as a cross-check.
 
 Also reported (all from the timed runs unless said otherwise):
@@ -37,6 +37,10 @@ Setups:
   gpu-embedded            the same with --device cuda
   cpu-synthetic           embedded model on CPU, bench/replay_drafter.py (SYNTHETIC drafts)
   gpu-synthetic           random bf16 weights at Qwen3-30B-A3B shapes on CUDA, replay drafter
+                          (--random-shapes smoke: a tiny random model, for a quick check)
+CPU setups start each service with OMP_NUM_THREADS=1 (--threads): on a small CPU two
+services with two OpenMP threads each stall on barriers whenever another process holds a
+core, which turns a 10 ms verify window into 300-600 ms at random.
 
 Synthetic setups: one verifier (--drafter = the replay drafter's port) first records each
 prompt's output without speculation (the reference), then one replay drafter serves every
@@ -98,6 +102,13 @@ QWEN3_30B_A3B = dict(  # bench/model_baseline.py's shapes (no eos: fixed-length 
     head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
     norm_topk_prob=True, max_position_embeddings=4096, rope_theta=1e6, model_type="qwen3_moe",
 )
+SHAPES = {
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+    # a few-MB model of the same family: smoke-tests the random-weights path anywhere
+    "smoke": QWEN3_30B_A3B | dict(vocab_size=4096, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=64, intermediate_size=512, moe_intermediate_size=128,
+                                  num_experts=16, num_experts_per_tok=2),
+}
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
@@ -675,14 +686,15 @@ async def run_synthetic(args, children: Children, workdir: Path) -> tuple[list[d
     gpu = args.setup.startswith("gpu")
     device = "cuda" if gpu else "cpu"
     dtype = args.dtype if args.dtype_given or not gpu else "bfloat16"
-    if gpu and not args.model:
-        model_dir = workdir / "qwen3-30b-a3b-shapes"
+    shapes = args.random_shapes or ("qwen3-30b-a3b" if gpu and not args.model else None)
+    if shapes:
+        model_dir = workdir / f"{shapes}-shapes"
         model_dir.mkdir()
-        (model_dir / "config.json").write_text(json.dumps(QWEN3_30B_A3B, indent=1))
-        vocab = QWEN3_30B_A3B["vocab_size"]
+        (model_dir / "config.json").write_text(json.dumps(SHAPES[shapes], indent=1))
+        vocab = SHAPES[shapes]["vocab_size"]
         prompts = random_prompts(vocab, args.prompts, args.prompt_length, args.seed)
         model_args = ["--model", str(model_dir), "--random-weights"]
-        model_name = "random bf16 weights at Qwen3-30B-A3B shapes"
+        model_name = f"random {dtype} weights at {shapes} shapes, random prompts of {args.prompt_length} ids"
     else:
         model_dir = resolve_model(args.model)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -777,7 +789,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--setup", choices=SETUPS, default="cpu-embedded")
     parser.add_argument("--blocks", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=4, help="built-in Python-code prompts (random ids for gpu-synthetic)")
-    parser.add_argument("--prompt-length", type=int, default=128, help="gpu-synthetic: random prompt length")
+    parser.add_argument("--prompt-length", type=int, default=128, help="random-weight models: random prompt length")
+    parser.add_argument("--random-shapes", choices=sorted(SHAPES), default=None,
+                        help="synthetic setups: random weights at these shapes (gpu-synthetic default: qwen3-30b-a3b; "
+                             "cpu-synthetic default: the embedded model)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--max-draft-tokens", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

@@ -9,8 +9,10 @@ arguments and returns the exit status. Heavy imports (grpc, torch) stay inside h
 from __future__ import annotations
 
 import argparse
-import os
+import functools
+import importlib
 import json
+import os
 import sys
 from importlib import metadata
 
@@ -35,70 +37,43 @@ def build_parser() -> argparse.ArgumentParser:
     # Subcommands, in the order `tandem --help` lists them. Services (verifier, drafter) and
     # the demo register here the same way.
     _add_demo(subcommands)
-    _add_verifier(subcommands)
-    _add_drafter(subcommands)
+    _add_service(subcommands, "verifier")
+    _add_service(subcommands, "drafter")
     _add_generate(subcommands)
     _add_protocol(subcommands)
     return parser
 
 
-# --- tandem verifier --------------------------------------------------------------------
+# --- tandem verifier / tandem drafter ---------------------------------------------------
+
+SERVICES = {
+    "verifier": "run the verifier service (owns the target model; clients call Generate)",
+    "drafter": "run the drafter service (MTP drafting and suffix lookup; the verifier calls Draft)",
+}
 
 
-def _add_verifier(subcommands) -> None:
-    from verifier_service import settings
-
+def _add_service(subcommands, name: str) -> None:
+    settings = importlib.import_module(f"{name}_service.settings")
     parser = subcommands.add_parser(
-        "verifier",
-        help="run the verifier service (owns the target model; clients call Generate)",
-        description="Run the verifier gRPC service. Every option also reads an environment variable; flags win.",
+        name,
+        help=SERVICES[name],
+        description=f"Run the {name} gRPC service. Every option also reads an environment variable; flags win.",
     )
     settings.add_arguments(parser)
-    parser.set_defaults(handler=_run_verifier)
+    parser.set_defaults(handler=functools.partial(_run_service, name))
 
 
-def _run_verifier(args: argparse.Namespace) -> int:
+def _run_service(name: str, args: argparse.Namespace) -> int:
     import asyncio
 
-    from verifier_service import settings
-    from verifier_service.server import serve
-
+    settings = importlib.import_module(f"{name}_service.settings")
+    server = importlib.import_module(f"{name}_service.server")
     try:
         config = settings.from_args(args)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    asyncio.run(serve(config))
-    return 0
-
-
-# --- tandem drafter ---------------------------------------------------------------------
-
-
-def _add_drafter(subcommands) -> None:
-    from drafter_service import settings
-
-    parser = subcommands.add_parser(
-        "drafter",
-        help="run the drafter service (MTP drafting and suffix lookup; the verifier calls Draft)",
-        description="Run the drafter gRPC service. Every option also reads an environment variable; flags win.",
-    )
-    settings.add_arguments(parser)
-    parser.set_defaults(handler=_run_drafter)
-
-
-def _run_drafter(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from drafter_service import settings
-    from drafter_service.server import serve
-
-    try:
-        config = settings.from_args(args)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    asyncio.run(serve(config))
+    asyncio.run(server.serve(config))
     return 0
 
 

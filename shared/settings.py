@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -86,3 +87,25 @@ def help_rows(cls: type, env_prefix: str) -> Sequence[tuple[str, str, str, str]]
         rows.append(("--" + field.name.replace("_", "-"), f"{env_prefix}{field.name.upper()}", repr(field.default),
                      field.metadata.get("help", "")))
     return rows
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def validate_service(settings: Any) -> None:
+    """Checks every service's settings share: ports, device, dtype, TLS pairs, grace."""
+    for name in ("port", "metrics_port"):
+        value = getattr(settings, name)
+        if not 0 <= value <= 65535:
+            raise ValueError(f"{name} {value} must lie in [0, 65535]")
+    if settings.dtype not in DTYPES:
+        raise ValueError(f"dtype {settings.dtype!r} must be one of {', '.join(DTYPES)}")
+    device = settings.device
+    if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
+        raise ValueError(f"device {device!r} must be cpu, cuda or cuda:N")
+    if (settings.tls_cert is None) != (settings.tls_key is None):
+        raise ValueError("tls_cert and tls_key must be given together")
+    if settings.tls_client_ca is not None and settings.tls_cert is None:
+        raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+    if not (math.isfinite(settings.grace_s) and settings.grace_s >= 0):
+        raise ValueError(f"grace_s {settings.grace_s!r} must be finite and >= 0")

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from shared import settings as base
 
 ENV_PREFIX = "TANDEM_VERIFIER_"
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -42,18 +41,7 @@ class VerifierSettings:
     grace_s: float = field(default=10.0, metadata={"help": "SIGTERM: seconds in-flight requests get to finish"})
 
     def __post_init__(self) -> None:
-        if not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port {self.metrics_port} must lie in [0, 65535]")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("tls_cert and tls_key must be given together")
-        if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port {self.port} must lie in [0, 65535]")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} must be one of {', '.join(DTYPES)}")
-        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
-            raise ValueError(f"device {self.device!r} must be cpu, cuda or cuda:N")
+        base.validate_service(self)
         positive = ("max_sessions", "max_new_tokens_limit", "prefill_chunk", "max_draft_tokens_limit")
         for name in positive:
             if getattr(self, name) < 1:

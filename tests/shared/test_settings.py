@@ -1,0 +1,63 @@
+"""Service settings: defaults < environment < flags, validated with messages naming the setting."""
+
+import argparse
+
+import pytest
+
+from drafter_service import settings as drafter_settings
+from verifier_service import settings as verifier_settings
+
+
+def parse(module, argv, environ):
+    parser = module.add_arguments(argparse.ArgumentParser())
+    return module.from_args(parser.parse_args(argv), environ)
+
+
+def test_flags_beat_environment_beat_defaults():
+    s = parse(verifier_settings, ["--port", "7001"], {"TANDEM_VERIFIER_PORT": "7000", "TANDEM_VERIFIER_MAX_SESSIONS": "3"})
+    assert (s.port, s.max_sessions, s.host) == (7001, 3, "127.0.0.1")
+    d = parse(drafter_settings, [], {"TANDEM_DRAFTER_PLANNER": "mtp"})
+    assert d.planner == "mtp" and d.port == 50052
+
+
+def test_booleans_from_environment_and_flags():
+    assert parse(verifier_settings, [], {"TANDEM_VERIFIER_RANDOM_WEIGHTS": "true"}).random_weights is True
+    assert parse(verifier_settings, ["--no-random-weights"], {"TANDEM_VERIFIER_RANDOM_WEIGHTS": "yes"}).random_weights is False
+    with pytest.raises(ValueError, match="TANDEM_VERIFIER_RANDOM_WEIGHTS = 'maybe' is not a boolean"):
+        parse(verifier_settings, [], {"TANDEM_VERIFIER_RANDOM_WEIGHTS": "maybe"})
+
+
+@pytest.mark.parametrize(
+    "argv,environ,message",
+    [
+        (["--port", "abc"], {}, "--port = 'abc' is not a valid int"),
+        ([], {"TANDEM_VERIFIER_MAX_SESSIONS": "0"}, "max_sessions 0 must be >= 1"),
+        (["--dtype", "int8"], {}, "dtype 'int8' must be one of"),
+        (["--max-draft-tokens", "20"], {}, "max_draft_tokens 20 must lie in [0, max_draft_tokens_limit = 16]"),
+        (["--tls-cert", "c.pem"], {}, "tls_cert and tls_key must be given together"),
+        (["--drafter-deadline-ms", "nan"], {}, "drafter_deadline_ms nan must be finite"),
+    ],
+)
+def test_bad_verifier_settings_are_named(argv, environ, message):
+    with pytest.raises(ValueError) as error:
+        parse(verifier_settings, argv, environ)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [(["--planner", "random"], "planner 'random' must be adaptive, mtp or suffix"),
+     (["--moce-scale", "0"], "moce_scale 0.0 must be finite and > 0"),
+     (["--device", "tpu"], "device 'tpu' must be cpu, cuda or cuda:N")],
+)
+def test_bad_drafter_settings_are_named(argv, message):
+    with pytest.raises(ValueError) as error:
+        parse(drafter_settings, argv, {})
+    assert message in str(error.value)
+
+
+def test_cli_refuses_to_start_with_a_bad_setting(capsys):
+    from shared.cli import main
+
+    assert main(["verifier", "--max-sessions", "0"]) == 2
+    assert "max_sessions 0 must be >= 1" in capsys.readouterr().err
