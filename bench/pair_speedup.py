@@ -420,6 +420,8 @@ class Run:
             ratios = ", ".join(f"{name} {value / tps[plain]:.3f}" for name, value in tps.items() if name != plain and plain)
             log(f"  block {done}/{n} done ({elapsed / done:.1f}s per block, about {elapsed / done * (n - done):.0f}s left); "
                 f"tokens/s ratio vs plain: {ratios}")
+            if self.args.out:  # partial records survive a run cut off at a time limit
+                Path(self.args.out).write_text(json.dumps({"partial": True, "blocks_done": done, "records": self.records}))
 
 
 # --- analysis -------------------------------------------------------------------------------
