@@ -1,0 +1,30 @@
+"""The per-round drafter deadline: fixed, or recent p95 + margin; the first chain after an open waits longer."""
+
+from verifier_service.drafter_link import DeadlineTracker
+from verifier_service.settings import VerifierSettings
+
+
+def test_adaptive_deadline_is_p95_plus_margin_capped():
+    tracker = DeadlineTracker(VerifierSettings(drafter_deadline_margin_ms=5.0, drafter_deadline_max_ms=100.0))
+    assert tracker.deadline_s() == 0.1  # no history yet: the upper bound
+    for wait in [2.0] * 19 + [40.0]:
+        tracker.record(wait)
+    assert tracker.deadline_s() == (40.0 + 5.0) / 1e3  # p95 of 20 samples is the largest here
+    for wait in [500.0] * 20:
+        tracker.record(wait)
+    assert tracker.deadline_s() == 0.1  # capped
+
+
+def test_first_chain_after_open_gets_the_upper_bound():
+    tracker = DeadlineTracker(VerifierSettings(drafter_deadline_max_ms=250.0))
+    for _ in range(20):
+        tracker.record(3.0)
+    assert tracker.deadline_s() == 0.008
+    assert tracker.deadline_s(after_open=True) == 0.25
+
+
+def test_fixed_deadline_wins():
+    tracker = DeadlineTracker(VerifierSettings(drafter_deadline_ms=30.0))
+    for _ in range(20):
+        tracker.record(1.0)
+    assert tracker.deadline_s() == tracker.deadline_s(after_open=True) == 0.03
