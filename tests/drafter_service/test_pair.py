@@ -131,3 +131,35 @@ async def test_drafter_killed_mid_request_completes(pair, tiny_mtp_model):
     plain, _, _ = await generate(stub, req)
     assert final is not None and final.finish_reason == "length"
     assert tokens == plain
+
+
+def test_source_choice_does_not_move_with_the_sampled_mtp_token(tiny_mtp_model):
+    """Same committed context and snapshot, different seeds (so different sampled MTP
+    tokens): the planner's choice of source and chain length is the same (seed 002)."""
+    import copy
+
+    import torch
+
+    from drafter_service.server import Drafter
+    from drafter_service.settings import DrafterSettings
+    from shared.protocol import drafter_pb2, encode_hidden
+
+    drafter = Drafter(tiny_mtp_model, DrafterSettings())
+    for _ in range(30):  # a live policy that has seen MTP chains accepted
+        drafter.planner.learn("MTP", 0, verified=4, accepted=4, verify_ms=10.0, rows=5)
+    context = PROMPT + [7, 8, 9, 10, 7, 8, 9]  # a repeat: suffix lookup has a match too
+    _, hidden = tiny_mtp_model.score(torch.tensor(context))
+    plans, drafts = set(), set()
+    snapshot = drafter.planner.snapshot()
+    for seed in range(12):
+        message = drafter_pb2.DraftOpen(
+            session_id=f"s{seed}", token_ids=context, hidden=encode_hidden(hidden[:-1]), max_draft_tokens=4,
+            sampling=common_pb2.SamplingParams(temperature=1.5, seed=seed),
+            speculation=common_pb2.SpeculationParams(mode=common_pb2.MODE_PROBABILISTIC))
+        session = drafter.open(message)
+        session.snapshot = copy.deepcopy(snapshot)  # the same snapshot for every seed
+        chain = drafter.propose(session)
+        plans.add((session.in_flight.source, session.in_flight.num_drafts) if session.in_flight else None)
+        drafts.add(tuple(chain.token_ids))
+    assert plans == {("MTP", 4)}  # the choice did not move ...
+    assert len(drafts) > 1  # ... while the sampled MTP tokens did
