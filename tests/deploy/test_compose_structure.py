@@ -1,163 +1,38 @@
-"""The deployment files: compose.yaml, the Dockerfile, deploy/ and deploy/k8s/.
+"""The deployment files, read statically: compose.yaml, deploy/ (Prometheus, OpenTelemetry
+collector), the Dockerfile, .dockerignore and deploy/k8s/.
 
-No container engine is needed. The structural tests read the files; the wiring tests take
-the default (CPU) `verifier` and `drafter` services of compose.yaml and run each one's
-`command` and `environment` as a local process, exactly as the image would (ENTRYPOINT
-`tandem` = `python -m shared.cli`), with only the container-specific parts substituted:
-0.0.0.0 -> 127.0.0.1, every port -> a free local port, the drafter's service name in the
-verifier's dns:/// address -> 127.0.0.1, and no OTLP exporter (nothing listens for it).
-They wait for SERVING on the gRPC health service, run the compose healthcheck commands,
-generate through the verifier (drafts must be proposed, so the verifier really reached the
-drafter), read /metrics, and stop both with SIGTERM (exit status 0).
+No container engine is needed: the tests read the files (`docker compose config` and
+kustomize/kubectl run only where installed).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import re
-import shlex
 import shutil
-import signal
-import socket
 import subprocess
-import sys
-import time
 import tomllib
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-import grpc
 import pytest
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-ROOT = Path(__file__).resolve().parents[2]
-COMPOSE_FILE = ROOT / "compose.yaml"
-DOCKERFILE = ROOT / "Dockerfile"
-K8S = ROOT / "deploy" / "k8s"
-MODEL_COMMANDS = ("verifier", "drafter")
-PREFIX = {"verifier": "TANDEM_VERIFIER_", "drafter": "TANDEM_DRAFTER_"}
-START_TIMEOUT_S = 60.0
-
-
-# --- reading the files ------------------------------------------------------------------
-
-_VARIABLE = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?-)([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
-
-
-def interpolate(value, env: dict[str, str]):
-    """Compose variable interpolation ($$, $VAR, ${VAR}, ${VAR:-default}, ${VAR-default})."""
-    if isinstance(value, dict):
-        return {key: interpolate(item, env) for key, item in value.items()}
-    if isinstance(value, list):
-        return [interpolate(item, env) for item in value]
-    if not isinstance(value, str):
-        return value
-
-    def substitute(match: re.Match) -> str:
-        if match.group(1):
-            return "$"
-        name = match.group(2) or match.group(5)
-        operator, default = match.group(3), match.group(4)
-        current = env.get(name)
-        if operator == ":-":
-            return current if current else default
-        if operator == "-":
-            return current if current is not None else default
-        return current or ""
-
-    if re.search(r"\$\{[^}]*[?+][^}]*\}", value):
-        raise AssertionError(f"unsupported interpolation in {value!r}: extend interpolate()")
-    return _VARIABLE.sub(substitute, value)
-
-
-def load_compose() -> dict:
-    # safe_load resolves anchors and `<<` merge keys the way Compose does; the environment
-    # is empty so every ${VAR:-default} takes its default, as on a fresh machine.
-    return interpolate(yaml.safe_load(COMPOSE_FILE.read_text()), {})
-
-
-def environment(service: dict) -> dict[str, str]:
-    raw = service.get("environment") or {}
-    if isinstance(raw, list):
-        raw = dict(item.split("=", 1) if "=" in item else (item, "") for item in raw)
-    return {key: "" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
-            for key, value in raw.items()}
-
-
-def command(service: dict) -> list[str]:
-    raw = service.get("command") or []
-    return shlex.split(raw) if isinstance(raw, str) else [str(part) for part in raw]
-
-
-def role(service: dict) -> str | None:
-    """'verifier' or 'drafter' for a tandem model service, else None."""
-    argv = command(service)
-    return argv[0] if argv and argv[0] in MODEL_COMMANDS else None
-
-
-def model_services(compose: dict, profile: str | None) -> dict[str, dict]:
-    """role -> (name, service) of the model services active by default (profile None) or in `profile`."""
-    found: dict[str, tuple[str, dict]] = {}
-    for name, service in compose["services"].items():
-        if role(service) is None:
-            continue
-        profiles = service.get("profiles") or []
-        if (profile is None and not profiles) or (profile is not None and profile in profiles):
-            assert role(service) not in found, f"two {role(service)} services in profile {profile}: {name}"
-            found[role(service)] = (name, service)
-    return found
-
-
-def dockerfile_instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) of the Dockerfile, continuation lines joined."""
-    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            word, _, rest = line.partition(" ")
-            out.append((word.upper(), rest.strip()))
-    return out
-
-
-def entrypoint() -> list[str]:
-    entries = [json.loads(rest) for word, rest in dockerfile_instructions() if word == "ENTRYPOINT"]
-    assert entries, "the Dockerfile has no ENTRYPOINT"
-    return entries[-1]
-
-
-def env_file(path: Path) -> dict[str, str]:
-    pairs = {}
-    for line in path.read_text().splitlines():
-        if line.strip() and not line.lstrip().startswith("#"):
-            key, _, value = line.partition("=")
-            pairs[key.strip()] = value
-    return pairs
-
-
-def settings_of(kind: str, env: dict[str, str]):
-    """The service's own settings parser on `env` (raises ValueError on a bad name or value)."""
-    if kind == "verifier":
-        from verifier_service import settings
-    else:
-        from drafter_service import settings
-    prefix = PREFIX[kind]
-    fields = {f.name.upper() for f in dataclasses.fields(settings.VerifierSettings if kind == "verifier" else settings.DrafterSettings)}
-    unknown = sorted(key for key in env if key.startswith(prefix) and key.removeprefix(prefix) not in fields)
-    assert not unknown, f"not {kind} settings: {unknown}"
-    return settings.from_args(None, environ=env)
-
-
-def split_address(address: str) -> tuple[str, str, int]:
-    """'dns:///name:port' -> ('dns:///', 'name', port); 'name:port' -> ('', 'name', port)."""
-    scheme = "dns:///" if address.startswith("dns:///") else ""
-    host, _, port = address.removeprefix(scheme).rpartition(":")
-    return scheme, host, int(port)
-
+from .compose_helpers import (
+    COMPOSE_FILE,
+    DOCKERFILE,
+    K8S,
+    MODEL_COMMANDS,
+    PREFIX,
+    ROOT,
+    dockerfile_instructions,
+    entrypoint,
+    env_file,
+    environment,
+    load_compose,
+    model_services,
+    settings_of,
+    split_address,
+)
 
 # --- structure: compose.yaml ------------------------------------------------------------
 
@@ -409,171 +284,3 @@ def test_k8s_gpu_component(tmp_path):
             kind = container["args"][0]
             env = configs[container["envFrom"][0]["configMapRef"]["name"]]
             assert settings_of(kind, env).device == "cuda"
-
-
-# --- wiring: the compose model services as local processes ------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclasses.dataclass
-class Local:
-    kind: str
-    name: str
-    argv: list[str]
-    env: dict[str, str]  # the service's environment after substitution
-    port: int
-    metrics_port: int
-    log: Path
-    process: subprocess.Popen | None = None
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
-
-
-def metrics_flag_supported(kind: str) -> bool:
-    out = subprocess.run([sys.executable, "-m", "shared.cli", kind, "--help"], check=False, capture_output=True,
-                         text=True, cwd=ROOT, timeout=60)
-    return "--metrics-port" in out.stdout
-
-
-def localize(compose: dict, tmp: Path) -> dict[str, Local]:
-    """The default model services as local process specs (see the module docstring)."""
-    services = model_services(compose, None)
-    names = {kind: name for kind, (name, _) in services.items()}
-    ports: dict[int, int] = {}  # container port -> local port
-
-    def local_port(value: str) -> str:
-        port = int(value)
-        if port == 0:
-            return "0"
-        return str(ports.setdefault(port, free_port()))
-
-    specs = {}
-    for kind, (name, service) in services.items():
-        prefix = PREFIX[kind]
-        metrics = metrics_flag_supported(kind)
-        env = {}
-        for key, value in environment(service).items():
-            setting = key.removeprefix(prefix) if key.startswith(prefix) else None
-            if key.startswith("OTEL_EXPORTER_OTLP"):
-                continue  # no collector here
-            if key == "OTEL_TRACES_EXPORTER":
-                value = "none"
-            elif setting == "HOST":
-                value = "127.0.0.1" if value == "0.0.0.0" else value
-            elif setting in ("PORT", "METRICS_PORT"):
-                if setting == "METRICS_PORT" and not metrics:
-                    continue
-                value = local_port(value)
-            elif setting == "DRAFTER":
-                scheme, host, port = split_address(value)
-                assert host == names["drafter"], f"{key}={value} does not name the drafter service"
-                value = f"{scheme}127.0.0.1:{local_port(str(port))}"
-            env[key] = value
-        argv = command(service)
-        for flag in ("--host", "--port", "--drafter", "--metrics-port"):
-            assert flag not in argv, f"{name}: settings belong in environment (the test substitutes them there)"
-        assert entrypoint() == ["tandem"]
-        specs[kind] = Local(
-            kind=kind, name=name, argv=[sys.executable, "-m", "shared.cli", *argv], env=env,
-            port=int(env[prefix + "PORT"]), metrics_port=int(env.get(prefix + "METRICS_PORT", "0")),
-            log=tmp / f"{name}.log",
-        )
-    return specs
-
-
-def wait_serving(local: Local, deadline: float) -> None:
-    with grpc.insecure_channel(f"127.0.0.1:{local.port}") as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if local.process.poll() is not None:
-                pytest.fail(f"{local.name} exited with {local.process.returncode}:\n{local.output()}")
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    pytest.fail(f"{local.name} never became SERVING:\n{local.output()}")
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    """The compose verifier and drafter as local processes, started in depends_on order."""
-    compose = load_compose()
-    specs = localize(compose, tmp_path_factory.mktemp("compose"))
-    base = {key: value for key, value in os.environ.items() if not key.startswith(("TANDEM_", "OTEL_"))}
-    deadline = time.monotonic() + START_TIMEOUT_S
-    try:
-        for kind in ("drafter", "verifier"):  # verifier depends_on drafter: service_healthy
-            local = specs[kind]
-            with open(local.log, "wb") as log:
-                local.process = subprocess.Popen(local.argv, env={**base, **local.env}, cwd=ROOT,
-                                                 stdout=log, stderr=subprocess.STDOUT)
-            wait_serving(local, deadline)
-        yield compose, specs
-    finally:
-        for local in specs.values():
-            if local.process is not None and local.process.poll() is None:
-                local.process.kill()
-                local.process.wait(10)
-
-
-def test_compose_healthchecks_pass_against_the_services(stack):
-    compose, specs = stack
-    base = {key: value for key, value in os.environ.items() if not key.startswith(("TANDEM_", "OTEL_"))}
-    for local in specs.values():
-        test = compose["services"][local.name]["healthcheck"]["test"]
-        argv = [sys.executable if part == "python" else part for part in test[1:]]
-        out = subprocess.run(argv, check=False, env={**base, **local.env}, capture_output=True, text=True, timeout=30)
-        assert out.returncode == 0, f"{local.name} healthcheck failed:\n{out.stderr}"
-        # and it fails where nothing serves
-        dead = {**base, **local.env, PREFIX[local.kind] + "PORT": str(free_port())}
-        assert subprocess.run(argv, check=False, env=dead, capture_output=True, timeout=30).returncode != 0
-
-
-def test_generate_through_the_compose_wiring_uses_the_drafter(stack):
-    from shared.client import GenerationConfig, VerifierClient
-
-    _, specs = stack
-    with VerifierClient(f"127.0.0.1:{specs['verifier'].port}", timeout=60) as client:
-        result = client.generate("def fibonacci(n):", GenerationConfig(max_new_tokens=8))
-    assert result.token_ids and len(result.token_ids) <= 8
-    assert result.stats["completion_tokens"] == len(result.token_ids)
-    assert result.stats["proposed"] > 0, f"no drafts: the verifier did not reach the drafter\n{specs['verifier'].output()}"
-
-
-def test_metrics_endpoints_serve_what_prometheus_and_the_hpa_read(stack):
-    _, specs = stack
-    if not all(local.metrics_port for local in specs.values()):
-        pytest.skip("the services do not take --metrics-port yet")
-    bodies = {}
-    for local in specs.values():
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{local.metrics_port}/metrics", timeout=10) as reply:
-                bodies[local.kind] = reply.read().decode()
-        except (urllib.error.URLError, ConnectionError) as error:
-            pytest.skip(f"{local.name} does not serve /metrics on METRICS_PORT yet ({error})")
-    assert "tandem_verifier_" in bodies["verifier"]
-    assert "tandem_drafter_" in bodies["drafter"]
-    hpa = yaml.safe_load((K8S / "drafter-hpa.yaml").read_text())
-    name = hpa["spec"]["metrics"][0]["pods"]["metric"]["name"]
-    assert re.search(rf"^{name}[{{ ]", bodies["drafter"], re.MULTILINE), f"the HPA scales on {name}, which the drafter does not publish"
-
-
-def test_sigterm_stops_both_with_status_0(stack):
-    _, specs = stack
-    for kind in ("verifier", "drafter"):  # compose stops dependents first
-        local = specs[kind]
-        assert local.process.poll() is None, f"{local.name} died early:\n{local.output()}"
-        local.process.send_signal(signal.SIGTERM)
-        try:
-            status = local.process.wait(30)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{local.name} ignored SIGTERM:\n{local.output()}")
-        assert status == 0, f"{local.name} exited with {status}:\n{local.output()}"

@@ -1,0 +1,61 @@
+"""Constants and small helpers shared by the pair_speedup modules."""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import sys
+
+SETUPS = ("cpu-embedded", "gpu-embedded", "cpu-synthetic", "gpu-synthetic")
+PROMPTS = (
+    "import os\n\n\ndef read_lines(path):",
+    "class Stack:\n    def __init__(self):",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "import json\n\n\ndef load_config(path):\n    with open(path) as f:",
+    "def parse_args(argv=None):\n    parser = argparse.ArgumentParser(",
+    "class Node:\n    def __init__(self, value, children=None):",
+    "def merge_sort(items):\n    if len(items) <= 1:",
+    "import re\n\n\ndef tokenize(text):",
+)
+QWEN3_30B_A3B = dict(  # bench/model_baseline.py's shapes (no eos: fixed-length completions)
+    vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+    head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+    norm_topk_prob=True, max_position_embeddings=4096, rope_theta=1e6, model_type="qwen3_moe",
+)
+SHAPES = {
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+    # a few-MB model of the same family: smoke-tests the random-weights path anywhere
+    "smoke": QWEN3_30B_A3B | dict(vocab_size=4096, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=64, intermediate_size=512, moe_intermediate_size=128,
+                                  num_experts=16, num_experts_per_tok=2),
+}
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+
+
+def log(*parts: object) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mean(values) -> float | None:
+    values = list(values)
+    return statistics.fmean(values) if values else None
+
+
+def median(values) -> float | None:
+    values = list(values)
+    return statistics.median(values) if values else None
+
+
+def fmt(value, spec: str = ".2f", none: str = "n/a") -> str:
+    return none if value is None else format(value, spec)
+
+
+class ServiceError(RuntimeError):
+    """A child service that did not start or died (the message carries its log's tail)."""

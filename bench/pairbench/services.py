@@ -1,0 +1,138 @@
+"""The services a run starts (child processes) and the byte-counting tap in front of a drafter."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from . import EXTRA_PATHS, REPO
+from .common import CHANNEL_OPTIONS, ServiceError, log
+
+# --- child processes --------------------------------------------------------------------
+
+
+class Children:
+    """The services this run starts: logs to files, health waits, SIGTERM at the end."""
+
+    def __init__(self, workdir: Path, threads: int = 0) -> None:
+        self.workdir = workdir
+        self.procs: dict[str, tuple[subprocess.Popen, Path]] = {}
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_VERIFIER_", "TANDEM_DRAFTER_"))}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), *EXTRA_PATHS, *filter(None, [env.get("PYTHONPATH")])])
+        env["PYTHONUNBUFFERED"] = "1"
+        if threads > 0:  # torch's intra-op threads per service (OMP/MKL read these at start)
+            env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+        self.env = env
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log_path = self.workdir / f"{name}.log"
+        handle = open(log_path, "w")
+        log(f"  start {name}: {' '.join(argv[1:])}")
+        proc = subprocess.Popen(argv, cwd=REPO, env=self.env, stdout=handle, stderr=subprocess.STDOUT)
+        handle.close()
+        self.procs[name] = (proc, log_path)
+        return proc
+
+    def tail(self, name: str, lines: int = 25) -> str:
+        _, path = self.procs[name]
+        try:
+            text = path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join("    | " + line for line in text[-lines:])
+
+    def check_alive(self) -> None:
+        for name, (proc, _) in self.procs.items():
+            if proc.poll() is not None:
+                raise ServiceError(f"the {name} exited with status {proc.returncode}; its log ends:\n{self.tail(name)}")
+
+    async def wait_serving(self, name: str, address: str, timeout: float) -> None:
+        proc, _ = self.procs[name]
+        deadline = time.monotonic() + timeout
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if proc.poll() is not None:
+                    raise ServiceError(f"the {name} exited with status {proc.returncode} before serving; its log ends:\n{self.tail(name)}")
+                try:
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        log(f"  {name} SERVING at {address}")
+                        return
+                except grpc.aio.AioRpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise ServiceError(f"the {name} at {address} was not SERVING within {timeout:.0f}s; its log ends:\n{self.tail(name)}")
+                await asyncio.sleep(0.25)
+
+    def stop(self, name: str | None = None, timeout: float = 20.0) -> None:
+        names = [name] if name else list(self.procs)
+        for n in names:
+            proc, _ = self.procs[n]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for n in names:
+            proc, _ = self.procs[n]
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log(f"  {n} did not stop within {timeout:.0f}s of SIGTERM: killing it")
+                proc.kill()
+                proc.wait()
+
+
+# --- the byte-counting tap (real drafter) -------------------------------------------------
+
+
+class Tap:
+    """A pass-through proxy of Drafter.Draft that keeps every message's raw bytes."""
+
+    METHOD = "/tandem.v1.Drafter/Draft"
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.streams: list[dict] = []
+        self.server: grpc.aio.Server | None = None
+        self.channel: grpc.aio.Channel | None = None
+
+    async def start(self, port: int) -> None:
+        self.channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
+        self.forward = self.channel.stream_stream(self.METHOD)  # no (de)serializers: raw bytes
+        handler = grpc.method_handlers_generic_handler(
+            "tandem.v1.Drafter", {"Draft": grpc.stream_stream_rpc_method_handler(self._draft)})
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self.server.add_generic_rpc_handlers((handler,))
+        if self.server.add_insecure_port(f"127.0.0.1:{port}") == 0:
+            raise ServiceError(f"the tap could not bind 127.0.0.1:{port}")
+        await self.server.start()
+
+    async def _draft(self, request_iterator, context):
+        record: dict = {"up": [], "down": []}
+        self.streams.append(record)
+
+        async def upstream():
+            async for raw in request_iterator:
+                record["up"].append(raw)
+                yield raw
+
+        call = self.forward(upstream())
+        try:
+            async for raw in call:
+                record["down"].append(raw)
+                yield raw
+        finally:
+            call.cancel()
+
+    async def stop(self) -> None:
+        server, channel, self.server, self.channel = self.server, self.channel, None, None
+        if server is not None:
+            await server.stop(1.0)
+        if channel is not None:
+            await channel.close()
