@@ -33,7 +33,6 @@ def suffix_bucket(length: int) -> int:
 class Estimates:
     """Per (source, bucket, step) acceptance counts and per-window verify/draft costs (ms)."""
 
-    max_steps: int
     accepted: dict[tuple[str, int, int], float] = field(default_factory=dict)
     tried: dict[tuple[str, int, int], float] = field(default_factory=dict)
     verify_ms: dict[int, float] = field(default_factory=dict)  # window rows -> EMA ms
@@ -63,8 +62,8 @@ class Plan:
 class Planner:
     """The live policy: learns from every round's outcome; sessions take snapshots."""
 
-    def __init__(self, max_steps: int, ema: float = 0.1) -> None:
-        self.live = Estimates(max_steps)
+    def __init__(self, ema: float = 0.1) -> None:
+        self.live = Estimates()
         self.ema = ema
         self._lock = threading.Lock()
 

@@ -45,7 +45,7 @@ class Drafter:
         if settings.moce_scale != 1.0 or settings.expert_slots:
             routing = RoutingOptions(moce=True, scale=settings.moce_scale)
         self.mtp = MTPProposer(model, routing) if model.mtp is not None else None
-        self.planner = Planner(MAX_DRAFTS)
+        self.planner = Planner()
         self.global_index = GlobalIndex(settings.global_index_contexts)
         # Request-initial planner snapshots by session id: a re-sync of the same request (after
         # an eviction or a lost stream) keeps planning with the estimates it started with.

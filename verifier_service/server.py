@@ -99,7 +99,6 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.deadlines = DeadlineTracker(settings)
         self.channel = drafter_channel(settings) if settings.drafter else None
         self.drafter = drafter_pb2_grpc.DrafterStub(self.channel) if self.channel else None
-        self.faults: dict[str, int] = {}
         self.metrics = VerifierMetrics()
 
     async def load(self) -> None:
@@ -204,7 +203,6 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             self.metrics.active.dec()
             if link is not None:
                 for kind, count in link.faults.items():
-                    self.faults[kind] = self.faults.get(kind, 0) + count
                     self.metrics.faults.labels(kind).inc(count)
                 await link.close()
             structlog.contextvars.unbind_contextvars("request_id")

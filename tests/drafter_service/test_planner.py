@@ -90,7 +90,7 @@ def test_buckets_cover_match_lengths_without_gaps():
 
 
 def test_acceptance_prior_and_counts():
-    e = Estimates(STEPS)
+    e = Estimates()
     assert e.acceptance("MTP", 0, 0) == pytest.approx(0.5)  # Beta(2, 2)
     assert e.acceptance("SUFFIX", 2, 5) == pytest.approx(0.75)  # Beta(3, 1)
     e.tried[("MTP", 0, 1)] = 6
@@ -100,7 +100,7 @@ def test_acceptance_prior_and_counts():
 
 
 def test_verify_cost_measured_else_linear_from_one_row():
-    e = Estimates(STEPS)
+    e = Estimates()
     assert e.verify_cost(1) == pytest.approx(1.0)
     assert e.verify_cost(6) == pytest.approx(2.0)
     e.verify_ms = {1: 10.0, 3: 50.0}
@@ -113,7 +113,7 @@ def test_verify_cost_measured_else_linear_from_one_row():
 
 
 def test_none_when_acceptance_is_poor_and_verify_cost_rises_steeply():
-    e = Estimates(STEPS)
+    e = Estimates()
     flat_acceptance(e, "MTP", 0, 0.05)
     for bucket in range(len(BUCKETS)):
         flat_acceptance(e, "SUFFIX", bucket, 0.05)
@@ -124,7 +124,7 @@ def test_none_when_acceptance_is_poor_and_verify_cost_rises_steeply():
 
 
 def test_none_when_nothing_is_available():
-    e = Estimates(STEPS)
+    e = Estimates()
     assert run_choose(e, mtp=False) == Plan("NONE", 0)
     assert run_choose(e, mtp=False, suffix_length=5, suffix_tokens=0) == Plan("NONE", 0)
     assert run_choose(e, limit=0, suffix_length=5, suffix_tokens=4) == Plan("NONE", 0)
@@ -133,7 +133,7 @@ def test_none_when_nothing_is_available():
 def test_longer_mtp_chains_as_acceptance_rises():
     lengths = []
     for a in (0.3, 0.6, 0.8, 0.9, 0.95, 0.99):
-        e = Estimates(STEPS)
+        e = Estimates()
         linear_cost(e)
         e.mtp_step_ms = 1.0
         flat_acceptance(e, "MTP", 0, a)
@@ -147,7 +147,7 @@ def test_longer_mtp_chains_as_acceptance_rises():
 
 
 def test_suffix_chosen_over_mtp_when_its_bucket_is_good():
-    e = Estimates(STEPS)
+    e = Estimates()
     linear_cost(e)
     e.mtp_step_ms = 1.0
     flat_acceptance(e, "MTP", 0, 0.6)
@@ -161,7 +161,7 @@ def test_suffix_chosen_over_mtp_when_its_bucket_is_good():
 
 
 def test_limit_and_suffix_tokens_bound_k():
-    e = Estimates(STEPS)
+    e = Estimates()
     flat_cost(e)
     flat_acceptance(e, "SUFFIX", 1, 0.99, steps=40)
     flat_acceptance(e, "MTP", 0, 0.99, steps=40)
@@ -178,7 +178,7 @@ def test_limit_and_suffix_tokens_bound_k():
 
 
 def test_expected_tokens_hand_computed():
-    e = Estimates(STEPS)
+    e = Estimates()
     flat_cost(e)  # every window costs the same: the longest chain wins
     # SUFFIX prior Beta(3, 1): (accepted + 3) / (tried + 4).
     e.tried[("SUFFIX", 0, 0)], e.accepted[("SUFFIX", 0, 0)] = 6, 5  # 8/10 = 0.8
@@ -193,7 +193,7 @@ def test_expected_tokens_hand_computed():
 
 
 def test_rate_includes_mtp_draft_cost():
-    e = Estimates(STEPS)
+    e = Estimates()
     flat_cost(e, 10.0)
     flat_acceptance(e, "MTP", 0, 0.5)
     # R_1 = 1.5 over 10 + draft: beats 1/10 only while the draft step costs under 5 ms.
@@ -205,7 +205,7 @@ def test_rate_includes_mtp_draft_cost():
 
 def test_choose_is_a_pure_function_of_its_inputs():
     rng = random.Random(0)
-    e = Estimates(STEPS)
+    e = Estimates()
     for source, buckets in (("MTP", [0]), ("SUFFIX", range(len(BUCKETS)))):
         for bucket in buckets:
             for step in range(STEPS):
@@ -237,7 +237,7 @@ def test_choose_is_a_pure_function_of_its_inputs():
 
 
 def test_draft_cost_ignored_until_verify_costs_are_measured():
-    e = Estimates(STEPS)
+    e = Estimates()
     flat_acceptance(e, "MTP", 0, 0.9)
     e.mtp_step_ms = 1000.0  # ms, while the unmeasured verify model is unitless
     assert run_choose(e).source == "MTP"
@@ -246,7 +246,7 @@ def test_draft_cost_ignored_until_verify_costs_are_measured():
 
 
 def test_adaptive_explores_one_mtp_draft_on_schedule():
-    e = Estimates(STEPS)
+    e = Estimates()
     flat_acceptance(e, "MTP", 0, 0.05)
     linear_cost(e)
     e.mtp_step_ms = 1.0
@@ -267,7 +267,7 @@ def test_adaptive_explores_one_mtp_draft_on_schedule():
 
 
 def test_fixed_policies_ignore_estimates():
-    e = Estimates(STEPS)
+    e = Estimates()
     flat_acceptance(e, "MTP", 0, 0.01)
     flat_acceptance(e, "SUFFIX", 2, 0.01)
     e.verify_ms = {r: 10.0 * r * r for r in range(1, 20)}
@@ -284,7 +284,7 @@ def test_fixed_policies_ignore_estimates():
 
 
 def test_learn_counts_steps_up_to_the_first_rejection():
-    p = Planner(STEPS)
+    p = Planner()
     p.learn("MTP", 0, verified=5, accepted=2, verify_ms=12.0, rows=6)
     e = p.live
     assert {k: v for k, v in e.tried.items()} == {
@@ -298,7 +298,7 @@ def test_learn_counts_steps_up_to_the_first_rejection():
 
 
 def test_learn_all_accepted_and_none_verified():
-    p = Planner(STEPS)
+    p = Planner()
     p.learn("SUFFIX", 2, verified=3, accepted=3, verify_ms=0.0, rows=4)
     assert p.live.tried == {("SUFFIX", 2, s): 1 for s in range(3)}
     assert p.live.accepted == {("SUFFIX", 2, s): 1 for s in range(3)}
@@ -315,7 +315,7 @@ def test_learn_all_accepted_and_none_verified():
 
 
 def test_learn_keys_by_source_and_bucket():
-    p = Planner(STEPS)
+    p = Planner()
     p.learn("SUFFIX", 1, verified=2, accepted=1, verify_ms=0.0, rows=3)
     assert p.live.acceptance("SUFFIX", 0, 0) == pytest.approx(0.75)
     assert p.live.acceptance("MTP", 1, 0) == pytest.approx(0.5)
@@ -324,7 +324,7 @@ def test_learn_keys_by_source_and_bucket():
 
 
 def test_verify_cost_ema_per_window_rows():
-    p = Planner(STEPS, ema=0.1)
+    p = Planner(ema=0.1)
     p.learn("MTP", 0, 2, 1, verify_ms=10.0, rows=3)
     assert p.live.verify_ms == {3: 10.0}
     p.learn("MTP", 0, 2, 1, verify_ms=20.0, rows=3)
@@ -337,7 +337,7 @@ def test_verify_cost_ema_per_window_rows():
 
 
 def test_draft_cost_ema():
-    p = Planner(STEPS, ema=0.5)
+    p = Planner(ema=0.5)
     p.learn_draft_cost(4.0)
     assert p.live.mtp_step_ms == 4.0
     p.learn_draft_cost(8.0)
@@ -348,7 +348,7 @@ def test_draft_cost_ema():
 
 
 def test_snapshot_is_a_deep_copy():
-    p = Planner(STEPS)
+    p = Planner()
     p.learn("MTP", 0, 3, 1, verify_ms=10.0, rows=4)
     p.learn_draft_cost(2.0)
     snap = p.snapshot()
@@ -385,7 +385,7 @@ def make_session(snapshot):
 
 
 def test_session_choice_fixed_while_live_policy_learns():
-    p = Planner(STEPS)
+    p = Planner()
     for _ in range(30):  # suffix looks great, MTP mediocre, verification cheap
         p.learn("SUFFIX", 1, 6, 6, verify_ms=10.0, rows=7)
         p.learn("MTP", 0, 4, 1, verify_ms=10.0, rows=5)

@@ -27,7 +27,7 @@ def make_session(session_id):
         coupled=False,
         policy=RetentionPolicy(),
         max_drafts=4,
-        snapshot=Estimates(8),
+        snapshot=Estimates(),
         suffix=SuffixIndex(),
         mtp=None,
         round_id=0,
