@@ -9,12 +9,9 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.client import GenerationConfig, VerifierClient
+from shared.health import wait_serving
 from shared.model.registry import resolve_model
 from shared.tokenizer import load_tokenizer
 
@@ -26,22 +23,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _wait_serving(address: str, name: str, process: subprocess.Popen, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"the {name} exited with status {process.returncode}")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise TimeoutError(f"the {name} at {address} did not become SERVING within {timeout:.0f}s")
 
 
 def _start(kind: str, args: list[str]) -> subprocess.Popen:
@@ -60,8 +41,8 @@ def run_demo(args: argparse.Namespace) -> int:
     verifier = _start("verifier", [*model_args, "--port", str(verifier_port), "--drafter", f"127.0.0.1:{drafter_port}"])
     color = not args.no_color and sys.stdout.isatty()
     try:
-        _wait_serving(f"127.0.0.1:{drafter_port}", "drafter", drafter)
-        _wait_serving(f"127.0.0.1:{verifier_port}", "verifier", verifier)
+        wait_serving(f"127.0.0.1:{drafter_port}", name="drafter", process=drafter)
+        wait_serving(f"127.0.0.1:{verifier_port}", name="verifier", process=verifier)
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                                   mode=args.mode, max_draft_tokens=args.max_draft_tokens)
         legend = "accepted drafts: green = MTP, cyan = suffix lookup" if color else "accepted drafts in [MTP: ...] / [SUFFIX: ...]"

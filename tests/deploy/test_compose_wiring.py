@@ -24,10 +24,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import grpc
 import pytest
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.health import wait_serving
 
 from .compose_helpers import (
     K8S,
@@ -117,19 +117,12 @@ def localize(compose: dict, tmp: Path) -> dict[str, Local]:
     return specs
 
 
-def wait_serving(local: Local, deadline: float) -> None:
-    with grpc.insecure_channel(f"127.0.0.1:{local.port}") as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if local.process.poll() is not None:
-                pytest.fail(f"{local.name} exited with {local.process.returncode}:\n{local.output()}")
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    pytest.fail(f"{local.name} never became SERVING:\n{local.output()}")
+def wait_until_serving(local: Local, deadline: float) -> None:
+    try:
+        wait_serving(f"127.0.0.1:{local.port}", timeout=max(deadline - time.monotonic(), 0.1),
+                     process=local.process, name=local.name)
+    except (RuntimeError, TimeoutError) as error:
+        pytest.fail(f"{error}:\n{local.output()}")
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +138,7 @@ def stack(tmp_path_factory):
             with open(local.log, "wb") as log:
                 local.process = subprocess.Popen(local.argv, env={**base, **local.env}, cwd=ROOT,
                                                  stdout=log, stderr=subprocess.STDOUT)
-            wait_serving(local, deadline)
+            wait_until_serving(local, deadline)
         yield compose, specs
     finally:
         for local in specs.values():

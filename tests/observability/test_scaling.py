@@ -9,8 +9,8 @@ import urllib.request
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared.health import wait_serving
 from shared.model import save_checkpoint
 from shared.protocol import verifier_pb2_grpc
 from verifier_service.server import VerifierServer
@@ -20,20 +20,6 @@ from ..verifier_service.conftest import generate, request
 from .test_metrics_and_logs import free_port
 
 PROMPT = [3, 14, 15, 92, 65]
-
-
-async def wait_serving(port, timeout=60.0):
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        for _ in range(int(timeout / 0.1)):
-            try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.1)
-    raise TimeoutError(f"drafter on {port} never became SERVING")
 
 
 def proposals(metrics_port) -> float:
@@ -61,8 +47,8 @@ def drafters(tmp_path, tiny_mtp_model):
 
 
 async def test_load_spreads_over_replicas_and_one_can_die(drafters, tiny_mtp_model):
-    for _, port, _ in drafters:
-        await wait_serving(port)
+    for process, port, _ in drafters:
+        await asyncio.to_thread(wait_serving, f"127.0.0.1:{port}", timeout=60, process=process, name="drafter")
     target = "ipv4:" + ",".join(f"127.0.0.1:{port}" for _, port, _ in drafters)
     verifier = VerifierServer(VerifierSettings(port=0, drafter=target, drafter_deadline_ms=2000.0), model=tiny_mtp_model)
     port = await verifier.start()

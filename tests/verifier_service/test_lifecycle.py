@@ -6,13 +6,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from shared.health import wait_serving
 from shared.model import save_checkpoint
 from shared.protocol import verifier_pb2_grpc
 
@@ -64,24 +64,10 @@ def verifier_process(tmp_path, tiny_model):
     process.wait(10)
 
 
-async def wait_serving(channel, timeout=60.0):
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.aio.AioRpcError:
-            pass
-        await asyncio.sleep(0.1)
-    raise TimeoutError("verifier never became SERVING")
-
-
 async def test_sigterm_drains_in_flight_requests(verifier_process):
     process, port = verifier_process
+    await asyncio.to_thread(wait_serving, f"127.0.0.1:{port}", timeout=60, process=process)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        await wait_serving(channel)
         stub = verifier_pb2_grpc.VerifierStub(channel)
         call = stub.Generate(request([1, 2, 3], 150))
         first = await call.read()
@@ -103,8 +89,7 @@ async def test_tandem_generate_against_a_verifier_process(verifier_process):
     import json
 
     process, port = verifier_process
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        await wait_serving(channel)
+    await asyncio.to_thread(wait_serving, f"127.0.0.1:{port}", timeout=60, process=process)
     command = [sys.executable, "-m", "shared.cli", "generate", "--verifier", f"127.0.0.1:{port}",
                "--prompt-ids", "1,2,3", "--max-new-tokens", "5", "--temperature", "0.7", "--seed", "9", "--json"]
     out = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=60)
