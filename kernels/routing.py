@@ -109,10 +109,7 @@ def route_topk(
 
     # The multipliers are exact float32 values (m, r or 1), so every score is one float32
     # product, which keeps tie behaviour reproducible by any float32 reference.
-    b = torch.tensor(scale, dtype=torch.float32)
-    r = torch.tensor(r1_scale, dtype=torch.float32)
-    draft_mult = _rank_multipliers(top_k, m=b * b, r=r, protect=1, r1_active=False)
-    other_mult = _rank_multipliers(top_k, m=b, r=r, protect=protect, r1_active=bool(r > 1) and protect > 1)
+    other_mult, draft_mult = moce_multipliers(top_k, scale=scale, r1_scale=r1_scale, protect=protect)
     if draft_rows is None:
         draft_mult = other_mult  # no draft rows: the draft table is never used
     device = probs.device
@@ -217,6 +214,15 @@ def _check_mask(mask: Tensor | None, name: str, length: int, device: torch.devic
         desc = f"{tuple(mask.shape)} {mask.dtype}" if isinstance(mask, Tensor) else type(mask).__name__
         raise ValueError(f"{name} {desc} must be a bool tensor of shape [{length}]")
     return mask.to(device)
+
+
+def moce_multipliers(top_k: int, *, scale: float, r1_scale: float, protect: int) -> tuple[list[float], list[float]]:
+    """(other rows', draft rows') mult(rank) for rank = 0..k-1, exact float32 values (DESIGN §5)."""
+    b = torch.tensor(scale, dtype=torch.float32)
+    r = torch.tensor(r1_scale, dtype=torch.float32)
+    draft = _rank_multipliers(top_k, m=b * b, r=r, protect=1, r1_active=False)
+    other = _rank_multipliers(top_k, m=b, r=r, protect=protect, r1_active=bool(r > 1) and protect > 1)
+    return other, draft
 
 
 def _rank_multipliers(top_k: int, *, m: Tensor, r: Tensor, protect: int, r1_active: bool) -> list[float]:

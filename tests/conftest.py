@@ -1,7 +1,15 @@
 """Shared test configuration."""
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU the fused Triton kernels run in Triton's interpreter (numpy on the CPU), so the
+# suite exercises the kernels' own code, not only their torch references. Set before any
+# kernel module imports Triton (they import it lazily, at first use).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from shared.model import ModelConfig, load_model
 

@@ -1,13 +1,21 @@
 """Model-side work of the verifier: prefill and verification rounds (runs on the model worker).
 
 Invariant per session: the KV cache holds every committed token but the last (the head);
-a round runs the window [head, d0..dk-1], verifies the drafts with `kernels.speculative`,
-and truncates the cache to the rows that stay committed (head + accepted drafts).
+a round runs the window [head, d0..dk-1], verifies the drafts, and truncates the cache to
+the rows that stay committed (head + accepted drafts).
+
+Two forward paths share this flow. On CUDA (by default) a round is one replay of a captured
+fused-kernel window (shared.model.graphs) over a KV pool slot, and the only host
+synchronisation is reading the verdict's inputs: the greedy ids, or the processed sparse
+rows, plus the hidden rows for the drafter, copied in the same stream. Elsewhere the
+reference modules run the window eagerly on a per-request cache. Prefill chunks always run
+the reference modules (long chunks are compute-bound; per-kernel host work is amortised).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +24,9 @@ from torch import Tensor
 from kernels.sampling import SparseRows, process_logits
 from kernels.speculative import verify_chain
 from shared.model import KVCache, Qwen3MoeModel
+from shared.model.fast import FusedModel, unsupported_reason
+from shared.model.graphs import WindowGraphs
+from shared.model.kv_cache import KVPool
 from verifier_service.requests import RequestSpec
 
 
@@ -25,6 +36,7 @@ class Session:
     cache: KVCache
     token_ids: list[int]  # committed: prompt + completion
     hidden_rows: list[Tensor] = field(default_factory=list)  # final-norm rows of token_ids[:-1], CPU bf16
+    slot: int | None = None  # KV pool slot (fused path)
 
     @property
     def capacity_left(self) -> int:
@@ -45,41 +57,134 @@ class RoundOutcome:
     slot_misses: int = 0  # expert slot misses of the target model in this round
 
 
+def greedy_verdict(drafts: list[int], greedy_ids: list[int]) -> tuple[list[int], int]:
+    """(emitted, accepted) when the target is greedy: p_j is a point mass on greedy_ids[j], so in
+    either mode a draft is accepted iff it equals that token, and the first mismatch (or the
+    bonus) emits it."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == greedy_ids[accepted]:
+        accepted += 1
+    return [*drafts[:accepted], greedy_ids[accepted]], accepted
+
+
 class Engine:
-    def __init__(self, model: Qwen3MoeModel, *, max_context: int, prefill_chunk: int) -> None:
+    def __init__(
+        self,
+        model: Qwen3MoeModel,
+        *,
+        max_context: int,
+        prefill_chunk: int,
+        fused: str = "off",
+        cuda_graphs: bool = True,
+        max_sessions: int = 8,
+        max_window: int = 17,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
         self.model = model
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
         self.stores = [layer.mlp.experts for layer in model.layers if hasattr(layer.mlp, "experts")]
+        self.windows: WindowGraphs | None = None
+        reason = unsupported_reason(model)
+        if fused == "on" and reason is not None:
+            raise ValueError(f"fused = on, but {reason}")
+        if fused == "on" or (fused == "auto" and model.device.type == "cuda" and reason is None):
+            c = model.config
+            pool = KVPool(num_layers=c.num_hidden_layers, num_slots=max_sessions, max_length=max_context,
+                          num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=model.dtype, device=model.device)
+            fused_model = FusedModel(model, max_rows=max_window, max_length=max_context)
+            self.windows = WindowGraphs(fused_model, pool, max_window, use_graphs=cuda_graphs and model.device.type == "cuda")
+            if progress is not None:
+                progress(f"KV pool: {max_sessions} slots x {max_context} positions ({pool.bytes / 2**30:.2f} GiB)")
+            self.windows.capture(progress=None if progress is None else
+                                 lambda rows, s: progress(f"captured the {rows}-row window in {s:.2f}s"))
+            pinned = model.device.type == "cuda"
+            self.host_ids = torch.zeros(max_window, dtype=torch.int64, pin_memory=pinned)
+            self.host_hidden = torch.zeros((max_window, c.hidden_size), dtype=model.dtype, pin_memory=pinned)
+            self.copied = torch.cuda.Event() if pinned else None
 
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
+    @property
+    def path(self) -> str:
+        if self.windows is None:
+            return "reference"
+        return "fused+graphs" if self.windows.use_graphs else "fused"
+
     def open(self, spec: RequestSpec) -> Session:
         """Allocate the session's cache and prefill the prompt but its last token (the head)."""
         length = min(self.max_context, len(spec.prompt_ids) + spec.max_new_tokens + spec.max_draft_tokens + 1)
-        session = Session(spec=spec, cache=self.model.new_cache(length), token_ids=list(spec.prompt_ids))
-        body = torch.tensor(spec.prompt_ids[:-1], dtype=torch.int64, device=self.model.device)
-        for start in range(0, body.shape[0], self.prefill_chunk):
-            _, hidden = self.model(body[start : start + self.prefill_chunk], session.cache)
-            session.hidden_rows.append(hidden.to("cpu", torch.bfloat16))
+        slot = None
+        if self.windows is not None:
+            slot, cache = self.windows.pool.acquire(length)
+        else:
+            cache = self.model.new_cache(length)
+        session = Session(spec=spec, cache=cache, token_ids=list(spec.prompt_ids), slot=slot)
+        try:
+            body = torch.tensor(spec.prompt_ids[:-1], dtype=torch.int64, device=self.model.device)
+            for start in range(0, body.shape[0], self.prefill_chunk):
+                _, hidden = self.model(body[start : start + self.prefill_chunk], session.cache)
+                session.hidden_rows.append(hidden.to("cpu", torch.bfloat16))
+        except BaseException:
+            self.close(session)
+            raise
         return session
+
+    def close(self, session: Session) -> None:
+        """Give the session's KV slot back (idempotent)."""
+        if session.slot is not None and self.windows is not None:
+            self.windows.pool.release(session.slot)
+            session.slot = None
+
+    @property
+    def free_slots(self) -> int | None:
+        return self.windows.pool.num_free if self.windows is not None else None
+
+    def _forward(self, session: Session, window: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """(logits [T, vocab], hidden [T, H], greedy ids [T]) of the window, on the device."""
+        if self.windows is not None:
+            start = session.cache.reserve(len(window))
+            out = self.windows.run(session.slot, window, start)
+            return out.logits, out.hidden, out.greedy_ids
+        ids = torch.tensor(window, dtype=torch.int64, device=self.model.device)
+        logits, hidden = self.model(ids, session.cache)
+        return logits, hidden, logits.argmax(dim=-1)
+
+    def _to_host(self, hidden: Tensor, greedy_ids: Tensor | None) -> tuple[Tensor, list[int] | None]:
+        """Copy the window's hidden rows (and greedy ids) to the host: one synchronisation."""
+        num_rows = hidden.shape[0]
+        if self.windows is None or self.copied is None:
+            return hidden.to("cpu"), None if greedy_ids is None else greedy_ids.tolist()
+        self.host_hidden[:num_rows].copy_(hidden, non_blocking=True)
+        if greedy_ids is not None:
+            self.host_ids[:num_rows].copy_(greedy_ids, non_blocking=True)
+        self.copied.record()
+        self.copied.synchronize()
+        ids = None if greedy_ids is None else self.host_ids[:num_rows].tolist()
+        return self.host_hidden[:num_rows], ids
 
     def run_round(self, session: Session, drafts: list[int], q_rows: SparseRows | None) -> RoundOutcome:
         spec = session.spec
         base = len(session.token_ids)  # position of the first token this round decides
         started = time.perf_counter()
         misses = self.slot_misses()
-        window = torch.tensor([session.token_ids[-1], *drafts], dtype=torch.int64, device=self.model.device)
-        logits, hidden = self.model(window, session.cache)
-        target = process_logits(logits, spec.sampling).to("cpu")  # row j: p at position base + j
-        forwarded = time.perf_counter()
-        verdict = verify_chain(target, drafts, q_rows, mode=spec.mode, seed=spec.seed, base_position=base)
-        accepted = int(verdict.num_accepted[0])
-        emitted = verdict.emitted()
+        logits, hidden, greedy_ids = self._forward(session, [session.token_ids[-1], *drafts])
+        if spec.sampling.greedy:
+            host_hidden, ids = self._to_host(hidden, greedy_ids)
+            forwarded = time.perf_counter()
+            emitted, accepted = greedy_verdict(drafts, ids)
+        else:
+            target = process_logits(logits, spec.sampling)  # on the device; row j: p at position base + j
+            host_hidden, _ = self._to_host(hidden, None)
+            target = target.to("cpu")
+            forwarded = time.perf_counter()
+            verdict = verify_chain(target, drafts, q_rows, mode=spec.mode, seed=spec.seed, base_position=base)
+            accepted = int(verdict.num_accepted[0])
+            emitted = verdict.emitted()
         session.cache.truncate(base + accepted)  # keep the head's and accepted drafts' rows
-        rows = hidden[: accepted + 1].to("cpu", torch.bfloat16)
+        rows = host_hidden[: accepted + 1].to(torch.bfloat16, copy=True)
         session.hidden_rows.append(rows)
         session.token_ids.extend(emitted)
         done = time.perf_counter()

@@ -112,8 +112,13 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             )
             self.tokenizer = load_tokenizer(path)
         max_context = min(s.max_context or self.model.config.max_position_embeddings, self.model.config.max_position_embeddings)
-        self.engine = Engine(self.model, max_context=max_context, prefill_chunk=s.prefill_chunk)
-        log.info("verifier ready", address=s.address, drafter=s.drafter, vocab=self.model.config.vocab_size)
+        self.engine = await self.worker.run(
+            Engine, self.model, max_context=max_context, prefill_chunk=s.prefill_chunk, fused=s.fused,
+            cuda_graphs=s.cuda_graphs, max_sessions=s.max_sessions, max_window=s.max_draft_tokens_limit + 1,
+            progress=lambda message: log.info(message),
+        )
+        log.info("verifier ready", address=s.address, drafter=s.drafter, vocab=self.model.config.vocab_size,
+                 path=self.engine.path)
 
     def _open_message(self, session: Session, round_id: int) -> drafter_pb2.DraftOpen:
         spec = session.spec
@@ -170,12 +175,14 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.active += 1
         self.metrics.active.inc()
         link: DrafterLink | None = None
+        opened: Session | None = None
         tracer = telemetry.tracer("tandem.verifier")
         try:
             with tracer.start_as_current_span("Generate", attributes={"tandem.request_id": spec.request_id}) as span:
                 stats = RequestStats(len(spec.prompt_ids))
                 with tracer.start_as_current_span("prefill", attributes={"tandem.prompt_tokens": len(spec.prompt_ids)}):
                     session = await self.worker.run(self.engine.open, spec)
+                opened = session
                 if self.drafter is not None and spec.speculate:
                     link = DrafterLink(self.drafter, self.deadlines)
                     await link.open(self._open_message(session, 0), self._trace_context())
@@ -199,6 +206,9 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 log.info("request done", rounds=stats.rounds, tokens=len(completion.token_ids),
                          finish=completion.finish_reason, faults=link.faults if link else {})
         finally:
+            if opened is not None:
+                # Safe off the worker: a later request's jobs queue behind any round of this one.
+                self.engine.close(opened)
             self.active -= 1
             self.metrics.active.dec()
             if link is not None:

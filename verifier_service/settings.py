@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from shared import settings as base
 
 ENV_PREFIX = "TANDEM_VERIFIER_"
+FUSED_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,8 @@ class VerifierSettings:
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16 or float16"})
     random_weights: bool = field(default=False, metadata={"help": "benchmarks: random weights from the model directory's config.json (no safetensors needed)"})
+    fused: str = field(default="auto", metadata={"help": "fused-kernel decode/verify path: auto (on for CUDA when the model allows), on, off (reference path)"})
+    cuda_graphs: bool = field(default=True, metadata={"help": "capture the fused decode/verify windows as CUDA graphs (CUDA only)"})
     num_expert_slots: int = field(default=0, metadata={"help": "device slots per MoE layer (0 = all experts resident)"})
     max_sessions: int = field(default=8, metadata={"help": "requests in flight at once; more get RESOURCE_EXHAUSTED"})
     max_new_tokens_limit: int = field(default=4096, metadata={"help": "largest max_new_tokens a request may ask for"})
@@ -49,6 +52,8 @@ class VerifierSettings:
         for name in ("num_expert_slots", "max_context"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 0")
+        if self.fused not in FUSED_CHOICES:
+            raise ValueError(f"fused {self.fused!r} must be one of {', '.join(FUSED_CHOICES)}")
         if not 0 <= self.max_draft_tokens <= self.max_draft_tokens_limit:
             raise ValueError(
                 f"max_draft_tokens {self.max_draft_tokens} must lie in [0, max_draft_tokens_limit = {self.max_draft_tokens_limit}]"

@@ -1,0 +1,43 @@
+"""Fused GPU kernels (Triton) for the fast decode/verify path, each with a torch reference.
+
+Every op here has two implementations with one signature: a Triton kernel, used for CUDA
+tensors (or for CPU tensors when the Triton interpreter is on, which the CPU test suite
+uses to run the kernels' own code), and a plain-torch reference, used everywhere else. The
+reference is the CPU path and the definition the kernels are tested against.
+
+Batch invariance: each kernel's launch configuration depends only on the weight shapes
+(and, for attention, on the cache length), never on how many rows share a launch, and no
+kernel reduces across rows; so a row's result does not depend on the other rows of its
+window or batch (DESIGN §10).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    """The Triton interpreter is on (TRITON_INTERPRET=1): kernels run on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether an op on `x` runs its Triton kernel (else the torch reference)."""
+    if not triton_available():
+        return False
+    return x.is_cuda or (x.device.type == "cpu" and interpreting())
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

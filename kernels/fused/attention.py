@@ -1,0 +1,192 @@
+"""Decode/verify attention against a slotted KV cache, split along the sequence.
+
+Rows are grouped into sequences (ragged: `seq_starts` offsets, one cache slot each); row i
+attends to cache positions 0..positions[i] of its sequence's slot. The keys are cut into
+fixed splits of `split` positions; one program takes one split for one KV head and a block
+of the sequence's rows × the query heads sharing that KV head (GQA), so a verify window
+reads each key once. A second kernel merges the splits of each row in a fixed order.
+
+Row invariance: a split's bounds depend only on the cache position, masked keys add exact
+zeros, and the merge walks the splits a row needs in order, so a row's output is the same
+bits alone or in any window.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import Tensor
+
+from kernels.fused import cdiv, use_triton
+
+BLOCK_M = 64  # query rows × heads per program
+BLOCK_N = 64  # keys per inner step
+
+
+def split_size(max_length: int) -> int:
+    """Keys per split for a cache of max_length positions (a function of the cache only)."""
+    return 256 if max_length <= 8192 else 512
+
+
+def attention_reference(
+    q: Tensor,  # [T, Hq, D]
+    cache_keys: Tensor,  # [slots, max_length, Hkv, D]
+    cache_values: Tensor,
+    positions: Tensor,  # [T]
+    slots: Tensor,  # [T]
+) -> Tensor:
+    """[T, Hq, D]: each row attends to positions 0..positions[i] of its slot (float32 softmax)."""
+    num_rows, num_heads, head_dim = q.shape
+    group = num_heads // cache_keys.shape[2]
+    out = torch.empty_like(q)
+    for i in range(num_rows):
+        length = int(positions[i]) + 1
+        keys = cache_keys[int(slots[i]), :length].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        values = cache_values[int(slots[i]), :length].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[i].float(), keys) / math.sqrt(head_dim)
+        out[i] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), values).to(q.dtype)
+    return out
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(
+        q_ptr, k_ptr, v_ptr, pos_ptr, seq_start_ptr, seq_slot_ptr, o_part_ptr, lse_part_ptr,
+        stride_slot, stride_pos, sm_scale, num_splits, num_row_blocks,
+        NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+        ROWS_PER_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        row_block = pid % num_row_blocks
+        kv_head = (pid // num_row_blocks) % NUM_KV
+        seq = pid // (num_row_blocks * NUM_KV)
+        first = tl.load(seq_start_ptr + seq)
+        end_row = tl.load(seq_start_ptr + seq + 1)
+        slot = tl.load(seq_slot_ptr + seq)
+        m = tl.arange(0, BLOCK_M)
+        row = first + row_block * ROWS_PER_BLOCK + m // GROUP
+        head = kv_head * GROUP + m % GROUP
+        row_ok = (m < ROWS_PER_BLOCK * GROUP) & (row < end_row)
+        pos = tl.load(pos_ptr + row, mask=row_ok, other=-1).to(tl.int32)
+        start = split * SPLIT
+        last = tl.max(pos, axis=0)
+        if start <= last:
+            stop = tl.minimum(start + SPLIT, last + 1)
+            d = tl.arange(0, D)
+            q = tl.load(q_ptr + (row[:, None] * NUM_Q + head[:, None]) * D + d[None, :], mask=row_ok[:, None], other=0.0)
+            m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+            l_i = tl.zeros((BLOCK_M,), tl.float32)
+            acc = tl.zeros((BLOCK_M, D), tl.float32)
+            kv_base = slot * stride_slot + kv_head * D
+            for n0 in range(start, stop, BLOCK_N):
+                n = n0 + tl.arange(0, BLOCK_N)
+                n_ok = n < stop
+                offs = kv_base + n[:, None] * stride_pos + d[None, :]
+                k = tl.load(k_ptr + offs, mask=n_ok[:, None], other=0.0)
+                if IEEE:
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+                else:
+                    s = tl.dot(q, tl.trans(k)) * sm_scale
+                s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_i - m_safe)
+                p = tl.exp(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                v = tl.load(v_ptr + offs, mask=n_ok[:, None], other=0.0)
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+            has = l_i > 0
+            lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+            out = acc / tl.where(has, l_i, 1.0)[:, None]
+            part = (row * NUM_Q + head) * num_splits + split
+            tl.store(o_part_ptr + part[:, None] * D + d[None, :], out, mask=row_ok[:, None])
+            tl.store(lse_part_ptr + part, lse, mask=row_ok)
+
+    @triton.jit
+    def merge_kernel(
+        o_part_ptr, lse_part_ptr, pos_ptr, out_ptr, num_splits,
+        NUM_Q: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        used = tl.load(pos_ptr + row).to(tl.int32) // SPLIT + 1  # the splits this row's keys fall in
+        s = tl.arange(0, SPLITS_PAD)
+        base = (row * NUM_Q + head) * num_splits
+        lse = tl.load(lse_part_ptr + base + s, mask=s < used, other=float("-inf"))
+        top = tl.max(lse, axis=0)
+        weights = tl.exp(lse - top)
+        total = tl.sum(weights, axis=0)
+        d = tl.arange(0, D)
+        acc = tl.zeros((D,), tl.float32)
+        for i in range(0, used):
+            w = tl.exp(tl.load(lse_part_ptr + base + i) - top)
+            if w > 0:
+                acc += w * tl.load(o_part_ptr + (base + i) * D + d)
+        tl.store(out_ptr + (row * NUM_Q + head) * D + d, (acc / total).to(out_ptr.dtype.element_ty))
+
+    return split_kernel, merge_kernel
+
+
+class AttentionWorkspace:
+    """Scratch for the split partials of up to max_rows rows (allocated once: graph-safe)."""
+
+    def __init__(self, max_rows: int, num_heads: int, head_dim: int, max_length: int, device: torch.device | str):
+        self.split = split_size(max_length)
+        self.num_splits = cdiv(max_length, self.split)
+        self.max_rows = max_rows
+        self.o_part = torch.empty((max_rows, num_heads, self.num_splits, head_dim), dtype=torch.float32, device=device)
+        self.lse_part = torch.empty((max_rows, num_heads, self.num_splits), dtype=torch.float32, device=device)
+
+
+def decode_attention(
+    q: Tensor,  # [T, Hq, D]
+    cache_keys: Tensor,  # [slots, max_length, Hkv, D]
+    cache_values: Tensor,
+    positions: Tensor,  # [T] int64: row i attends to 0..positions[i]
+    slots: Tensor,  # [T] int64: cache slot of each row (reference path)
+    seq_starts: Tensor,  # [num_seqs + 1] int32: rows of sequence s are seq_starts[s]:seq_starts[s+1]
+    seq_slots: Tensor,  # [num_seqs] int64
+    max_rows_per_seq: int,
+    workspace: AttentionWorkspace | None,
+) -> Tensor:
+    """Attention output [T, Hq, D]; the keys/values of this window must already be in the cache."""
+    if not use_triton(q):
+        return attention_reference(q, cache_keys, cache_values, positions, slots)
+    num_rows, num_heads, head_dim = q.shape
+    num_kv = cache_keys.shape[2]
+    if workspace is None or workspace.max_rows < num_rows:
+        workspace = AttentionWorkspace(num_rows, num_heads, head_dim, cache_keys.shape[1], q.device)
+    group = num_heads // num_kv
+    if group > BLOCK_M:
+        raise ValueError(f"decode_attention: {group} query heads per KV head exceed {BLOCK_M}")
+    rows_per_block = BLOCK_M // group
+    num_row_blocks = cdiv(max_rows_per_seq, rows_per_block)
+    num_seqs = seq_slots.shape[0]
+    split_kernel, merge_kernel = _kernels()
+    ieee = q.dtype == torch.float32
+    split_kernel[(num_seqs * num_kv * num_row_blocks, workspace.num_splits)](
+        q.contiguous(), cache_keys, cache_values, positions, seq_starts, seq_slots, workspace.o_part, workspace.lse_part,
+        cache_keys.stride(0), cache_keys.stride(1), 1.0 / math.sqrt(head_dim), workspace.num_splits, num_row_blocks,
+        NUM_Q=num_heads, NUM_KV=num_kv, D=head_dim, GROUP=group, ROWS_PER_BLOCK=rows_per_block,
+        SPLIT=workspace.split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=ieee,
+        num_warps=4, num_stages=2,
+    )
+    out = torch.empty_like(q)
+    merge_kernel[(num_rows, num_heads)](
+        workspace.o_part, workspace.lse_part, positions, out, workspace.num_splits,
+        NUM_Q=num_heads, D=head_dim, SPLIT=workspace.split, SPLITS_PAD=max(2, 1 << (workspace.num_splits - 1).bit_length()),
+        num_warps=1,
+    )
+    return out

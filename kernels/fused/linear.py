@@ -1,0 +1,101 @@
+"""y = x @ W^T for a few rows (decode and verify windows) with a row-independent reduction.
+
+cuBLAS picks its kernel (and split-K) by the number of rows, so a row's bf16 result can
+change with the window it sits in. This kernel fixes the tiling by (N, K) alone: each
+program owns BLOCK_N output columns for BLOCK_M rows and walks K in one fixed order, so a
+row computes bit-identically alone or among others, and every weight byte is read once per
+BLOCK_M rows. Larger inputs (prefill) go to cuBLAS.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kernels.fused import cdiv, next_power_of_2, use_triton
+
+MAX_FUSED_ROWS = 64  # above this (prefill chunks) cuBLAS is faster than re-reading weights per BLOCK_M rows
+BLOCK_M = 16  # tl.dot's smallest M; rows past the input are masked
+
+
+def linear_config(num_out: int, num_in: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight [num_out, num_in].
+
+    A function of the weight shape only (never of the row count): that is what keeps rows
+    batch-invariant. Small N gets narrow column blocks so enough programs fill the GPU.
+    """
+    block_k = min(256, max(16, next_power_of_2(num_in)))
+    block_n = 16 if num_out <= 8192 else 64
+    return block_n, block_k, 4, 4
+
+
+@functools.cache
+def _kernels():
+    """Triton is imported on first use, so CPU-only installs never need it."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def linear_kernel(
+        x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        row_ok = rows < M
+        col_ok = cols < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < K
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+        out = acc.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
+
+    return linear_kernel
+
+
+def linear(
+    x: Tensor,  # [M, K]
+    weight: Tensor,  # [N, K] (nn.Linear layout)
+    *,
+    out_dtype: torch.dtype | None = None,
+    out: Tensor | None = None,  # [M, N] to write into
+) -> Tensor:
+    """x @ weight^T → [M, N] in out_dtype (default x's dtype); float32 accumulation."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+    num_rows, num_in = x.shape
+    num_out = weight.shape[0]
+    out_dtype = out_dtype or x.dtype
+    if not use_triton(x) or num_rows > MAX_FUSED_ROWS:
+        result = F.linear(x, weight).to(out_dtype)
+        if out is not None:
+            out.copy_(result)
+            return out
+        return result
+    x = x.contiguous()
+    if weight.stride(1) != 1:
+        raise ValueError("linear: weight rows must be contiguous")
+    if out is None:
+        out = torch.empty((num_rows, num_out), dtype=out_dtype, device=x.device)
+    block_n, block_k, warps, stages = linear_config(num_out, num_in)
+    grid = (cdiv(num_out, block_n), cdiv(num_rows, BLOCK_M))
+    _kernels()[grid](
+        x, weight, out, num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
+        num_warps=warps, num_stages=stages,
+    )
+    return out
+

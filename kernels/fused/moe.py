@@ -1,0 +1,128 @@
+"""Fused MoE for small token counts: each selected expert's weights are read once.
+
+Three kernels: gate_up (x @ [gate; up]^T, then silu(gate) * up), down (act @ down^T, one
+float32 row per route), and combine (the routes' weighted sum in rank order, plus the
+residual, plus the next RMSNorm). Routes of the same expert are grouped inside the
+kernels (no host sort, no sync): the program of a route that opens a group of up to
+BLOCK_M routes of its expert loads that expert's weight tile once and multiplies it with
+all of them; the other routes' programs exit at once. Every route's row is computed the
+same way whatever else shares the launch (row invariance).
+
+Weights use the ExpertStore layout: gate_up [E, 2*I, H] (gate rows, then up rows), down
+[E, H, I].
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kernels.fused import cdiv, next_power_of_2, use_triton
+from kernels.fused.norm import add_rmsnorm_reference
+
+BLOCK_M = 16  # routes of one expert per program (tl.dot's smallest M)
+MAX_FUSED_TOKENS = 64  # above this, the grouped (prefill) path is used
+
+
+def moe_config(num_out: int, num_in: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an expert matrix [num_out, num_in]: shape only."""
+    return 32, min(128, max(16, next_power_of_2(num_in))), 4, 4
+
+
+def experts_reference(
+    x: Tensor,  # [T, H]
+    expert_ids: Tensor,  # [T, k]
+    gate_up: Tensor,  # [E, 2I, H]
+    down: Tensor,  # [E, H, I]
+) -> Tensor:
+    """Per-route expert outputs [T*k, H] float32, route r = t*k + rank."""
+    num_tokens, top_k = expert_ids.shape
+    out = torch.zeros((num_tokens * top_k, x.shape[1]), dtype=torch.float32, device=x.device)
+    flat = expert_ids.reshape(-1)
+    for expert in torch.unique(flat).tolist():
+        routes = torch.nonzero(flat == expert).reshape(-1)
+        rows = x[routes // top_k]
+        gate, up = F.linear(rows, gate_up[expert]).float().chunk(2, dim=-1)
+        act = (F.silu(gate) * up).to(x.dtype)
+        out[routes] = F.linear(act, down[expert]).float()
+    return out
+
+
+def combine_reference(
+    route_out: Tensor,  # [T*k, H] float32
+    weights: Tensor,  # [T, k] float32
+    residual: Tensor,  # [T, H]
+    norm_weight: Tensor,  # [H]
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    num_tokens, top_k = weights.shape
+    mixed = (route_out.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(dim=1).to(residual.dtype)
+    return add_rmsnorm_reference(mixed, residual, norm_weight, eps)
+
+
+@functools.cache
+def _kernels():
+    """Triton is imported on first use, so CPU-only installs never need it."""
+    from kernels.fused import moe_kernels
+
+    return moe_kernels.gate_up_kernel, moe_kernels.down_kernel, moe_kernels.combine_kernel
+
+
+def fused_experts(
+    x: Tensor,  # [T, H]
+    expert_ids: Tensor,  # [T, k] int64
+    gate_up: Tensor,  # [E, 2I, H]
+    down: Tensor,  # [E, H, I]
+) -> Tensor:
+    """Per-route expert outputs [T*k, H] float32 (route r = t*k + rank)."""
+    if not use_triton(x):
+        return experts_reference(x, expert_ids, gate_up, down)
+    num_tokens, top_k = expert_ids.shape
+    hidden = x.shape[1]
+    inter = down.shape[2]
+    num_routes = num_tokens * top_k
+    if not (gate_up.is_contiguous() and down.is_contiguous()):
+        raise ValueError("fused_experts: expert weights must be contiguous")
+    gate_up_kernel, down_kernel, _ = _kernels()
+    ids = expert_ids.contiguous()
+    r_pad = max(16, next_power_of_2(num_routes))
+    ieee = x.dtype == torch.float32
+    act = torch.empty((num_routes, inter), dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = moe_config(2 * inter, hidden)
+    gate_up_kernel[(num_routes, cdiv(inter, block_n))](
+        x.contiguous(), ids, gate_up, act, num_routes, inter, hidden,
+        TOP_K=top_k, R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
+        num_warps=warps, num_stages=stages,
+    )
+    out = torch.empty((num_routes, hidden), dtype=torch.float32, device=x.device)
+    block_n, block_k, warps, stages = moe_config(hidden, inter)
+    down_kernel[(num_routes, cdiv(hidden, block_n))](
+        act, ids, down, out, num_routes, inter, hidden,
+        R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
+        num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+def combine_add_rmsnorm(
+    route_out: Tensor,  # [T*k, H] float32
+    weights: Tensor,  # [T, k] float32
+    residual: Tensor,  # [T, H]
+    norm_weight: Tensor,  # [H]
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    """(normed, new_residual): new_residual = residual + Σ_rank w·out (float32, rank order)."""
+    if not use_triton(residual):
+        return combine_reference(route_out, weights, residual, norm_weight, eps)
+    num_tokens, top_k = weights.shape
+    hidden = residual.shape[1]
+    normed = torch.empty_like(residual)
+    new_residual = torch.empty_like(residual)
+    _kernels()[2][(num_tokens,)](
+        route_out, weights.contiguous(), residual.contiguous(), norm_weight, normed, new_residual, hidden, eps,
+        TOP_K=top_k, BLOCK=next_power_of_2(hidden), num_warps=4,
+    )
+    return normed, new_residual

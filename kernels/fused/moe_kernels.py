@@ -1,0 +1,102 @@
+"""Triton kernels of kernels.fused.moe (imported only when a kernel runs)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _group(ids_ptr, r, R, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, opens, member routes [BLOCK_M], member ok [BLOCK_M]) of route r's group."""
+    all_r = tl.arange(0, R_PAD)
+    ids = tl.load(ids_ptr + all_r, mask=all_r < R, other=-1)
+    expert = tl.load(ids_ptr + r)
+    same = (ids == expert) & (all_r < R)
+    ordinal = tl.sum(tl.where(same & (all_r < r), 1, 0), axis=0)
+    opens = (expert >= 0) & (ordinal % BLOCK_M == 0)
+    rank_in_expert = tl.cumsum(same.to(tl.int32), axis=0) - 1
+    j = tl.arange(0, BLOCK_M)
+    match = same[None, :] & (rank_in_expert[None, :] == ordinal + j[:, None])  # [BLOCK_M, R_PAD]
+    members = tl.sum(tl.where(match, all_r[None, :], 0), axis=1)
+    member_ok = tl.sum(match.to(tl.int32), axis=1) > 0
+    return expert, opens, members, member_ok
+
+@triton.jit
+def gate_up_kernel(
+    x_ptr, ids_ptr, w_ptr, act_ptr, R, I, H,
+    TOP_K: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):
+    r = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert, opens, members, member_ok = _group(ids_ptr, r, R, R_PAD, BLOCK_M)
+    if opens:
+        tokens = members // TOP_K
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < I
+        ks = tl.arange(0, BLOCK_K)
+        w_base = w_ptr + expert.to(tl.int64) * (2 * I * H)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < H
+            x = tl.load(x_ptr + tokens[:, None] * H + kk[None, :], mask=member_ok[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(w_base + n[:, None] * H + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            wu = tl.load(w_base + (n[:, None] + I) * H + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if IEEE:
+                acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision="ieee")
+                acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(x, tl.trans(wg), acc_g)
+                acc_u = tl.dot(x, tl.trans(wu), acc_u)
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(act_ptr + members[:, None] * I + n[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=member_ok[:, None] & n_ok[None, :])
+
+@triton.jit
+def down_kernel(
+    act_ptr, ids_ptr, w_ptr, out_ptr, R, I, H,
+    R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    r = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert, opens, members, member_ok = _group(ids_ptr, r, R, R_PAD, BLOCK_M)
+    if opens:
+        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < H
+        ks = tl.arange(0, BLOCK_K)
+        w_base = w_ptr + expert.to(tl.int64) * (H * I)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < I
+            a = tl.load(act_ptr + members[:, None] * I + kk[None, :], mask=member_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_base + n[:, None] * I + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+        tl.store(out_ptr + members[:, None] * H + n[None, :], acc, mask=member_ok[:, None] & n_ok[None, :])
+
+@triton.jit
+def combine_kernel(
+    route_ptr, weights_ptr, res_ptr, norm_ptr, normed_ptr, res_out_ptr, H, eps,
+    TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < H
+    mixed = tl.zeros((BLOCK,), tl.float32)
+    for rank in tl.static_range(TOP_K):
+        w = tl.load(weights_ptr + t * TOP_K + rank)
+        mixed += w * tl.load(route_ptr + (t * TOP_K + rank) * H + cols, mask=ok, other=0.0)
+    res = tl.load(res_ptr + t * H + cols, mask=ok, other=0.0)
+    dtype = res.dtype
+    h = (mixed.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
+    tl.store(res_out_ptr + t * H + cols, h, mask=ok)
+    y = h.to(tl.float32)
+    var = tl.sum(y * y, axis=0) / H
+    y = (y * tl.rsqrt(var + eps)).to(dtype)
+    g = tl.load(norm_ptr + cols, mask=ok, other=0.0)
+    tl.store(normed_ptr + t * H + cols, (g.to(tl.float32) * y.to(tl.float32)).to(dtype), mask=ok)

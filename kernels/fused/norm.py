@@ -1,0 +1,174 @@
+"""RMSNorm fused with the residual add, and q/k norm fused with RoPE and the KV-cache write.
+
+Rounding follows the reference modules (shared.model.layers): the residual sum is rounded
+to the model dtype, normalised in float32, rounded, then scaled by the weight; RoPE uses
+the rotate-half convention with float32 cos/sin tables.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from kernels.fused import next_power_of_2, use_triton
+
+
+def add_rmsnorm_reference(
+    x: Tensor,  # [T, H]
+    residual: Tensor | None,  # [T, H] or None
+    weight: Tensor,  # [H]
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    """(normed, new_residual): new_residual = x + residual (x when None), normed = rmsnorm(it)."""
+    h = x if residual is None else residual + x
+    y = h.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(h.dtype), h
+
+
+def qk_norm_rope_reference(
+    qkv: Tensor,  # [T, (Hq + 2*Hkv) * D]
+    q_norm: Tensor,  # [D]
+    k_norm: Tensor,  # [D]
+    cos: Tensor,  # [max_positions, D] float32
+    sin: Tensor,  # [max_positions, D] float32
+    positions: Tensor,  # [T] int
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]): q and k normed per head and rotated."""
+    num_rows = qkv.shape[0]
+    head_dim = q_norm.shape[0]
+    q, k, v = qkv.view(num_rows, num_heads + 2 * num_kv_heads, head_dim).split(
+        [num_heads, num_kv_heads, num_kv_heads], dim=1)
+    q, _ = add_rmsnorm_reference(q, None, q_norm, eps)
+    k, _ = add_rmsnorm_reference(k, None, k_norm, eps)
+    c = cos[positions].to(qkv.dtype).unsqueeze(1)
+    s = sin[positions].to(qkv.dtype).unsqueeze(1)
+    half = head_dim // 2
+
+    def rotate(x: Tensor) -> Tensor:
+        return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
+
+    return rotate(q), rotate(k), v.contiguous()
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_rmsnorm_kernel(
+        x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < H
+        h = tl.load(x_ptr + row * H + cols, mask=ok, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + row * H + cols, mask=ok, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + row * H + cols, h, mask=ok)
+        y = h.to(tl.float32)
+        var = tl.sum(y * y, axis=0) / H
+        y = (y * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+        tl.store(out_ptr + row * H + cols, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def qk_rope_kernel(
+        qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
+        stride_qkv, stride_slot, stride_pos, eps,
+        NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        head = tl.program_id(1)
+        d = tl.arange(0, D)
+        pos = tl.load(pos_ptr + t)
+        slot = tl.load(slot_ptr + t)
+        base = qkv_ptr + t * stride_qkv + head * D
+        x = tl.load(base + d)
+        dtype = x.dtype
+        if head < NUM_Q + NUM_KV:
+            partner = (d + HALF) % D
+            xp = tl.load(base + partner)
+            xf = x.to(tl.float32)
+            scale = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+            if head < NUM_Q:
+                w = tl.load(qn_ptr + d)
+                wp = tl.load(qn_ptr + partner)
+            else:
+                w = tl.load(kn_ptr + d)
+                wp = tl.load(kn_ptr + partner)
+            y = (w.to(tl.float32) * (xf * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            yp = (wp.to(tl.float32) * (xp.to(tl.float32) * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            c = tl.load(cos_ptr + pos * D + d).to(dtype).to(tl.float32)
+            s = tl.load(sin_ptr + pos * D + d).to(dtype).to(tl.float32)
+            rotated = tl.where(d < HALF, -yp, yp)
+            out = ((y * c).to(dtype).to(tl.float32) + (rotated * s).to(dtype).to(tl.float32)).to(dtype)
+            if head < NUM_Q:
+                tl.store(q_out_ptr + (t * NUM_Q + head) * D + d, out)
+            else:
+                tl.store(k_cache_ptr + slot * stride_slot + pos * stride_pos + (head - NUM_Q) * D + d, out)
+        else:
+            tl.store(v_cache_ptr + slot * stride_slot + pos * stride_pos + (head - NUM_Q - NUM_KV) * D + d, x)
+
+    return add_rmsnorm_kernel, qk_rope_kernel
+
+
+def add_rmsnorm(
+    x: Tensor,  # [T, H]
+    residual: Tensor | None,  # [T, H]
+    weight: Tensor,  # [H]
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    """(normed, new_residual) with new_residual = residual + x (x itself when residual is None)."""
+    if not use_triton(x):
+        return add_rmsnorm_reference(x, residual, weight, eps)
+    x = x.contiguous()
+    num_rows, size = x.shape
+    normed = torch.empty_like(x)
+    new_residual = torch.empty_like(x) if residual is not None else x
+    _kernels()[0][(num_rows,)](
+        x, residual.contiguous() if residual is not None else x, weight, normed, new_residual, size, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(size), num_warps=4 if size <= 4096 else 8,
+    )
+    return normed, new_residual
+
+
+def qk_norm_rope_store(
+    qkv: Tensor,  # [T, (Hq + 2*Hkv) * D]
+    q_norm: Tensor,  # [D]
+    k_norm: Tensor,  # [D]
+    cos: Tensor,  # [max_positions, D] float32
+    sin: Tensor,  # [max_positions, D] float32
+    positions: Tensor,  # [T] int64
+    slots: Tensor,  # [T] int64: cache slot of each row
+    cache_keys: Tensor,  # [slots, max_length, Hkv, D]
+    cache_values: Tensor,  # [slots, max_length, Hkv, D]
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+) -> Tensor:
+    """Norm and rotate q and k, write k and v at (slot, position) of the cache; returns q [T, Hq, D]."""
+    if not use_triton(qkv):
+        q, k, v = qk_norm_rope_reference(qkv, q_norm, k_norm, cos, sin, positions, num_heads, num_kv_heads, eps)
+        cache_keys[slots, positions] = k
+        cache_values[slots, positions] = v
+        return q
+    num_rows = qkv.shape[0]
+    head_dim = q_norm.shape[0]
+    if cache_keys.stride() != cache_values.stride() or cache_keys.stride(2) != head_dim or cache_keys.stride(3) != 1:
+        raise ValueError("qk_norm_rope_store: cache keys/values must share a [slots, length, heads, D] layout")
+    q = torch.empty((num_rows, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    _kernels()[1][(num_rows, num_heads + 2 * num_kv_heads)](
+        qkv, q, cache_keys, cache_values, q_norm, k_norm, cos, sin, positions, slots,
+        qkv.stride(0), cache_keys.stride(0), cache_keys.stride(1), eps,
+        NUM_Q=num_heads, NUM_KV=num_kv_heads, D=head_dim, HALF=head_dim // 2, num_warps=1,
+    )
+    return q

@@ -1,0 +1,106 @@
+"""Router softmax + top-k + renormalisation in one kernel per row (DESIGN §5).
+
+The same rule as kernels.routing.route_topk: float32 softmax, k picks one rank at a time,
+each the argmax (lowest id on ties) of the remaining experts' scores, where a resident
+expert's score is multiplied by mult(rank) (MoCE; draft rows use the draft table), then
+the unboosted probabilities of the chosen experts renormalised with the 2**-14 floor.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from kernels.fused import next_power_of_2, use_triton
+from kernels.routing import WEIGHT_FLOOR, moce_multipliers, route_topk
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def topk_kernel(
+        logits_ptr, ids_ptr, weights_ptr, resident_ptr, draft_ptr, other_mult_ptr, draft_mult_ptr, E, floor,
+        TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr,
+        MOCE: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        e = tl.arange(0, BLOCK_E)
+        ok = e < E
+        x = tl.load(logits_ptr + t * E + e, mask=ok, other=float("-inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = p / tl.sum(p, axis=0)
+        remaining = tl.where(ok, p, float("-inf"))
+        if MOCE:
+            resident = tl.load(resident_ptr + e, mask=ok, other=0) != 0
+            is_draft = tl.load(draft_ptr + t) != 0
+        ranks = tl.arange(0, K_PAD)
+        picked = tl.zeros((K_PAD,), tl.int64)
+        chosen = tl.zeros((K_PAD,), tl.float32)
+        for rank in tl.static_range(TOP_K):
+            if MOCE:
+                mult = tl.where(is_draft, tl.load(draft_mult_ptr + rank), tl.load(other_mult_ptr + rank))
+                score = tl.where(resident, remaining * mult, remaining)
+            else:
+                score = remaining
+            best = tl.argmax(score, axis=0, tie_break_left=True)
+            prob = tl.sum(tl.where(e == best, p, 0.0), axis=0)
+            picked = tl.where(ranks == rank, best.to(tl.int64), picked)
+            chosen = tl.where(ranks == rank, prob, chosen)
+            remaining = tl.where(e == best, float("-inf"), remaining)
+        if NORMALIZE:
+            chosen = chosen / tl.maximum(tl.sum(chosen, axis=0), floor)
+        tl.store(ids_ptr + t * TOP_K + ranks, picked, mask=ranks < TOP_K)
+        tl.store(weights_ptr + t * TOP_K + ranks, chosen, mask=ranks < TOP_K)
+
+    return topk_kernel
+
+
+class MoceTables:
+    """Device tensors of the MoCE multipliers for one top_k and setting (built once, graph-safe)."""
+
+    def __init__(self, top_k: int, *, scale: float, r1_scale: float, protect: int, device: torch.device | str):
+        other, draft = moce_multipliers(top_k, scale=scale, r1_scale=r1_scale, protect=protect)
+        self.other = torch.tensor(other, dtype=torch.float32, device=device)
+        self.draft = torch.tensor(draft, dtype=torch.float32, device=device)
+        self.scale, self.r1_scale, self.protect = scale, r1_scale, protect
+
+
+def route(
+    router_logits: Tensor,  # [T, E]
+    top_k: int,
+    *,
+    normalize: bool,
+    resident: Tensor | None = None,  # [E] bool: MoCE residency map (None = plain top-k)
+    draft_rows: Tensor | None = None,  # [T] bool
+    tables: MoceTables | None = None,  # required with resident
+) -> tuple[Tensor, Tensor]:
+    """(expert_ids [T, k] int64 in rank order, weights [T, k] float32)."""
+    if resident is not None and tables is None:
+        raise ValueError("route: MoCE routing (resident given) needs its multiplier tables")
+    if not use_triton(router_logits):
+        if resident is None:
+            return route_topk(router_logits, top_k, normalize=normalize)
+        return route_topk(router_logits, top_k, resident=resident, scale=tables.scale, r1_scale=tables.r1_scale,
+                          protect=tables.protect, draft_rows=draft_rows, normalize=normalize)
+    num_rows, num_experts = router_logits.shape
+    device = router_logits.device
+    ids = torch.empty((num_rows, top_k), dtype=torch.int64, device=device)
+    weights = torch.empty((num_rows, top_k), dtype=torch.float32, device=device)
+    moce = resident is not None
+    if moce and draft_rows is None:
+        draft_rows = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    dummy = weights
+    _kernels()[(num_rows,)](
+        router_logits.contiguous(), ids, weights,
+        resident if moce else dummy, draft_rows if moce else dummy,
+        tables.other if moce else dummy, tables.draft if moce else dummy,
+        num_experts, WEIGHT_FLOOR,
+        TOP_K=top_k, K_PAD=max(2, next_power_of_2(top_k)), BLOCK_E=max(16, next_power_of_2(num_experts)),
+        NORMALIZE=normalize, MOCE=moce, num_warps=1 if num_experts <= 256 else 4,
+    )
+    return ids, weights

@@ -1,0 +1,187 @@
+"""The trunk and MTP forward of decode/verify windows through kernels.fused (DESIGN §10).
+
+Per decoder layer: fused q/k/v projection → q/k norm + RoPE + KV write → split-KV
+attention → o projection → residual add + RMSNorm → router (softmax, top-k, renorm) →
+fused experts → weighted sum + residual + the next RMSNorm. No step synchronises with the
+host and every buffer shape follows the row count, so a forward captures into a CUDA graph.
+On the CPU each op runs its torch reference (or, under the Triton interpreter, its kernel).
+
+Rows are grouped into sequences (`Rows`): each row has a position and a KV slot; all rows
+of a sequence share its slot. The KV tensors are [slots, max_length, kv_heads, head_dim]
+per layer: a KVPool's, or one KVCache seen as a single slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kernels.fused.attention import AttentionWorkspace, decode_attention
+from kernels.fused.linear import linear
+from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, fused_experts
+from kernels.fused.norm import add_rmsnorm, qk_norm_rope_store
+from kernels.fused.router import MoceTables, route
+from shared.model.kv_cache import KVCache
+from shared.model.layers import DecoderLayer, MoeBlock, RoutingOptions
+from shared.model.model import Qwen3MoeModel
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Where the rows of a window (or ragged batch) sit: one position and slot per row."""
+
+    positions: Tensor  # [T] int64
+    slots: Tensor  # [T] int64
+    seq_starts: Tensor  # [num_seqs + 1] int32: rows of sequence s are seq_starts[s]:seq_starts[s+1]
+    seq_slots: Tensor  # [num_seqs] int64
+    max_rows_per_seq: int
+
+    @staticmethod
+    def window(start: int, num_rows: int, slot: int, device: torch.device | str) -> Rows:
+        """One sequence's rows at positions start..start+num_rows-1 of `slot`."""
+        return Rows(
+            positions=torch.arange(start, start + num_rows, device=device),
+            slots=torch.full((num_rows,), slot, dtype=torch.int64, device=device),
+            seq_starts=torch.tensor([0, num_rows], dtype=torch.int32, device=device),
+            seq_slots=torch.tensor([slot], dtype=torch.int64, device=device),
+            max_rows_per_seq=num_rows,
+        )
+
+
+def unsupported_reason(model: Qwen3MoeModel) -> str | None:
+    """Why the fused path cannot run this model (None when it can)."""
+    c = model.config
+    if c.attention_bias:
+        return "attention_bias is not supported by the fused path"
+    if c.head_dim & (c.head_dim - 1):
+        return f"head_dim {c.head_dim} is not a power of two"
+    for layer in [*model.layers, *(model.mtp.layers if model.mtp is not None else [])]:
+        if isinstance(layer.mlp, MoeBlock) and not layer.mlp.experts.all_resident:
+            return "expert slots (partial residency) need the dispatch path"
+    return None
+
+
+class FusedLayer:
+    """One decoder layer's weights in the fused layout (q/k/v in one matrix)."""
+
+    def __init__(self, layer: DecoderLayer) -> None:
+        attn = layer.self_attn
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
+        self.qkv = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])  # [(Hq + 2 Hkv) * D, H]
+        self.o = attn.o_proj.weight
+        self.q_norm, self.k_norm = attn.q_norm.weight, attn.k_norm.weight
+        self.input_norm = layer.input_layernorm.weight
+        self.post_norm = layer.post_attention_layernorm.weight
+        self.eps = layer.input_layernorm.eps
+        self.moe = isinstance(layer.mlp, MoeBlock)
+        if self.moe:
+            self.router = layer.mlp.gate.weight
+            self.store = layer.mlp.experts
+            self.top_k, self.normalize = layer.mlp.top_k, layer.mlp.normalize
+        else:
+            self.gate_up = _fuse_rows([layer.mlp.gate_proj, layer.mlp.up_proj])  # [2I, H]
+            self.down = layer.mlp.down_proj.weight
+
+
+def _fuse_rows(linears: list[nn.Linear]) -> Tensor:
+    """Concatenate nn.Linear weights by rows and re-point each module at its view (no copy kept)."""
+    fused = torch.cat([m.weight.detach() for m in linears], dim=0).contiguous()
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+class FusedModel:
+    """Decode/verify forward of a loaded Qwen3MoeModel through the fused kernels."""
+
+    def __init__(self, model: Qwen3MoeModel, *, max_rows: int, max_length: int) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the fused path cannot run this model: {reason}")
+        self.model = model
+        c = model.config
+        self.layers = [FusedLayer(layer) for layer in model.layers]
+        self.mtp_layer = FusedLayer(model.mtp.layers[0]) if model.mtp is not None else None
+        self.workspace = AttentionWorkspace(max_rows, c.num_attention_heads, c.head_dim, max_length, model.device)
+        self.max_rows = max_rows
+        self.cos, self.sin = model.rotary.cos, model.rotary.sin
+        self._tables: dict[tuple[int, float, float, int], MoceTables] = {}
+
+    # -- layers -----------------------------------------------------------------------------
+
+    def _moce(self, layer: FusedLayer, routing: RoutingOptions | None) -> tuple[Tensor | None, MoceTables | None]:
+        if routing is None or not routing.moce:
+            return None, None
+        if routing.prompt_packed is not None:
+            raise ValueError("the fused path does not take packed prompt routing (prefill uses the reference path)")
+        key = (layer.top_k, routing.scale, routing.r1_scale, routing.protect)
+        if key not in self._tables:
+            self._tables[key] = MoceTables(layer.top_k, scale=routing.scale, r1_scale=routing.r1_scale,
+                                           protect=routing.protect, device=self.model.device)
+        return layer.store.resident_mask(), self._tables[key]
+
+    def _layer(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor, rows: Rows,
+               keys: Tensor, values: Tensor, routing: RoutingOptions | None) -> tuple[Tensor, Tensor]:
+        """(normed for the next layer, residual) after one decoder layer."""
+        num_rows = normed.shape[0]
+        qkv = linear(normed, layer.qkv)
+        q = qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, rows.positions, rows.slots,
+                               keys, values, layer.num_heads, layer.num_kv_heads, layer.eps)
+        attn = decode_attention(q, keys, values, rows.positions, rows.slots, rows.seq_starts, rows.seq_slots,
+                                rows.max_rows_per_seq, self.workspace)
+        normed, residual = add_rmsnorm(linear(attn.view(num_rows, -1), layer.o), residual, layer.post_norm, layer.eps)
+        if not layer.moe:
+            gate, up = linear(normed, layer.gate_up).chunk(2, dim=-1)
+            out = linear(F.silu(gate) * up, layer.down)
+            return add_rmsnorm(out, residual, next_norm, layer.eps)
+        resident, tables = self._moce(layer, routing)
+        draft_rows = routing.draft_rows if routing is not None and routing.moce else None
+        expert_ids, weights = route(linear(normed, layer.router), layer.top_k, normalize=layer.normalize,
+                                    resident=resident, draft_rows=draft_rows, tables=tables)
+        if num_rows <= MAX_FUSED_TOKENS:
+            route_out = fused_experts(normed, expert_ids, layer.store.gate_up, layer.store.down)
+            return combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps)
+        out = layer.store.forward(normed, expert_ids, weights.to(normed.dtype))
+        return add_rmsnorm(out, residual, next_norm, layer.eps)
+
+    # -- forwards ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, token_ids: Tensor, rows: Rows, kv: list[tuple[Tensor, Tensor]],
+                routing: RoutingOptions | None = None) -> tuple[Tensor, Tensor]:
+        """Trunk rows: logits [T, vocab] float32 and final-norm hidden [T, hidden].
+
+        token_ids [T]; kv[i] = (keys, values) of layer i, each [slots, max_length, kv_heads, head_dim].
+        """
+        model = self.model
+        x = model.embed_tokens(token_ids)
+        norms = [layer.input_norm for layer in self.layers[1:]] + [model.norm.weight]
+        normed, residual = add_rmsnorm(x, None, self.layers[0].input_norm, self.layers[0].eps)
+        for layer, next_norm, (keys, values) in zip(self.layers, norms, kv):
+            normed, residual = self._layer(layer, normed, residual, next_norm, rows, keys, values, routing)
+        return linear(normed, model.lm_head.weight, out_dtype=torch.float32), normed
+
+    @torch.inference_mode()
+    def forward_mtp(self, hidden: Tensor, next_token_ids: Tensor, rows: Rows, kv: tuple[Tensor, Tensor],
+                    routing: RoutingOptions | None = None) -> tuple[Tensor, Tensor]:
+        """MTP rows (see Qwen3MoeModel.forward_mtp): logits [T, vocab] float32, MTP output hidden [T, hidden]."""
+        model = self.model
+        mtp = model._require_mtp()
+        layer = self.mtp_layer
+        embedded, _ = add_rmsnorm(model.embed_tokens(next_token_ids), None, mtp.pre_fc_norm_embedding.weight, layer.eps)
+        prior, _ = add_rmsnorm(hidden.to(model.dtype), None, mtp.pre_fc_norm_hidden.weight, layer.eps)
+        x = linear(torch.cat([embedded, prior], dim=-1), mtp.fc.weight)
+        normed, residual = add_rmsnorm(x, None, layer.input_norm, layer.eps)
+        normed, _ = self._layer(layer, normed, residual, mtp.norm.weight, rows, kv[0], kv[1], routing)
+        return linear(normed, model.lm_head.weight, out_dtype=torch.float32), normed
+
+
+def cache_as_slots(cache: KVCache) -> list[tuple[Tensor, Tensor]]:
+    """A one-sequence KVCache as per-layer [1, max_length, kv_heads, head_dim] tensors (slot 0)."""
+    return [(cache.keys[i].unsqueeze(0), cache.values[i].unsqueeze(0)) for i in range(cache.keys.shape[0])]

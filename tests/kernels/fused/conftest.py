@@ -1,0 +1,33 @@
+"""Fused-kernel tests run the Triton kernels: compiled on a GPU, interpreted on the CPU."""
+
+import pytest
+import torch
+
+from kernels.fused import interpreting, triton_available
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernels_really_run():
+    # Without Triton (or without the interpreter on a CPU box) every op would fall back to its
+    # torch reference and these tests would compare the reference with itself.
+    assert triton_available(), "the fused-kernel tests need triton (scripts/test installs it)"
+    assert torch.cuda.is_available() or interpreting(), "TRITON_INTERPRET=1 must be set on a CPU-only machine"
+
+
+def devices_and_dtypes():
+    """fp32 everywhere; bf16 only where kernels compile (the interpreter has no bf16 dot)."""
+    cases = [("cpu", torch.float32)] if not torch.cuda.is_available() else [("cuda", torch.float32), ("cuda", torch.bfloat16)]
+    return pytest.mark.parametrize("device,dtype", cases, ids=[f"{d}-{str(t).split('.')[-1]}" for d, t in cases])
+
+
+def tolerance(dtype):
+    return 2e-5 if dtype == torch.float32 else 3e-2
+
+
+def assert_same_row(alone, in_window):
+    """Row invariance: bit-identical on the GPU. The interpreter's dots are numpy matmuls whose
+    summation order follows memory alignment, so there it is checked to float32 rounding only."""
+    if alone.is_cuda:
+        assert torch.equal(alone, in_window), f"max diff {(alone.double() - in_window.double()).abs().max():.3g}"
+    else:
+        torch.testing.assert_close(alone, in_window, rtol=2e-5, atol=1e-4)

@@ -1,0 +1,163 @@
+"""Each fused kernel against its torch reference, and row invariance (a row's bits do not
+depend on the other rows of its launch)."""
+
+import pytest
+import torch
+
+from kernels.fused.attention import AttentionWorkspace, attention_reference, decode_attention
+from kernels.fused.linear import linear
+from kernels.fused.moe import combine_add_rmsnorm, combine_reference, experts_reference, fused_experts
+from kernels.fused.norm import add_rmsnorm, add_rmsnorm_reference, qk_norm_rope_reference, qk_norm_rope_store
+from kernels.fused.router import MoceTables, route
+from kernels.routing import route_topk
+from shared.model.layers import Rotary
+
+from .conftest import assert_same_row, devices_and_dtypes, tolerance
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+@devices_and_dtypes()
+@pytest.mark.parametrize("rows", [1, 5, 17])
+def test_linear_matches_reference_and_rows_are_invariant(device, dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 200, generator=g).to(device, dtype)  # K not a multiple of the block: masked tail
+    w = torch.randn(70, 200, generator=g).to(device, dtype)
+    out = linear(x, w)
+    ref = x.double() @ w.double().T
+    assert out.shape == (rows, 70) and out.dtype == dtype
+    assert rel_err(out, ref) < tolerance(dtype)
+    middle = rows // 2
+    assert_same_row(linear(x[middle : middle + 1], w)[0], out[middle])
+    assert linear(x, w, out_dtype=torch.float32).dtype == torch.float32
+
+
+@devices_and_dtypes()
+def test_add_rmsnorm_matches_reference(device, dtype):
+    g = torch.Generator().manual_seed(3)
+    x, r = (torch.randn(6, 96, generator=g).to(device, dtype) for _ in range(2))
+    w = (1 + 0.3 * torch.randn(96, generator=g)).to(device, dtype)
+    normed, residual = add_rmsnorm(x, r, w, 1e-6)
+    ref_normed, ref_residual = add_rmsnorm_reference(x, r, w, 1e-6)
+    assert rel_err(normed, ref_normed) < tolerance(dtype)
+    assert rel_err(residual, ref_residual) < tolerance(dtype)
+    alone, _ = add_rmsnorm(x[2:3], r[2:3], w, 1e-6)
+    assert_same_row(alone[0], normed[2])
+    normed_only, same = add_rmsnorm(x, None, w, 1e-6)
+    assert same is x or torch.equal(same, x)
+    assert rel_err(normed_only, add_rmsnorm_reference(x, None, w, 1e-6)[0]) < tolerance(dtype)
+
+
+@devices_and_dtypes()
+def test_qk_norm_rope_writes_the_cache_at_slot_and_position(device, dtype):
+    g = torch.Generator().manual_seed(4)
+    num_heads, num_kv, head_dim = 4, 2, 16
+    qkv = torch.randn(3, (num_heads + 2 * num_kv) * head_dim, generator=g).to(device, dtype)
+    q_norm, k_norm = ((1 + 0.2 * torch.randn(head_dim, generator=g)).to(device, dtype) for _ in range(2))
+    rotary = Rotary(head_dim, 10000.0, 64).to(device)
+    positions = torch.tensor([9, 10, 11], device=device)
+    slots = torch.tensor([1, 1, 1], device=device)
+    keys = torch.zeros(2, 64, num_kv, head_dim, dtype=dtype, device=device)
+    values = torch.zeros_like(keys)
+    q = qk_norm_rope_store(qkv, q_norm, k_norm, rotary.cos, rotary.sin, positions, slots, keys, values,
+                           num_heads, num_kv, 1e-6)
+    ref_q, ref_k, ref_v = qk_norm_rope_reference(qkv, q_norm, k_norm, rotary.cos, rotary.sin, positions,
+                                                 num_heads, num_kv, 1e-6)
+    assert rel_err(q, ref_q) < tolerance(dtype)
+    assert rel_err(keys[1, 9:12], ref_k) < tolerance(dtype)
+    assert torch.equal(values[1, 9:12], ref_v)
+    written = torch.zeros(2, 64, dtype=torch.bool)
+    written[1, 9:12] = True
+    assert not keys[~written.to(device)].any() and not values[~written.to(device)].any()
+
+
+@devices_and_dtypes()
+@pytest.mark.parametrize("context", [5, 300, 1100])
+def test_split_attention_matches_reference_and_rows_are_invariant(device, dtype, context):
+    g = torch.Generator().manual_seed(context)
+    num_heads, num_kv, head_dim, max_length = 8, 2, 32, 1200  # 4 query heads per KV head (GQA)
+    keys = torch.randn(3, max_length, num_kv, head_dim, generator=g).to(device, dtype)
+    values = torch.randn(3, max_length, num_kv, head_dim, generator=g).to(device, dtype)
+    rows = 5
+    q = torch.randn(rows, num_heads, head_dim, generator=g).to(device, dtype)
+    positions = torch.arange(context - rows, context, device=device).clamp_min(0)
+    slots = torch.full((rows,), 2, device=device)
+    workspace = AttentionWorkspace(17, num_heads, head_dim, max_length, device)
+    starts = torch.tensor([0, rows], dtype=torch.int32, device=device)
+    out = decode_attention(q, keys, values, positions, slots, starts, slots[:1], rows, workspace)
+    ref = attention_reference(q, keys, values, positions, slots)
+    assert rel_err(out, ref) < tolerance(dtype)
+    one = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    for i in (0, rows - 1):
+        alone = decode_attention(q[i : i + 1], keys, values, positions[i : i + 1], slots[:1], one, slots[:1], 1, workspace)
+        assert_same_row(alone[0], out[i])
+
+
+@devices_and_dtypes()
+def test_attention_ragged_sequences_use_their_own_slots(device, dtype):
+    g = torch.Generator().manual_seed(9)
+    keys = torch.randn(3, 300, 2, 16, generator=g).to(device, dtype)
+    values = torch.randn(3, 300, 2, 16, generator=g).to(device, dtype)
+    q = torch.randn(4, 4, 16, generator=g).to(device, dtype)
+    positions = torch.tensor([40, 41, 41, 299], device=device)  # seq 0: 2 rows in slot 2; seq 1: 1 row; seq 2: 1 row
+    slots = torch.tensor([2, 2, 0, 1], device=device)
+    starts = torch.tensor([0, 2, 3, 4], dtype=torch.int32, device=device)
+    workspace = AttentionWorkspace(8, 4, 16, 300, device)
+    out = decode_attention(q, keys, values, positions, slots, starts, torch.tensor([2, 0, 1], device=device), 2, workspace)
+    assert rel_err(out, attention_reference(q, keys, values, positions, slots)) < tolerance(dtype)
+
+
+@devices_and_dtypes()
+@pytest.mark.parametrize("moce", [False, True])
+def test_router_picks_the_reference_experts(device, dtype, moce):
+    g = torch.Generator().manual_seed(11)
+    logits = (3 * torch.randn(9, 24, generator=g)).to(device, dtype)
+    logits[0, 5] = logits[0, 7]  # an exact tie: the lower id wins
+    kwargs, ref_kwargs = {}, {}
+    if moce:
+        resident = (torch.rand(24, generator=g) > 0.5).to(device)
+        draft_rows = (torch.arange(9) % 2 == 0).to(device)
+        tables = MoceTables(4, scale=1.7, r1_scale=1.3, protect=2, device=device)
+        kwargs = dict(resident=resident, draft_rows=draft_rows, tables=tables)
+        ref_kwargs = dict(resident=resident, draft_rows=draft_rows, scale=1.7, r1_scale=1.3, protect=2)
+    for normalize in (True, False):
+        ids, weights = route(logits, 4, normalize=normalize, **kwargs)
+        ref_ids, ref_weights = route_topk(logits, 4, normalize=normalize, **ref_kwargs)
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+
+
+@devices_and_dtypes()
+@pytest.mark.parametrize("tokens", [1, 6, 40])
+def test_fused_experts_match_reference_and_rows_are_invariant(device, dtype, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    num_experts, inter, hidden, top_k = 6, 48, 96, 3
+    gate_up = (0.2 * torch.randn(num_experts, 2 * inter, hidden, generator=g)).to(device, dtype)
+    down = (0.2 * torch.randn(num_experts, hidden, inter, generator=g)).to(device, dtype)
+    x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+    # tokens * top_k routes over 6 experts: with 40 tokens some expert has more than 16 routes,
+    # so its group spans several programs
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)]).to(device)
+    out = fused_experts(x, ids, gate_up, down)
+    ref = experts_reference(x, ids, gate_up, down)
+    assert out.dtype == torch.float32 and out.shape == (tokens * top_k, hidden)
+    assert rel_err(out, ref) < tolerance(dtype)
+    t = tokens // 2
+    alone = fused_experts(x[t : t + 1], ids[t : t + 1], gate_up, down)
+    assert_same_row(alone, out[t * top_k : (t + 1) * top_k])
+
+
+@devices_and_dtypes()
+def test_combine_add_rmsnorm_matches_reference(device, dtype):
+    g = torch.Generator().manual_seed(12)
+    route_out = torch.randn(12, 64, generator=g).to(device)
+    weights = torch.rand(4, 3, generator=g).to(device)
+    residual = torch.randn(4, 64, generator=g).to(device, dtype)
+    norm = (1 + 0.2 * torch.randn(64, generator=g)).to(device, dtype)
+    normed, new_residual = combine_add_rmsnorm(route_out, weights, residual, norm, 1e-6)
+    ref_normed, ref_residual = combine_reference(route_out, weights, residual, norm, 1e-6)
+    assert rel_err(normed, ref_normed) < tolerance(dtype)
+    assert rel_err(new_residual, ref_residual) < tolerance(dtype)

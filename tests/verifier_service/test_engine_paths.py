@@ -1,0 +1,78 @@
+"""The verifier engine's fused path (KV pool slots, fused kernels, the window runner) commits
+the same tokens as the reference path, and greedy verification by token ids equals
+verify_chain's verdict."""
+
+import random
+
+import pytest
+import torch
+
+from kernels.retention import RetentionPolicy
+from kernels.sampling import SamplingParams, process_logits
+from kernels.speculative import Gate, Mode, verify_chain
+from verifier_service.engine import Engine, greedy_verdict
+from verifier_service.requests import RequestSpec
+
+
+def spec(prompt, *, temperature, seed=7, max_new_tokens=24, request_id="r"):
+    return RequestSpec(
+        request_id=request_id, prompt_ids=tuple(prompt), max_new_tokens=max_new_tokens,
+        sampling=SamplingParams(temperature=temperature, top_k=20, top_p=0.95), seed=seed, mode=Mode.EXACT,
+        gate=Gate.TOP, speculate=True, coupled=False, max_draft_tokens=4, retention=RetentionPolicy(),
+        retention_schedule="", retention_min_cum=0.0, eos_token_ids=frozenset(), stop_sequences=(), text_prompt=False,
+    )
+
+
+def decode(engine, request, drafts_of):
+    """Run rounds until max_new_tokens, proposing drafts_of(committed) each round."""
+    session = engine.open(request)
+    emitted = []
+    try:
+        while len(emitted) < request.max_new_tokens:
+            drafts = drafts_of(session.token_ids)[: min(4, session.capacity_left)]
+            outcome = engine.run_round(session, drafts, None)
+            assert outcome.hidden_rows.shape == (outcome.num_accepted + 1, engine.model.config.hidden_size)
+            emitted.extend(outcome.emitted)
+    finally:
+        engine.close(session)
+    return emitted[: request.max_new_tokens]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_fused_engine_commits_the_reference_tokens(tiny_mtp_model, temperature):
+    reference = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="off")
+    fused = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="on", max_sessions=2, max_window=5)
+    assert reference.path == "reference" and fused.path == "fused"
+    rng = random.Random(0)
+    prompt = [rng.randrange(97) for _ in range(13)]
+    plain = decode(reference, spec(prompt, temperature=temperature), lambda ids: [])
+    # drafts: the plain continuation with some tokens corrupted, so rounds accept and reject
+    def drafts_of(committed):
+        done = len(committed) - len(prompt)
+        return [t if rng.random() < 0.7 else (t + 1) % 97 for t in plain[done : done + 4]]
+
+    for engine in (reference, fused):
+        assert decode(engine, spec(prompt, temperature=temperature), drafts_of) == plain
+    assert fused.free_slots == 2  # every slot returned
+
+
+def test_fused_engine_refuses_models_it_cannot_run(tiny_mtp_model):
+    from shared.model import ModelConfig, load_model
+
+    raw = tiny_mtp_model.config.to_dict() | {"attention_bias": True}
+    biased = load_model(config=ModelConfig.from_dict(raw), random_weights=True)
+    with pytest.raises(ValueError, match="fused = on, but attention_bias"):
+        Engine(biased, max_context=64, prefill_chunk=8, fused="on")
+    assert Engine(biased, max_context=64, prefill_chunk=8, fused="auto").path == "reference"
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_greedy_verdict_equals_verify_chain(seed):
+    rng = random.Random(seed)
+    logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(seed))
+    target = process_logits(logits, SamplingParams(temperature=0.0))
+    greedy = logits.argmax(-1).tolist()
+    drafts = [g if rng.random() < 0.6 else rng.randrange(11) for g in greedy[:4]]
+    for mode in Mode:
+        verdict = verify_chain(target, drafts, None, mode=mode, seed=seed, base_position=3)
+        assert greedy_verdict(drafts, greedy) == (verdict.emitted(), int(verdict.num_accepted[0]))
