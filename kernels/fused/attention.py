@@ -2,7 +2,7 @@
 
 Rows are grouped into sequences (ragged: `seq_starts` offsets, one cache slot each); row i
 attends to cache positions 0..positions[i] of its sequence's slot. The keys are cut into
-fixed splits of `split` positions; one program takes one split for one KV head and a block
+fixed splits of SPLIT positions; one program takes one split for one KV head and a block
 of the sequence's rows × the query heads sharing that KV head (GQA), so a verify window
 reads each key once. A second kernel merges the splits of each row in a fixed order.
 
@@ -25,9 +25,9 @@ BLOCK_M = 64  # query rows × heads per program
 BLOCK_N = 64  # keys per inner step
 
 
-def split_size(max_length: int) -> int:
-    """Keys per split for a cache of max_length positions (a function of the cache only)."""
-    return 256 if max_length <= 8192 else 512
+SPLIT = 128  # keys per split: short contexts still spread over many programs (H200: 13 µs at
+# context 512 with 512-key splits, latency-bound in one program per KV head)
+MERGE_CHUNK = 32  # splits merged per step
 
 
 def attention_reference(
@@ -117,24 +117,27 @@ def _kernels():
     @triton.jit
     def merge_kernel(
         o_part_ptr, lse_part_ptr, pos_ptr, out_ptr, num_splits,
-        NUM_Q: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, SPLITS_PAD: tl.constexpr,
+        NUM_Q: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
     ):
         row = tl.program_id(0)
         head = tl.program_id(1)
         used = tl.load(pos_ptr + row).to(tl.int32) // SPLIT + 1  # the splits this row's keys fall in
-        s = tl.arange(0, SPLITS_PAD)
         base = (row * NUM_Q + head) * num_splits
-        lse = tl.load(lse_part_ptr + base + s, mask=s < used, other=float("-inf"))
-        top = tl.max(lse, axis=0)
-        weights = tl.exp(lse - top)
-        total = tl.sum(weights, axis=0)
+        c = tl.arange(0, CHUNK)
+        top = tl.full((CHUNK,), float("-inf"), tl.float32)
+        for s0 in range(0, used, CHUNK):
+            top = tl.maximum(top, tl.load(lse_part_ptr + base + s0 + c, mask=s0 + c < used, other=float("-inf")))
+        top_all = tl.max(top, axis=0)
         d = tl.arange(0, D)
         acc = tl.zeros((D,), tl.float32)
-        for i in range(0, used):
-            w = tl.exp(tl.load(lse_part_ptr + base + i) - top)
-            if w > 0:
-                acc += w * tl.load(o_part_ptr + (base + i) * D + d)
-        tl.store(out_ptr + (row * NUM_Q + head) * D + d, (acc / total).to(out_ptr.dtype.element_ty))
+        total = tl.zeros((CHUNK,), tl.float32)
+        for s0 in range(0, used, CHUNK):
+            ok = s0 + c < used
+            w = tl.exp(tl.load(lse_part_ptr + base + s0 + c, mask=ok, other=float("-inf")) - top_all)
+            parts = tl.load(o_part_ptr + (base + s0 + c)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+            acc += tl.sum(w[:, None] * parts, axis=0)
+            total += w
+        tl.store(out_ptr + (row * NUM_Q + head) * D + d, (acc / tl.sum(total, axis=0)).to(out_ptr.dtype.element_ty))
 
     return split_kernel, merge_kernel
 
@@ -143,7 +146,7 @@ class AttentionWorkspace:
     """Scratch for the split partials of up to max_rows rows (allocated once: graph-safe)."""
 
     def __init__(self, max_rows: int, num_heads: int, head_dim: int, max_length: int, device: torch.device | str):
-        self.split = split_size(max_length)
+        self.split = SPLIT
         self.num_splits = cdiv(max_length, self.split)
         self.max_rows = max_rows
         self.o_part = torch.empty((max_rows, num_heads, self.num_splits, head_dim), dtype=torch.float32, device=device)
@@ -186,7 +189,6 @@ def decode_attention(
     out = torch.empty_like(q)
     merge_kernel[(num_rows, num_heads)](
         workspace.o_part, workspace.lse_part, positions, out, workspace.num_splits,
-        NUM_Q=num_heads, D=head_dim, SPLIT=workspace.split, SPLITS_PAD=max(2, 1 << (workspace.num_splits - 1).bit_length()),
-        num_warps=1,
+        NUM_Q=num_heads, D=head_dim, SPLIT=workspace.split, CHUNK=MERGE_CHUNK, num_warps=2,
     )
     return out

@@ -1,0 +1,222 @@
+"""Plain decoding through the verifier service, measured from the client (issue 10).
+
+One run, random bf16 weights at Qwen3-30B-A3B shapes (or --small), on one GPU:
+- the service (`tandem verifier --random-weights`, fused path, CUDA graphs) in a child
+  process, a greedy request per context (512-token prompt by default), timed on the client:
+  decode tokens/s = (tokens after the first) / (last token's arrival − first token's);
+- in this process, on the same weights (same seed): the raw captured 1-row step (graph
+  replays timed by CUDA events) and the engine's round loop without gRPC;
+- transformers' Qwen3MoeForCausalLM on those weights (generate, greedy), context 512;
+- the pre-issue baseline, the service with `--fused off` (reference modules, eager), in a
+  fresh child process, a short request;
+- a sampled request (temperature 0.8, top-p 0.95) through the fused service.
+
+The service arm and the raw-step arm alternate block by block (order reversed each block);
+quoted ratios are medians of per-block ratios. Usage:
+  python bench/serve_decode.py [--small] [--contexts 512,4096,32768] [--new-tokens 256] [--blocks 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pairbench.common import free_port, log  # noqa: E402  (puts the repo and protocol modules on sys.path)
+from pairbench.services import Children  # noqa: E402
+
+from bench.model_baseline import QWEN3_30B_A3B, SMALL, hf_model_sharing_weights  # noqa: E402
+from shared.client import GenerationConfig, VerifierClient  # noqa: E402
+
+
+def client_decode(address: str, prompt: list[int], config: GenerationConfig) -> dict:
+    """One request; arrival time of every token event, on the client."""
+    arrivals: list[tuple[float, int]] = []
+    with VerifierClient(address, timeout=600) as client:
+        sent = time.perf_counter()
+        stats = None
+        for event in client.stream(prompt, config):
+            if event.token_ids:
+                arrivals.append((time.perf_counter(), len(event.token_ids)))
+            if event.HasField("final"):
+                stats = event.final.stats
+    tokens = sum(n for _, n in arrivals)
+    first, last = arrivals[0][0], arrivals[-1][0]
+    return {
+        "tokens": tokens, "ttft_ms": (first - sent) * 1e3, "e2e_s": last - sent,
+        "decode_tokens_per_s": (tokens - arrivals[0][1]) / (last - first) if last > first else float("nan"),
+        "server_tokens_per_s": stats.tokens_per_s if stats else float("nan"),
+    }
+
+
+def raw_step_tokens_per_s(runner, context: int, steps: int) -> float:
+    """Captured 1-row step replayed `steps` times back to back (device time, CUDA events)."""
+    runner.run(0, [1], context)
+    graph, _ = runner.graphs[1]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return steps / (start.elapsed_time(end) / 1e3)
+
+
+def engine_loop_tokens_per_s(engine, spec) -> float:
+    """The engine's plain rounds in this process (host loop, one sync per token, no gRPC)."""
+    session = engine.open(spec)
+    try:
+        engine.run_round(session, [], None)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(spec.max_new_tokens - 1):
+            engine.run_round(session, [], None)
+        return (spec.max_new_tokens - 1) / (time.perf_counter() - t)
+    finally:
+        engine.close(session)
+
+
+def make_spec(prompt: list[int], new_tokens: int):
+    from kernels.retention import RetentionPolicy
+    from kernels.sampling import SamplingParams
+    from kernels.speculative import Gate, Mode
+    from verifier_service.requests import RequestSpec
+
+    return RequestSpec(
+        request_id="bench", prompt_ids=tuple(prompt), max_new_tokens=new_tokens, sampling=SamplingParams(temperature=0.0),
+        seed=0, mode=Mode.EXACT, gate=Gate.TOP, speculate=False, coupled=False, max_draft_tokens=0,
+        retention=RetentionPolicy(), retention_schedule="", retention_min_cum=0.0, eos_token_ids=frozenset(),
+        stop_sequences=(), text_prompt=False,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--contexts", default="512,4096,32768")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--blocks", type=int, default=3)
+    parser.add_argument("--baseline-tokens", type=int, default=16)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--out", type=Path, default=None, help="raw results as JSON")
+    args = parser.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    max_positions = max(contexts) + args.new_tokens + 64
+    shapes = (SMALL if args.small else QWEN3_30B_A3B) | dict(max_position_embeddings=max(max_positions, 4096))
+    workdir = Path(tempfile.mkdtemp(prefix="serve-decode-"))
+    model_dir = workdir / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(shapes))
+    children = Children(workdir)
+    rng = random.Random(0)
+    prompts = {c: [rng.randrange(shapes["vocab_size"]) for _ in range(c)] for c in contexts}
+    results: dict = {"contexts": {}}
+    greedy = GenerationConfig(max_new_tokens=args.new_tokens, temperature=0.0, speculation=False)
+
+    def start_service(name: str, extra: list[str]) -> str:
+        port = free_port()
+        children.start(name, [sys.executable, "-m", "shared.cli", "verifier", "--model", str(model_dir), "--random-weights",
+                              "--device", "cuda", "--dtype", "bfloat16", "--port", str(port), "--max-sessions", "1",
+                              "--prefill-chunk", "2048", "--grace-s", "2", *extra])
+        return f"127.0.0.1:{port}"
+
+    import asyncio
+
+    try:
+        address = start_service("verifier", [])
+        log("building the in-process model (same weights: seed 0) ...")
+        from shared.model import ModelConfig, load_model
+        from verifier_service.engine import Engine
+
+        config = ModelConfig.from_dict(shapes)
+        model = load_model(config=config, random_weights=True, dtype=torch.bfloat16, device="cuda", seed=0)
+        engine = Engine(model, max_context=config.max_position_embeddings, prefill_chunk=2048, fused="on",
+                        max_sessions=1, max_window=1)
+        asyncio.run(children.wait_serving("verifier", address, timeout=600))
+        client_decode(address, prompts[contexts[0]][:64], GenerationConfig(max_new_tokens=8))  # warm-up
+        for context in contexts:
+            prompt = prompts[context]
+            rows = []
+            for block in range(args.blocks):
+                arms = ["service", "raw"] if block % 2 == 0 else ["raw", "service"]
+                row = {}
+                for arm in arms:
+                    if arm == "service":
+                        row["service"] = client_decode(address, prompt, greedy)
+                    else:
+                        row["raw"] = raw_step_tokens_per_s(engine.windows, context, args.new_tokens)
+                row["engine"] = engine_loop_tokens_per_s(engine, make_spec(prompt, min(args.new_tokens, 64)))
+                rows.append(row)
+                log(f"  context {context} block {block}: service {row['service']['decode_tokens_per_s']:.1f} tok/s, "
+                    f"raw step {row['raw']:.1f}, engine loop {row['engine']:.1f}")
+            results["contexts"][context] = rows
+        sampled = GenerationConfig(max_new_tokens=args.new_tokens, temperature=0.8, top_p=0.95, seed=1, speculation=False)
+        results["sampled"] = client_decode(address, prompts[contexts[0]], sampled)
+        children.stop("verifier")
+        if not args.skip_hf:
+            try:
+                hf = hf_model_sharing_weights(model)
+                ids = torch.tensor([prompts[contexts[0]]], device="cuda")
+                with torch.inference_mode():
+                    hf.generate(ids, max_new_tokens=2, do_sample=False)
+                    timings = {}
+                    for n in (1, 33):
+                        torch.cuda.synchronize()
+                        t = time.perf_counter()
+                        hf.generate(ids, max_new_tokens=n, do_sample=False)
+                        torch.cuda.synchronize()
+                        timings[n] = time.perf_counter() - t
+                results["transformers_tokens_per_s"] = 32 / (timings[33] - timings[1])
+                del hf
+            except Exception as error:  # report, keep the rest
+                log(f"transformers failed: {type(error).__name__}: {error}")
+        del engine, model
+        torch.cuda.empty_cache()
+        if not args.skip_baseline:
+            address = start_service("baseline", ["--fused", "off"])
+            asyncio.run(children.wait_serving("baseline", address, timeout=600))
+            short = GenerationConfig(max_new_tokens=args.baseline_tokens, temperature=0.0, speculation=False)
+            client_decode(address, prompts[contexts[0]][:64], GenerationConfig(max_new_tokens=4))
+            results["baseline"] = client_decode(address, prompts[contexts[0]], short)
+            children.stop("baseline")
+    finally:
+        children.stop()
+    report(results, args)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1, default=str))
+
+
+def report(results: dict, args) -> None:
+    print(f"\n| context | service decode tokens/s (client) | TTFT ms | raw graph step tokens/s | engine loop tokens/s "
+          f"| service / raw (median of {args.blocks} paired blocks) |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for context, rows in results["contexts"].items():
+        service = statistics.median(r["service"]["decode_tokens_per_s"] for r in rows)
+        ttft = statistics.median(r["service"]["ttft_ms"] for r in rows)
+        raw = statistics.median(r["raw"] for r in rows)
+        loop = statistics.median(r["engine"] for r in rows)
+        ratio = statistics.median(r["service"]["decode_tokens_per_s"] / r["raw"] for r in rows)
+        print(f"| {context} | {service:.1f} | {ttft:.0f} | {raw:.1f} | {loop:.1f} | {ratio:.3f} |")
+    if "sampled" in results:
+        s = results["sampled"]
+        print(f"\nsampled (temperature 0.8, top-p 0.95), context {next(iter(results['contexts']))}: "
+              f"{s['decode_tokens_per_s']:.1f} tokens/s decode")
+    if "transformers_tokens_per_s" in results:
+        print(f"transformers generate (greedy, same weights), context 512: {results['transformers_tokens_per_s']:.1f} tokens/s")
+    if "baseline" in results:
+        b = results["baseline"]
+        print(f"baseline service (--fused off: reference modules, eager): {b['decode_tokens_per_s']:.1f} tokens/s decode "
+              f"({b['tokens']} tokens)")
+
+
+if __name__ == "__main__":
+    main()
