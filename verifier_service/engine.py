@@ -67,6 +67,15 @@ def greedy_verdict(drafts: list[int], greedy_ids: list[int]) -> tuple[list[int],
     return [*drafts[:accepted], greedy_ids[accepted]], accepted
 
 
+@dataclass
+class Ahead:
+    """A 1-row greedy step already enqueued for a session's next round (decode-ahead)."""
+
+    session: Session
+    position: int  # the KV position its row was written at
+    ring: int  # the pinned slot its token and hidden row arrive in
+
+
 class Engine:
     def __init__(
         self,
@@ -102,6 +111,12 @@ class Engine:
             self.host_ids = torch.zeros(max_window, dtype=torch.int64, pin_memory=pinned)
             self.host_hidden = torch.zeros((max_window, c.hidden_size), dtype=model.dtype, pin_memory=pinned)
             self.copied = torch.cuda.Event() if pinned else None
+            # decode-ahead: two (pinned) slots for the results of the step in hand and the one ahead
+            self.ring_ids = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)
+            self.ring_hidden = torch.zeros((2, c.hidden_size), dtype=model.dtype, pin_memory=pinned)
+            self.ring_events = [torch.cuda.Event(), torch.cuda.Event()] if pinned else None
+            self.ring_next = 0
+        self.ahead: Ahead | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -134,6 +149,8 @@ class Engine:
 
     def close(self, session: Session) -> None:
         """Give the session's KV slot back (idempotent)."""
+        if self.ahead is not None and self.ahead.session is session:
+            self.ahead = None  # its step writes beyond the committed rows: harmless, and never read
         if session.slot is not None and self.windows is not None:
             self.windows.pool.release(session.slot)
             session.slot = None
@@ -165,8 +182,15 @@ class Engine:
         ids = None if greedy_ids is None else self.host_ids[:num_rows].tolist()
         return self.host_hidden[:num_rows], ids
 
-    def run_round(self, session: Session, drafts: list[int], q_rows: SparseRows | None) -> RoundOutcome:
+    def run_round(self, session: Session, drafts: list[int], q_rows: SparseRows | None, *,
+                  decode_ahead: bool = False) -> RoundOutcome:
+        """Verify `drafts` (or decode one token). decode_ahead: the caller expects another plain
+        greedy round of this session next, so its step is enqueued before this round's result is
+        read (the GPU computes it while the host streams this one); any other round drops it."""
         spec = session.spec
+        if not drafts and spec.sampling.greedy and self.windows is not None:
+            return self._plain_greedy_round(session, decode_ahead)
+        self.ahead = None
         base = len(session.token_ids)  # position of the first token this round decides
         started = time.perf_counter()
         misses = self.slot_misses()
@@ -190,6 +214,36 @@ class Engine:
         done = time.perf_counter()
         return RoundOutcome(emitted, accepted, rows, (forwarded - started) * 1e3, (done - forwarded) * 1e3,
                             self.slot_misses() - misses)
+
+    def _ring_copy(self, output) -> int:
+        """Enqueue the copy of a 1-row step's token and hidden row to a pinned slot; returns the slot."""
+        ring = self.ring_next
+        self.ring_next ^= 1
+        self.ring_ids[ring : ring + 1].copy_(output.greedy_ids[:1], non_blocking=True)
+        self.ring_hidden[ring : ring + 1].copy_(output.hidden[:1], non_blocking=True)
+        if self.ring_events is not None:
+            self.ring_events[ring].record()
+        return ring
+
+    def _plain_greedy_round(self, session: Session, decode_ahead: bool) -> RoundOutcome:
+        """One greedy token on the captured 1-row step, with decode-ahead (see run_round)."""
+        started = time.perf_counter()
+        start = session.cache.reserve(1)
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead.session is session and ahead.position == start:
+            ring = ahead.ring  # enqueued during the last round
+        else:
+            ring = self._ring_copy(self.windows.run(session.slot, session.token_ids[-1:], start))
+        if decode_ahead and session.cache.length < session.cache.max_length:
+            self.ahead = Ahead(session, start + 1, self._ring_copy(self.windows.run_chained()))
+        if self.ring_events is not None:
+            self.ring_events[ring].synchronize()
+        token = int(self.ring_ids[ring])
+        rows = self.ring_hidden[ring : ring + 1].to(torch.bfloat16, copy=True)
+        forwarded = time.perf_counter()
+        session.hidden_rows.append(rows)
+        session.token_ids.append(token)
+        return RoundOutcome([token], 0, rows, (forwarded - started) * 1e3, 0.0, 0)
 
     def slot_misses(self) -> int:
         return sum(store.counters.misses for store in self.stores)

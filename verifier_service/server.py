@@ -240,7 +240,11 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             limit = min(spec.max_draft_tokens, session.capacity_left)
             chain = retain(chain, mode=spec.mode, gate=spec.gate, policy=spec.retention, limit=limit)
         drafts = chain.token_ids if chain else []
-        outcome = await self.worker.run(self.engine.run_round, session, drafts, chain.q_rows if chain else None)
+        # Without a drafter every round is one plain token: let the engine enqueue the next one
+        # before this one is read, unless this round may be the last.
+        ahead = link is None and spec.max_new_tokens - len(completion.token_ids) > 1
+        outcome = await self.worker.run(self.engine.run_round, session, drafts, chain.q_rows if chain else None,
+                                        decode_ahead=ahead)
         source = chain.source if chain else "NONE"
         stats.round(source, proposed, len(drafts), outcome.num_accepted)
         tokens, delta = completion.extend(outcome.emitted)

@@ -41,3 +41,10 @@ def next_power_of_2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def tl_dtype(dtype: torch.dtype):
+    """The triton.language dtype of a torch floating dtype (for constexpr arguments)."""
+    import triton.language as tl
+
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]

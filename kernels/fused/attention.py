@@ -19,9 +19,10 @@ import math
 import torch
 from torch import Tensor
 
-from kernels.fused import cdiv, use_triton
+from kernels.fused import cdiv, next_power_of_2, use_triton
 
-BLOCK_M = 64  # query rows × heads per program
+MIN_BLOCK_M = 16  # query rows × heads per program: a multiple of the GQA group (tl.dot needs >= 16)
+MERGE_SLICE = 32  # head-dim columns per merge program
 BLOCK_N = 64  # keys per inner step
 
 
@@ -117,10 +118,11 @@ def _kernels():
     @triton.jit
     def merge_kernel(
         o_part_ptr, lse_part_ptr, pos_ptr, out_ptr, num_splits,
-        NUM_Q: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
+        NUM_Q: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr, SLICE: tl.constexpr,
     ):
         row = tl.program_id(0)
         head = tl.program_id(1)
+        column = tl.program_id(2) * SLICE
         used = tl.load(pos_ptr + row).to(tl.int32) // SPLIT + 1  # the splits this row's keys fall in
         base = (row * NUM_Q + head) * num_splits
         c = tl.arange(0, CHUNK)
@@ -128,8 +130,8 @@ def _kernels():
         for s0 in range(0, used, CHUNK):
             top = tl.maximum(top, tl.load(lse_part_ptr + base + s0 + c, mask=s0 + c < used, other=float("-inf")))
         top_all = tl.max(top, axis=0)
-        d = tl.arange(0, D)
-        acc = tl.zeros((D,), tl.float32)
+        d = column + tl.arange(0, SLICE)
+        acc = tl.zeros((SLICE,), tl.float32)
         total = tl.zeros((CHUNK,), tl.float32)
         for s0 in range(0, used, CHUNK):
             ok = s0 + c < used
@@ -172,9 +174,8 @@ def decode_attention(
     if workspace is None or workspace.max_rows < num_rows:
         workspace = AttentionWorkspace(num_rows, num_heads, head_dim, cache_keys.shape[1], q.device)
     group = num_heads // num_kv
-    if group > BLOCK_M:
-        raise ValueError(f"decode_attention: {group} query heads per KV head exceed {BLOCK_M}")
-    rows_per_block = BLOCK_M // group
+    block_m = max(MIN_BLOCK_M, next_power_of_2(group))  # a function of the model only (row invariance)
+    rows_per_block = block_m // group
     num_row_blocks = cdiv(max_rows_per_seq, rows_per_block)
     num_seqs = seq_slots.shape[0]
     split_kernel, merge_kernel = _kernels()
@@ -183,12 +184,13 @@ def decode_attention(
         q.contiguous(), cache_keys, cache_values, positions, seq_starts, seq_slots, workspace.o_part, workspace.lse_part,
         cache_keys.stride(0), cache_keys.stride(1), 1.0 / math.sqrt(head_dim), workspace.num_splits, num_row_blocks,
         NUM_Q=num_heads, NUM_KV=num_kv, D=head_dim, GROUP=group, ROWS_PER_BLOCK=rows_per_block,
-        SPLIT=workspace.split, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=ieee,
+        SPLIT=workspace.split, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=ieee,
         num_warps=4, num_stages=2,
     )
     out = torch.empty_like(q)
-    merge_kernel[(num_rows, num_heads)](
+    slice_ = min(head_dim, MERGE_SLICE)
+    merge_kernel[(num_rows, num_heads, head_dim // slice_)](
         workspace.o_part, workspace.lse_part, positions, out, workspace.num_splits,
-        NUM_Q=num_heads, D=head_dim, SPLIT=workspace.split, CHUNK=MERGE_CHUNK, num_warps=2,
+        NUM_Q=num_heads, D=head_dim, SPLIT=workspace.split, CHUNK=MERGE_CHUNK, SLICE=slice_, num_warps=1,
     )
     return out

@@ -42,18 +42,20 @@ def _kernels():
 
     @triton.jit
     def linear_kernel(
-        x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+        x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, stride_ys,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
+        split = tl.program_id(2)  # split-K: this program sums K range [split, split + 1) * k_per_split
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         row_ok = rows < M
         col_ok = cols < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        y_ptr += split * stride_ys
+        for k0 in range(split * k_per_split, tl.minimum(K, (split + 1) * k_per_split), BLOCK_K):
             kk = k0 + ks
             k_ok = kk < K
             x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -92,12 +94,53 @@ def linear(
         raise ValueError("linear: weight rows must be contiguous")
     if out is None:
         out = torch.empty((num_rows, num_out), dtype=out_dtype, device=x.device)
+    _launch(x, weight, out, 1)
+    return out
+
+
+def split_k(num_out: int, num_in: int) -> int:
+    """K splits for linear_partials: enough programs for a narrow weight (a function of its shape)."""
+    block_n, block_k, _, _ = linear_config(num_out, num_in)
+    splits = 1
+    while cdiv(num_out, block_n) * splits * 2 <= 160 and num_in // (splits * 2) >= block_k:
+        splits *= 2
+    return splits
+
+
+def linear_partials(
+    x: Tensor,  # [M, K]
+    weight: Tensor,  # [N, K]
+    splits: int,
+) -> Tensor:
+    """Split-K partial products [M, splits, N] float32: partial s sums K range s·K/splits ...
+    (consumers add them in split order, so rows stay invariant). Narrow weights (the router,
+    o_proj) get enough programs to fill the GPU this way."""
+    num_rows, num_in = x.shape
+    if not use_triton(x) or num_rows > MAX_FUSED_ROWS:
+        step = _k_per_split(weight.shape[0], num_in, splits)
+        return torch.stack([F.linear(x[:, s * step : (s + 1) * step].float(), weight[:, s * step : (s + 1) * step].float())
+                            for s in range(splits)], dim=1)
+    out = torch.empty((num_rows, splits, weight.shape[0]), dtype=torch.float32, device=x.device)
+    _launch(x.contiguous(), weight, out, splits)
+    return out
+
+
+def _launch(x: Tensor, weight: Tensor, out: Tensor, splits: int) -> None:
+    num_rows, num_in = x.shape
+    num_out = weight.shape[0]
     block_n, block_k, warps, stages = linear_config(num_out, num_in)
-    grid = (cdiv(num_out, block_n), cdiv(num_rows, BLOCK_M))
+    k_per_split = _k_per_split(num_out, num_in, splits)
+    grid = (cdiv(num_out, block_n), cdiv(num_rows, BLOCK_M), splits)
+    stride_ym = out.stride(0)
+    stride_ys = out.stride(1) if splits > 1 else 0
     _kernels()[grid](
-        x, weight, out, num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, out, num_rows, num_out, num_in, x.stride(0), weight.stride(0), stride_ym, k_per_split, stride_ys,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
         num_warps=warps, num_stages=stages,
     )
-    return out
 
+
+
+def _k_per_split(num_out: int, num_in: int, splits: int) -> int:
+    block_k = linear_config(num_out, num_in)[1]
+    return cdiv(cdiv(num_in, splits), block_k) * block_k

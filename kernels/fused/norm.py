@@ -64,12 +64,18 @@ def _kernels():
     @triton.jit
     def add_rmsnorm_kernel(
         x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PARTIALS: tl.constexpr,
     ):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < H
-        h = tl.load(x_ptr + row * H + cols, mask=ok, other=0.0)
+        if PARTIALS > 0:  # x as split-K partials [T, PARTIALS, H] float32, summed in split order
+            acc = tl.zeros((BLOCK,), tl.float32)
+            for s in tl.static_range(PARTIALS):
+                acc += tl.load(x_ptr + (row * PARTIALS + s) * H + cols, mask=ok, other=0.0)
+            h = acc.to(out_ptr.dtype.element_ty)
+        else:
+            h = tl.load(x_ptr + row * H + cols, mask=ok, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row * H + cols, mask=ok, other=0.0)
             h = (h.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
@@ -122,21 +128,31 @@ def _kernels():
 
 
 def add_rmsnorm(
-    x: Tensor,  # [T, H]
+    x: Tensor,  # [T, H], or split-K partials [T, splits, H] float32 (summed, rounded to residual's dtype)
     residual: Tensor | None,  # [T, H]
     weight: Tensor,  # [H]
     eps: float,
 ) -> tuple[Tensor, Tensor]:
     """(normed, new_residual) with new_residual = residual + x (x itself when residual is None)."""
+    partials = x.shape[1] if x.dim() == 3 else 0
+    if partials and residual is None:
+        raise ValueError("add_rmsnorm: split-K partials need a residual (it gives the dtype)")
     if not use_triton(x):
+        if partials:
+            summed = x[:, 0]
+            for s in range(1, partials):
+                summed = summed + x[:, s]
+            x = summed.to(residual.dtype)
         return add_rmsnorm_reference(x, residual, weight, eps)
     x = x.contiguous()
-    num_rows, size = x.shape
-    normed = torch.empty_like(x)
-    new_residual = torch.empty_like(x) if residual is not None else x
+    num_rows, size = x.shape[0], x.shape[-1]
+    dtype = residual.dtype if residual is not None else x.dtype
+    normed = torch.empty((num_rows, size), dtype=dtype, device=x.device)
+    new_residual = torch.empty_like(normed) if residual is not None else x
     _kernels()[0][(num_rows,)](
         x, residual.contiguous() if residual is not None else x, weight, normed, new_residual, size, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(size), num_warps=4 if size <= 4096 else 8,
+        HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(size), PARTIALS=partials,
+        num_warps=4 if size <= 4096 else 8,
     )
     return normed, new_residual
 

@@ -13,7 +13,7 @@ import functools
 import torch
 from torch import Tensor
 
-from kernels.fused import next_power_of_2, use_triton
+from kernels.fused import next_power_of_2, tl_dtype, use_triton
 from kernels.routing import WEIGHT_FLOOR, moce_multipliers, route_topk
 
 
@@ -26,12 +26,18 @@ def _kernels():
     def topk_kernel(
         logits_ptr, ids_ptr, weights_ptr, resident_ptr, draft_ptr, other_mult_ptr, draft_mult_ptr, E, floor,
         TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr,
-        MOCE: tl.constexpr,
+        MOCE: tl.constexpr, PARTIALS: tl.constexpr, ROUND_TO: tl.constexpr,
     ):
         t = tl.program_id(0)
         e = tl.arange(0, BLOCK_E)
         ok = e < E
-        x = tl.load(logits_ptr + t * E + e, mask=ok, other=float("-inf")).to(tl.float32)
+        if PARTIALS > 0:  # split-K partial logits [T, PARTIALS, E] float32: summed in split order
+            x = tl.zeros((BLOCK_E,), tl.float32)
+            for s in tl.static_range(PARTIALS):
+                x += tl.load(logits_ptr + (t * PARTIALS + s) * E + e, mask=ok, other=0.0)
+            x = tl.where(ok, x.to(ROUND_TO).to(tl.float32), float("-inf"))  # the model-dtype logits
+        else:
+            x = tl.load(logits_ptr + t * E + e, mask=ok, other=float("-inf")).to(tl.float32)
         p = tl.exp(x - tl.max(x, axis=0))
         p = p / tl.sum(p, axis=0)
         remaining = tl.where(ok, p, float("-inf"))
@@ -71,9 +77,10 @@ class MoceTables:
 
 
 def route(
-    router_logits: Tensor,  # [T, E]
+    router_logits: Tensor,  # [T, E], or split-K partials [T, splits, E] float32 (see round_to)
     top_k: int,
     *,
+    round_to: torch.dtype | None = None,  # partials: the dtype their sum is rounded to (the model's)
     normalize: bool,
     resident: Tensor | None = None,  # [E] bool: MoCE residency map (None = plain top-k)
     draft_rows: Tensor | None = None,  # [T] bool
@@ -82,12 +89,20 @@ def route(
     """(expert_ids [T, k] int64 in rank order, weights [T, k] float32)."""
     if resident is not None and tables is None:
         raise ValueError("route: MoCE routing (resident given) needs its multiplier tables")
+    partials = router_logits.shape[1] if router_logits.dim() == 3 else 0
+    if partials and round_to is None:
+        raise ValueError("route: split-K partial logits need round_to")
     if not use_triton(router_logits):
+        if partials:
+            summed = router_logits[:, 0]
+            for s in range(1, partials):
+                summed = summed + router_logits[:, s]
+            router_logits = summed.to(round_to)
         if resident is None:
             return route_topk(router_logits, top_k, normalize=normalize)
         return route_topk(router_logits, top_k, resident=resident, scale=tables.scale, r1_scale=tables.r1_scale,
                           protect=tables.protect, draft_rows=draft_rows, normalize=normalize)
-    num_rows, num_experts = router_logits.shape
+    num_rows, num_experts = router_logits.shape[0], router_logits.shape[-1]
     device = router_logits.device
     ids = torch.empty((num_rows, top_k), dtype=torch.int64, device=device)
     weights = torch.empty((num_rows, top_k), dtype=torch.float32, device=device)
@@ -101,6 +116,7 @@ def route(
         tables.other if moce else dummy, tables.draft if moce else dummy,
         num_experts, WEIGHT_FLOOR,
         TOP_K=top_k, K_PAD=max(2, next_power_of_2(top_k)), BLOCK_E=max(16, next_power_of_2(num_experts)),
-        NORMALIZE=normalize, MOCE=moce, num_warps=1 if num_experts <= 256 else 4,
+        NORMALIZE=normalize, MOCE=moce, PARTIALS=partials, ROUND_TO=tl_dtype(round_to or router_logits.dtype),
+        num_warps=1 if num_experts <= 256 else 4,
     )
     return ids, weights

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels.fused.attention import AttentionWorkspace, decode_attention
-from kernels.fused.linear import linear
+from kernels.fused.linear import linear, linear_partials, split_k
 from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, fused_experts
 from kernels.fused.norm import add_rmsnorm, qk_norm_rope_store
 from kernels.fused.router import MoceTables, route
@@ -72,6 +72,7 @@ class FusedLayer:
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.qkv = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])  # [(Hq + 2 Hkv) * D, H]
         self.o = attn.o_proj.weight
+        self.o_splits = split_k(*self.o.shape)  # narrow weights: split-K partials, summed by the consumer
         self.q_norm, self.k_norm = attn.q_norm.weight, attn.k_norm.weight
         self.input_norm = layer.input_layernorm.weight
         self.post_norm = layer.post_attention_layernorm.weight
@@ -79,6 +80,7 @@ class FusedLayer:
         self.moe = isinstance(layer.mlp, MoeBlock)
         if self.moe:
             self.router = layer.mlp.gate.weight
+            self.router_splits = split_k(*self.router.shape)
             self.store = layer.mlp.experts
             self.top_k, self.normalize = layer.mlp.top_k, layer.mlp.normalize
         else:
@@ -135,14 +137,16 @@ class FusedModel:
                                keys, values, layer.num_heads, layer.num_kv_heads, layer.eps)
         attn = decode_attention(q, keys, values, rows.positions, rows.slots, rows.seq_starts, rows.seq_slots,
                                 rows.max_rows_per_seq, self.workspace)
-        normed, residual = add_rmsnorm(linear(attn.view(num_rows, -1), layer.o), residual, layer.post_norm, layer.eps)
+        o_partials = linear_partials(attn.view(num_rows, -1), layer.o, layer.o_splits)
+        normed, residual = add_rmsnorm(o_partials, residual, layer.post_norm, layer.eps)
         if not layer.moe:
             gate, up = linear(normed, layer.gate_up).chunk(2, dim=-1)
             out = linear(F.silu(gate) * up, layer.down)
             return add_rmsnorm(out, residual, next_norm, layer.eps)
         resident, tables = self._moce(layer, routing)
         draft_rows = routing.draft_rows if routing is not None and routing.moce else None
-        expert_ids, weights = route(linear(normed, layer.router), layer.top_k, normalize=layer.normalize,
+        router_partials = linear_partials(normed, layer.router, layer.router_splits)
+        expert_ids, weights = route(router_partials, layer.top_k, round_to=normed.dtype, normalize=layer.normalize,
                                     resident=resident, draft_rows=draft_rows, tables=tables)
         if num_rows <= MAX_FUSED_TOKENS:
             route_out = fused_experts(normed, expert_ids, layer.store.gate_up, layer.store.down)

@@ -47,6 +47,10 @@ class WindowGraphs:
         self.seq_starts = {t: torch.tensor([0, t], dtype=torch.int32, device=self.device) for t in range(1, max_rows + 1)}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, WindowOutput]] = {}
         self.memory_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # Chained 1-row steps (decode-ahead): every 1-row step leaves its greedy token here, and
+        # the chained step reads it as its input at the next position, without the host.
+        self.last_token = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.chained: tuple[torch.cuda.CUDAGraph, WindowOutput] | None = None
 
     def _rows(self, num_rows: int) -> Rows:
         m = self.max_rows
@@ -60,7 +64,15 @@ class WindowGraphs:
 
     def _forward(self, num_rows: int) -> WindowOutput:
         logits, hidden = self.fused.forward(self.dev_in[:num_rows], self._rows(num_rows), self.kv)
-        return WindowOutput(logits, hidden, logits.argmax(dim=-1))
+        output = WindowOutput(logits, hidden, logits.argmax(dim=-1))
+        if num_rows == 1:
+            self.last_token.copy_(output.greedy_ids)
+        return output
+
+    def _chained_forward(self) -> WindowOutput:
+        self.dev_in[:1].copy_(self.last_token)
+        self.dev_in[self.max_rows : self.max_rows + 1].add_(1)
+        return self._forward(1)
 
     def capture(self, sizes: list[int] | None = None, progress: Callable[[int, float], None] | None = None) -> None:
         """Capture the windows of `sizes` rows (default 1..max_rows), warming each up first.
@@ -72,20 +84,36 @@ class WindowGraphs:
             return
         for num_rows in sizes or range(1, self.max_rows + 1):
             started = time.perf_counter()
-            self.host_in.zero_()
-            self.dev_in.copy_(self.host_in)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # Triton compiles and cuBLAS/allocator warm up outside the graph
-                    self._forward(num_rows)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.memory_pool):
-                output = self._forward(num_rows)
-            self.graphs[num_rows] = (graph, output)
+            self.graphs[num_rows] = self._capture(lambda rows=num_rows: self._forward(rows))
             if progress is not None:
                 progress(num_rows, time.perf_counter() - started)
+        if 1 in self.graphs:
+            self.chained = self._capture(self._chained_forward)
+
+    def _capture(self, body: Callable[[], WindowOutput]) -> tuple[torch.cuda.CUDAGraph, WindowOutput]:
+        self.host_in.zero_()
+        self.dev_in.copy_(self.host_in)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # Triton compiles and cuBLAS/allocator warm up outside the graph
+                body()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.memory_pool):
+            output = body()
+        return graph, output
+
+    def run_chained(self) -> WindowOutput:
+        """The 1-row step after the last 1-row step: its greedy token at the next position of the
+        same slot, fed on the device (enqueue it before reading the last step's result)."""
+        if self.chained is None:
+            self.dev_in[:1].copy_(self.last_token)
+            self.dev_in[self.max_rows : self.max_rows + 1].add_(1)
+            return self._forward(1)
+        graph, output = self.chained
+        graph.replay()
+        return output
 
     def run(self, slot: int, token_ids: list[int], start: int) -> WindowOutput:
         """The window token_ids at positions start.. of `slot` (its KV rows are written)."""

@@ -76,3 +76,30 @@ def test_greedy_verdict_equals_verify_chain(seed):
     for mode in Mode:
         verdict = verify_chain(target, drafts, None, mode=mode, seed=seed, base_position=3)
         assert greedy_verdict(drafts, greedy) == (verdict.emitted(), int(verdict.num_accepted[0]))
+
+
+def test_decode_ahead_commits_the_same_tokens_across_interleaved_sessions(tiny_mtp_model):
+    """Plain greedy rounds with decode-ahead: the step enqueued for a session's next round is
+    used only when that round comes next; another session's round or a drafted round drops it."""
+    reference = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="off")
+    fused = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="on", max_sessions=2, max_window=5)
+    prompts = [[3, 14, 15, 92, 65, 35], [27, 18, 28, 18, 28]]
+    expected = [decode(reference, spec(p, temperature=0.0, max_new_tokens=12), lambda ids: []) for p in prompts]
+    sessions = [fused.open(spec(p, temperature=0.0, max_new_tokens=12, request_id=str(i))) for i, p in enumerate(prompts)]
+    got = [[], []]
+    used = 0
+    schedule = [0, 0, 0, 1, 1, 0, 1, 0, 0, 1, 1, 1, 0, 0, 1, 0, 1, 1, 0, 1, 0, 1, 0, 1]
+    for turn, which in enumerate(schedule):
+        session = sessions[which]
+        if len(got[which]) >= 12:
+            continue
+        ahead = fused.ahead
+        drafts = expected[which][len(got[which]) : len(got[which]) + 2] if turn % 7 == 6 else []
+        outcome = fused.run_round(session, drafts, None, decode_ahead=True)
+        used += ahead is not None and ahead.session is session and not drafts
+        got[which].extend(outcome.emitted)
+        assert session.cache.length == len(session.token_ids) - 1  # the head's row is never cached
+    for session in sessions:
+        fused.close(session)
+    assert [g[:12] for g in got] == expected
+    assert used >= 5 and fused.ahead is None and fused.free_slots == 2

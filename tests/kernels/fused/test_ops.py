@@ -161,3 +161,30 @@ def test_combine_add_rmsnorm_matches_reference(device, dtype):
     ref_normed, ref_residual = combine_reference(route_out, weights, residual, norm, 1e-6)
     assert rel_err(normed, ref_normed) < tolerance(dtype)
     assert rel_err(new_residual, ref_residual) < tolerance(dtype)
+
+
+@devices_and_dtypes()
+@pytest.mark.parametrize("splits", [2, 4])
+def test_split_k_partials_feed_the_norm_and_the_router(device, dtype, splits):
+    from kernels.fused.linear import linear_partials
+
+    g = torch.Generator().manual_seed(splits)
+    x = torch.randn(5, 256, generator=g).to(device, dtype)
+    w = torch.randn(48, 256, generator=g).to(device, dtype)
+    partials = linear_partials(x, w, splits)
+    assert partials.shape == (5, splits, 48) and partials.dtype == torch.float32
+    assert rel_err(partials.sum(dim=1), x.double() @ w.double().T) < tolerance(dtype)
+    assert_same_row(linear_partials(x[3:4], w, splits)[0], partials[3])
+    # consumers: add_rmsnorm sums the partials (split order) and rounds to the residual's dtype
+    residual = torch.randn(5, 48, generator=g).to(device, dtype)
+    norm = (1 + 0.2 * torch.randn(48, generator=g)).to(device, dtype)
+    normed, new_residual = add_rmsnorm(partials, residual, norm, 1e-6)
+    ref_normed, ref_residual = add_rmsnorm_reference(partials.sum(dim=1).to(dtype), residual, norm, 1e-6)
+    assert rel_err(new_residual, ref_residual) < tolerance(dtype)
+    assert rel_err(normed, ref_normed) < tolerance(dtype)
+    # and the router picks what it would from the summed logits
+    ids, weights = route(partials, 4, round_to=dtype, normalize=True)
+    ref_ids, ref_weights = route_topk(partials.sum(dim=1).to(dtype), 4, normalize=True)
+    assert (ids == ref_ids).float().mean() > 0.9  # the sum order may flip a near-tie
+    with pytest.raises(ValueError, match="round_to"):
+        route(partials, 4, normalize=True)
