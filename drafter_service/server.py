@@ -24,6 +24,7 @@ from kernels.speculative import Mode
 from shared import telemetry
 from shared.metrics import DrafterMetrics
 from shared.model import RoutingOptions, load_model
+from shared.model.fast import FusedModel, fused_wanted
 from shared.model.registry import resolve_model
 from shared.protocol import PROTOCOL_VERSION, common_pb2, decode_hidden, drafter_pb2, drafter_pb2_grpc
 from shared.service import ServiceServer, run_until_signalled
@@ -33,6 +34,7 @@ log = structlog.get_logger("drafter")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SOURCES = {"MTP": common_pb2.DRAFT_SOURCE_MTP, "SUFFIX": common_pb2.DRAFT_SOURCE_SUFFIX, "NONE": common_pb2.DRAFT_SOURCE_NONE}
 MAX_DRAFTS = 16
+MAX_FUSED_MTP_ROWS = 64  # MTP catch-ups longer than this (a prompt) run the reference modules
 
 
 class Drafter:
@@ -44,7 +46,10 @@ class Drafter:
         routing = None
         if settings.moce_scale != 1.0 or settings.expert_slots:
             routing = RoutingOptions(moce=True, scale=settings.moce_scale)
-        self.mtp = MTPProposer(model, routing) if model.mtp is not None else None
+        fused = None
+        if model.mtp is not None and fused_wanted(model, settings.fused):
+            fused = FusedModel(model, max_rows=MAX_FUSED_MTP_ROWS, max_length=model.config.max_position_embeddings)
+        self.mtp = MTPProposer(model, routing, fused) if model.mtp is not None else None
         self.planner = Planner()
         self.global_index = GlobalIndex(settings.global_index_contexts)
         # Request-initial planner snapshots by session id: a re-sync of the same request (after

@@ -18,6 +18,7 @@ class DrafterSettings:
     port: int = field(default=50052, metadata={"help": "port to bind; 0 picks a free one"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16 or float16"})
+    fused: str = field(default="auto", metadata={"help": "fused-kernel MTP path: auto (on for CUDA when the model allows), on, off (reference path)"})
     max_sessions: int = field(default=256, metadata={"help": "sessions kept; the least recently used is evicted (its verifier re-syncs)"})
     moce_scale: float = field(default=1.0, metadata={"help": "MoCE base scale b for the MTP layer's draft rows (m = b*b; 1 = plain routing)"})
     expert_slots: int = field(default=0, metadata={"help": "device expert slots per MoE layer (0 = all resident)"})

@@ -90,6 +90,7 @@ def help_rows(cls: type, env_prefix: str) -> Sequence[tuple[str, str, str, str]]
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+FUSED_CHOICES = ("auto", "on", "off")  # the fused-kernel path: auto = on for CUDA when the model allows
 
 
 def validate_service(settings: Any) -> None:
@@ -107,5 +108,7 @@ def validate_service(settings: Any) -> None:
         raise ValueError("tls_cert and tls_key must be given together")
     if settings.tls_client_ca is not None and settings.tls_cert is None:
         raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+    if settings.fused not in FUSED_CHOICES:
+        raise ValueError(f"fused {settings.fused!r} must be one of {', '.join(FUSED_CHOICES)}")
     if not (math.isfinite(settings.grace_s) and settings.grace_s >= 0):
         raise ValueError(f"grace_s {settings.grace_s!r} must be finite and >= 0")

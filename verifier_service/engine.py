@@ -24,7 +24,7 @@ from torch import Tensor
 from kernels.sampling import SparseRows, process_logits
 from kernels.speculative import verify_chain
 from shared.model import KVCache, Qwen3MoeModel
-from shared.model.fast import FusedModel, unsupported_reason
+from shared.model.fast import FusedModel, fused_wanted
 from shared.model.graphs import WindowGraphs
 from shared.model.kv_cache import KVPool
 from verifier_service.requests import RequestSpec
@@ -94,10 +94,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.stores = [layer.mlp.experts for layer in model.layers if hasattr(layer.mlp, "experts")]
         self.windows: WindowGraphs | None = None
-        reason = unsupported_reason(model)
-        if fused == "on" and reason is not None:
-            raise ValueError(f"fused = on, but {reason}")
-        if fused == "on" or (fused == "auto" and model.device.type == "cuda" and reason is None):
+        if fused_wanted(model, fused):
             c = model.config
             pool = KVPool(num_layers=c.num_hidden_layers, num_slots=max_sessions, max_length=max_context,
                           num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=model.dtype, device=model.device)

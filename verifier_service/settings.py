@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from shared import settings as base
 
 ENV_PREFIX = "TANDEM_VERIFIER_"
-FUSED_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -52,8 +51,6 @@ class VerifierSettings:
         for name in ("num_expert_slots", "max_context"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 0")
-        if self.fused not in FUSED_CHOICES:
-            raise ValueError(f"fused {self.fused!r} must be one of {', '.join(FUSED_CHOICES)}")
         if not 0 <= self.max_draft_tokens <= self.max_draft_tokens_limit:
             raise ValueError(
                 f"max_draft_tokens {self.max_draft_tokens} must lie in [0, max_draft_tokens_limit = {self.max_draft_tokens_limit}]"

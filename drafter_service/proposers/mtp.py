@@ -21,6 +21,7 @@ from kernels.retention import RetentionPolicy
 from kernels.sampling import SamplingParams, SparseRows, draw, process_logits
 from kernels.speculative import Gate, Mode, admission_confidences
 from shared.model import KVCache, Qwen3MoeModel, RoutingOptions
+from shared.model.fast import FusedModel, Rows, cache_as_slots
 from drafter_service.proposers import Proposal
 
 
@@ -34,9 +35,21 @@ class MTPState:
 
 
 class MTPProposer:
-    def __init__(self, model: Qwen3MoeModel, routing: RoutingOptions | None = None) -> None:
+    def __init__(self, model: Qwen3MoeModel, routing: RoutingOptions | None = None,
+                 fused: FusedModel | None = None) -> None:
         self.model = model
         self.routing = routing
+        self.fused = fused  # the fused-kernel MTP forward for short row counts (None = reference modules)
+
+    def _forward(self, hidden: Tensor, next_token_ids: Tensor, cache: KVCache) -> tuple[Tensor, Tensor]:
+        """MTP rows appended to the cache: logits [T, vocab] and the MTP output hidden [T, hidden]."""
+        rows = next_token_ids.shape[0]
+        routing = self._routing(rows)
+        if self.fused is None or rows > self.fused.max_rows:  # long catch-ups: the reference modules
+            return self.model.forward_mtp(hidden, next_token_ids, cache, routing=routing)
+        start = cache.reserve(rows)
+        window = Rows.window(start, rows, 0, self.model.device)
+        return self.fused.forward_mtp(hidden, next_token_ids, window, cache_as_slots(cache)[0], routing=routing)
 
     def _routing(self, rows: int) -> RoutingOptions | None:
         if self.routing is None:
@@ -50,8 +63,7 @@ class MTPProposer:
         if not next_token_ids:
             return
         tokens = torch.tensor(next_token_ids, dtype=torch.int64, device=self.model.device)
-        logits, out = self.model.forward_mtp(hidden.to(self.model.device), tokens, state.cache,
-                                             routing=self._routing(len(next_token_ids)))
+        logits, out = self._forward(hidden.to(self.model.device), tokens, state.cache)
         state.next_logits, state.last_out = logits[-1], out[-1]
 
     def draft(
@@ -84,10 +96,8 @@ class MTPProposer:
             rows.append(q.row(0))
             confidences.append(confidence)
             if step + 1 < num_drafts:
-                logits, out = self.model.forward_mtp(
-                    hidden.unsqueeze(0), torch.tensor([token], device=self.model.device), state.cache,
-                    routing=self._routing(1),
-                )
+                logits, out = self._forward(hidden.unsqueeze(0), torch.tensor([token], device=self.model.device),
+                                            state.cache)
                 logits, hidden = logits[0], out[0]
         state.cache.truncate(committed_rows)  # draft rows are speculative
         q_rows = None if sampling.greedy else SparseRows.from_dicts(rows) if rows else None

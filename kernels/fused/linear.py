@@ -44,6 +44,7 @@ def _kernels():
     def linear_kernel(
         x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, stride_ys,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+        SPLITS: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -54,8 +55,13 @@ def _kernels():
         row_ok = rows < M
         col_ok = cols < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        y_ptr += split * stride_ys
-        for k0 in range(split * k_per_split, tl.minimum(K, (split + 1) * k_per_split), BLOCK_K):
+        k_start = 0
+        k_stop = K
+        if SPLITS > 1:  # (a compile-time branch: the unsplit loop keeps its simple bounds)
+            y_ptr += split * stride_ys
+            k_start = split * k_per_split
+            k_stop = tl.minimum(K, k_start + k_per_split)
+        for k0 in range(k_start, k_stop, BLOCK_K):
             kk = k0 + ks
             k_ok = kk < K
             x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -135,7 +141,7 @@ def _launch(x: Tensor, weight: Tensor, out: Tensor, splits: int) -> None:
     stride_ys = out.stride(1) if splits > 1 else 0
     _kernels()[grid](
         x, weight, out, num_rows, num_out, num_in, x.stride(0), weight.stride(0), stride_ym, k_per_split, stride_ys,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, SPLITS=splits,
         num_warps=warps, num_stages=stages,
     )
 

@@ -64,6 +64,14 @@ def unsupported_reason(model: Qwen3MoeModel) -> str | None:
     return None
 
 
+def fused_wanted(model: Qwen3MoeModel, setting: str) -> bool:
+    """Whether to run the fused path for a `fused` setting (auto | on | off)."""
+    reason = unsupported_reason(model)
+    if setting == "on" and reason is not None:
+        raise ValueError(f"fused = on, but {reason}")
+    return setting == "on" or (setting == "auto" and model.device.type == "cuda" and reason is None)
+
+
 class FusedLayer:
     """One decoder layer's weights in the fused layout (q/k/v in one matrix)."""
 
