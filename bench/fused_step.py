@@ -292,9 +292,8 @@ def kernel_table(model, fused, pool, contexts, sweep: bool) -> None:
     store = layer.store
     ids = torch.tensor([[3, 17, 29, 40, 55, 70, 101, 120]], device="cuda")[:, : c.num_experts_per_tok] % c.num_experts
     expert_bytes = ids.shape[1] * store.expert_bytes
-    for splits in (1, 2, 4):
-        row(f"fused experts (gate_up + down), 8 experts, gate/up split-K {splits}",
-            lambda: moe.fused_experts(x1, ids, store.gate_up, store.down, splits=splits), expert_bytes)
+    row("fused experts (gate_up + down), 8 experts", lambda: moe.fused_experts(x1, ids, store.gate_up, store.down),
+        expert_bytes)
     weights = torch.full(ids.shape, 1.0 / ids.shape[1], device="cuda")
     row("grouped_mm experts (reference CUDA path)", lambda: store.forward(x1, ids, weights.to(torch.bfloat16), path="grouped"), expert_bytes)
     if sweep:

@@ -28,16 +28,8 @@ MAX_FUSED_TOKENS = 64  # above this, the grouped (prefill) path is used
 
 
 def moe_config(num_out: int, num_in: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an expert matrix [num_out, num_in]: shape only
-    (H200 sweep, docs/PERFORMANCE.md: flat within 5% around BN 32-64, BK 128, 4 warps)."""
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an expert matrix [num_out, num_in]: shape only."""
     return 32, min(128, max(16, next_power_of_2(num_in))), 4, 4
-
-
-def gate_up_splits(inter: int, hidden: int) -> int:
-    """Split-K of the gate/up product: 2 for wide hidden sizes (more programs per expert; the
-    down kernel adds the two partials in order), else 1. A function of the shapes only."""
-    block_k = moe_config(2 * inter, hidden)[1]
-    return 2 if hidden >= 8 * block_k else 1
 
 
 def experts_reference(
@@ -84,8 +76,6 @@ def fused_experts(
     expert_ids: Tensor,  # [T, k] int64
     gate_up: Tensor,  # [E, 2I, H]
     down: Tensor,  # [E, H, I]
-    *,
-    splits: int | None = None,  # split-K of gate/up (None = gate_up_splits; benchmarks override)
 ) -> Tensor:
     """Per-route expert outputs [T*k, H] float32 (route r = t*k + rank)."""
     if not use_triton(x):
@@ -100,23 +90,18 @@ def fused_experts(
     ids = expert_ids.contiguous()
     r_pad = max(16, next_power_of_2(num_routes))
     ieee = x.dtype == torch.float32
-    splits = gate_up_splits(inter, hidden) if splits is None else splits
-    if splits > 1:
-        act = torch.empty((num_routes, splits, 2, inter), dtype=torch.float32, device=x.device)
-    else:
-        act = torch.empty((num_routes, inter), dtype=x.dtype, device=x.device)
+    act = torch.empty((num_routes, inter), dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = moe_config(2 * inter, hidden)
-    k_per_split = cdiv(cdiv(hidden, splits), block_k) * block_k
-    gate_up_kernel[(num_routes, cdiv(inter, block_n), splits)](
-        x.contiguous(), ids, gate_up, act, num_routes, inter, hidden, k_per_split,
-        TOP_K=top_k, R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, SPLITS=splits,
+    gate_up_kernel[(num_routes, cdiv(inter, block_n))](
+        x.contiguous(), ids, gate_up, act, num_routes, inter, hidden,
+        TOP_K=top_k, R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
         num_warps=warps, num_stages=stages,
     )
     out = torch.empty((num_routes, hidden), dtype=torch.float32, device=x.device)
     block_n, block_k, warps, stages = moe_config(hidden, inter)
     down_kernel[(num_routes, cdiv(hidden, block_n))](
         act, ids, down, out, num_routes, inter, hidden,
-        R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, GATE_SPLITS=splits,
+        R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
         num_warps=warps, num_stages=stages,
     )
     return out

@@ -22,15 +22,12 @@ def _group(ids_ptr, r, R, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def gate_up_kernel(
-    x_ptr, ids_ptr, w_ptr, act_ptr, R, I, H, k_per_split,
+    x_ptr, ids_ptr, w_ptr, act_ptr, R, I, H,
     TOP_K: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """SPLITS == 1: act [R, I] = silu(gate) * up in the model dtype. SPLITS > 1: split-K partial
-    gate and up sums [R, SPLITS, 2, I] float32, which down_kernel combines in split order."""
     r = tl.program_id(0)
     pid_n = tl.program_id(1)
-    split = tl.program_id(2)
     expert, opens, members, member_ok = _group(ids_ptr, r, R, R_PAD, BLOCK_M)
     if opens:
         tokens = members // TOP_K
@@ -40,12 +37,7 @@ def gate_up_kernel(
         w_base = w_ptr + expert.to(tl.int64) * (2 * I * H)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        k_start = 0
-        k_stop = H
-        if SPLITS > 1:
-            k_start = split * k_per_split
-            k_stop = tl.minimum(H, k_start + k_per_split)
-        for k0 in range(k_start, k_stop, BLOCK_K):
+        for k0 in range(0, H, BLOCK_K):
             kk = k0 + ks
             k_ok = kk < H
             x = tl.load(x_ptr + tokens[:, None] * H + kk[None, :], mask=member_ok[:, None] & k_ok[None, :], other=0.0)
@@ -57,22 +49,16 @@ def gate_up_kernel(
             else:
                 acc_g = tl.dot(x, tl.trans(wg), acc_g)
                 acc_u = tl.dot(x, tl.trans(wu), acc_u)
-        store_ok = member_ok[:, None] & n_ok[None, :]
-        if SPLITS > 1:
-            part = act_ptr + ((members[:, None] * SPLITS + split) * 2) * I + n[None, :]
-            tl.store(part, acc_g, mask=store_ok)
-            tl.store(part + I, acc_u, mask=store_ok)
-        else:
-            act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-            tl.store(act_ptr + members[:, None] * I + n[None, :], act.to(act_ptr.dtype.element_ty), mask=store_ok)
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(act_ptr + members[:, None] * I + n[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=member_ok[:, None] & n_ok[None, :])
 
 @triton.jit
 def down_kernel(
     act_ptr, ids_ptr, w_ptr, out_ptr, R, I, H,
     R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr, GATE_SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
-    """act_ptr: act [R, I] (GATE_SPLITS == 1) or gate_up_kernel's partials (GATE_SPLITS > 1)."""
     r = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert, opens, members, member_ok = _group(ids_ptr, r, R, R_PAD, BLOCK_M)
@@ -85,17 +71,7 @@ def down_kernel(
         for k0 in range(0, I, BLOCK_K):
             kk = k0 + ks
             k_ok = kk < I
-            a_ok = member_ok[:, None] & k_ok[None, :]
-            if GATE_SPLITS > 1:
-                g = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
-                u = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
-                for s in tl.static_range(GATE_SPLITS):
-                    part = act_ptr + ((members[:, None] * GATE_SPLITS + s) * 2) * I + kk[None, :]
-                    g += tl.load(part, mask=a_ok, other=0.0)
-                    u += tl.load(part + I, mask=a_ok, other=0.0)
-                a = (g / (1.0 + tl.exp(-g)) * u).to(w_ptr.dtype.element_ty)
-            else:
-                a = tl.load(act_ptr + members[:, None] * I + kk[None, :], mask=a_ok, other=0.0)
+            a = tl.load(act_ptr + members[:, None] * I + kk[None, :], mask=member_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_base + n[:, None] * I + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             if IEEE:
                 acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
