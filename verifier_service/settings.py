@@ -26,7 +26,7 @@ class VerifierSettings:
     max_sessions: int = field(default=8, metadata={"help": "requests in flight at once; more get RESOURCE_EXHAUSTED"})
     max_new_tokens_limit: int = field(default=4096, metadata={"help": "largest max_new_tokens a request may ask for"})
     max_context: int = field(default=0, metadata={"help": "prompt + completion limit in tokens (0 = the model's max_position_embeddings)"})
-    prefill_chunk: int = field(default=256, metadata={"help": "prompt tokens per prefill forward"})
+    prefill_chunk: int = field(default=2048, metadata={"help": "prompt tokens per prefill forward (H200, 30B-A3B shapes: 3.7k tokens/s at 256, 23k at 2048)"})
     max_draft_tokens: int = field(default=4, metadata={"help": "drafts per round when a request does not say"})
     max_draft_tokens_limit: int = field(default=16, metadata={"help": "largest max_draft_tokens a request may ask for"})
     drafter_deadline_ms: float = field(default=0.0, metadata={"help": "fixed per-round wait for a chain (0 = adaptive: recent p95 + margin)"})
