@@ -24,7 +24,7 @@ import traceback
 
 import torch
 
-from bench.model_baseline import QWEN3_30B_A3B, SMALL, GraphDecoder, copy_bandwidth
+from bench.model_baseline import QWEN3_30B_A3B, SMALL, GraphDecoder, copy_bandwidth, cuda_time
 from shared.model import KVCache, ModelConfig, load_model
 from shared.model.fast import FusedModel, Rows
 from shared.model.graphs import WindowGraphs
@@ -48,30 +48,14 @@ def graph_time(fn, calls: int = 20, repeats: int = 20) -> float:
         for _ in range(calls):
             fn()
     graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+    return statistics.median(cuda_time(graph.replay, repeats)) / calls
 
 
 def replay_time(runner: WindowGraphs, rows: int, position: int, repeats: int = 50) -> float:
     """Median ms of one captured window of `rows` rows at `position` (inputs set once)."""
     runner.run(0, [1] * rows, position)
     graph, _ = runner.graphs[rows]
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(cuda_time(graph.replay, repeats))
 
 
 def weight_bytes_per_token(model) -> int:
@@ -188,15 +172,7 @@ def main() -> None:
             cache = KVCache.view(pool.keys[:, 0, : context + 64], pool.values[:, 0, : context + 64])
             cache.length = context
             decoder = GraphDecoder(model, cache, 1, context)
-            times = []
-            for _ in range(50):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                decoder.graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            ms = statistics.median(times)
+            ms = statistics.median(cuda_time(decoder.graph.replay, 50))
             fused_ms = replay_time(runner, 1, context)
             print(f"\nreference modules, CUDA graph (gather experts), context {context}: {ms:.3f} ms/token; "
                   f"fused graph {fused_ms:.3f} ms/token; ratio {ms / fused_ms:.2f}x")
