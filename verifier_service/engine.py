@@ -146,7 +146,10 @@ class Engine:
 
     def close(self, session: Session) -> None:
         """Give the session's KV slot back (idempotent)."""
-        if self.ahead is not None and self.ahead.session is session:
+        # (called off the worker thread: read `ahead` once; losing another session's step ahead
+        # to a race only costs that session one plain launch)
+        ahead = self.ahead
+        if ahead is not None and ahead.session is session:
             self.ahead = None  # its step writes beyond the committed rows: harmless, and never read
         if session.slot is not None and self.windows is not None:
             self.windows.pool.release(session.slot)
