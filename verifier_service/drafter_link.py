@@ -3,8 +3,10 @@
 Every wait on the drafter is bounded: a chain that does not arrive before the round's
 deadline costs one plain round. A stream that breaks (drafter killed, session evicted:
 FAILED_PRECONDITION) is re-opened with the full committed context (re-sync) on the same
-address — which may resolve to another replica — a bounded number of times per request;
-after that the request continues without drafts.
+address — which may resolve to another replica — with an exponential backoff between
+attempts (so an outage costs a few opens, and drafting resumes when the drafter is back).
+The drafter is untrusted: at most MAX_QUEUED_CHAINS chains wait for the verifier; chains
+for rounds already past are dropped on arrival and a flood pushes out the oldest (counted).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import grpc
 from shared.protocol import PROTOCOL_VERSION, drafter_pb2, drafter_pb2_grpc
 from verifier_service.settings import VerifierSettings
 
-MAX_RESYNCS = 3
+RESYNC_BACKOFF_S = (0.05, 5.0)  # first wait after a failed (re)open, and the cap it doubles up to
+MAX_QUEUED_CHAINS = 4  # chains kept waiting for their round (the current one, or ahead of it)
 HISTORY = 64
 
 
@@ -52,11 +55,13 @@ class DrafterLink:
         self.deadlines = deadlines
         self.metadata = tuple(metadata)
         self.call = None
-        self.chains: asyncio.Queue[drafter_pb2.DraftChain] = asyncio.Queue()
+        self.chains: asyncio.Queue[drafter_pb2.DraftChain] = asyncio.Queue(MAX_QUEUED_CHAINS)
         self.reader: asyncio.Task | None = None
         self.broken: str | None = "not opened"
         self.after_open = False
-        self.resyncs = 0
+        self.next_round = 0  # chains for earlier rounds are useless
+        self.backoff_s = RESYNC_BACKOFF_S[0]
+        self.retry_at = 0.0  # monotonic time before which no re-sync is attempted
         self.faults: dict[str, int] = {}
 
     def fault(self, kind: str) -> None:
@@ -69,7 +74,7 @@ class DrafterLink:
     async def open(self, message: drafter_pb2.DraftOpen, trace_context: dict[str, str] | None = None) -> int:
         """(Re)open the stream and send the full context; returns the bytes sent."""
         await self.close()
-        self.chains = asyncio.Queue()
+        self.chains = asyncio.Queue(MAX_QUEUED_CHAINS)
         self.broken = None
         self.after_open = True
         self.call = self.stub.Draft(metadata=self.metadata)
@@ -79,18 +84,34 @@ class DrafterLink:
         return up.ByteSize()
 
     async def resync(self, message: drafter_pb2.DraftOpen, trace_context: dict[str, str] | None = None) -> int:
-        """Re-open a broken stream if the request still has re-syncs left; returns bytes sent."""
-        if self.usable or self.resyncs >= MAX_RESYNCS:
+        """Re-open a broken stream unless its backoff is still running; returns bytes sent.
+
+        Each attempt doubles the wait before the next (up to RESYNC_BACKOFF_S[1]); a chain
+        received on the stream resets it."""
+        now = time.monotonic()
+        if self.usable or now < self.retry_at:
             return 0
-        self.resyncs += 1
+        self.retry_at = now + self.backoff_s
+        self.backoff_s = min(2 * self.backoff_s, RESYNC_BACKOFF_S[1])
         self.fault("resync")
         return await self.open(message, trace_context)
+
+    def deliver(self, chain: drafter_pb2.DraftChain) -> None:
+        """Queue a chain from the stream: stale ones are dropped, a full queue loses its oldest."""
+        self.backoff_s = RESYNC_BACKOFF_S[0]  # the stream works
+        if chain.round_id < self.next_round:
+            self.fault("stale_chain")
+            return
+        if self.chains.full():
+            self.chains.get_nowait()
+            self.fault("chain_overflow")
+        self.chains.put_nowait(chain)
 
     async def _read(self, call) -> None:
         try:
             async for message in call:
                 if message.HasField("chain"):
-                    await self.chains.put(message.chain)
+                    self.deliver(message.chain)
             self.broken = "stream closed by the drafter"
         except grpc.aio.AioRpcError as error:
             self.broken = f"{error.code().name}: {error.details()}"
@@ -118,6 +139,7 @@ class DrafterLink:
         """The chain for `round_id`, or None at the deadline; stale chains are dropped."""
         if not self.usable:
             return None, 0.0
+        self.next_round = round_id
         started = time.perf_counter()
         first, self.after_open = self.after_open, False
         deadline = started + self.deadlines.deadline_s(after_open=first)
