@@ -24,15 +24,26 @@ from dataclasses import dataclass
 MAX_SCHEDULE_STEPS = 8
 
 
+QUOTE_LIMIT = 40  # characters of a bad value quoted back in an error message
+
+
+def quote(text: str, limit: int = QUOTE_LIMIT) -> str:
+    """repr(text), cut to `limit` characters: error messages never echo unbounded input."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
 def _parse_probability(text: str, what: str) -> float:
+    stripped = text.strip()
     try:
-        value = float(text)
+        if not stripped.isascii():  # float() would take other scripts' digits ("١")
+            raise ValueError
+        value = float(stripped)
     except ValueError:
-        raise ValueError(f"{what}: {text.strip()!r} is not a number") from None
+        raise ValueError(f"{what}: {quote(stripped)} is not a number (ASCII digits)") from None
     if not math.isfinite(value):
-        raise ValueError(f"{what}: {text.strip()!r} is not finite")
+        raise ValueError(f"{what}: {quote(stripped)} is not finite")
     if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{what}: {text.strip()!r} is outside [0, 1]")
+        raise ValueError(f"{what}: {quote(stripped)} is outside [0, 1]")
     return value
 
 
@@ -66,18 +77,19 @@ class RetentionPolicy:
         thresholds: tuple[float, ...] | None = None
         if schedule is not None:
             if not isinstance(schedule, str):
-                raise ValueError(f"retention schedule {schedule!r} must be a string such as '0.1,0.35,0.55'")
+                raise ValueError(f"retention schedule {schedule!r:.40} must be a string such as '0.1,0.35,0.55'")
             items = schedule.split(",")
             if not schedule.strip():
                 raise ValueError("retention schedule '' is empty; give 1 to 8 thresholds such as '0.1,0.35,0.55'")
             if len(items) > MAX_SCHEDULE_STEPS:
                 raise ValueError(
-                    f"retention schedule {schedule!r} has {len(items)} thresholds; at most {MAX_SCHEDULE_STEPS} are allowed"
+                    f"retention schedule {quote(schedule)} has {len(items)} thresholds; at most {MAX_SCHEDULE_STEPS} are allowed"
                 )
             for position, item in enumerate(items):
                 if not item.strip():
-                    raise ValueError(f"retention schedule {schedule!r}: threshold {position + 1} is empty")
-            thresholds = tuple(_parse_probability(item, f"retention schedule {schedule!r}") for item in items)
+                    raise ValueError(f"retention schedule {quote(schedule)}: threshold {position + 1} is empty")
+            where = "retention schedule" if len(schedule) > QUOTE_LIMIT else f"retention schedule {quote(schedule)}"
+            thresholds = tuple(_parse_probability(item, where) for item in items)
         if min_cum is None:
             cumulative = 0.0
         elif isinstance(min_cum, str):

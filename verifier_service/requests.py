@@ -15,6 +15,9 @@ from verifier_service.settings import VerifierSettings
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 256
+PROMPT_TEXT_BYTES_PER_TOKEN = 32  # prompt_text may hold max_context * this many UTF-8 bytes
+MAX_REQUEST_ID_LENGTH = 128
+MAX_MESSAGE_LENGTH = 400  # error messages are cut here (bad values are quoted short anyway)
 
 
 class RequestError(Exception):
@@ -27,6 +30,8 @@ class RequestError(Exception):
 
 
 def _invalid(message: str) -> RequestError:
+    if len(message) > MAX_MESSAGE_LENGTH:
+        message = message[: MAX_MESSAGE_LENGTH - 3] + "..."
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
@@ -62,22 +67,29 @@ def parse_request(
 ) -> RequestSpec:
     if request.protocol_version not in (0, PROTOCOL_VERSION):
         raise _invalid(f"protocol_version {request.protocol_version} is not supported (this server speaks {PROTOCOL_VERSION})")
+    if len(request.request_id) > MAX_REQUEST_ID_LENGTH:
+        raise _invalid(f"request_id has {len(request.request_id)} characters; at most {MAX_REQUEST_ID_LENGTH}")
     which = request.WhichOneof("prompt")
     if which == "prompt_text":
         if tokenizer is None:
             raise _invalid("prompt_text needs a tokenizer and this model has none; send prompt_ids")
+        size = len(request.prompt_text.encode("utf-8"))
+        if size > max_context * PROMPT_TEXT_BYTES_PER_TOKEN:
+            raise _invalid(f"prompt_text has {size} bytes; at most {max_context * PROMPT_TEXT_BYTES_PER_TOKEN} "
+                           f"({PROMPT_TEXT_BYTES_PER_TOKEN} per token of the {max_context}-token context)")
         prompt_ids = tuple(tokenizer.encode(request.prompt_text).ids)
     elif which == "prompt_ids":
-        prompt_ids = tuple(request.prompt_ids.ids)
+        prompt_ids = request.prompt_ids.ids
     else:
         prompt_ids = ()
     if not prompt_ids:
         raise _invalid("prompt is empty: give prompt_text or prompt_ids")
+    if len(prompt_ids) >= max_context:  # before touching every id: a huge prompt is refused at once
+        raise _invalid(f"prompt has {len(prompt_ids)} tokens; the context holds {max_context}, so at most {max_context - 1}")
+    prompt_ids = tuple(prompt_ids)
     for index, token in enumerate(prompt_ids):
         if token >= vocab_size:
             raise _invalid(f"prompt_ids[{index}] = {token} is out of range [0, {vocab_size})")
-    if len(prompt_ids) >= max_context:
-        raise _invalid(f"prompt has {len(prompt_ids)} tokens; the context holds {max_context}, so at most {max_context - 1}")
     limit = settings.max_new_tokens_limit
     if not 1 <= request.max_new_tokens <= limit:
         raise _invalid(f"max_new_tokens must lie in [1, {limit}]; got {request.max_new_tokens}")

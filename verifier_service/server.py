@@ -7,6 +7,7 @@ worker, stream the committed tokens, commit to the drafter) → final event with
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 import torch
+from google.protobuf.message import DecodeError
 
 from shared import security, telemetry
 from shared.metrics import VerifierMetrics
@@ -162,8 +164,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when health is SERVING")
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down")
-        try:
-            spec = self._parse(request)
+        try:  # off the event loop: tokenising a long text prompt must not stall other requests
+            spec = await asyncio.to_thread(self._parse, request)
         except RequestError as error:
             await context.abort(error.code, error.message)
         if self.active >= self.settings.max_sessions:
@@ -216,6 +218,15 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     self.metrics.faults.labels(kind).inc(count)
                 await link.close()
             structlog.contextvars.unbind_contextvars("request_id")
+
+    async def generate_raw(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[verifier_pb2.GenerateEvent]:
+        """Generate over the wire: parse the request bytes, refusing malformed ones."""
+        try:
+            request = verifier_pb2.GenerateRequest.FromString(raw)
+        except DecodeError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed GenerateRequest ({len(raw)} bytes): {error}"[:200])
+        async for event in self.Generate(request, context):
+            yield event
 
     @staticmethod
     def _trace_context() -> dict[str, str]:
@@ -322,7 +333,12 @@ class VerifierServer(ServiceServer):
         self.service = VerifierService(settings, model=model, tokenizer=tokenizer)
 
     def register(self) -> None:
-        verifier_pb2_grpc.add_VerifierServicer_to_server(self.service, self.server)
+        # Generate takes raw bytes and parses them itself, so a malformed message is answered
+        # INVALID_ARGUMENT (gRPC's own deserialiser would fail it as UNKNOWN).
+        handler = grpc.unary_stream_rpc_method_handler(
+            self.service.generate_raw, response_serializer=verifier_pb2.GenerateEvent.SerializeToString)
+        self.server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(self.service_name, {"Generate": handler}),))
 
     async def load(self) -> None:
         await self.service.load()

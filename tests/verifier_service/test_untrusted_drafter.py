@@ -1,5 +1,14 @@
-"""Issue 12, items 2 and 8: a drafter that floods chains cannot grow the verifier's memory, and
-a drafter outage does not end drafting for the rest of a request."""
+"""The drafter (and the client) are untrusted (issue 12): a drafter that floods chains cannot
+grow the verifier's memory, an outage does not end drafting for the rest of a request, and
+malformed, oversized or slow-to-tokenise requests neither crash nor stall the verifier."""
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.protocol import PROTOCOL_VERSION, drafter_pb2
 from verifier_service import drafter_link
@@ -68,3 +77,79 @@ async def test_drafting_resumes_after_an_outage(servers, tiny_model, monkeypatch
     assert tokens == plain
     assert len(drafter.sessions) >= 7  # more re-opens than the old limit of three
     assert any(r.retained > 0 for r in rounds[-5:])  # drafting is back by the end
+
+
+# -- the verifier's own surface (items 6 and 7) ---------------------------------------------------
+
+
+class SlowTokenizer:
+    """Stands in for a tokenizer that takes a while on a long text."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def encode(self, text):
+        time.sleep(self.seconds)
+        return SimpleNamespace(ids=[1, 2, 3])
+
+    def decode(self, ids):
+        return ""
+
+
+async def test_malformed_request_bytes_are_invalid_argument(servers, tiny_model):
+    await servers.start(tiny_model)
+    generate_raw = servers.channel.unary_stream("/tandem.v1.Verifier/Generate")  # no serializer: raw bytes
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        async for _ in generate_raw(b"\xff\xff\xff\xff garbage"):
+            pass
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed GenerateRequest" in error.value.details()
+
+
+@pytest.mark.parametrize("case", ["huge prompt_ids", "long schedule", "arabic digit", "long request_id"])
+async def test_oversized_or_odd_values_are_refused_with_short_messages(servers, tiny_model, case):
+    stub = await servers.start(tiny_model)
+    req = request(PROMPT, 4)
+    if case == "huge prompt_ids":
+        req.prompt_ids.ids.extend([1] * 2_000_000)
+    elif case == "long schedule":
+        req.speculation.retention.schedule = "0.1," * 1000 + "x"
+    elif case == "arabic digit":
+        req.speculation.retention.schedule = "0.1,\u0661"
+    else:
+        req.request_id = "r" * 100_000
+    started = time.perf_counter()
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await generate(stub, req)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(error.value.details()) <= 400
+    assert time.perf_counter() - started < 5.0
+    expected = {"huge prompt_ids": "the context holds 256", "long schedule": "at most 8 are allowed",
+                "arabic digit": "is not a number (ASCII digits)", "long request_id": "request_id has 100000 characters"}
+    assert expected[case] in error.value.details()
+
+
+async def test_text_prompts_are_tokenised_off_the_event_loop(servers, tiny_model):
+    stub = await servers.start(tiny_model, tokenizer=SlowTokenizer(1.0))
+    health = health_pb2_grpc.HealthStub(servers.channel)
+    req = request(PROMPT, 2)
+    req.prompt_text = "a slow prompt"
+    call = asyncio.ensure_future(generate(stub, req))
+    await asyncio.sleep(0.2)  # the tokenizer is busy now
+    started = time.perf_counter()
+    reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert time.perf_counter() - started < 0.5  # answered while the prompt is being tokenised
+    tokens, final, _ = await call
+    assert len(tokens) == 2
+
+
+async def test_a_text_prompt_over_the_byte_limit_is_refused_before_tokenising(servers, tiny_model):
+    stub = await servers.start(tiny_model, tokenizer=SlowTokenizer(30.0))
+    req = request(PROMPT, 2)
+    req.prompt_text = "x" * (256 * 32 + 1)
+    started = time.perf_counter()
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await generate(stub, req)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_text has 8193 bytes" in error.value.details()
+    assert time.perf_counter() - started < 5.0
