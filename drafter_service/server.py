@@ -21,7 +21,7 @@ from drafter_service.proposers.suffix import GlobalIndex, SuffixIndex
 from drafter_service.session import DraftSession, SessionStore, session_params
 from drafter_service.settings import DrafterSettings
 from kernels.speculative import Mode
-from shared import telemetry
+from shared import security, telemetry
 from shared.metrics import DrafterMetrics
 from shared.model import RoutingOptions, load_model
 from shared.model.fast import FusedModel, fused_wanted
@@ -34,6 +34,7 @@ log = structlog.get_logger("drafter")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SOURCES = {"MTP": common_pb2.DRAFT_SOURCE_MTP, "SUFFIX": common_pb2.DRAFT_SOURCE_SUFFIX, "NONE": common_pb2.DRAFT_SOURCE_NONE}
 MAX_DRAFTS = 16
+DRAFT_METHOD = "/tandem.v1.Drafter/Draft"
 MAX_FUSED_MTP_ROWS = 64  # MTP catch-ups longer than this (a prompt) run the reference modules
 
 
@@ -247,7 +248,10 @@ class DrafterServer(ServiceServer):
     service_name = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
     def __init__(self, settings: DrafterSettings, *, model=None) -> None:
-        super().__init__(settings)
+        interceptors = []
+        if settings.auth_token:
+            interceptors.append(security.BearerTokenInterceptor(settings.auth_token, protected_methods=(DRAFT_METHOD,)))
+        super().__init__(settings, interceptors=interceptors)
         self.service = DrafterService(settings, model=model)
 
     def register(self) -> None:

@@ -28,6 +28,7 @@ class DrafterSettings:
     tls_cert: str | None = field(default=None, metadata={"help": "PEM server certificate: serve TLS (with tls_key)"})
     tls_key: str | None = field(default=None, metadata={"help": "PEM private key of tls_cert"})
     tls_client_ca: str | None = field(default=None, metadata={"help": "PEM CA bundle: require client certificates signed by it (mutual TLS)"})
+    auth_token: str | None = field(default=None, metadata={"help": "bearer token Draft callers (verifiers) must send; none = no auth (use mutual TLS or this in production)"})
     grace_s: float = field(default=5.0, metadata={"help": "SIGTERM: seconds open streams get to finish"})
 
     def __post_init__(self) -> None:

@@ -186,7 +186,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     session = await self.worker.run(self.engine.open, spec)
                 opened = session
                 if self.drafter is not None and spec.speculate:
-                    link = DrafterLink(self.drafter, self.deadlines)
+                    link = DrafterLink(self.drafter, self.deadlines, security.bearer_metadata(self.settings.drafter_token))
                     await link.open(self._open_message(session, 0), self._trace_context())
                 completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences,
                                         self.tokenizer if spec.text_prompt or spec.stop_sequences else None)

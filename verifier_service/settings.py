@@ -37,6 +37,7 @@ class VerifierSettings:
     tls_key: str | None = field(default=None, metadata={"help": "PEM private key of tls_cert"})
     tls_client_ca: str | None = field(default=None, metadata={"help": "PEM CA bundle: require client certificates signed by it (mutual TLS)"})
     auth_token: str | None = field(default=None, metadata={"help": "bearer token Generate callers must send (authorization: Bearer ...); none = no auth"})
+    drafter_token: str | None = field(default=None, metadata={"help": "bearer token sent to the drafter on Draft streams (its --auth-token)"})
     drafter_tls_ca: str | None = field(default=None, metadata={"help": "PEM CA bundle to verify the drafter's certificate (TLS to the drafter)"})
     drafter_tls_cert: str | None = field(default=None, metadata={"help": "PEM client certificate for mutual TLS to the drafter"})
     drafter_tls_key: str | None = field(default=None, metadata={"help": "PEM private key of drafter_tls_cert"})
