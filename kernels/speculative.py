@@ -88,6 +88,7 @@ def verify_chains(
     seed: int | Tensor,
     base_positions: Tensor,
     sampler: str = "inverse_cdf",
+    accept_seed: int | Tensor | None = None,
 ) -> Verdict:
     """Verify a batch of chains in one vectorised pass (a loop over the k steps only).
 
@@ -97,6 +98,10 @@ def verify_chains(
     draft: batch*k q rows, chain-major, or None for point-mass drafts.
     seed: one uint64 for all chains or an int64 tensor [batch] of per-chain seeds.
     base_positions: [batch] int64, the position decided by draft 0.
+    accept_seed: the key of the accept and residual draws (probabilistic mode); the verifier
+    derives it from the seed and a secret the drafter never sees (DESIGN §10), so a drafter
+    cannot predict them. None = the seed itself. The pick stream (exact mode, the bonus)
+    always uses `seed`.
     """
     batch, k = draft_ids.shape
     if target.num_rows != batch * (k + 1):
@@ -106,6 +111,7 @@ def verify_chains(
     if mode == Mode.PROBABILISTIC and sampler != "inverse_cdf":
         raise ValueError("probabilistic mode samples residuals by inverse CDF; use sampler='inverse_cdf'")
     device = target.token_ids.device
+    secret = seed if accept_seed is None else accept_seed
     emitted = torch.full((batch, k + 1), PAD_ID, dtype=torch.int64, device=device)
     accepted = torch.zeros((batch, k), dtype=torch.bool, device=device)
     alive = torch.ones(batch, dtype=torch.bool, device=device)  # all earlier drafts accepted
@@ -127,12 +133,12 @@ def verify_chains(
                 q_rows = _row(draft, k, step)
                 q_drafted = lookup(q_rows, drafted)
                 q_on_p = lookup(q_rows, p_rows.token_ids)
-            ok = uniform(seed, positions, "accept") * q_drafted < p_drafted
+            ok = uniform(secret, positions, "accept") * q_drafted < p_drafted
             residual = torch.clamp(p_rows.probs - q_on_p, min=0.0)
             mass = residual.sum(dim=-1, keepdim=True)
             # Rejection has probability 0 when the residual is empty; fall back to p then.
             residual = torch.where(mass > 0, residual / mass.clamp_min(1e-300), p_rows.probs)
-            correction = draw(SparseRows(p_rows.token_ids, residual), seed, positions, stream="residual")
+            correction = draw(SparseRows(p_rows.token_ids, residual), secret, positions, stream="residual")
         took = active & ok
         stopped = active & ~ok
         accepted[:, step] = took
@@ -159,6 +165,7 @@ def verify_chain(
     seed: int,
     base_position: int,
     sampler: str = "inverse_cdf",
+    accept_seed: int | None = None,
 ) -> Verdict:
     """Verify one request's chain: target has len(draft_ids)+1 rows, draft one q row per draft."""
     ids = torch.as_tensor(draft_ids, dtype=torch.int64).reshape(1, -1)
@@ -171,6 +178,7 @@ def verify_chain(
         seed=seed,
         base_positions=torch.tensor([base_position]),
         sampler=sampler,
+        accept_seed=accept_seed,
     )
 
 

@@ -27,6 +27,7 @@ from shared.model import KVCache, Qwen3MoeModel
 from shared.model.fast import FusedModel, fused_wanted
 from shared.model.graphs import WindowGraphs
 from shared.model.kv_cache import KVPool
+from verifier_service.audit import accept_key
 from verifier_service.requests import RequestSpec
 
 
@@ -88,8 +89,10 @@ class Engine:
         max_sessions: int = 8,
         max_window: int = 17,
         progress: Callable[[str], None] | None = None,
+        draw_secret: bytes = b"",
     ) -> None:
         self.model = model
+        self.draw_secret = draw_secret  # keys the accept/residual draws (verifier_service.audit)
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
         self.stores = [layer.mlp.experts for layer in model.layers if hasattr(layer.mlp, "experts")]
@@ -204,7 +207,8 @@ class Engine:
             host_hidden, _ = self._to_host(hidden, None)
             target = target.to("cpu")
             forwarded = time.perf_counter()
-            verdict = verify_chain(target, drafts, q_rows, mode=spec.mode, seed=spec.seed, base_position=base)
+            verdict = verify_chain(target, drafts, q_rows, mode=spec.mode, seed=spec.seed, base_position=base,
+                                   accept_seed=accept_key(self.draw_secret, spec.seed))
             accepted = int(verdict.num_accepted[0])
             emitted = verdict.emitted()
         session.cache.truncate(base + accepted)  # keep the head's and accepted drafts' rows

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ import structlog
 import torch
 from google.protobuf.message import DecodeError
 
+from kernels.speculative import Gate, Mode
 from shared import security, telemetry
 from shared.metrics import VerifierMetrics
 from shared.model import load_model
@@ -33,6 +35,7 @@ from shared.protocol import (
 from shared.service import MESSAGE_OPTIONS, ServiceServer, run_until_signalled
 from shared.tokenizer import load_tokenizer
 from shared.worker import ModelWorker
+from verifier_service.audit import HonestyAudit, accept_key, pit_values
 from verifier_service.chains import ChainFault, retain, validate_chain
 from verifier_service.drafter_link import DeadlineTracker, DrafterLink
 from verifier_service.engine import Engine, Session
@@ -99,6 +102,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.active = 0
         self.draining = False
         self.deadlines = DeadlineTracker(settings)
+        self.draw_secret = settings.draw_secret.encode() if settings.draw_secret else secrets.token_bytes(32)
+        self.audit = HonestyAudit()  # the drafter address's honesty in probabilistic mode
         self.channel = drafter_channel(settings) if settings.drafter else None
         self.drafter = drafter_pb2_grpc.DrafterStub(self.channel) if self.channel else None
         self.metrics = VerifierMetrics()
@@ -117,7 +122,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.engine = await self.worker.run(
             Engine, self.model, max_context=max_context, prefill_chunk=s.prefill_chunk, fused=s.fused,
             cuda_graphs=s.cuda_graphs, max_sessions=s.max_sessions, max_window=s.max_draft_tokens_limit + 1,
-            progress=lambda message: log.info(message),
+            progress=lambda message: log.info(message), draw_secret=self.draw_secret,
         )
         log.info("verifier ready", address=s.address, drafter=s.drafter, vocab=self.model.config.vocab_size,
                  path=self.engine.path)
@@ -185,7 +190,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 with tracer.start_as_current_span("prefill", attributes={"tandem.prompt_tokens": len(spec.prompt_ids)}):
                     session = await self.worker.run(self.engine.open, spec)
                 opened = session
-                if self.drafter is not None and spec.speculate:
+                if self.drafter is not None and spec.speculate and self._may_draft(spec):
                     link = DrafterLink(self.drafter, self.deadlines, security.bearer_metadata(self.settings.drafter_token))
                     await link.open(self._open_message(session, 0), self._trace_context())
                 completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences,
@@ -228,6 +233,31 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         async for event in self.Generate(request, context):
             yield event
 
+    def _may_draft(self, spec: RequestSpec) -> bool:
+        """Exact mode may use any drafter; probabilistic mode only one the audit has not
+        rejected (and, if so configured, only an authenticated one)."""
+        if spec.mode != Mode.PROBABILISTIC:
+            return True
+        s = self.settings
+        authenticated = s.drafter_token is not None or s.drafter_tls_cert is not None
+        return self.audit.rejected is None and (s.probabilistic_drafters == "any" or authenticated)
+
+    def _audited(self, chain, session: Session, link: DrafterLink):
+        """The chain if probabilistic mode may use it; its draws feed the honesty audit."""
+        spec = session.spec
+        if chain is None or spec.mode != Mode.PROBABILISTIC:
+            return chain
+        if self.audit.rejected is not None:  # decided before this chain's own draws are seen
+            link.fault("audit_rejected")
+            return None
+        if chain.q_rows is not None and spec.gate == Gate.TOP:
+            key = accept_key(self.draw_secret, spec.seed)
+            if self.audit.observe(pit_values(chain.token_ids, chain.q_rows, key, len(session.token_ids))):
+                log.warning("drafter rejected for probabilistic rounds by the honesty audit",
+                            drafter=self.settings.drafter, reason=self.audit.rejected)
+                self.metrics.faults.labels("audit_rejected").inc()
+        return chain
+
     @staticmethod
     def _trace_context() -> dict[str, str]:
         carrier: dict[str, str] = {}
@@ -250,6 +280,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         if chain is not None:
             limit = min(spec.max_draft_tokens, session.capacity_left)
             chain = retain(chain, mode=spec.mode, gate=spec.gate, policy=spec.retention, limit=limit)
+            chain = self._audited(chain, session, link)
         drafts = chain.token_ids if chain else []
         # Without a drafter every round is one plain token: let the engine enqueue the next one
         # before this one is read, unless this round may be the last.

@@ -1,0 +1,108 @@
+"""Probabilistic mode against a dishonest drafter (issue 12, item 1; DESIGN §10): the accept
+draws are keyed by a verifier secret, and the honesty audit stops a drafter whose drafts are
+not draws from its q rows — after which outputs equal decoding without drafts."""
+
+import random
+
+import pytest
+import torch
+
+from kernels.sampling import SparseRows, draw
+from shared.protocol import common_pb2
+from verifier_service.audit import FALSE_ALARM, HonestyAudit, accept_key, ks_distance, pit_values
+
+from .conftest import ScriptedDrafter, chain, generate, q_row, request, sampled_chain
+
+PROMPT = [3, 14, 15, 92, 65]
+STEERED = 7  # the token the attacker pushes
+
+
+def test_accept_key_needs_the_secret():
+    assert accept_key(b"a", 5) == accept_key(b"a", 5)
+    assert len({accept_key(b"a", 5), accept_key(b"b", 5), accept_key(b"a", 6)}) == 3
+    assert 0 <= accept_key(b"a", 2**64 - 1) < 2**64
+
+
+def test_honest_draws_have_uniform_pit_and_pass_the_audit():
+    q = SparseRows.from_dicts([{2: 0.5, 5: 0.3, 9: 0.2}])
+    audit = HonestyAudit()
+    values = []
+    for position in range(4000):  # 4,000 honest draws on the draft stream, PIT keyed by the secret
+        token = int(draw(q, 11, torch.tensor([position]), stream="draft")[0])
+        values += pit_values([token], q, accept_key(b"secret", 11), position)
+    assert ks_distance(values) < 0.05  # DKW: P(D > 0.05) <= 2 exp(-2 * 4000 * 0.0025) = 9e-9
+    assert not audit.observe(values) and audit.rejected is None
+
+
+def test_a_drafter_ignoring_its_q_rows_is_rejected_within_64_draws():
+    q = SparseRows.from_dicts([{STEERED: 1e-9, 8: 1.0 - 1e-9}])
+    audit = HonestyAudit()
+    for position in range(64):
+        if audit.observe(pit_values([STEERED], q, accept_key(b"s", 1), position)):
+            break
+    assert audit.rejected is not None and "not draws from its q rows" in audit.rejected
+    assert position + 1 <= 64
+
+
+def test_the_false_alarm_budget_is_spent_at_most_once_over_a_drafter_life():
+    audit = HonestyAudit()
+    rng = random.Random(0)
+    for _ in range(300):  # 300 x 1000 honest uniforms: well past many checkpoints
+        assert not audit.observe([rng.random() for _ in range(1000)])
+    assert audit.threshold <= FALSE_ALARM / 2 / 17
+
+
+def steering(state):
+    """Always proposes STEERED, declaring q(STEERED) = 1e-9: accepted almost surely if trusted."""
+    return chain(state, [STEERED], [q_row({STEERED: 1e-9, 8: 1.0 - 1e-9})])
+
+
+async def test_the_steering_attack_is_stopped(servers, tiny_model):
+    """Sample: 24 requests x 12 tokens at T = 1 (seeds 0..23). Each request runs with the
+    attacker and, for comparison, without drafts. Before the audit rejects the drafter the
+    steered token is accepted at ~every round; after, outputs equal decoding without drafts
+    token for token, so the attack moves the output law only during detection (at most 64
+    audited drafts, each able to add one steered token)."""
+    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(steering), max_draft_tokens=1)
+    audit = servers.verifier.service.audit
+    steered_before = steered_after = plain_count = 0
+    rejected_at = None
+    for seed in range(24):
+        req = request(PROMPT, 12, temperature=1.0, seed=seed, mode=common_pb2.MODE_PROBABILISTIC)
+        tokens, final, _ = await generate(stub, req)
+        req.speculation.disable = True
+        plain, _, _ = await generate(stub, req)
+        plain_count += plain.count(STEERED)
+        if audit.rejected is None or rejected_at is None:
+            steered_before += tokens.count(STEERED)
+            if audit.rejected is not None:
+                rejected_at = seed
+        else:
+            steered_after += tokens.count(STEERED)
+            assert tokens == plain, f"seed {seed}: a rejected drafter still changed the output"
+    assert rejected_at is not None and rejected_at <= 6  # 12 audited drafts per request: <= 64 draws
+    assert steered_before >= 10  # the attack did work until detected (so this test can fail)
+    assert steered_after <= plain_count
+
+
+async def test_an_honest_drafter_keeps_drafting_in_probabilistic_mode(servers, tiny_model):
+    q = {1: 0.4, 2: 0.35, 3: 0.25}
+    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(lambda s: sampled_chain(s, q, 3)), max_draft_tokens=3)
+    for seed in range(12):
+        req = request(PROMPT, 16, temperature=1.0, seed=seed, mode=common_pb2.MODE_PROBABILISTIC)
+        _, final, _ = await generate(stub, req)
+        assert final.stats.retained > 0
+    assert servers.verifier.service.audit.rejected is None
+    assert len(servers.verifier.service.audit.values) >= 64  # audited (16 and 32, 64 checks passed)
+
+
+@pytest.mark.parametrize("configured", [False, True])
+async def test_probabilistic_mode_can_require_an_authenticated_drafter(servers, tiny_model, configured):
+    q = {1: 0.5, 2: 0.5}
+    extra = {"drafter_token": "t"} if configured else {}
+    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(lambda s: sampled_chain(s, q, 2)),
+                               max_draft_tokens=2, probabilistic_drafters="authenticated", **extra)
+    _, final, _ = await generate(stub, request(PROMPT, 8, temperature=1.0, mode=common_pb2.MODE_PROBABILISTIC))
+    assert (final.stats.proposed > 0) == configured
+    _, final, _ = await generate(stub, request(PROMPT, 8, temperature=1.0))  # exact mode: any drafter
+    assert final.stats.proposed > 0
