@@ -16,6 +16,7 @@ from collections import OrderedDict
 
 from drafter_service.planner import Estimates, Planner, choose
 from drafter_service.proposers import Proposal
+from drafter_service.messages import check_commit, check_open
 from drafter_service.proposers.mtp import MTPProposer, MTPState
 from drafter_service.proposers.suffix import GlobalIndex, SuffixIndex
 from drafter_service.session import DraftSession, SessionStore, session_params
@@ -204,13 +205,17 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 parent = telemetry.extract_context(up.trace_context) if up.trace_context else None
                 with tracer.start_as_current_span("propose", context=parent) as span:
                     try:
+                        config = self.model.config
                         if kind == "open":
+                            check_open(up.open, config)  # on the loop, before any work: cheap and bounded
                             evictions = self.sessions.evictions
                             session, chain = await self.worker.run(self._open_and_propose, up.open)
                             self.sessions.put(session)
                             self.metrics.evictions.inc(self.sessions.evictions - evictions)
                             structlog.contextvars.bind_contextvars(request_id=session.session_id)
                         else:
+                            check_commit(up.commit, max_drafts=session.max_drafts, committed=len(session.tokens),
+                                         round_id=session.round_id, config=config)
                             chain = await self.worker.run(self._commit_and_propose, session, up.commit)
                     except ValueError as error:
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))

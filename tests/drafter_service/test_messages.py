@@ -1,0 +1,78 @@
+"""Malformed or oversized messages to the drafter are refused with INVALID_ARGUMENT before any
+work (issue 12, item 4), and leave it serving everyone else at full speed."""
+
+import time
+
+import grpc
+import pytest
+import torch
+
+from drafter_service.server import DrafterServer
+from drafter_service.settings import DrafterSettings
+from shared.protocol import PROTOCOL_VERSION, drafter_pb2, drafter_pb2_grpc, encode_hidden
+
+
+def open_up(model, tokens, *, session_id="s", hidden=None, max_draft_tokens=2):
+    rows = torch.zeros(len(tokens) - 1, model.config.hidden_size) if hidden is None else hidden
+    return drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, open=drafter_pb2.DraftOpen(
+        session_id=session_id, token_ids=tokens, hidden=encode_hidden(rows), max_draft_tokens=max_draft_tokens,
+        max_new_tokens=8))
+
+
+def commit_up(model, *, round_id=0, emitted=(5,), num_accepted=0, num_verified=0):
+    return drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, commit=drafter_pb2.DraftCommit(
+        round_id=round_id, num_accepted=num_accepted, num_verified=num_verified, emitted_token_ids=list(emitted),
+        hidden=encode_hidden(torch.zeros(len(emitted), model.config.hidden_size))))
+
+
+@pytest.fixture
+async def drafter(tiny_mtp_model):
+    server = DrafterServer(DrafterSettings(port=0), model=tiny_mtp_model)
+    port = await server.start()
+    await server.wait_loaded()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    yield drafter_pb2_grpc.DrafterStub(channel)
+    await channel.close()
+    await server.stop(0)
+
+
+async def exchange(stub, messages):
+    """Send messages one by one, reading the reply to each; returns the replies."""
+    call = stub.Draft()
+    replies = []
+    for message in messages:
+        await call.write(message)
+        replies.append(await call.read())
+    await call.done_writing()
+    return replies
+
+
+BAD = {
+    "token out of the vocabulary": (lambda m: [open_up(m, [1, 2, 500])], "open.token_ids[2] = 500"),
+    "more tokens than the model takes": (lambda m: [open_up(m, [1] * 4_000_000, hidden=torch.zeros(1, 32))],
+                                         "open.token_ids has 4000000 tokens"),
+    "hidden rows of the wrong size": (lambda m: [open_up(m, [1, 2, 3], hidden=torch.zeros(2, 7))], "open.hidden is 2 x 7"),
+    "a 1 MB session id": (lambda m: [open_up(m, [1, 2, 3], session_id="x" * 1_000_000)], "open.session_id has 1000000"),
+    "accepted more than verified": (lambda m: [open_up(m, [1, 2, 3]),
+                                               commit_up(m, emitted=[5] * 7, num_accepted=1_000_000, num_verified=1_000_000)],
+                                    "commit.num_verified 1000000"),
+    "emitted count off": (lambda m: [open_up(m, [1, 2, 3]), commit_up(m, emitted=[5, 6], num_accepted=0)],
+                          "commit.emitted_token_ids has 2 tokens"),
+    "wrong round": (lambda m: [open_up(m, [1, 2, 3]), commit_up(m, round_id=9)], "commit.round_id 9"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+async def test_bad_messages_are_invalid_argument_and_cost_nothing(drafter, tiny_mtp_model, case):
+    make, fragment = BAD[case]
+    started = time.perf_counter()
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await exchange(drafter, make(tiny_mtp_model))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in error.value.details()
+    assert time.perf_counter() - started < 3.0
+    # and the drafter serves a good session as before
+    started = time.perf_counter()
+    replies = await exchange(drafter, [open_up(tiny_mtp_model, [1, 2, 3, 4]), commit_up(tiny_mtp_model)])
+    assert all(r.HasField("chain") for r in replies) and replies[1].chain.round_id == 1
+    assert time.perf_counter() - started < 3.0
