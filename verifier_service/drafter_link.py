@@ -49,9 +49,33 @@ class DeadlineTracker:
         self.waits_ms.append(wait_ms)
 
 
+class DrafterHealth:
+    """Whether the drafter answers, shared by every request: a metric, and one loud log line
+    per distinct failure (a TLS mismatch or a wrong token would otherwise only show as
+    requests running without drafts)."""
+
+    def __init__(self, address: str, gauge, log) -> None:
+        self.address = address
+        self.gauge = gauge
+        self.log = log
+        self.logged: set[str] = set()
+
+    def ok(self) -> None:
+        self.gauge.set(1)
+
+    def failed(self, reason: str) -> None:
+        self.gauge.set(0)
+        if reason not in self.logged and len(self.logged) < 32:
+            self.logged.add(reason)
+            self.log.warning("the drafter is unreachable or refuses streams: requests decode without drafts",
+                             drafter=self.address, reason=reason[:300])
+
+
 class DrafterLink:
-    def __init__(self, stub: drafter_pb2_grpc.DrafterStub, deadlines: DeadlineTracker, metadata=()) -> None:
+    def __init__(self, stub: drafter_pb2_grpc.DrafterStub, deadlines: DeadlineTracker, metadata=(),
+                 health: DrafterHealth | None = None) -> None:
         self.stub = stub
+        self.health = health
         self.deadlines = deadlines
         self.metadata = tuple(metadata)
         self.call = None
@@ -99,6 +123,8 @@ class DrafterLink:
     def deliver(self, chain: drafter_pb2.DraftChain) -> None:
         """Queue a chain from the stream: stale ones are dropped, a full queue loses its oldest."""
         self.backoff_s = RESYNC_BACKOFF_S[0]  # the stream works
+        if self.health is not None:
+            self.health.ok()
         if chain.round_id < self.next_round:
             self.fault("stale_chain")
             return
@@ -115,6 +141,8 @@ class DrafterLink:
             self.broken = "stream closed by the drafter"
         except grpc.aio.AioRpcError as error:
             self.broken = f"{error.code().name}: {error.details()}"
+            if self.health is not None and error.code() != grpc.StatusCode.FAILED_PRECONDITION:  # (eviction: normal)
+                self.health.failed(self.broken)
         except asyncio.CancelledError:
             self.broken = "closed"
             raise

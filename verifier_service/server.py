@@ -18,6 +18,7 @@ import grpc
 import structlog
 import torch
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kernels.speculative import Gate, Mode
 from shared import security, telemetry
@@ -37,7 +38,7 @@ from shared.tokenizer import load_tokenizer
 from shared.worker import ModelWorker
 from verifier_service.audit import HonestyAudit, accept_key, pit_values
 from verifier_service.chains import ChainFault, retain, validate_chain
-from verifier_service.drafter_link import DeadlineTracker, DrafterLink
+from verifier_service.drafter_link import DeadlineTracker, DrafterHealth, DrafterLink
 from verifier_service.engine import Engine, Session
 from verifier_service.requests import RequestError, RequestSpec, parse_request
 from verifier_service.settings import VerifierSettings
@@ -107,6 +108,21 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.channel = drafter_channel(settings) if settings.drafter else None
         self.drafter = drafter_pb2_grpc.DrafterStub(self.channel) if self.channel else None
         self.metrics = VerifierMetrics()
+        self.drafter_health = DrafterHealth(settings.drafter or "", self.metrics.drafter_reachable, log)
+        self.metrics.drafter_reachable.set(-1 if self.channel is None else 0)
+
+    async def probe_drafter(self, timeout_s: float = 3.0) -> None:
+        """At start-up: say whether the drafter answers (and how the link is secured)."""
+        s = self.settings
+        try:
+            await health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.UNIMPLEMENTED:  # (a drafter without health checking answered)
+                self.drafter_health.failed(f"start-up probe: {error.code().name}: {error.details()}")
+                return
+        self.drafter_health.ok()
+        log.info("drafter reachable", drafter=s.drafter, tls=s.drafter_tls_ca is not None,
+                 client_certificate=s.drafter_tls_cert is not None, token=s.drafter_token is not None)
 
     async def load(self) -> None:
         s = self.settings
@@ -126,6 +142,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         )
         log.info("verifier ready", address=s.address, drafter=s.drafter, vocab=self.model.config.vocab_size,
                  path=self.engine.path)
+        if self.channel is not None:
+            await self.probe_drafter()
 
     def _open_message(self, session: Session, round_id: int) -> drafter_pb2.DraftOpen:
         spec = session.spec
@@ -191,7 +209,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     session = await self.worker.run(self.engine.open, spec)
                 opened = session
                 if self.drafter is not None and spec.speculate and self._may_draft(spec):
-                    link = DrafterLink(self.drafter, self.deadlines, security.bearer_metadata(self.settings.drafter_token))
+                    link = DrafterLink(self.drafter, self.deadlines, security.bearer_metadata(self.settings.drafter_token),
+                                       self.drafter_health)
                     await link.open(self._open_message(session, 0), self._trace_context())
                 completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences,
                                         self.tokenizer if spec.text_prompt or spec.stop_sequences else None)

@@ -153,3 +153,31 @@ async def test_a_text_prompt_over_the_byte_limit_is_refused_before_tokenising(se
         await generate(stub, req)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_text has 8193 bytes" in error.value.details()
     assert time.perf_counter() - started < 5.0
+
+
+# -- item 9: a drafter the verifier cannot reach is said loudly ------------------------------------
+
+
+async def test_a_tls_mismatch_toward_the_drafter_is_logged_and_measured(servers, tiny_model, tmp_path):
+    from structlog.testing import capture_logs
+
+    from shared.security import make_test_pki
+
+    pki = make_test_pki(tmp_path)
+    with capture_logs() as logs:
+        # the verifier expects TLS; the scripted drafter serves plaintext
+        stub = await servers.start(tiny_model, drafter=ScriptedDrafter(lambda s: chain(s, [1])),
+                                   drafter_tls_ca=str(pki["ca"]), drafter_deadline_ms=200)
+        tokens, final, rounds = await generate(stub, request(PROMPT, 4, temperature=0.9, seed=3))
+    assert len(tokens) == 4 and sum(r.retained for r in rounds) == 0
+    warnings = [e for e in logs if "unreachable or refuses streams" in e.get("event", "")]
+    assert len(warnings) >= 1 and warnings[0]["log_level"] == "warning"
+    assert len({w["reason"] for w in warnings}) == len(warnings)  # each distinct failure once
+    gauge = servers.verifier.service.metrics.drafter_reachable
+    assert gauge._value.get() == 0
+
+
+async def test_a_reachable_drafter_is_measured_as_such(servers, tiny_model):
+    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(lambda s: chain(s, [1])))
+    await generate(stub, request(PROMPT, 3, temperature=0.9, seed=3))
+    assert servers.verifier.service.metrics.drafter_reachable._value.get() == 1
