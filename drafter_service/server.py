@@ -208,6 +208,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                         config = self.model.config
                         if kind == "open":
                             check_open(up.open, config)  # on the loop, before any work: cheap and bounded
+                            if session is not None:  # a re-open on the same stream replaces its session
+                                self.sessions.remove(session)
                             evictions = self.sessions.evictions
                             session, chain = await self.worker.run(self._open_and_propose, up.open)
                             self.sessions.put(session)

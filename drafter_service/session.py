@@ -52,30 +52,37 @@ def session_params(message: drafter_pb2.DraftOpen) -> tuple[SamplingParams, Mode
 
 
 class SessionStore:
-    """Bounded sessions by id, least recently used evicted first."""
+    """Bounded sessions, least recently used evicted first.
+
+    Sessions are held by identity (each belongs to the stream that opened it), never looked
+    up by their session id: another stream opening the same id gets a session of its own and
+    cannot take over or displace this one (issue 12, item 5)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._sessions: OrderedDict[str, DraftSession] = OrderedDict()
+        self._sessions: OrderedDict[int, DraftSession] = OrderedDict()
         self.evictions = 0
 
     def put(self, session: DraftSession) -> None:
-        self._sessions[session.session_id] = session
-        self._sessions.move_to_end(session.session_id)
+        self._sessions[id(session)] = session
+        self._sessions.move_to_end(id(session))
         while len(self._sessions) > self.capacity:
             self._sessions.popitem(last=False)
             self.evictions += 1
 
+    def holds(self, session: DraftSession) -> bool:
+        return self._sessions.get(id(session)) is session
+
     def touch(self, session: DraftSession) -> bool:
         """Whether `session` is still held (and mark it used)."""
-        if self._sessions.get(session.session_id) is not session:
+        if not self.holds(session):
             return False
-        self._sessions.move_to_end(session.session_id)
+        self._sessions.move_to_end(id(session))
         return True
 
     def remove(self, session: DraftSession) -> None:
-        if self._sessions.get(session.session_id) is session:
-            del self._sessions[session.session_id]
+        if self.holds(session):
+            del self._sessions[id(session)]
 
     def __len__(self) -> int:
         return len(self._sessions)

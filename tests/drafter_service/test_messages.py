@@ -76,3 +76,18 @@ async def test_bad_messages_are_invalid_argument_and_cost_nothing(drafter, tiny_
     replies = await exchange(drafter, [open_up(tiny_mtp_model, [1, 2, 3, 4]), commit_up(tiny_mtp_model)])
     assert all(r.HasField("chain") for r in replies) and replies[1].chain.round_id == 1
     assert time.perf_counter() - started < 3.0
+
+
+async def test_another_stream_cannot_take_over_a_session(drafter, tiny_mtp_model):
+    """The hijack of issue 12 (item 5): re-opening the victim's session id from another stream
+    used to replace the victim's session, so its commits failed. Now each stream keeps its own."""
+    victim = drafter.Draft()
+    await victim.write(open_up(tiny_mtp_model, [1, 2, 3, 4], session_id="victim"))
+    assert (await victim.read()).HasField("chain")
+    for _ in range(5):  # the intruder opens the same id, again and again
+        await exchange(drafter, [open_up(tiny_mtp_model, [9, 9, 9], session_id="victim")])
+    for round_id in range(3):
+        await victim.write(commit_up(tiny_mtp_model, round_id=round_id))
+        reply = await victim.read()
+        assert reply.HasField("chain") and reply.chain.round_id == round_id + 1
+    await victim.done_writing()

@@ -35,7 +35,7 @@ def make_session(session_id):
 
 
 def held(store, sessions):
-    return [s.session_id for s in sessions if store._sessions.get(s.session_id) is s]
+    return [s.session_id for s in sessions if store.holds(s)]
 
 
 # --- SessionStore ------------------------------------------------------------------------
@@ -52,7 +52,7 @@ def test_lru_eviction_order():
     store.put(e)  # evicts b
     assert held(store, [a, b, c, d, e]) == ["c", "d", "e"]
     assert len(store) == 3 and store.evictions == 2
-    assert list(store._sessions) == ["c", "d", "e"]
+    assert [s.session_id for s in store._sessions.values()] == ["c", "d", "e"]  # LRU order
 
 
 def test_touch_refreshes_recency():
@@ -79,16 +79,15 @@ def test_evicted_session_touch_returns_false():
     assert len(store) == 1 and store.touch(b)
 
 
-def test_replaced_session_with_same_id_is_not_held():
+def test_a_second_session_under_the_same_id_cannot_displace_the_first():
     store = SessionStore(capacity=2)
-    old, new = make_session("x"), make_session("x")
-    store.put(old)
-    store.put(new)  # a re-open under the same id replaces, not evicts
-    assert len(store) == 1 and store.evictions == 0
-    assert store.touch(old) is False
-    assert store.touch(new) is True
-    store.remove(old)  # removing the stale object leaves the new one
-    assert store.touch(new) is True and len(store) == 1
+    victim, intruder = make_session("x"), make_session("x")
+    store.put(victim)
+    store.put(intruder)  # another stream opening the victim's id gets its own session
+    assert len(store) == 2 and store.evictions == 0
+    assert store.touch(victim) is True and store.touch(intruder) is True
+    store.remove(intruder)
+    assert store.touch(victim) is True and len(store) == 1
 
 
 def test_re_put_moves_to_most_recent():
