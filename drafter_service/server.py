@@ -163,6 +163,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.model = model
         self.drafter: Drafter | None = None
         self.sessions = SessionStore(settings.max_sessions)
+        self.streams_by_peer: dict[str, int] = {}
         self.metrics = DrafterMetrics()
 
     async def load(self) -> None:
@@ -189,6 +190,11 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter model is still loading")
         session: DraftSession | None = None
         tracer = telemetry.tracer("tandem.drafter")
+        peer = peer_host(context.peer())
+        if self.streams_by_peer.get(peer, 0) >= self.settings.max_streams_per_peer:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{peer} holds {self.settings.max_streams_per_peer} Draft streams (max_streams_per_peer)")
+        self.streams_by_peer[peer] = self.streams_by_peer.get(peer, 0) + 1
         self.metrics.active.inc()
         try:
             async for up in request_iterator:
@@ -225,6 +231,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 yield drafter_pb2.DraftDown(protocol_version=PROTOCOL_VERSION, chain=chain)
         finally:
             self.metrics.active.dec()
+            self.streams_by_peer[peer] -= 1
+            if not self.streams_by_peer[peer]:
+                del self.streams_by_peer[peer]
             if session is not None:
                 self.sessions.remove(session)
                 if self.drafter is not None:
@@ -247,6 +256,13 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             "tandem.drafts": len(chain.token_ids), "tandem.confidences": list(chain.confidences),
             "tandem.draft_ms": chain.costs.draft_ms, "tandem.slot_misses": chain.costs.expert_slot_misses,
         })
+
+
+def peer_host(peer: str) -> str:
+    """The client's address without its port ("ipv4:10.0.0.5:43210" → "ipv4:10.0.0.5")."""
+    if peer.startswith("ipv6:[") and "]" in peer:
+        return peer[: peer.index("]") + 1]
+    return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
 
 
 class DrafterServer(ServiceServer):

@@ -20,6 +20,7 @@ class DrafterSettings:
     dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16 or float16"})
     fused: str = field(default="auto", metadata={"help": "fused-kernel MTP path: auto (on for CUDA when the model allows), on, off (reference path)"})
     max_sessions: int = field(default=256, metadata={"help": "sessions kept; the least recently used is evicted (its verifier re-syncs)"})
+    max_streams_per_peer: int = field(default=64, metadata={"help": "Draft streams one peer (client address) may hold open; more get RESOURCE_EXHAUSTED"})
     moce_scale: float = field(default=1.0, metadata={"help": "MoCE base scale b for the MTP layer's draft rows (m = b*b; 1 = plain routing)"})
     expert_slots: int = field(default=0, metadata={"help": "device expert slots per MoE layer (0 = all resident)"})
     global_index_contexts: int = field(default=200_000, metadata={"help": "contexts kept in the cross-session suffix index"})
@@ -37,6 +38,8 @@ class DrafterSettings:
             raise ValueError(f"planner {self.planner!r} must be adaptive, mtp or suffix")
         if self.max_sessions < 1:
             raise ValueError(f"max_sessions {self.max_sessions} must be >= 1")
+        if self.max_streams_per_peer < 1:
+            raise ValueError(f"max_streams_per_peer {self.max_streams_per_peer} must be >= 1")
         if not (math.isfinite(self.moce_scale) and self.moce_scale > 0):
             raise ValueError(f"moce_scale {self.moce_scale!r} must be finite and > 0")
         if self.expert_slots < 0 or self.global_index_contexts < 0:

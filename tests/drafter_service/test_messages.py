@@ -91,3 +91,37 @@ async def test_another_stream_cannot_take_over_a_session(drafter, tiny_mtp_model
         reply = await victim.read()
         assert reply.HasField("chain") and reply.chain.round_id == round_id + 1
     await victim.done_writing()
+
+
+def test_peer_host_drops_the_port():
+    from drafter_service.server import peer_host
+
+    assert peer_host("ipv4:10.0.0.5:43210") == "ipv4:10.0.0.5"
+    assert peer_host("ipv6:[::1]:5000") == "ipv6:[::1]"
+    assert peer_host("unix:/tmp/socket") == "unix:/tmp/socket"
+
+
+async def test_streams_per_peer_are_capped(tiny_mtp_model):
+    server = DrafterServer(DrafterSettings(port=0, max_streams_per_peer=2), model=tiny_mtp_model)
+    port = await server.start()
+    await server.wait_loaded()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = drafter_pb2_grpc.DrafterStub(channel)
+    try:
+        held = []
+        for i in range(2):
+            call = stub.Draft()
+            await call.write(open_up(tiny_mtp_model, [1, 2, 3], session_id=f"s{i}"))
+            assert (await call.read()).HasField("chain")
+            held.append(call)
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await exchange(stub, [open_up(tiny_mtp_model, [1, 2, 3], session_id="third")])
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_streams_per_peer" in error.value.details()
+        await held[0].done_writing()
+        while await held[0].read() is not grpc.aio.EOF:  # the stream ends: its slot is freed
+            pass
+        replies = await exchange(stub, [open_up(tiny_mtp_model, [1, 2, 3], session_id="again")])  # a slot is free again
+        assert replies[0].HasField("chain")
+    finally:
+        await channel.close()
+        await server.stop(0)
