@@ -1,4 +1,4 @@
-"""Run the kernel tests in the order of DESIGN.md's sections (§2 → §5)."""
+"""Run the kernel tests in the order of docs/DESIGN.md's sections (§2 → §5)."""
 
 DESIGN_ORDER = ["test_rng", "test_sampling", "test_speculative", "test_retention", "test_routing", "test_moe"]
 
