@@ -8,15 +8,13 @@ or memory that every later request pays for.
 from __future__ import annotations
 
 from shared.model import ModelConfig
-from shared.protocol import drafter_pb2
-
-MAX_SESSION_ID_LENGTH = 128
+from shared.protocol import MAX_ID_LENGTH, drafter_pb2
 
 
 def check_open(message: drafter_pb2.DraftOpen, config: ModelConfig) -> None:
     """Raise ValueError naming the bad field of an open."""
-    if len(message.session_id) > MAX_SESSION_ID_LENGTH:
-        raise ValueError(f"open.session_id has {len(message.session_id)} characters; at most {MAX_SESSION_ID_LENGTH}")
+    if len(message.session_id) > MAX_ID_LENGTH:
+        raise ValueError(f"open.session_id has {len(message.session_id)} characters; at most {MAX_ID_LENGTH}")
     count = len(message.token_ids)
     if not 1 <= count <= config.max_position_embeddings:
         raise ValueError(f"open.token_ids has {count} tokens; 1 to {config.max_position_embeddings} are allowed")

@@ -7,6 +7,7 @@ installed (setup.py); importing this module fails with a clear message when they
 from __future__ import annotations
 
 PROTOCOL_VERSION = 1
+MAX_ID_LENGTH = 128  # characters of a request id (the drafter's session id)
 
 try:
     from tandem.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc

@@ -107,13 +107,11 @@ class Engine:
                 progress(f"KV pool: {max_sessions} slots x {max_context} positions ({pool.bytes / 2**30:.2f} GiB)")
             self.windows.capture(progress=None if progress is None else
                                  lambda rows, s: progress(f"captured the {rows}-row window in {s:.2f}s"))
+            # Results reach the host through two (pinned) slots, copied in the compute stream: the
+            # window in hand, and (decode-ahead) the step enqueued behind it.
             pinned = model.device.type == "cuda"
-            self.host_ids = torch.zeros(max_window, dtype=torch.int64, pin_memory=pinned)
-            self.host_hidden = torch.zeros((max_window, c.hidden_size), dtype=model.dtype, pin_memory=pinned)
-            self.copied = torch.cuda.Event() if pinned else None
-            # decode-ahead: two (pinned) slots for the results of the step in hand and the one ahead
-            self.ring_ids = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)
-            self.ring_hidden = torch.zeros((2, c.hidden_size), dtype=model.dtype, pin_memory=pinned)
+            self.ring_ids = torch.zeros((2, max_window), dtype=torch.int64, pin_memory=pinned)
+            self.ring_hidden = torch.zeros((2, max_window, c.hidden_size), dtype=model.dtype, pin_memory=pinned)
             self.ring_events = [torch.cuda.Event(), torch.cuda.Event()] if pinned else None
             self.ring_next = 0
         self.ahead: Ahead | None = None
@@ -172,18 +170,11 @@ class Engine:
         logits, hidden = self.model(ids, session.cache)
         return logits, hidden, logits.argmax(dim=-1)
 
-    def _to_host(self, hidden: Tensor, greedy_ids: Tensor | None) -> tuple[Tensor, list[int] | None]:
-        """Copy the window's hidden rows (and greedy ids) to the host: one synchronisation."""
-        num_rows = hidden.shape[0]
-        if self.windows is None or self.copied is None:
-            return hidden.to("cpu"), None if greedy_ids is None else greedy_ids.tolist()
-        self.host_hidden[:num_rows].copy_(hidden, non_blocking=True)
-        if greedy_ids is not None:
-            self.host_ids[:num_rows].copy_(greedy_ids, non_blocking=True)
-        self.copied.record()
-        self.copied.synchronize()
-        ids = None if greedy_ids is None else self.host_ids[:num_rows].tolist()
-        return self.host_hidden[:num_rows], ids
+    def _to_host(self, hidden: Tensor, greedy_ids: Tensor) -> tuple[Tensor, list[int]]:
+        """The window's hidden rows and greedy ids on the host: one synchronisation."""
+        if self.windows is None:
+            return hidden.to("cpu"), greedy_ids.tolist()
+        return self._ring_read(self._ring_copy(hidden, greedy_ids), hidden.shape[0])
 
     def run_round(self, session: Session, drafts: list[int], q_rows: SparseRows | None, *,
                   decode_ahead: bool = False) -> RoundOutcome:
@@ -204,7 +195,7 @@ class Engine:
             emitted, accepted = greedy_verdict(drafts, ids)
         else:
             target = process_logits(logits, spec.sampling)  # on the device; row j: p at position base + j
-            host_hidden, _ = self._to_host(hidden, None)
+            host_hidden, _ = self._to_host(hidden, greedy_ids)
             target = target.to("cpu")
             forwarded = time.perf_counter()
             verdict = verify_chain(target, drafts, q_rows, mode=spec.mode, seed=spec.seed, base_position=base,
@@ -219,15 +210,23 @@ class Engine:
         return RoundOutcome(emitted, accepted, rows, (forwarded - started) * 1e3, (done - forwarded) * 1e3,
                             self.slot_misses() - misses)
 
-    def _ring_copy(self, output) -> int:
-        """Enqueue the copy of a 1-row step's token and hidden row to a pinned slot; returns the slot."""
+    def _ring_copy(self, hidden: Tensor, greedy_ids: Tensor) -> int:
+        """Enqueue the copy of a window's hidden rows [T, H] and greedy ids [T] to the next host
+        slot; returns the slot."""
         ring = self.ring_next
         self.ring_next ^= 1
-        self.ring_ids[ring : ring + 1].copy_(output.greedy_ids[:1], non_blocking=True)
-        self.ring_hidden[ring : ring + 1].copy_(output.hidden[:1], non_blocking=True)
+        num_rows = hidden.shape[0]
+        self.ring_ids[ring, :num_rows].copy_(greedy_ids, non_blocking=True)
+        self.ring_hidden[ring, :num_rows].copy_(hidden, non_blocking=True)
         if self.ring_events is not None:
             self.ring_events[ring].record()
         return ring
+
+    def _ring_read(self, ring: int, num_rows: int) -> tuple[Tensor, list[int]]:
+        """Wait for a slot's copy; its hidden rows (a view: copy before the slot is reused) and ids."""
+        if self.ring_events is not None:
+            self.ring_events[ring].synchronize()
+        return self.ring_hidden[ring, :num_rows], self.ring_ids[ring, :num_rows].tolist()
 
     def _plain_greedy_round(self, session: Session, decode_ahead: bool) -> RoundOutcome:
         """One greedy token on the captured 1-row step, with decode-ahead (see run_round)."""
@@ -237,13 +236,14 @@ class Engine:
         if ahead is not None and ahead.session is session and ahead.position == start:
             ring = ahead.ring  # enqueued during the last round
         else:
-            ring = self._ring_copy(self.windows.run(session.slot, session.token_ids[-1:], start))
+            out = self.windows.run(session.slot, session.token_ids[-1:], start)
+            ring = self._ring_copy(out.hidden, out.greedy_ids)
         if decode_ahead and session.cache.length < session.cache.max_length:
-            self.ahead = Ahead(session, start + 1, self._ring_copy(self.windows.run_chained()))
-        if self.ring_events is not None:
-            self.ring_events[ring].synchronize()
-        token = int(self.ring_ids[ring])
-        rows = self.ring_hidden[ring : ring + 1].to(torch.bfloat16, copy=True)
+            out = self.windows.run_chained()
+            self.ahead = Ahead(session, start + 1, self._ring_copy(out.hidden, out.greedy_ids))
+        hidden, ids = self._ring_read(ring, 1)
+        token = ids[0]
+        rows = hidden.to(torch.bfloat16, copy=True)
         forwarded = time.perf_counter()
         session.hidden_rows.append(rows)
         session.token_ids.append(token)

@@ -10,13 +10,12 @@ import grpc
 from kernels.retention import RetentionPolicy
 from kernels.sampling import DEFAULT_MAX_SUPPORT, SamplingParams
 from kernels.speculative import Gate, Mode
-from shared.protocol import PROTOCOL_VERSION, common_pb2, verifier_pb2
+from shared.protocol import MAX_ID_LENGTH, PROTOCOL_VERSION, common_pb2, verifier_pb2
 from verifier_service.settings import VerifierSettings
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 256
 PROMPT_TEXT_BYTES_PER_TOKEN = 32  # prompt_text may hold max_context * this many UTF-8 bytes
-MAX_REQUEST_ID_LENGTH = 128
 MAX_MESSAGE_LENGTH = 400  # error messages are cut here (bad values are quoted short anyway)
 
 
@@ -67,8 +66,8 @@ def parse_request(
 ) -> RequestSpec:
     if request.protocol_version not in (0, PROTOCOL_VERSION):
         raise _invalid(f"protocol_version {request.protocol_version} is not supported (this server speaks {PROTOCOL_VERSION})")
-    if len(request.request_id) > MAX_REQUEST_ID_LENGTH:
-        raise _invalid(f"request_id has {len(request.request_id)} characters; at most {MAX_REQUEST_ID_LENGTH}")
+    if len(request.request_id) > MAX_ID_LENGTH:
+        raise _invalid(f"request_id has {len(request.request_id)} characters; at most {MAX_ID_LENGTH}")
     which = request.WhichOneof("prompt")
     if which == "prompt_text":
         if tokenizer is None:

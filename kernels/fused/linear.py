@@ -81,7 +81,6 @@ def linear(
     weight: Tensor,  # [N, K] (nn.Linear layout)
     *,
     out_dtype: torch.dtype | None = None,
-    out: Tensor | None = None,  # [M, N] to write into
 ) -> Tensor:
     """x @ weight^T → [M, N] in out_dtype (default x's dtype); float32 accumulation."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -90,16 +89,11 @@ def linear(
     num_out = weight.shape[0]
     out_dtype = out_dtype or x.dtype
     if not use_triton(x) or num_rows > MAX_FUSED_ROWS:
-        result = F.linear(x, weight).to(out_dtype)
-        if out is not None:
-            out.copy_(result)
-            return out
-        return result
+        return F.linear(x, weight).to(out_dtype)
     x = x.contiguous()
     if weight.stride(1) != 1:
         raise ValueError("linear: weight rows must be contiguous")
-    if out is None:
-        out = torch.empty((num_rows, num_out), dtype=out_dtype, device=x.device)
+    out = torch.empty((num_rows, num_out), dtype=out_dtype, device=x.device)
     _launch(x, weight, out, 1)
     return out
 

@@ -108,9 +108,7 @@ class WindowGraphs:
         """The 1-row step after the last 1-row step: its greedy token at the next position of the
         same slot, fed on the device (enqueue it before reading the last step's result)."""
         if self.chained is None:
-            self.dev_in[:1].copy_(self.last_token)
-            self.dev_in[self.max_rows : self.max_rows + 1].add_(1)
-            return self._forward(1)
+            return self._chained_forward()
         graph, output = self.chained
         graph.replay()
         return output
