@@ -163,6 +163,11 @@ def main() -> None:
         floor = (weights + kv_bytes(model, context)) / bandwidth * 1e3
         print(f"| {context} | {ms:.3f} | {1e3 / ms:.1f} | {floor:.3f} | {floor / ms:.2f} |")
 
+    try:
+        pdl_table(model, runner, pool, contexts, max_length, random_tokens)
+    except Exception:
+        traceback.print_exc()
+
     try:  # the previous best: the reference modules captured whole (gather experts), same weights
         stores = [layer.mlp.experts for layer in model.layers]
         for store in stores:
@@ -199,6 +204,33 @@ def main() -> None:
             prefill_table(model, pool)
         except Exception:
             traceback.print_exc()
+
+
+def pdl_table(model, runner, pool, contexts, max_length, random_tokens, pairs: int = 9) -> None:
+    """Programmatic dependent launch (the default where supported) against plain launches: the
+    same kernels and graphs, timed interleaved (median of paired ratios), logits compared bit
+    for bit. (Weight prefetch into L2 before the wait and a late trigger were tried the same way
+    and measured slower: docs/PERFORMANCE.md.)"""
+    if not runner.fused.pdl:
+        log("no programmatic dependent launch on this GPU: no PDL table")
+        return
+    plain = WindowGraphs(FusedModel(model, max_rows=runner.max_rows, max_length=max_length, pdl=False), pool,
+                         max_rows=runner.max_rows)
+    sizes = [1, 5] if runner.max_rows >= 5 else [1]
+    plain.capture(sizes)
+    print("\n| context | window T | PDL ms | plain ms | plain/PDL (median of paired ratios) | logits bit-identical |")
+    print("| ---: | ---: | ---: | ---: | ---: | --- |")
+    for context in contexts:
+        for rows in sizes:
+            tokens = random_tokens(rows)
+            same = torch.equal(runner.run(0, tokens, context).logits.clone(), plain.run(0, tokens, context).logits)
+            on, off = [], []
+            for _ in range(pairs):
+                on.append(replay_time(runner, rows, context, repeats=20))
+                off.append(replay_time(plain, rows, context, repeats=20))
+            ratio = statistics.median(b / a for a, b in zip(on, off))
+            print(f"| {context} | {rows} | {statistics.median(on):.3f} | {statistics.median(off):.3f} | {ratio:.3f} "
+                  f"| {same} |")
 
 
 def distinct_experts(fused, runner, windows, context, random_tokens) -> dict[int, float]:

@@ -12,8 +12,10 @@ One run, random bf16 weights at Qwen3-30B-A3B shapes (or --small), on one GPU:
 - a sampled request (temperature 0.8, top-p 0.95) through the fused service.
 
 The service arm and the raw-step arm alternate block by block (order reversed each block);
-quoted ratios are medians of per-block ratios. Usage:
-  python bench/serve_decode.py [--small] [--contexts 512,4096,32768] [--new-tokens 256] [--blocks 3]
+quoted ratios are medians of per-block ratios. With --compare-pdl the run is instead two
+services on the same weights, `--pdl auto` and `--pdl off`, alternating the same way.
+Usage:
+  python bench/serve_decode.py [--small] [--contexts 512,4096,32768] [--new-tokens 256] [--blocks 3] [--compare-pdl]
 """
 
 from __future__ import annotations
@@ -40,12 +42,14 @@ from shared.client import GenerationConfig, VerifierClient  # noqa: E402
 def client_decode(address: str, prompt: list[int], config: GenerationConfig) -> dict:
     """One request; arrival time of every token event, on the client."""
     arrivals: list[tuple[float, int]] = []
+    token_ids: list[int] = []
     with VerifierClient(address, timeout=600) as client:
         sent = time.perf_counter()
         stats = None
         for event in client.stream(prompt, config):
             if event.token_ids:
                 arrivals.append((time.perf_counter(), len(event.token_ids)))
+                token_ids.extend(event.token_ids)
             if event.HasField("final"):
                 stats = event.final.stats
     tokens = sum(n for _, n in arrivals)
@@ -53,7 +57,7 @@ def client_decode(address: str, prompt: list[int], config: GenerationConfig) -> 
     return {
         "tokens": tokens, "ttft_ms": (first - sent) * 1e3, "e2e_s": last - sent,
         "decode_tokens_per_s": (tokens - arrivals[0][1]) / (last - first) if last > first else float("nan"),
-        "server_tokens_per_s": stats.tokens_per_s if stats else float("nan"),
+        "server_tokens_per_s": stats.tokens_per_s if stats else float("nan"), "token_ids": token_ids,
     }
 
 
@@ -108,6 +112,8 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="raw results as JSON")
+    parser.add_argument("--compare-pdl", action="store_true",
+                        help="only: the service with programmatic dependent launch against --pdl off, paired")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     max_positions = max(contexts) + args.new_tokens + 64
@@ -130,6 +136,13 @@ def main() -> None:
         return f"127.0.0.1:{port}"
 
     import asyncio
+
+    if args.compare_pdl:
+        try:
+            compare_pdl(start_service, children, prompts, contexts, greedy, args, results)
+        finally:
+            children.stop()
+        return
 
     try:
         address = start_service("verifier", [])
@@ -191,6 +204,33 @@ def main() -> None:
     finally:
         children.stop()
     report(results, args)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1, default=str))
+
+
+def compare_pdl(start_service, children, prompts, contexts, greedy, args, results) -> None:
+    import asyncio
+
+    addresses = {"pdl": start_service("pdl", []), "no-pdl": start_service("no-pdl", ["--pdl", "off"])}
+    for name, address in addresses.items():
+        asyncio.run(children.wait_serving(name, address, timeout=900))
+        client_decode(address, prompts[contexts[0]][:64], GenerationConfig(max_new_tokens=8))  # warm-up
+    print(f"\n| context | service tokens/s, PDL | service tokens/s, --pdl off | PDL / off (median of {args.blocks} "
+          "paired blocks) | same tokens |")
+    print("| ---: | ---: | ---: | ---: | --- |")
+    for context in contexts:
+        rows = []
+        for block in range(args.blocks):
+            arms = list(addresses) if block % 2 == 0 else list(reversed(addresses))
+            rows.append({arm: client_decode(addresses[arm], prompts[context], greedy) for arm in arms})
+            log(f"  context {context} block {block}: " + ", ".join(
+                f"{arm} {rows[-1][arm]['decode_tokens_per_s']:.1f} tok/s" for arm in addresses))
+        results["contexts"][context] = rows
+        on = statistics.median(r["pdl"]["decode_tokens_per_s"] for r in rows)
+        off = statistics.median(r["no-pdl"]["decode_tokens_per_s"] for r in rows)
+        ratio = statistics.median(r["pdl"]["decode_tokens_per_s"] / r["no-pdl"]["decode_tokens_per_s"] for r in rows)
+        same = all(r["pdl"]["token_ids"] == r["no-pdl"]["token_ids"] for r in rows)
+        print(f"| {context} | {on:.1f} | {off:.1f} | {ratio:.3f} | {same} |")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1, default=str))
 

@@ -86,6 +86,7 @@ class Engine:
         prefill_chunk: int,
         fused: str = "off",
         cuda_graphs: bool = True,
+        pdl: bool = True,
         max_sessions: int = 8,
         max_window: int = 17,
         progress: Callable[[str], None] | None = None,
@@ -101,7 +102,7 @@ class Engine:
             c = model.config
             pool = KVPool(num_layers=c.num_hidden_layers, num_slots=max_sessions, max_length=max_context,
                           num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=model.dtype, device=model.device)
-            fused_model = FusedModel(model, max_rows=max_window, max_length=max_context)
+            fused_model = FusedModel(model, max_rows=max_window, max_length=max_context, pdl=None if pdl else False)
             self.windows = WindowGraphs(fused_model, pool, max_window, use_graphs=cuda_graphs and model.device.type == "cuda")
             if progress is not None:
                 progress(f"KV pool: {max_sessions} slots x {max_context} positions ({pool.bytes / 2**30:.2f} GiB)")

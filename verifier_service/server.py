@@ -137,7 +137,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         max_context = min(s.max_context or self.model.config.max_position_embeddings, self.model.config.max_position_embeddings)
         self.engine = await self.worker.run(
             Engine, self.model, max_context=max_context, prefill_chunk=s.prefill_chunk, fused=s.fused,
-            cuda_graphs=s.cuda_graphs, max_sessions=s.max_sessions, max_window=s.max_draft_tokens_limit + 1,
+            cuda_graphs=s.cuda_graphs, pdl=s.pdl != "off", max_sessions=s.max_sessions,
+            max_window=s.max_draft_tokens_limit + 1,
             progress=lambda message: log.info(message), draw_secret=self.draw_secret,
         )
         log.info("verifier ready", address=s.address, drafter=s.drafter, vocab=self.model.config.vocab_size,

@@ -22,6 +22,7 @@ class VerifierSettings:
     random_weights: bool = field(default=False, metadata={"help": "benchmarks: random weights from the model directory's config.json (no safetensors needed)"})
     fused: str = field(default="auto", metadata={"help": "fused-kernel decode/verify path: auto (on for CUDA when the model allows), on, off (reference path)"})
     cuda_graphs: bool = field(default=True, metadata={"help": "capture the fused decode/verify windows as CUDA graphs (CUDA only)"})
+    pdl: str = field(default="auto", metadata={"help": "programmatic dependent launch of the fused kernels: auto (on for compute capability 9.0+), off"})
     num_expert_slots: int = field(default=0, metadata={"help": "device slots per MoE layer (0 = all experts resident)"})
     max_sessions: int = field(default=8, metadata={"help": "requests in flight at once; more get RESOURCE_EXHAUSTED"})
     max_new_tokens_limit: int = field(default=4096, metadata={"help": "largest max_new_tokens a request may ask for"})
@@ -54,6 +55,8 @@ class VerifierSettings:
         for name in ("num_expert_slots", "max_context"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 0")
+        if self.pdl not in ("auto", "off"):
+            raise ValueError(f"pdl {self.pdl!r} must be auto or off")
         if self.probabilistic_drafters not in ("any", "authenticated"):
             raise ValueError(f"probabilistic_drafters {self.probabilistic_drafters!r} must be any or authenticated")
         if self.draw_secret is not None and not self.draw_secret:

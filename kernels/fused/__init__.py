@@ -48,3 +48,15 @@ def tl_dtype(dtype: torch.dtype):
     import triton.language as tl
 
     return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def pdl_supported(device: torch.device | str) -> bool:
+    """Programmatic dependent launch (compute capability 9.0+): a kernel's programs start while
+    its predecessor finishes and wait for it in-kernel, hiding the launch gap (DESIGN §10)."""
+    device = torch.device(device)
+    return device.type == "cuda" and triton_available() and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launch_options(pdl: bool) -> dict[str, bool]:
+    """Extra launch arguments of a kernel that takes the PDL constexpr (the interpreter knows none)."""
+    return {"launch_pdl": True} if pdl else {}

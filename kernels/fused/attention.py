@@ -19,7 +19,7 @@ import math
 import torch
 from torch import Tensor
 
-from kernels.fused import cdiv, next_power_of_2, use_triton
+from kernels.fused import cdiv, launch_options, next_power_of_2, use_triton
 
 MIN_BLOCK_M = 16  # query rows × heads per program: a multiple of the GQA group (tl.dot needs >= 16)
 MERGE_SLICE = 32  # head-dim columns per merge program
@@ -62,8 +62,11 @@ def _kernels():
         stride_slot, stride_pos, sm_scale, num_splits, num_row_blocks,
         NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
         ROWS_PER_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # wait for the predecessor kernel before touching anything it may write or read
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
         split = tl.program_id(1)
         row_block = pid % num_row_blocks
@@ -119,7 +122,11 @@ def _kernels():
     def merge_kernel(
         o_part_ptr, lse_part_ptr, pos_ptr, out_ptr, num_splits,
         NUM_Q: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr, SLICE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        if PDL:  # wait for the predecessor kernel before touching anything it may write or read
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)
         head = tl.program_id(1)
         column = tl.program_id(2) * SLICE
@@ -165,6 +172,8 @@ def decode_attention(
     seq_slots: Tensor,  # [num_seqs] int64
     max_rows_per_seq: int,
     workspace: AttentionWorkspace | None,
+    *,
+    pdl: bool = False,  # launch as programmatic dependents (kernels.fused.pdl_supported)
 ) -> Tensor:
     """Attention output [T, Hq, D]; the keys/values of this window must already be in the cache."""
     if not use_triton(q):
@@ -184,13 +193,14 @@ def decode_attention(
         q.contiguous(), cache_keys, cache_values, positions, seq_starts, seq_slots, workspace.o_part, workspace.lse_part,
         cache_keys.stride(0), cache_keys.stride(1), 1.0 / math.sqrt(head_dim), workspace.num_splits, num_row_blocks,
         NUM_Q=num_heads, NUM_KV=num_kv, D=head_dim, GROUP=group, ROWS_PER_BLOCK=rows_per_block,
-        SPLIT=workspace.split, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=ieee,
-        num_warps=4, num_stages=2,
+        SPLIT=workspace.split, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=ieee, PDL=pdl,
+        num_warps=4, num_stages=2, **launch_options(pdl),
     )
     out = torch.empty_like(q)
     slice_ = min(head_dim, MERGE_SLICE)
     merge_kernel[(num_rows, num_heads, head_dim // slice_)](
         workspace.o_part, workspace.lse_part, positions, out, workspace.num_splits,
-        NUM_Q=num_heads, D=head_dim, SPLIT=workspace.split, CHUNK=MERGE_CHUNK, SLICE=slice_, num_warps=1,
+        NUM_Q=num_heads, D=head_dim, SPLIT=workspace.split, CHUNK=MERGE_CHUNK, SLICE=slice_, PDL=pdl,
+        num_warps=1, **launch_options(pdl),
     )
     return out

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.fused import cdiv, next_power_of_2, use_triton
+from kernels.fused import cdiv, launch_options, next_power_of_2, use_triton
 
 MAX_FUSED_ROWS = 64  # above this (prefill chunks) cuBLAS is faster than re-reading weights per BLOCK_M rows
 BLOCK_M = 16  # tl.dot's smallest M; rows past the input are masked
@@ -44,7 +44,7 @@ def _kernels():
     def linear_kernel(
         x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, stride_ys,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-        SPLITS: tl.constexpr,
+        SPLITS: tl.constexpr, PDL: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -61,6 +61,9 @@ def _kernels():
             y_ptr += split * stride_ys
             k_start = split * k_per_split
             k_stop = tl.minimum(K, k_start + k_per_split)
+        if PDL:  # everything below reads what earlier kernels wrote
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         for k0 in range(k_start, k_stop, BLOCK_K):
             kk = k0 + ks
             k_ok = kk < K
@@ -81,8 +84,14 @@ def linear(
     weight: Tensor,  # [N, K] (nn.Linear layout)
     *,
     out_dtype: torch.dtype | None = None,
+    pdl: bool = False,
 ) -> Tensor:
-    """x @ weight^T → [M, N] in out_dtype (default x's dtype); float32 accumulation."""
+    """x @ weight^T → [M, N] in out_dtype (default x's dtype); float32 accumulation.
+
+    pdl: launch as a programmatic dependent of the previous kernel (kernels.fused.pdl_supported).
+    Measured on the H200 (bench/pdl_chain.py): it helps a GEMV behind a small kernel but slows
+    one behind another bandwidth-bound GEMV (the early programs take SM slots), so callers
+    leave it off there."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
     num_rows, num_in = x.shape
@@ -94,7 +103,7 @@ def linear(
     if weight.stride(1) != 1:
         raise ValueError("linear: weight rows must be contiguous")
     out = torch.empty((num_rows, num_out), dtype=out_dtype, device=x.device)
-    _launch(x, weight, out, 1)
+    _launch(x, weight, out, 1, pdl)
     return out
 
 
@@ -111,6 +120,8 @@ def linear_partials(
     x: Tensor,  # [M, K]
     weight: Tensor,  # [N, K]
     splits: int,
+    *,
+    pdl: bool = False,
 ) -> Tensor:
     """Split-K partial products [M, splits, N] float32: partial s sums K range s·K/splits ...
     (consumers add them in split order, so rows stay invariant). Narrow weights (the router,
@@ -121,11 +132,11 @@ def linear_partials(
         return torch.stack([F.linear(x[:, s * step : (s + 1) * step].float(), weight[:, s * step : (s + 1) * step].float())
                             for s in range(splits)], dim=1)
     out = torch.empty((num_rows, splits, weight.shape[0]), dtype=torch.float32, device=x.device)
-    _launch(x.contiguous(), weight, out, splits)
+    _launch(x.contiguous(), weight, out, splits, pdl)
     return out
 
 
-def _launch(x: Tensor, weight: Tensor, out: Tensor, splits: int) -> None:
+def _launch(x: Tensor, weight: Tensor, out: Tensor, splits: int, pdl: bool) -> None:
     num_rows, num_in = x.shape
     num_out = weight.shape[0]
     block_n, block_k, warps, stages = linear_config(num_out, num_in)
@@ -136,9 +147,9 @@ def _launch(x: Tensor, weight: Tensor, out: Tensor, splits: int) -> None:
     _kernels()[grid](
         x, weight, out, num_rows, num_out, num_in, x.stride(0), weight.stride(0), stride_ym, k_per_split, stride_ys,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, SPLITS=splits,
-        num_warps=warps, num_stages=stages,
+        PDL=pdl,
+        num_warps=warps, num_stages=stages, **launch_options(pdl),
     )
-
 
 
 def _k_per_split(num_out: int, num_in: int, splits: int) -> int:

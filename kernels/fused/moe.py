@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.fused import cdiv, next_power_of_2, use_triton
+from kernels.fused import cdiv, launch_options, next_power_of_2, use_triton
 from kernels.fused.norm import add_rmsnorm_reference
 
 BLOCK_M = 16  # routes of one expert per program (tl.dot's smallest M)
@@ -76,6 +76,8 @@ def fused_experts(
     expert_ids: Tensor,  # [T, k] int64
     gate_up: Tensor,  # [E, 2I, H]
     down: Tensor,  # [E, H, I]
+    *,
+    pdl: bool = False,  # launch as programmatic dependents (kernels.fused.pdl_supported)
 ) -> Tensor:
     """Per-route expert outputs [T*k, H] float32 (route r = t*k + rank)."""
     if not use_triton(x):
@@ -94,14 +96,15 @@ def fused_experts(
     block_n, block_k, warps, stages = moe_config(2 * inter, hidden)
     gate_up_kernel[(num_routes, cdiv(inter, block_n))](
         x.contiguous(), ids, gate_up, act, num_routes, inter, hidden,
-        TOP_K=top_k, R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
-        num_warps=warps, num_stages=stages,
+        TOP_K=top_k, R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, PDL=pdl,
+        num_warps=warps, num_stages=stages, **launch_options(pdl),
     )
     out = torch.empty((num_routes, hidden), dtype=torch.float32, device=x.device)
     block_n, block_k, warps, stages = moe_config(hidden, inter)
     down_kernel[(num_routes, cdiv(hidden, block_n))](
         act, ids, down, out, num_routes, inter, hidden,
-        R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee,
+        # down follows gate_up, a bandwidth-bound kernel: a dependent launch there measured slower
+        R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, PDL=False,
         num_warps=warps, num_stages=stages,
     )
     return out
@@ -113,6 +116,8 @@ def combine_add_rmsnorm(
     residual: Tensor,  # [T, H]
     norm_weight: Tensor,  # [H]
     eps: float,
+    *,
+    pdl: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(normed, new_residual): new_residual = residual + Σ_rank w·out (float32, rank order)."""
     if not use_triton(residual):
@@ -123,6 +128,6 @@ def combine_add_rmsnorm(
     new_residual = torch.empty_like(residual)
     _kernels()[2][(num_tokens,)](
         route_out, weights.contiguous(), residual.contiguous(), norm_weight, normed, new_residual, hidden, eps,
-        TOP_K=top_k, BLOCK=next_power_of_2(hidden), num_warps=4,
+        TOP_K=top_k, BLOCK=next_power_of_2(hidden), PDL=pdl, num_warps=4, **launch_options(pdl),
     )
     return normed, new_residual

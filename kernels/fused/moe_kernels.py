@@ -24,8 +24,11 @@ def _group(ids_ptr, r, R, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
 def gate_up_kernel(
     x_ptr, ids_ptr, w_ptr, act_ptr, R, I, H,
     TOP_K: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # wait for the predecessor kernel before touching anything it may write or read
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert, opens, members, member_ok = _group(ids_ptr, r, R, R_PAD, BLOCK_M)
@@ -57,8 +60,11 @@ def gate_up_kernel(
 def down_kernel(
     act_ptr, ids_ptr, w_ptr, out_ptr, R, I, H,
     R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # wait for the predecessor kernel before touching anything it may write or read
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert, opens, members, member_ok = _group(ids_ptr, r, R, R_PAD, BLOCK_M)
@@ -82,8 +88,11 @@ def down_kernel(
 @triton.jit
 def combine_kernel(
     route_ptr, weights_ptr, res_ptr, norm_ptr, normed_ptr, res_out_ptr, H, eps,
-    TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+    TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # wait for the predecessor kernel before touching anything it may write or read
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < H

@@ -12,7 +12,7 @@ import functools
 import torch
 from torch import Tensor
 
-from kernels.fused import next_power_of_2, use_triton
+from kernels.fused import launch_options, next_power_of_2, use_triton
 
 
 def add_rmsnorm_reference(
@@ -64,8 +64,11 @@ def _kernels():
     @triton.jit
     def add_rmsnorm_kernel(
         x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PARTIALS: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PARTIALS: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # wait for the predecessor kernel before touching anything it may write or read
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < H
@@ -90,8 +93,11 @@ def _kernels():
     def qk_rope_kernel(
         qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
         stride_qkv, stride_slot, stride_pos, eps,
-        NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+        NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # wait for the predecessor kernel before touching anything it may write or read
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0)
         head = tl.program_id(1)
         d = tl.arange(0, D)
@@ -132,6 +138,8 @@ def add_rmsnorm(
     residual: Tensor | None,  # [T, H]
     weight: Tensor,  # [H]
     eps: float,
+    *,
+    pdl: bool = False,  # launch as a programmatic dependent (kernels.fused.pdl_supported)
 ) -> tuple[Tensor, Tensor]:
     """(normed, new_residual) with new_residual = residual + x (x itself when residual is None)."""
     partials = x.shape[1] if x.dim() == 3 else 0
@@ -152,7 +160,7 @@ def add_rmsnorm(
     _kernels()[0][(num_rows,)](
         x, residual.contiguous() if residual is not None else x, weight, normed, new_residual, size, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(size), PARTIALS=partials,
-        num_warps=4 if size <= 4096 else 8,
+        PDL=pdl, num_warps=4 if size <= 4096 else 8, **launch_options(pdl),
     )
     return normed, new_residual
 
@@ -170,6 +178,8 @@ def qk_norm_rope_store(
     num_heads: int,
     num_kv_heads: int,
     eps: float,
+    *,
+    pdl: bool = False,
 ) -> Tensor:
     """Norm and rotate q and k, write k and v at (slot, position) of the cache; returns q [T, Hq, D]."""
     if not use_triton(qkv):
@@ -185,6 +195,7 @@ def qk_norm_rope_store(
     _kernels()[1][(num_rows, num_heads + 2 * num_kv_heads)](
         qkv, q, cache_keys, cache_values, q_norm, k_norm, cos, sin, positions, slots,
         qkv.stride(0), cache_keys.stride(0), cache_keys.stride(1), eps,
-        NUM_Q=num_heads, NUM_KV=num_kv_heads, D=head_dim, HALF=head_dim // 2, num_warps=1,
+        NUM_Q=num_heads, NUM_KV=num_kv_heads, D=head_dim, HALF=head_dim // 2, PDL=pdl, num_warps=1,
+        **launch_options(pdl),
     )
     return q

@@ -13,7 +13,7 @@ import functools
 import torch
 from torch import Tensor
 
-from kernels.fused import next_power_of_2, tl_dtype, use_triton
+from kernels.fused import launch_options, next_power_of_2, tl_dtype, use_triton
 from kernels.routing import WEIGHT_FLOOR, moce_multipliers, route_topk
 
 
@@ -26,8 +26,11 @@ def _kernels():
     def topk_kernel(
         logits_ptr, ids_ptr, weights_ptr, resident_ptr, draft_ptr, other_mult_ptr, draft_mult_ptr, E, floor,
         TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr,
-        MOCE: tl.constexpr, PARTIALS: tl.constexpr, ROUND_TO: tl.constexpr,
+        MOCE: tl.constexpr, PARTIALS: tl.constexpr, ROUND_TO: tl.constexpr, PDL: tl.constexpr,
     ):
+        if PDL:  # wait for the predecessor kernel before touching anything it may write or read
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0)
         e = tl.arange(0, BLOCK_E)
         ok = e < E
@@ -85,6 +88,7 @@ def route(
     resident: Tensor | None = None,  # [E] bool: MoCE residency map (None = plain top-k)
     draft_rows: Tensor | None = None,  # [T] bool
     tables: MoceTables | None = None,  # required with resident
+    pdl: bool = False,  # launch as a programmatic dependent (kernels.fused.pdl_supported)
 ) -> tuple[Tensor, Tensor]:
     """(expert_ids [T, k] int64 in rank order, weights [T, k] float32)."""
     if resident is not None and tables is None:
@@ -117,6 +121,6 @@ def route(
         num_experts, WEIGHT_FLOOR,
         TOP_K=top_k, K_PAD=max(2, next_power_of_2(top_k)), BLOCK_E=max(16, next_power_of_2(num_experts)),
         NORMALIZE=normalize, MOCE=moce, PARTIALS=partials, ROUND_TO=tl_dtype(round_to or router_logits.dtype),
-        num_warps=1 if num_experts <= 256 else 4,
+        PDL=pdl, num_warps=1 if num_experts <= 256 else 4, **launch_options(pdl),
     )
     return ids, weights

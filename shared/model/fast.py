@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels.fused import pdl_supported
 from kernels.fused.attention import AttentionWorkspace, decode_attention
 from kernels.fused.linear import linear, linear_partials, split_k
 from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, fused_experts
@@ -58,6 +59,8 @@ def unsupported_reason(model: Qwen3MoeModel) -> str | None:
         return "attention_bias is not supported by the fused path"
     if c.head_dim & (c.head_dim - 1):
         return f"head_dim {c.head_dim} is not a power of two"
+    if c.head_dim < 16 and model.device.type == "cuda":
+        return f"head_dim {c.head_dim} is below 16 (the attention kernel's smallest dot on a GPU)"
     for layer in [*model.layers, *(model.mtp.layers if model.mtp is not None else [])]:
         if isinstance(layer.mlp, MoeBlock) and not layer.mlp.experts.all_resident:
             return "expert slots (partial residency) need the dispatch path"
@@ -110,7 +113,9 @@ def _fuse_rows(linears: list[nn.Linear]) -> Tensor:
 class FusedModel:
     """Decode/verify forward of a loaded Qwen3MoeModel through the fused kernels."""
 
-    def __init__(self, model: Qwen3MoeModel, *, max_rows: int, max_length: int) -> None:
+    def __init__(self, model: Qwen3MoeModel, *, max_rows: int, max_length: int, pdl: bool | None = None) -> None:
+        """pdl: launch each kernel as a programmatic dependent of the one before (default: where
+        the GPU supports it); kernels then overlap their start with their predecessor's end."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the fused path cannot run this model: {reason}")
@@ -122,6 +127,7 @@ class FusedModel:
         self.max_rows = max_rows
         self.cos, self.sin = model.rotary.cos, model.rotary.sin
         self._tables: dict[tuple[int, float, float, int], MoceTables] = {}
+        self.pdl = pdl_supported(model.device) if pdl is None else pdl
 
     # -- layers -----------------------------------------------------------------------------
 
@@ -140,27 +146,28 @@ class FusedModel:
                keys: Tensor, values: Tensor, routing: RoutingOptions | None) -> tuple[Tensor, Tensor]:
         """(normed for the next layer, residual) after one decoder layer."""
         num_rows = normed.shape[0]
-        qkv = linear(normed, layer.qkv)
+        pdl = self.pdl
+        qkv = linear(normed, layer.qkv, pdl=pdl)
         q = qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, rows.positions, rows.slots,
-                               keys, values, layer.num_heads, layer.num_kv_heads, layer.eps)
+                               keys, values, layer.num_heads, layer.num_kv_heads, layer.eps, pdl=pdl)
         attn = decode_attention(q, keys, values, rows.positions, rows.slots, rows.seq_starts, rows.seq_slots,
-                                rows.max_rows_per_seq, self.workspace)
-        o_partials = linear_partials(attn.view(num_rows, -1), layer.o, layer.o_splits)
-        normed, residual = add_rmsnorm(o_partials, residual, layer.post_norm, layer.eps)
+                                rows.max_rows_per_seq, self.workspace, pdl=pdl)
+        o_partials = linear_partials(attn.view(num_rows, -1), layer.o, layer.o_splits, pdl=pdl)
+        normed, residual = add_rmsnorm(o_partials, residual, layer.post_norm, layer.eps, pdl=pdl)
         if not layer.moe:
-            gate, up = linear(normed, layer.gate_up).chunk(2, dim=-1)
-            out = linear(F.silu(gate) * up, layer.down)
-            return add_rmsnorm(out, residual, next_norm, layer.eps)
+            gate, up = linear(normed, layer.gate_up, pdl=pdl).chunk(2, dim=-1)
+            out = linear(F.silu(gate) * up, layer.down, pdl=pdl)
+            return add_rmsnorm(out, residual, next_norm, layer.eps, pdl=pdl)
         resident, tables = self._moce(layer, routing)
         draft_rows = routing.draft_rows if routing is not None and routing.moce else None
-        router_partials = linear_partials(normed, layer.router, layer.router_splits)
+        router_partials = linear_partials(normed, layer.router, layer.router_splits, pdl=pdl)
         expert_ids, weights = route(router_partials, layer.top_k, round_to=normed.dtype, normalize=layer.normalize,
-                                    resident=resident, draft_rows=draft_rows, tables=tables)
+                                    resident=resident, draft_rows=draft_rows, tables=tables, pdl=pdl)
         if num_rows <= MAX_FUSED_TOKENS:
-            route_out = fused_experts(normed, expert_ids, layer.store.gate_up, layer.store.down)
-            return combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps)
+            route_out = fused_experts(normed, expert_ids, layer.store.gate_up, layer.store.down, pdl=pdl)
+            return combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps, pdl=pdl)
         out = layer.store.forward(normed, expert_ids, weights.to(normed.dtype))
-        return add_rmsnorm(out, residual, next_norm, layer.eps)
+        return add_rmsnorm(out, residual, next_norm, layer.eps, pdl=pdl)
 
     # -- forwards ---------------------------------------------------------------------------
 
@@ -174,10 +181,10 @@ class FusedModel:
         model = self.model
         x = model.embed_tokens(token_ids)
         norms = [layer.input_norm for layer in self.layers[1:]] + [model.norm.weight]
-        normed, residual = add_rmsnorm(x, None, self.layers[0].input_norm, self.layers[0].eps)
+        normed, residual = add_rmsnorm(x, None, self.layers[0].input_norm, self.layers[0].eps, pdl=self.pdl)
         for layer, next_norm, (keys, values) in zip(self.layers, norms, kv):
             normed, residual = self._layer(layer, normed, residual, next_norm, rows, keys, values, routing)
-        return linear(normed, model.lm_head.weight, out_dtype=torch.float32), normed
+        return linear(normed, model.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl), normed
 
     @torch.inference_mode()
     def forward_mtp(self, hidden: Tensor, next_token_ids: Tensor, rows: Rows, kv: tuple[Tensor, Tensor],
@@ -186,12 +193,14 @@ class FusedModel:
         model = self.model
         mtp = model._require_mtp()
         layer = self.mtp_layer
-        embedded, _ = add_rmsnorm(model.embed_tokens(next_token_ids), None, mtp.pre_fc_norm_embedding.weight, layer.eps)
-        prior, _ = add_rmsnorm(hidden.to(model.dtype), None, mtp.pre_fc_norm_hidden.weight, layer.eps)
-        x = linear(torch.cat([embedded, prior], dim=-1), mtp.fc.weight)
-        normed, residual = add_rmsnorm(x, None, layer.input_norm, layer.eps)
+        pdl = self.pdl
+        embedded, _ = add_rmsnorm(model.embed_tokens(next_token_ids), None, mtp.pre_fc_norm_embedding.weight, layer.eps,
+                                  pdl=pdl)
+        prior, _ = add_rmsnorm(hidden.to(model.dtype), None, mtp.pre_fc_norm_hidden.weight, layer.eps, pdl=pdl)
+        x = linear(torch.cat([embedded, prior], dim=-1), mtp.fc.weight, pdl=pdl)
+        normed, residual = add_rmsnorm(x, None, layer.input_norm, layer.eps, pdl=pdl)
         normed, _ = self._layer(layer, normed, residual, mtp.norm.weight, rows, kv[0], kv[1], routing)
-        return linear(normed, model.lm_head.weight, out_dtype=torch.float32), normed
+        return linear(normed, model.lm_head.weight, out_dtype=torch.float32, pdl=pdl), normed
 
 
 def cache_as_slots(cache: KVCache) -> list[tuple[Tensor, Tensor]]:

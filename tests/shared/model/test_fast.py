@@ -117,3 +117,30 @@ def test_unsupported_models_name_the_reason():
         FusedModel(m, max_rows=4, max_length=16)
     slots = load_model(config=ModelConfig.from_dict(CONFIG), random_weights=True, num_expert_slots=4)
     assert "expert slots" in unsupported_reason(slots)
+
+
+def test_dependent_launch_is_off_where_the_device_lacks_it(fused):
+    assert fused.pdl is False  # CPU: kernels launch plainly (the interpreter has no PDL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs a CUDA GPU of compute capability 9.0+")
+def test_dependent_launch_changes_no_bit():
+    """Kernels launched as programmatic dependents (each waits in-kernel for its predecessor)
+    give the same bits as plain launches, eager and captured: a missing wait would race."""
+    config = ModelConfig.from_dict(CONFIG | dict(head_dim=16))  # tl.dot on a GPU needs K >= 16
+    model = load_model(config=config, random_weights=True, seed=5, dtype=torch.bfloat16, device="cuda")
+    runners = []
+    for pdl in (True, False):
+        pool = KVPool(num_layers=3, num_slots=1, max_length=64, num_kv_heads=2, head_dim=16, dtype=model.dtype,
+                      device="cuda")
+        runner = WindowGraphs(FusedModel(model, max_rows=8, max_length=64, pdl=pdl), pool, max_rows=8)
+        runner.capture([1, 5])
+        runners.append(runner)
+    prompt = [5, 17, 42, 8, 71, 3, 9, 60, 11, 2]
+    for start in range(0, 10, 5):  # captured 5-row windows, then 1-row steps (captured) and a 3-row (eager)
+        outs = [r.run(0, prompt[start : start + 5], start).logits.clone() for r in runners]
+        assert torch.equal(outs[0], outs[1])
+    for position, size in ((10, 1), (11, 3)):
+        outs = [r.run(0, prompt[:size], position).logits.clone() for r in runners]
+        assert torch.equal(outs[0], outs[1])
