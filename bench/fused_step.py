@@ -101,7 +101,7 @@ def main() -> None:
     fused = FusedModel(model, max_rows=max(windows), max_length=max_length)
     runner = WindowGraphs(fused, pool, max_rows=max(windows))
     t0 = time.perf_counter()
-    runner.capture(windows, progress=lambda rows, s: log(f"  captured {rows}-row window in {s:.2f}s"))
+    runner.capture(windows, progress=lambda what, s: log(f"  captured {what} in {s:.2f}s"))
     log(f"captured {len(windows)} windows in {time.perf_counter() - t0:.1f}s")
     token_gen = torch.Generator().manual_seed(5)
 

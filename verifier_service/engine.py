@@ -68,6 +68,16 @@ def greedy_verdict(drafts: list[int], greedy_ids: list[int]) -> tuple[list[int],
     return [*drafts[:accepted], greedy_ids[accepted]], accepted
 
 
+@dataclass(frozen=True)
+class RoundRequest:
+    """One session's round for Engine.run_rounds: verify `drafts` (none: decode one token)."""
+
+    session: Session
+    drafts: list[int]
+    q_rows: SparseRows | None = None
+    decode_ahead: bool = False  # honoured when the round runs alone (see Engine.run_round)
+
+
 @dataclass
 class Ahead:
     """A 1-row greedy step already enqueued for a session's next round (decode-ahead)."""
@@ -89,6 +99,7 @@ class Engine:
         pdl: bool = True,
         max_sessions: int = 8,
         max_window: int = 17,
+        max_batch_rows: int = 64,
         progress: Callable[[str], None] | None = None,
         draw_secret: bytes = b"",
     ) -> None:
@@ -100,19 +111,23 @@ class Engine:
         self.windows: WindowGraphs | None = None
         if fused_wanted(model, fused):
             c = model.config
-            pool = KVPool(num_layers=c.num_hidden_layers, num_slots=max_sessions, max_length=max_context,
+            # One slot per session, and a scratch slot for the padded rows of decode-batch graphs.
+            pool = KVPool(num_layers=c.num_hidden_layers, num_slots=max_sessions + 1, max_length=max_context,
                           num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=model.dtype, device=model.device)
-            fused_model = FusedModel(model, max_rows=max_window, max_length=max_context, pdl=None if pdl else False)
-            self.windows = WindowGraphs(fused_model, pool, max_window, use_graphs=cuda_graphs and model.device.type == "cuda")
+            scratch, _ = pool.acquire(1)
+            batch_rows = max(max_window, min(max_batch_rows, max_sessions * max_window))
+            fused_model = FusedModel(model, max_rows=batch_rows, max_length=max_context, pdl=None if pdl else False)
+            self.windows = WindowGraphs(fused_model, pool, max_window, max_batch_rows=batch_rows, scratch_slot=scratch,
+                                        use_graphs=cuda_graphs and model.device.type == "cuda")
             if progress is not None:
                 progress(f"KV pool: {max_sessions} slots x {max_context} positions ({pool.bytes / 2**30:.2f} GiB)")
             self.windows.capture(progress=None if progress is None else
-                                 lambda rows, s: progress(f"captured the {rows}-row window in {s:.2f}s"))
+                                 lambda what, s: progress(f"captured {what} in {s:.2f}s"))
             # Results reach the host through two (pinned) slots, copied in the compute stream: the
             # window in hand, and (decode-ahead) the step enqueued behind it.
             pinned = model.device.type == "cuda"
-            self.ring_ids = torch.zeros((2, max_window), dtype=torch.int64, pin_memory=pinned)
-            self.ring_hidden = torch.zeros((2, max_window, c.hidden_size), dtype=model.dtype, pin_memory=pinned)
+            self.ring_ids = torch.zeros((2, batch_rows), dtype=torch.int64, pin_memory=pinned)
+            self.ring_hidden = torch.zeros((2, batch_rows, c.hidden_size), dtype=model.dtype, pin_memory=pinned)
             self.ring_events = [torch.cuda.Event(), torch.cuda.Event()] if pinned else None
             self.ring_next = 0
         self.ahead: Ahead | None = None
@@ -186,19 +201,27 @@ class Engine:
         if not drafts and spec.sampling.greedy and self.windows is not None:
             return self._plain_greedy_round(session, decode_ahead)
         self.ahead = None
-        base = len(session.token_ids)  # position of the first token this round decides
         started = time.perf_counter()
         misses = self.slot_misses()
         logits, hidden, greedy_ids = self._forward(session, [session.token_ids[-1], *drafts])
-        if spec.sampling.greedy:
-            host_hidden, ids = self._to_host(hidden, greedy_ids)
-            forwarded = time.perf_counter()
-            emitted, accepted = greedy_verdict(drafts, ids)
+        # on the device; row j: p at the position of the window's row j
+        target = None if spec.sampling.greedy else process_logits(logits, spec.sampling)
+        host_hidden, ids = self._to_host(hidden, greedy_ids)
+        target = None if target is None else target.to("cpu")
+        forwarded = time.perf_counter()
+        return self._commit(session, drafts, q_rows, host_hidden, ids, target, forwarded - started,
+                            self.slot_misses() - misses)
+
+    def _commit(self, session: Session, drafts: list[int], q_rows: SparseRows | None, host_hidden: Tensor,
+                greedy_ids: list[int], target: Tensor | None, forward_s: float, slot_misses: int) -> RoundOutcome:
+        """Verify a window's drafts from its rows on the host (greedy ids, or the processed
+        target rows) and commit the outcome to the session."""
+        spec = session.spec
+        started = time.perf_counter()
+        base = len(session.token_ids)  # position of the first token this round decides
+        if target is None:
+            emitted, accepted = greedy_verdict(drafts, greedy_ids)
         else:
-            target = process_logits(logits, spec.sampling)  # on the device; row j: p at position base + j
-            host_hidden, _ = self._to_host(hidden, greedy_ids)
-            target = target.to("cpu")
-            forwarded = time.perf_counter()
             verdict = verify_chain(target, drafts, q_rows, mode=spec.mode, seed=spec.seed, base_position=base,
                                    accept_seed=accept_key(self.draw_secret, spec.seed))
             accepted = int(verdict.num_accepted[0])
@@ -207,9 +230,53 @@ class Engine:
         rows = host_hidden[: accepted + 1].to(torch.bfloat16, copy=True)
         session.hidden_rows.append(rows)
         session.token_ids.extend(emitted)
-        done = time.perf_counter()
-        return RoundOutcome(emitted, accepted, rows, (forwarded - started) * 1e3, (done - forwarded) * 1e3,
-                            self.slot_misses() - misses)
+        return RoundOutcome(emitted, accepted, rows, forward_s * 1e3, (time.perf_counter() - started) * 1e3,
+                            slot_misses)
+
+    def run_rounds(self, rounds: list[RoundRequest]) -> list[RoundOutcome]:
+        """One round of each session, as one batched forward where the fused path runs (else one
+        after another). A session's outcome does not depend on the others': each row is computed
+        the same way in any batch, and the draws are keyed by the session's seed and positions."""
+        if len({id(r.session) for r in rounds}) != len(rounds):
+            raise ValueError("a batch holds one round per session")
+        if len(rounds) == 1 or self.windows is None:
+            alone = len(rounds) == 1
+            return [self.run_round(r.session, r.drafts, r.q_rows, decode_ahead=alone and r.decode_ahead) for r in rounds]
+        self.ahead = None
+        outcomes: list[RoundOutcome] = []
+        group: list[RoundRequest] = []
+        for r in rounds:  # forwards of at most max_batch_rows rows
+            if group and sum(len(g.drafts) + 1 for g in group) + len(r.drafts) + 1 > self.windows.max_batch_rows:
+                outcomes.extend(self._batched_rounds(group))
+                group = []
+            group.append(r)
+        return outcomes + self._batched_rounds(group)
+
+    def _batched_rounds(self, rounds: list[RoundRequest]) -> list[RoundOutcome]:
+        started = time.perf_counter()
+        windows = []
+        for r in rounds:
+            window = [r.session.token_ids[-1], *r.drafts]
+            windows.append((r.session.slot, window, r.session.cache.reserve(len(window))))
+        out = self.windows.run_batch(windows)
+        num_rows = sum(len(w) for _, w, _ in windows)
+        targets: list[Tensor | None] = []
+        row = 0
+        for r, (_, window, _) in zip(rounds, windows):
+            sampling = r.session.spec.sampling
+            targets.append(None if sampling.greedy else process_logits(out.logits[row : row + len(window)], sampling))
+            row += len(window)
+        host_hidden, ids = self._to_host(out.hidden[:num_rows], out.greedy_ids[:num_rows])
+        targets = [None if t is None else t.to("cpu") for t in targets]
+        forward_s = time.perf_counter() - started
+        outcomes = []
+        row = 0
+        for r, (_, window, _), target in zip(rounds, windows, targets):
+            rows = slice(row, row + len(window))
+            outcomes.append(self._commit(r.session, r.drafts, r.q_rows, host_hidden[rows], ids[rows], target,
+                                         forward_s, 0))
+            row += len(window)
+        return outcomes
 
     def _ring_copy(self, hidden: Tensor, greedy_ids: Tensor) -> int:
         """Enqueue the copy of a window's hidden rows [T, H] and greedy ids [T] to the next host

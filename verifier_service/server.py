@@ -39,7 +39,8 @@ from shared.worker import ModelWorker
 from verifier_service.audit import HonestyAudit, accept_key, pit_values
 from verifier_service.chains import ChainFault, retain, validate_chain
 from verifier_service.drafter_link import DeadlineTracker, DrafterHealth, DrafterLink
-from verifier_service.engine import Engine, Session
+from verifier_service.batcher import BatchSettings, RoundBatcher
+from verifier_service.engine import Engine, RoundRequest, Session
 from verifier_service.requests import RequestError, RequestSpec, parse_request
 from verifier_service.settings import VerifierSettings
 from verifier_service.stops import Completion
@@ -100,6 +101,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.model = model
         self.tokenizer = tokenizer
         self.engine: Engine | None = None
+        self.batcher: RoundBatcher | None = None
         self.active = 0
         self.draining = False
         self.deadlines = DeadlineTracker(settings)
@@ -138,9 +140,12 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.engine = await self.worker.run(
             Engine, self.model, max_context=max_context, prefill_chunk=s.prefill_chunk, fused=s.fused,
             cuda_graphs=s.cuda_graphs, pdl=s.pdl != "off", max_sessions=s.max_sessions,
-            max_window=s.max_draft_tokens_limit + 1,
+            max_window=s.max_draft_tokens_limit + 1, max_batch_rows=s.max_batch_rows,
             progress=lambda message: log.info(message), draw_secret=self.draw_secret,
         )
+        self.batcher = RoundBatcher(self.worker, self.engine.run_rounds,
+                                    BatchSettings(max_rounds=s.max_sessions, gather_s=min(s.batch_gather_ms / 1e3, 0.999)),
+                                    on_batch=self.metrics.batch_rounds.observe)
         log.info("verifier ready", address=s.address, drafter=s.drafter, vocab=self.model.config.vocab_size,
                  path=self.engine.path)
         if self.channel is not None:
@@ -234,6 +239,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                          finish=completion.finish_reason, faults=link.faults if link else {})
         finally:
             if opened is not None:
+                self.batcher.leave(opened)
                 # Safe off the worker: a later request's jobs queue behind any round of this one.
                 self.engine.close(opened)
             self.active -= 1
@@ -305,8 +311,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         # Without a drafter every round is one plain token: let the engine enqueue the next one
         # before this one is read, unless this round may be the last.
         ahead = link is None and spec.max_new_tokens - len(completion.token_ids) > 1
-        outcome = await self.worker.run(self.engine.run_round, session, drafts, chain.q_rows if chain else None,
-                                        decode_ahead=ahead)
+        outcome = await self.batcher.submit(RoundRequest(session, drafts, chain.q_rows if chain else None, ahead))
         source = chain.source if chain else "NONE"
         stats.round(source, proposed, len(drafts), outcome.num_accepted)
         tokens, delta = completion.extend(outcome.emitted)
@@ -404,6 +409,8 @@ class VerifierServer(ServiceServer):
         await super().stop(grace)
 
     async def close(self) -> None:
+        if self.service.batcher is not None:
+            await self.service.batcher.close()
         if self.service.channel is not None:
             await self.service.channel.close()
         self.service.worker.shutdown()

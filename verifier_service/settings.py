@@ -28,6 +28,8 @@ class VerifierSettings:
     max_new_tokens_limit: int = field(default=4096, metadata={"help": "largest max_new_tokens a request may ask for"})
     max_context: int = field(default=0, metadata={"help": "prompt + completion limit in tokens (0 = the model's max_position_embeddings)"})
     prefill_chunk: int = field(default=2048, metadata={"help": "prompt tokens per prefill forward (H200, 30B-A3B shapes: 3.7k tokens/s at 256, 23k at 2048)"})
+    max_batch_rows: int = field(default=64, metadata={"help": "most rows (all sessions' windows together) in one batched forward; decode batches up to it run as CUDA graphs"})
+    batch_gather_ms: float = field(default=2.0, metadata={"help": "how long a batch waits for the sessions of the last one to submit their next round"})
     max_draft_tokens: int = field(default=4, metadata={"help": "drafts per round when a request does not say"})
     max_draft_tokens_limit: int = field(default=16, metadata={"help": "largest max_draft_tokens a request may ask for"})
     drafter_deadline_ms: float = field(default=0.0, metadata={"help": "fixed per-round wait for a chain (0 = adaptive: recent p95 + margin)"})
@@ -48,7 +50,7 @@ class VerifierSettings:
 
     def __post_init__(self) -> None:
         base.validate_service(self)
-        positive = ("max_sessions", "max_new_tokens_limit", "prefill_chunk", "max_draft_tokens_limit")
+        positive = ("max_sessions", "max_new_tokens_limit", "prefill_chunk", "max_draft_tokens_limit", "max_batch_rows")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
@@ -65,7 +67,7 @@ class VerifierSettings:
             raise ValueError(
                 f"max_draft_tokens {self.max_draft_tokens} must lie in [0, max_draft_tokens_limit = {self.max_draft_tokens_limit}]"
             )
-        for name in ("drafter_deadline_ms", "drafter_deadline_margin_ms", "grace_s"):
+        for name in ("drafter_deadline_ms", "drafter_deadline_margin_ms", "grace_s", "batch_gather_ms"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} {value!r} must be finite and >= 0")

@@ -5,6 +5,11 @@ device buffer that a single asynchronous copy fills per round, and all writing i
 KV pool through fixed addresses. A round is then: one host→device copy, one graph replay,
 and the caller's read of what it needs (the greedy ids, the hidden rows), with no other
 host synchronisation. Without CUDA (or with capture off) the same code runs eagerly.
+
+Batches (`run_batch`): the windows of several sequences (each on its own slot) as one ragged
+forward. A batch of one-row windows (plain decoding) replays the graph of the smallest
+captured bucket that holds it, the spare rows padded as one-row sequences on a scratch slot
+that no request holds; other batches (verify windows of several sessions) run eagerly.
 """
 
 from __future__ import annotations
@@ -30,22 +35,32 @@ class WindowOutput:
 
 
 class WindowGraphs:
-    def __init__(self, fused: FusedModel, pool: KVPool, max_rows: int, *, use_graphs: bool | None = None) -> None:
-        if not 1 <= max_rows <= fused.max_rows:
-            raise ValueError(f"max_rows {max_rows} must lie in [1, {fused.max_rows}]")
+    def __init__(self, fused: FusedModel, pool: KVPool, max_rows: int, *, max_batch_rows: int | None = None,
+                 scratch_slot: int | None = None, use_graphs: bool | None = None) -> None:
+        """max_rows: the largest window of one sequence; max_batch_rows: the most rows of one
+        batch (default max_rows); scratch_slot: a pool slot no request holds, where padded rows
+        of decode-batch graphs write (without one, decode batches run eagerly)."""
+        max_batch_rows = max_batch_rows or max_rows
+        if not 1 <= max_rows <= max_batch_rows <= fused.max_rows:
+            raise ValueError(f"need 1 <= max_rows ({max_rows}) <= max_batch_rows ({max_batch_rows}) "
+                             f"<= the fused model's max_rows ({fused.max_rows})")
         self.fused = fused
         self.pool = pool
         self.max_rows = max_rows
+        self.max_batch_rows = max_batch_rows
+        self.scratch_slot = scratch_slot
         self.device = fused.model.device
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         pin = self.device.type == "cuda"
-        # [ids (max_rows) | positions (max_rows) | slots (max_rows) | sequence slot (1)]
-        self.host_in = torch.zeros(3 * max_rows + 1, dtype=torch.int64, pin_memory=pin)
-        self.dev_in = torch.zeros(3 * max_rows + 1, dtype=torch.int64, device=self.device)
+        # [ids | positions | slots | sequence slots (R each) | sequence starts (R + 1)], R = max_batch_rows
+        size = 5 * max_batch_rows + 1
+        self.host_in = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+        self.dev_in = torch.zeros(size, dtype=torch.int64, device=self.device)
         self.copied = torch.cuda.Event() if pin else None
         self.kv = pool.layers()
-        self.seq_starts = {t: torch.tensor([0, t], dtype=torch.int32, device=self.device) for t in range(1, max_rows + 1)}
+        self.seq_starts = {t: torch.tensor([0, t], dtype=torch.int64, device=self.device) for t in range(1, max_rows + 1)}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, WindowOutput]] = {}
+        self.batch_graphs: dict[int, tuple[torch.cuda.CUDAGraph, WindowOutput]] = {}  # decode batches by bucket
         self.memory_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # Chained 1-row steps (decode-ahead): every 1-row step leaves its greedy token here, and
         # the chained step reads it as its input at the next position, without the host.
@@ -53,13 +68,23 @@ class WindowGraphs:
         self.chained: tuple[torch.cuda.CUDAGraph, WindowOutput] | None = None
 
     def _rows(self, num_rows: int) -> Rows:
-        m = self.max_rows
+        m = self.max_batch_rows
         return Rows(
             positions=self.dev_in[m : m + num_rows],
             slots=self.dev_in[2 * m : 2 * m + num_rows],
             seq_starts=self.seq_starts[num_rows],
             seq_slots=self.dev_in[3 * m : 3 * m + 1],
             max_rows_per_seq=num_rows,
+        )
+
+    def _batch_rows(self, num_rows: int, num_seqs: int, max_rows_per_seq: int) -> Rows:
+        m = self.max_batch_rows
+        return Rows(
+            positions=self.dev_in[m : m + num_rows],
+            slots=self.dev_in[2 * m : 2 * m + num_rows],
+            seq_starts=self.dev_in[4 * m : 4 * m + num_seqs + 1],
+            seq_slots=self.dev_in[3 * m : 3 * m + num_seqs],
+            max_rows_per_seq=max_rows_per_seq,
         )
 
     def _forward(self, num_rows: int) -> WindowOutput:
@@ -71,10 +96,22 @@ class WindowGraphs:
 
     def _chained_forward(self) -> WindowOutput:
         self.dev_in[:1].copy_(self.last_token)
-        self.dev_in[self.max_rows : self.max_rows + 1].add_(1)
+        self.dev_in[self.max_batch_rows : self.max_batch_rows + 1].add_(1)
         return self._forward(1)
 
-    def capture(self, sizes: list[int] | None = None, progress: Callable[[int, float], None] | None = None) -> None:
+    def _batch_forward(self, num_rows: int, num_seqs: int, max_rows_per_seq: int) -> WindowOutput:
+        rows = self._batch_rows(num_rows, num_seqs, max_rows_per_seq)
+        logits, hidden = self.fused.forward(self.dev_in[:num_rows], rows, self.kv)
+        return WindowOutput(logits, hidden, logits.argmax(dim=-1))
+
+    def decode_buckets(self) -> list[int]:
+        """The decode-batch sizes captured as graphs: powers of two from 2 to max_batch_rows, and it."""
+        if self.scratch_slot is None or self.max_batch_rows < 2:
+            return []
+        sizes = {1 << i for i in range(1, self.max_batch_rows.bit_length()) if 1 << i <= self.max_batch_rows}
+        return sorted(sizes | {self.max_batch_rows})
+
+    def capture(self, sizes: list[int] | None = None, progress: Callable[[str, float], None] | None = None) -> None:
         """Capture the windows of `sizes` rows (default 1..max_rows), warming each up first.
 
         The warm-up runs write KV rows at position 0 of slot 0; capture happens before any
@@ -86,9 +123,14 @@ class WindowGraphs:
             started = time.perf_counter()
             self.graphs[num_rows] = self._capture(lambda rows=num_rows: self._forward(rows))
             if progress is not None:
-                progress(num_rows, time.perf_counter() - started)
+                progress(f"the {num_rows}-row window", time.perf_counter() - started)
         if 1 in self.graphs:
             self.chained = self._capture(self._chained_forward)
+        for bucket in self.decode_buckets():
+            started = time.perf_counter()
+            self.batch_graphs[bucket] = self._capture(lambda b=bucket: self._batch_forward(b, b, 1))
+            if progress is not None:
+                progress(f"the decode batch of {bucket} rows", time.perf_counter() - started)
 
     def _capture(self, body: Callable[[], WindowOutput]) -> tuple[torch.cuda.CUDAGraph, WindowOutput]:
         self.host_in.zero_()
@@ -120,18 +162,60 @@ class WindowGraphs:
             raise ValueError(f"a window of {num_rows} rows (1..{self.max_rows} allowed)")
         if self.copied is not None:
             self.copied.synchronize()  # the last round's copy has left host_in (normally long done)
-        m = self.max_rows
+        m = self.max_batch_rows
         values = self.host_in.numpy()
         values[:num_rows] = token_ids
         values[m : m + num_rows] = range(start, start + num_rows)
         values[2 * m : 2 * m + num_rows] = slot
         values[3 * m] = slot
-        self.dev_in.copy_(self.host_in, non_blocking=True)
-        if self.copied is not None:
-            self.copied.record()
+        self._send()
         captured = self.graphs.get(num_rows)
         if captured is None:
             return self._forward(num_rows)
         graph, output = captured
+        graph.replay()
+        return output
+
+    def _send(self) -> None:
+        self.dev_in.copy_(self.host_in, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+    def run_batch(self, windows: list[tuple[int, list[int], int]]) -> WindowOutput:
+        """Several sequences' windows (slot, token_ids, start) as one ragged forward; output rows
+        follow the windows' order (rows past their total are padding)."""
+        num_rows = sum(len(ids) for _, ids, _ in windows)
+        num_seqs = len(windows)
+        if not 1 <= num_rows <= self.max_batch_rows or any(not ids for _, ids, _ in windows):
+            raise ValueError(f"a batch of {num_rows} rows in {num_seqs} windows (1..{self.max_batch_rows} rows, "
+                             "none empty)")
+        longest = max(len(ids) for _, ids, _ in windows)
+        bucket = None
+        if longest == 1 and self.use_graphs:
+            bucket = next((b for b in sorted(self.batch_graphs) if b >= num_rows), None)
+        padded = bucket or num_rows
+        if self.copied is not None:
+            self.copied.synchronize()
+        m = self.max_batch_rows
+        values = self.host_in.numpy()
+        row = 0
+        for seq, (slot, ids, start) in enumerate(windows):
+            values[row : row + len(ids)] = ids
+            values[m + row : m + row + len(ids)] = range(start, start + len(ids))
+            values[2 * m + row : 2 * m + row + len(ids)] = slot
+            values[3 * m + seq] = slot
+            values[4 * m + seq] = row
+            row += len(ids)
+        for pad in range(num_rows, padded):  # one-row sequences at position 0 of the scratch slot
+            values[pad] = 0
+            values[m + pad] = 0
+            values[2 * m + pad] = self.scratch_slot
+            values[3 * m + num_seqs + pad - num_rows] = self.scratch_slot
+            values[4 * m + num_seqs + pad - num_rows] = pad
+        values[4 * m + num_seqs + padded - num_rows] = padded
+        self._send()
+        if bucket is None:
+            return self._batch_forward(num_rows, num_seqs, longest)
+        graph, output = self.batch_graphs[bucket]
         graph.replay()
         return output

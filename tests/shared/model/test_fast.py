@@ -144,3 +144,53 @@ def test_dependent_launch_changes_no_bit():
     for position, size in ((10, 1), (11, 3)):
         outs = [r.run(0, prompt[:size], position).logits.clone() for r in runners]
         assert torch.equal(outs[0], outs[1])
+
+
+def _prefilled_pool(model, prompts, device):
+    """A pool (a slot per prompt, plus a scratch slot) with each prompt's KV rows written."""
+    c = model.config
+    pool = KVPool(num_layers=c.num_hidden_layers, num_slots=len(prompts) + 1, max_length=64,
+                  num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=model.dtype, device=device)
+    slots = []
+    for prompt in prompts:
+        slot, view = pool.acquire(64)
+        model(torch.tensor(prompt, device=device), view)
+        slots.append(slot)
+    scratch, _ = pool.acquire(1)
+    return pool, slots, scratch
+
+
+def test_a_batch_of_windows_matches_each_window_alone(model, fused):
+    """run_batch: several sequences' windows in one ragged forward give each window's rows."""
+    prompts = [[5, 17, 42, 8], [9, 1, 60, 33, 2, 70], [11, 12]]
+    pool, slots, scratch = _prefilled_pool(model, prompts, "cpu")
+    runner = WindowGraphs(fused, pool, max_rows=4, max_batch_rows=8, scratch_slot=scratch)
+    windows = [(slots[0], [3], 4), (slots[1], [44, 45, 46], 6), (slots[2], [7], 2)]
+    batch = runner.run_batch(windows).logits[:5].clone()
+    alone = torch.cat([runner.run(slot, ids, start).logits.clone() for slot, ids, start in windows])
+    torch.testing.assert_close(batch, alone, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="rows"):
+        runner.run_batch([(slots[0], [1] * 5, 4), (slots[1], [1] * 4, 6)])  # 9 rows > max_batch_rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs of decode batches need a CUDA device")
+def test_decode_batch_graphs_give_each_row_its_one_row_bits():
+    """On the GPU a decode batch (captured, padded to its bucket on the scratch slot) gives every
+    row the same bits as that sequence's captured one-row step, and an eager verify batch the
+    same bits as each window alone."""
+    config = ModelConfig.from_dict(CONFIG | dict(head_dim=16))
+    model = load_model(config=config, random_weights=True, seed=5, dtype=torch.bfloat16, device="cuda")
+    prompts = [[5, 17, 42, 8], [9, 1, 60, 33, 2, 70], [11, 12], [40, 41, 42]]
+    pool, slots, scratch = _prefilled_pool(model, prompts, "cuda")
+    runner = WindowGraphs(FusedModel(model, max_rows=8, max_length=64), pool, max_rows=5, max_batch_rows=8,
+                          scratch_slot=scratch)
+    runner.capture()
+    assert sorted(runner.batch_graphs) == [2, 4, 8]
+    decode = [(slot, [20 + i], len(p)) for i, (slot, p) in enumerate(zip(slots, prompts))][:3]  # bucket 4, one pad
+    batch = runner.run_batch(decode).logits[:3].clone()
+    alone = torch.cat([runner.run(slot, ids, start).logits.clone() for slot, ids, start in decode])
+    assert torch.equal(batch, alone)
+    verify = [(slots[0], [3, 4, 5], 4), (slots[1], [6], 6), (slots[3], [7, 8], 3)]
+    batch = runner.run_batch(verify).logits[:6].clone()
+    alone = torch.cat([runner.run(slot, ids, start).logits.clone() for slot, ids, start in verify])
+    assert torch.equal(batch, alone)

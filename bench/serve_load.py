@@ -1,0 +1,259 @@
+"""Serving load on the verifier, in the manner of vLLM's benchmark_serving (issue 11).
+
+One verifier service (child process; random weights at Qwen3-30B-A3B shapes, or --small) and
+many concurrent clients in this process. Each arm is measured from the client:
+- closed loop at each --concurrency C: C clients each send --requests-per-client requests
+  back to back (greedy, --prompt-tokens random prompt tokens, --new-tokens new tokens);
+- open loop at each --rates R (requests/s): --num-requests requests with Poisson arrivals.
+Reported per arm: aggregate output tokens/s (tokens / wall time of the arm), the ratio to
+concurrency 1 of the same run, TTFT, time per output token (TPOT: (last − first token) /
+(tokens − 1) per request) and inter-token latency (gaps between token events; a round that
+commits several tokens is one event) at p50/p95/p99, and the verifier's mean batch size.
+
+With --alpha A a synthetic replay drafter (bench/replay_drafter.py: the verifier's own
+greedy continuation, each draft corrupted with probability 1 − A) joins the same verifier;
+each concurrency then runs plain and speculative requests in alternating blocks on that one
+service (plain requests ask for no speculation), and reports speculative / plain.
+
+Usage: python bench/serve_load.py [--small] [--concurrency 1,8,32,64] [--rates ...] [--alpha 0.8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from urllib.request import urlopen
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pairbench.common import free_port, log  # noqa: E402  (puts the repo and protocol modules on sys.path)
+from pairbench.services import Children  # noqa: E402
+
+from bench.model_baseline import QWEN3_30B_A3B, SMALL  # noqa: E402
+from shared.client import AsyncVerifierClient, GenerationConfig  # noqa: E402
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+async def one_request(client: AsyncVerifierClient, prompt: list[int], config: GenerationConfig) -> dict:
+    sent = time.perf_counter()
+    arrivals: list[float] = []
+    tokens = 0
+    async for event in client.stream(prompt, config):
+        if event.token_ids:
+            arrivals.append(time.perf_counter())
+            tokens += len(event.token_ids)
+    return {"sent": sent, "arrivals": arrivals, "tokens": tokens}
+
+
+def summarise(records: list[dict], wall_s: float) -> dict:
+    ttft = [(r["arrivals"][0] - r["sent"]) * 1e3 for r in records if r["arrivals"]]
+    tpot = [(r["arrivals"][-1] - r["arrivals"][0]) * 1e3 / (r["tokens"] - 1) for r in records if r["tokens"] > 1]
+    itl = [(b - a) * 1e3 for r in records for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    tokens = sum(r["tokens"] for r in records)
+    out = {"requests": len(records), "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s}
+    for name, values in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl)):
+        out[name] = {f"p{q}": percentile(values, q) for q in (50, 95, 99)}
+    return out
+
+
+class Load:
+    def __init__(self, address: str, prompts: list[list[int]], new_tokens: int, metrics_port: int) -> None:
+        self.address = address
+        self.prompts = prompts
+        self.new_tokens = new_tokens
+        self.metrics_port = metrics_port
+        self.next_prompt = 0
+
+    def prompt(self) -> list[int]:
+        prompt = self.prompts[self.next_prompt % len(self.prompts)]
+        self.next_prompt += 1
+        return prompt
+
+    def config(self, speculation: bool) -> GenerationConfig:
+        return GenerationConfig(max_new_tokens=self.new_tokens, temperature=0.0, speculation=speculation,
+                                max_draft_tokens=4 if speculation else 0)
+
+    def batch_counts(self) -> tuple[float, float]:
+        """(sum, count) of the verifier's tandem_verifier_batch_rounds histogram."""
+        text = urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        values = {}
+        for line in text.splitlines():
+            if line.startswith(("tandem_verifier_batch_rounds_sum", "tandem_verifier_batch_rounds_count")):
+                name, value = line.split()
+                values[name] = float(value)
+        return values.get("tandem_verifier_batch_rounds_sum", 0.0), values.get("tandem_verifier_batch_rounds_count", 0.0)
+
+    async def closed_loop(self, concurrency: int, per_client: int, speculation: bool) -> dict:
+        before = self.batch_counts()
+        async with AsyncVerifierClient(self.address, timeout=1800) as client:
+            async def worker() -> list[dict]:
+                return [await one_request(client, self.prompt(), self.config(speculation)) for _ in range(per_client)]
+
+            started = time.perf_counter()
+            results = await asyncio.gather(*(worker() for _ in range(concurrency)))
+            wall = time.perf_counter() - started
+        after = self.batch_counts()
+        out = summarise([r for rs in results for r in rs], wall)
+        out["mean_batch"] = (after[0] - before[0]) / max(after[1] - before[1], 1)
+        return out
+
+    async def open_loop(self, rate: float, num_requests: int, seed: int) -> dict:
+        rng = random.Random(seed)
+        before = self.batch_counts()
+        async with AsyncVerifierClient(self.address, timeout=1800) as client:
+            started = time.perf_counter()
+            tasks = []
+            for _ in range(num_requests):
+                tasks.append(asyncio.create_task(one_request(client, self.prompt(), self.config(False))))
+                await asyncio.sleep(rng.expovariate(rate))
+            records = await asyncio.gather(*tasks)
+            wall = time.perf_counter() - started
+        after = self.batch_counts()
+        out = summarise(records, wall)
+        out["mean_batch"] = (after[0] - before[0]) / max(after[1] - before[1], 1)
+        return out
+
+
+def row(label: str, s: dict, base: float | None) -> str:
+    ratio = f"{s['tokens_per_s'] / base:.2f}" if base else "–"
+    return (f"| {label} | {s['requests']} | {s['tokens_per_s']:.1f} | {ratio} | {s['mean_batch']:.1f} | "
+            + " | ".join(f"{s[m]['p50']:.1f} / {s[m]['p95']:.1f} / {s[m]['p99']:.1f}" for m in ("ttft_ms", "tpot_ms", "itl_ms"))
+            + " |")
+
+
+HEADER = ("| arm | requests | output tokens/s | × concurrency 1 | mean batch | TTFT ms p50/p95/p99 "
+          "| TPOT ms p50/p95/p99 | ITL ms p50/p95/p99 |\n| --- | ---: | ---: | ---: | ---: | --- | --- | --- |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--concurrency", default="1,8,32,64")
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--rates", default="", help="open-loop arrival rates, requests/s (comma separated)")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--alpha", type=float, default=None, help="add a synthetic replay drafter at this acceptance")
+    parser.add_argument("--blocks", type=int, default=1, help="repeats of the whole concurrency sweep")
+    parser.add_argument("--verifier-arg", action="append", default=[], help="extra verifier flag (repeatable)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rates = [float(r) for r in args.rates.split(",") if r]
+    shapes = (SMALL if args.small else QWEN3_30B_A3B) | dict(
+        max_position_embeddings=max(4096, args.prompt_tokens + args.new_tokens + 64))
+    workdir = Path(tempfile.mkdtemp(prefix="serve-load-"))
+    (workdir / "model").mkdir()
+    (workdir / "model" / "config.json").write_text(json.dumps(shapes))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(shapes["vocab_size"]) for _ in range(args.prompt_tokens)] for _ in range(2 * max(levels))]
+    children = Children(workdir)
+    port, metrics_port = free_port(), free_port()
+    address = f"127.0.0.1:{port}"
+    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    verifier_argv = [sys.executable, "-m", "shared.cli", "verifier", "--model", str(workdir / "model"), "--random-weights",
+                     "--device", args.device, "--dtype", dtype, "--port", str(port), "--metrics-port", str(metrics_port),
+                     "--max-sessions", str(max(levels)), "--max-context", str(args.prompt_tokens + args.new_tokens + 32),
+                     "--grace-s", "2", *args.verifier_arg]
+    results: dict = {"args": vars(args) | {"out": str(args.out)}, "closed": {}, "open": {}}
+    try:
+        if args.alpha is not None:
+            results["references"] = asyncio.run(references(children, verifier_argv, address, prompts, args))
+            reference_path = workdir / "references.json"
+            reference_path.write_text(json.dumps({"references": results.pop("references"),
+                                                  "vocab_size": shapes["vocab_size"]}))
+            drafter_port = free_port()
+            children.start("replay-drafter", [sys.executable, str(Path(__file__).parent / "replay_drafter.py"),
+                                              "--port", str(drafter_port), "--reference", str(reference_path),
+                                              "--alpha", str(args.alpha), "--vocab-size", str(shapes["vocab_size"])])
+            asyncio.run(children.wait_serving("replay-drafter", f"127.0.0.1:{drafter_port}", timeout=120))
+            verifier_argv += ["--drafter", f"127.0.0.1:{drafter_port}"]
+        children.start("verifier", verifier_argv)
+        asyncio.run(children.wait_serving("verifier", address, timeout=900))
+        load = Load(address, prompts, args.new_tokens, metrics_port)
+        asyncio.run(load.closed_loop(1, 1, False))  # warm-up
+        arms = [False, True] if args.alpha is not None else [False]
+        for block in range(args.blocks):
+            for c in levels:
+                for speculation in (arms if block % 2 == 0 else arms[::-1]):
+                    key = f"{'spec' if speculation else 'plain'}@{c}"
+                    s = asyncio.run(load.closed_loop(c, args.requests_per_client, speculation))
+                    results["closed"].setdefault(key, []).append(s)
+                    log(f"  block {block} {key}: {s['tokens_per_s']:.1f} tok/s, mean batch {s['mean_batch']:.1f}, "
+                        f"TPOT p50 {s['tpot_ms']['p50']:.2f} ms")
+        for rate in rates:
+            s = asyncio.run(load.open_loop(rate, args.num_requests, seed=int(rate * 1000)))
+            results["open"][rate] = s
+            log(f"  rate {rate}/s: {s['tokens_per_s']:.1f} tok/s, TTFT p50 {s['ttft_ms']['p50']:.0f} ms")
+    finally:
+        children.stop()
+    report(results, levels, rates, args)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1, default=str))
+
+
+async def references(children, verifier_argv, address, prompts, args) -> list[dict]:
+    """The verifier's greedy continuation of every prompt (what the replay drafter proposes)."""
+    children.start("reference-verifier", verifier_argv)
+    try:
+        await children.wait_serving("reference-verifier", address, timeout=900)
+        config = GenerationConfig(max_new_tokens=args.new_tokens, temperature=0.0, speculation=False)
+        sessions = asyncio.Semaphore(max(int(c) for c in args.concurrency.split(",")))  # its max_sessions
+
+        async def generate(client, prompt):
+            async with sessions:
+                return await client.generate(prompt, config)
+
+        async with AsyncVerifierClient(address, timeout=1800) as client:
+            outs = await asyncio.gather(*(generate(client, p) for p in prompts))
+        return [{"prompt_ids": p, "token_ids": list(o.token_ids)} for p, o in zip(prompts, outs)]
+    finally:
+        children.stop("reference-verifier")
+
+
+def report(results: dict, levels: list[int], rates: list[float], args) -> None:
+    def median_arm(key):
+        runs = results["closed"].get(key, [])
+        if not runs:
+            return None
+        best = sorted(runs, key=lambda s: s["tokens_per_s"])[len(runs) // 2]
+        return best
+
+    print(f"\nclosed loop: {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, greedy, "
+          f"{args.requests_per_client} requests per client, {args.blocks} block(s) (median block shown)\n")
+    print(HEADER)
+    base = median_arm("plain@1")
+    for c in levels:
+        for kind in ("plain", "spec"):
+            s = median_arm(f"{kind}@{c}")
+            if s is not None:
+                print(row(f"{kind}, concurrency {c}", s, base["tokens_per_s"] if base else None))
+    if args.alpha is not None:
+        print(f"\nspeculative / plain at the same concurrency (synthetic drafter, alpha {args.alpha}):")
+        for c in levels:
+            plain, spec = median_arm(f"plain@{c}"), median_arm(f"spec@{c}")
+            if plain and spec:
+                print(f"- concurrency {c}: {spec['tokens_per_s'] / plain['tokens_per_s']:.2f}x")
+    if rates:
+        print(f"\nopen loop (Poisson arrivals), {args.num_requests} requests per rate\n")
+        print(HEADER)
+        for rate in rates:
+            print(row(f"{rate:g} requests/s", results["open"][rate], base["tokens_per_s"] if base else None))
+
+
+if __name__ == "__main__":
+    main()

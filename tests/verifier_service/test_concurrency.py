@@ -1,0 +1,118 @@
+"""Concurrent requests through a real verifier with batched rounds (fused path, CPU torch ops):
+a request's tokens do not depend on what else runs, KV slots all come back, and a request
+refused for capacity leaves the others untouched."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from shared.protocol import common_pb2
+
+from .conftest import ScriptedDrafter, chain, generate, request
+
+
+@pytest.fixture(autouse=True)
+def torch_reference_ops(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # seconds per batched step otherwise
+
+
+def propose(state):
+    """Three drafts, a function of the committed tokens only (some accepted, some not)."""
+    last = state.tokens[-1]
+    return chain(state, [(last * 7 + j) % 97 for j in range(3)])
+
+
+MIXED = [  # prompt, new tokens, temperature, seed, speculate
+    ([5, 17, 42], 14, 0.0, 1, False),
+    ([9, 9, 8, 7, 6, 5, 4, 3, 2, 1, 11], 10, 0.8, 2, True),
+    ([33], 12, 1.0, 3, False),
+    ([60, 61, 62, 63, 64], 14, 0.0, 4, True),
+    ([2, 4, 8, 16, 32, 64, 31], 8, 0.7, 5, True),
+    ([70, 3, 70, 3], 14, 1.2, 6, False),
+    ([12, 24, 36, 48, 60, 72, 84, 96, 11, 22, 33, 44, 55], 11, 0.0, 7, True),
+    ([1, 1, 2, 3, 5, 8], 13, 0.9, 8, False),
+]
+
+
+def mixed_request(prompt, new_tokens, temperature, seed, speculate):
+    return request(prompt, new_tokens, temperature=temperature, seed=seed, max_draft_tokens=3, disable=not speculate,
+                   top_k=40)
+
+
+async def cancelled_midway(stub, after_events: int) -> int:
+    call = stub.Generate(mixed_request([50, 51, 52, 53], 40, 0.8, 99, True))
+    seen = 0
+    async for _ in call:
+        seen += 1
+        if seen == after_events:
+            call.cancel()
+            break
+    return seen
+
+
+async def wait_until(predicate, timeout_s=5.0):
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate() and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+    return predicate()
+
+
+async def test_concurrent_mixed_requests_match_each_run_alone(servers, tiny_model):
+    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(propose), fused="on", max_sessions=9,
+                               batch_gather_ms=20.0)
+    service = servers.verifier.service
+    assert service.engine.path == "fused"
+    alone = [(await generate(stub, mixed_request(*m)))[0] for m in MIXED]
+    batches_before = service.metrics.registry.get_sample_value("tandem_verifier_batch_rounds_count")
+
+    results = await asyncio.gather(*(generate(stub, mixed_request(*m)) for m in MIXED), cancelled_midway(stub, 3))
+    together = [tokens for tokens, _, _ in results[:-1]]
+    assert together == alone
+    assert all(final.finish_reason == "length" for _, final, _ in results[:-1])
+    assert results[-1] == 3
+    # rounds really ran in batches of several sessions
+    registry = service.metrics.registry
+    batches = registry.get_sample_value("tandem_verifier_batch_rounds_count") - batches_before
+    rounds = sum(final.stats.rounds for _, final, _ in results[:-1])
+    assert batches < rounds
+    # the cancelled request's slot comes back too
+    assert await wait_until(lambda: service.engine.free_slots == 9 and service.active == 0)
+
+
+async def test_a_request_refused_for_capacity_leaves_the_others_untouched(servers, tiny_model):
+    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(propose), fused="on", max_sessions=2)
+    service = servers.verifier.service
+    first, second = MIXED[1], MIXED[3]
+    alone = [(await generate(stub, mixed_request(*m)))[0] for m in (first, second)]
+
+    async def refused_while_full():
+        await wait_until(lambda: service.active == 2)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await generate(stub, mixed_request(*MIXED[0]))
+        return refused.value
+
+    results = await asyncio.gather(generate(stub, mixed_request(*first)), generate(stub, mixed_request(*second)),
+                                   refused_while_full())
+    assert [results[0][0], results[1][0]] == alone
+    error = results[2]
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_sessions" in error.details()
+    assert await wait_until(lambda: service.engine.free_slots == 2)
+
+
+async def test_probabilistic_requests_batch_like_alone(servers, tiny_model):
+    """Probabilistic rounds with q rows, several at once, draw what each draws alone."""
+    from .conftest import sampled_chain
+
+    q = {3: 0.4, 9: 0.3, 27: 0.2, 81: 0.1}
+    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(lambda state: sampled_chain(state, q, 3)),
+                               fused="on", max_sessions=4, batch_gather_ms=20.0)
+
+    def probabilistic(seed):
+        return request([7, 14, 21], 12, temperature=0.9, seed=seed, mode=common_pb2.MODE_PROBABILISTIC,
+                       max_draft_tokens=3)
+
+    alone = [(await generate(stub, probabilistic(seed)))[0] for seed in (1, 2, 3, 4)]
+    together = await asyncio.gather(*(generate(stub, probabilistic(seed)) for seed in (1, 2, 3, 4)))
+    assert [tokens for tokens, _, _ in together] == alone
