@@ -75,16 +75,27 @@ class RoundRequest:
     session: Session
     drafts: list[int]
     q_rows: SparseRows | None = None
-    decode_ahead: bool = False  # honoured when the round runs alone (see Engine.run_round)
+    decode_ahead: bool = False  # another plain greedy round follows (see Engine.run_round)
 
 
 @dataclass
 class Ahead:
-    """A 1-row greedy step already enqueued for a session's next round (decode-ahead)."""
+    """A greedy decode step already enqueued for these sessions' next round (decode-ahead):
+    one row each, row i of sessions[i], written at positions[i]."""
 
-    session: Session
-    position: int  # the KV position its row was written at
-    ring: int  # the pinned slot its token and hidden row arrive in
+    sessions: list[Session]
+    positions: list[int]
+    ring: int  # the pinned slot its tokens and hidden rows arrive in
+
+    def matches(self, sessions: list[Session]) -> list[int] | None:
+        """Each session's row if the step is exactly theirs, in any order, at their next position."""
+        rows = {id(s): i for i, s in enumerate(self.sessions)}
+        if len(sessions) != len(rows) or any(id(s) not in rows for s in sessions):
+            return None
+        order = [rows[id(s)] for s in sessions]
+        if any(s.cache.length != self.positions[i] for s, i in zip(sessions, order)):
+            return None
+        return order
 
 
 class Engine:
@@ -166,7 +177,7 @@ class Engine:
         # (called off the worker thread: read `ahead` once; losing another session's step ahead
         # to a race only costs that session one plain launch)
         ahead = self.ahead
-        if ahead is not None and ahead.session is session:
+        if ahead is not None and any(s is session for s in ahead.sessions):
             self.ahead = None  # its step writes beyond the committed rows: harmless, and never read
         if session.slot is not None and self.windows is not None:
             self.windows.pool.release(session.slot)
@@ -242,6 +253,9 @@ class Engine:
         if len(rounds) == 1 or self.windows is None:
             alone = len(rounds) == 1
             return [self.run_round(r.session, r.drafts, r.q_rows, decode_ahead=alone and r.decode_ahead) for r in rounds]
+        if all(not r.drafts and r.session.spec.sampling.greedy for r in rounds) \
+                and len(rounds) <= self.windows.max_batch_rows:
+            return self._decode_batch(rounds)
         self.ahead = None
         outcomes: list[RoundOutcome] = []
         group: list[RoundRequest] = []
@@ -278,6 +292,31 @@ class Engine:
             row += len(window)
         return outcomes
 
+    def _decode_batch(self, rounds: list[RoundRequest]) -> list[RoundOutcome]:
+        """Greedy one-token rounds of several sessions: one decode batch, with decode-ahead when
+        every session asks for it (the next batch step is enqueued, fed by this one's greedy
+        ids on the device, before this one is read; the next call uses it if it is exactly
+        the same sessions, in any order)."""
+        started = time.perf_counter()
+        sessions = [r.session for r in rounds]
+        ahead, self.ahead = self.ahead, None
+        order = ahead.matches(sessions) if ahead is not None and len(ahead.sessions) > 1 else None
+        positions = [s.cache.reserve(1) for s in sessions]
+        if order is not None:  # this step is already computed (or on its way)
+            ring, batch_sessions, batch_positions = ahead.ring, ahead.sessions, ahead.positions
+        else:
+            out = self.windows.run_batch([(s.slot, s.token_ids[-1:], p) for s, p in zip(sessions, positions)])
+            ring = self._ring_copy(out.hidden[: len(rounds)], out.greedy_ids[: len(rounds)])
+            order, batch_sessions, batch_positions = list(range(len(rounds))), sessions, positions
+        if all(r.decode_ahead for r in rounds) and all(s.cache.length < s.cache.max_length for s in sessions):
+            out = self.windows.run_batch_chained()
+            self.ahead = Ahead(list(batch_sessions), [p + 1 for p in batch_positions],
+                               self._ring_copy(out.hidden[: len(rounds)], out.greedy_ids[: len(rounds)]))
+        host_hidden, ids = self._ring_read(ring, len(rounds))
+        forward_s = time.perf_counter() - started
+        return [self._commit(r.session, [], None, host_hidden[row : row + 1], ids[row : row + 1], None, forward_s, 0)
+                for r, row in zip(rounds, order)]
+
     def _ring_copy(self, hidden: Tensor, greedy_ids: Tensor) -> int:
         """Enqueue the copy of a window's hidden rows [T, H] and greedy ids [T] to the next host
         slot; returns the slot."""
@@ -301,14 +340,14 @@ class Engine:
         started = time.perf_counter()
         start = session.cache.reserve(1)
         ahead, self.ahead = self.ahead, None
-        if ahead is not None and ahead.session is session and ahead.position == start:
+        if ahead is not None and ahead.sessions == [session] and ahead.positions == [start]:
             ring = ahead.ring  # enqueued during the last round
         else:
             out = self.windows.run(session.slot, session.token_ids[-1:], start)
             ring = self._ring_copy(out.hidden, out.greedy_ids)
         if decode_ahead and session.cache.length < session.cache.max_length:
             out = self.windows.run_chained()
-            self.ahead = Ahead(session, start + 1, self._ring_copy(out.hidden, out.greedy_ids))
+            self.ahead = Ahead([session], [start + 1], self._ring_copy(out.hidden, out.greedy_ids))
         hidden, ids = self._ring_read(ring, 1)
         token = ids[0]
         rows = hidden.to(torch.bfloat16, copy=True)

@@ -52,8 +52,8 @@ class WindowGraphs:
         self.device = fused.model.device
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         pin = self.device.type == "cuda"
-        # [ids | positions | slots | sequence slots (R each) | sequence starts (R + 1)], R = max_batch_rows
-        size = 5 * max_batch_rows + 1
+        # [ids | positions | slots | sequence slots | sequence starts (R + 1) | real-row mask], R = max_batch_rows
+        size = 6 * max_batch_rows + 1
         self.host_in = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self.dev_in = torch.zeros(size, dtype=torch.int64, device=self.device)
         self.copied = torch.cuda.Event() if pin else None
@@ -66,6 +66,11 @@ class WindowGraphs:
         # the chained step reads it as its input at the next position, without the host.
         self.last_token = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.chained: tuple[torch.cuda.CUDAGraph, WindowOutput] | None = None
+        # The same for decode batches: each leaves its greedy ids here; the chained batch step
+        # feeds them back at the next positions of the real rows (the mask keeps padding put).
+        self.last_batch_ids = torch.zeros(max_batch_rows, dtype=torch.int64, device=self.device)
+        self.chained_batches: dict[int, tuple[torch.cuda.CUDAGraph, WindowOutput]] = {}
+        self.last_decode_rows: int | None = None  # padded rows of the last decode batch (None: not one)
 
     def _rows(self, num_rows: int) -> Rows:
         m = self.max_batch_rows
@@ -102,7 +107,16 @@ class WindowGraphs:
     def _batch_forward(self, num_rows: int, num_seqs: int, max_rows_per_seq: int) -> WindowOutput:
         rows = self._batch_rows(num_rows, num_seqs, max_rows_per_seq)
         logits, hidden = self.fused.forward(self.dev_in[:num_rows], rows, self.kv)
-        return WindowOutput(logits, hidden, logits.argmax(dim=-1))
+        output = WindowOutput(logits, hidden, logits.argmax(dim=-1))
+        if max_rows_per_seq == 1:
+            self.last_batch_ids[:num_rows].copy_(output.greedy_ids)
+        return output
+
+    def _chained_batch_forward(self, num_rows: int) -> WindowOutput:
+        m = self.max_batch_rows
+        self.dev_in[:num_rows].copy_(self.last_batch_ids[:num_rows])
+        self.dev_in[m : m + num_rows].add_(self.dev_in[5 * m : 5 * m + num_rows])
+        return self._batch_forward(num_rows, num_rows, 1)
 
     def decode_buckets(self) -> list[int]:
         """The decode-batch sizes captured as graphs: powers of two from 2 to max_batch_rows, and it."""
@@ -129,6 +143,7 @@ class WindowGraphs:
         for bucket in self.decode_buckets():
             started = time.perf_counter()
             self.batch_graphs[bucket] = self._capture(lambda b=bucket: self._batch_forward(b, b, 1))
+            self.chained_batches[bucket] = self._capture(lambda b=bucket: self._chained_batch_forward(b))
             if progress is not None:
                 progress(f"the decode batch of {bucket} rows", time.perf_counter() - started)
 
@@ -169,6 +184,7 @@ class WindowGraphs:
         values[2 * m : 2 * m + num_rows] = slot
         values[3 * m] = slot
         self._send()
+        self.last_decode_rows = None
         captured = self.graphs.get(num_rows)
         if captured is None:
             return self._forward(num_rows)
@@ -213,9 +229,24 @@ class WindowGraphs:
             values[3 * m + num_seqs + pad - num_rows] = self.scratch_slot
             values[4 * m + num_seqs + pad - num_rows] = pad
         values[4 * m + num_seqs + padded - num_rows] = padded
+        values[5 * m : 5 * m + padded] = [1] * num_rows + [0] * (padded - num_rows)
         self._send()
+        self.last_decode_rows = padded if longest == 1 else None
         if bucket is None:
             return self._batch_forward(num_rows, num_seqs, longest)
         graph, output = self.batch_graphs[bucket]
+        graph.replay()
+        return output
+
+    def run_batch_chained(self) -> WindowOutput:
+        """The decode batch after the last decode batch (or its chained successor): every real
+        row's greedy token at its next position, fed on the device (enqueue it before reading
+        the last step's result)."""
+        if self.last_decode_rows is None:
+            raise ValueError("run_batch_chained follows a decode batch (one-row windows)")
+        captured = self.chained_batches.get(self.last_decode_rows) if self.use_graphs else None
+        if captured is None:
+            return self._chained_batch_forward(self.last_decode_rows)
+        graph, output = captured
         graph.replay()
         return output

@@ -125,3 +125,38 @@ def test_probabilistic_rounds_batch_like_alone(tiny_mtp_model):
             engine.close(s)
         outcomes[together] = out
     assert outcomes[True] == outcomes[False]
+
+
+def test_decode_batches_ahead_commit_what_each_commits_alone(tiny_mtp_model):
+    """Greedy decode batches with decode-ahead (each step enqueues the next, fed on the device):
+    the same tokens as each session alone, also when the batch's order changes, when a
+    session leaves (the step ahead is dropped) and when one joins."""
+    engine = Engine(tiny_mtp_model, max_context=64, prefill_chunk=8, fused="on", max_sessions=4, max_window=5)
+    prompts = [[5, 17, 42], [9, 1, 60, 33, 2], [11, 12, 13, 14], [70, 71]]
+    lengths = [10, 6, 10, 8]
+    requests = [spec(p, temperature=0.0, max_new_tokens=n, request_id=str(i))
+                for i, (p, n) in enumerate(zip(prompts, lengths))]
+    alone = [run_alone(engine, r, None) for r in requests]
+    sessions = {i: engine.open(r) for i, r in enumerate(requests[:3])}  # the fourth joins later
+    emitted = {i: [] for i in range(4)}
+    launched = []  # decode batches launched from the host (the others were computed ahead)
+    run_batch = engine.windows.run_batch
+    engine.windows.run_batch = lambda windows: launched.append(len(windows)) or run_batch(windows)
+    step = batched_steps = 0
+    while sessions:
+        live = sorted(sessions)
+        if step % 2:
+            live.reverse()  # the batch order changes from step to step
+        rounds = [RoundRequest(sessions[i], [], None, decode_ahead=True) for i in live]
+        batched_steps += len(rounds) > 1
+        for i, outcome in zip(live, engine.run_rounds(rounds), strict=True):
+            emitted[i].extend(outcome.emitted)
+            if len(emitted[i]) >= lengths[i]:
+                engine.close(sessions.pop(i))
+        step += 1
+        if step == 3:
+            sessions[3] = engine.open(requests[3])
+    assert [emitted[i][: lengths[i]] for i in range(4)] == alone
+    assert len(launched) < batched_steps / 2  # most batch steps were computed ahead
+    assert len(launched) >= 3  # start, the join, the leaves: each batch change launches anew
+    assert engine.free_slots == 4

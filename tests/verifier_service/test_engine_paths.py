@@ -96,7 +96,7 @@ def test_decode_ahead_commits_the_same_tokens_across_interleaved_sessions(tiny_m
         ahead = fused.ahead
         drafts = expected[which][len(got[which]) : len(got[which]) + 2] if turn % 7 == 6 else []
         outcome = fused.run_round(session, drafts, None, decode_ahead=True)
-        used += ahead is not None and ahead.session is session and not drafts
+        used += ahead is not None and ahead.sessions == [session] and not drafts
         got[which].extend(outcome.emitted)
         assert session.cache.length == len(session.token_ids) - 1  # the head's row is never cached
     for session in sessions:

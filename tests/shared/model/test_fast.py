@@ -190,7 +190,27 @@ def test_decode_batch_graphs_give_each_row_its_one_row_bits():
     batch = runner.run_batch(decode).logits[:3].clone()
     alone = torch.cat([runner.run(slot, ids, start).logits.clone() for slot, ids, start in decode])
     assert torch.equal(batch, alone)
+    # decode-ahead: the chained batch step feeds each row's greedy token at its next position
+    first = runner.run_batch(decode)
+    next_ids = first.greedy_ids[:3].tolist()
+    chained = runner.run_batch_chained().logits[:3].clone()
+    explicit = runner.run_batch([(slot, [t], start + 1) for (slot, _, start), t in zip(decode, next_ids)])
+    assert torch.equal(chained, explicit.logits[:3])
     verify = [(slots[0], [3, 4, 5], 4), (slots[1], [6], 6), (slots[3], [7, 8], 3)]
     batch = runner.run_batch(verify).logits[:6].clone()
     alone = torch.cat([runner.run(slot, ids, start).logits.clone() for slot, ids, start in verify])
     assert torch.equal(batch, alone)
+
+
+def test_chained_decode_batch_feeds_each_rows_greedy_token(model, fused):
+    prompts = [[5, 17, 42, 8], [9, 1, 60]]
+    pool, slots, scratch = _prefilled_pool(model, prompts, "cpu")
+    runner = WindowGraphs(fused, pool, max_rows=4, max_batch_rows=4, scratch_slot=scratch)
+    decode = [(slots[0], [3], 4), (slots[1], [7], 3)]
+    next_ids = runner.run_batch(decode).greedy_ids[:2].tolist()
+    chained = runner.run_batch_chained().logits[:2].clone()
+    explicit = runner.run_batch([(slot, [t], start + 1) for (slot, _, start), t in zip(decode, next_ids)]).logits[:2]
+    torch.testing.assert_close(chained, explicit, rtol=1e-5, atol=1e-5)
+    runner.run(slots[0], [1], 6)
+    with pytest.raises(ValueError, match="follows a decode batch"):
+        runner.run_batch_chained()
