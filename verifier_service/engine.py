@@ -111,6 +111,7 @@ class Engine:
         max_sessions: int = 8,
         max_window: int = 17,
         max_batch_rows: int = 64,
+        verify_window: int = 0,
         progress: Callable[[str], None] | None = None,
         draw_secret: bytes = b"",
     ) -> None:
@@ -129,6 +130,7 @@ class Engine:
             batch_rows = max(max_window, min(max_batch_rows, max_sessions * max_window))
             fused_model = FusedModel(model, max_rows=batch_rows, max_length=max_context, pdl=None if pdl else False)
             self.windows = WindowGraphs(fused_model, pool, max_window, max_batch_rows=batch_rows, scratch_slot=scratch,
+                                        verify_window=verify_window,
                                         use_graphs=cuda_graphs and model.device.type == "cuda")
             if progress is not None:
                 progress(f"KV pool: {max_sessions} slots x {max_context} positions ({pool.bytes / 2**30:.2f} GiB)")

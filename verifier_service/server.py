@@ -141,6 +141,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             Engine, self.model, max_context=max_context, prefill_chunk=s.prefill_chunk, fused=s.fused,
             cuda_graphs=s.cuda_graphs, pdl=s.pdl != "off", max_sessions=s.max_sessions,
             max_window=s.max_draft_tokens_limit + 1, max_batch_rows=s.max_batch_rows,
+            verify_window=s.max_draft_tokens + 1,
             progress=lambda message: log.info(message), draw_secret=self.draw_secret,
         )
         self.batcher = RoundBatcher(self.worker, self.engine.run_rounds,

@@ -9,7 +9,9 @@ host synchronisation. Without CUDA (or with capture off) the same code runs eage
 Batches (`run_batch`): the windows of several sequences (each on its own slot) as one ragged
 forward. A batch of one-row windows (plain decoding) replays the graph of the smallest
 captured bucket that holds it, the spare rows padded as one-row sequences on a scratch slot
-that no request holds; other batches (verify windows of several sessions) run eagerly.
+that no request holds. A batch of verify windows of at most `verify_window` rows each does
+the same with the verify buckets (graphs of R rows in up to R sequences of up to
+verify_window rows; unused sequences are empty); other batches run eagerly.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ class WindowOutput:
 
 class WindowGraphs:
     def __init__(self, fused: FusedModel, pool: KVPool, max_rows: int, *, max_batch_rows: int | None = None,
-                 scratch_slot: int | None = None, use_graphs: bool | None = None) -> None:
+                 scratch_slot: int | None = None, verify_window: int = 0, use_graphs: bool | None = None) -> None:
         """max_rows: the largest window of one sequence; max_batch_rows: the most rows of one
         batch (default max_rows); scratch_slot: a pool slot no request holds, where padded rows
-        of decode-batch graphs write (without one, decode batches run eagerly)."""
+        of batch graphs write (without one, batches run eagerly); verify_window: the longest
+        window of captured verify batches (0 or 1: none; typically max draft tokens + 1)."""
         max_batch_rows = max_batch_rows or max_rows
         if not 1 <= max_rows <= max_batch_rows <= fused.max_rows:
             raise ValueError(f"need 1 <= max_rows ({max_rows}) <= max_batch_rows ({max_batch_rows}) "
@@ -49,6 +52,7 @@ class WindowGraphs:
         self.max_rows = max_rows
         self.max_batch_rows = max_batch_rows
         self.scratch_slot = scratch_slot
+        self.verify_window = min(verify_window, max_rows)
         self.device = fused.model.device
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         pin = self.device.type == "cuda"
@@ -61,6 +65,7 @@ class WindowGraphs:
         self.seq_starts = {t: torch.tensor([0, t], dtype=torch.int64, device=self.device) for t in range(1, max_rows + 1)}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, WindowOutput]] = {}
         self.batch_graphs: dict[int, tuple[torch.cuda.CUDAGraph, WindowOutput]] = {}  # decode batches by bucket
+        self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, WindowOutput]] = {}  # verify batches by bucket
         self.memory_pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # Chained 1-row steps (decode-ahead): every 1-row step leaves its greedy token here, and
         # the chained step reads it as its input at the next position, without the host.
@@ -146,6 +151,12 @@ class WindowGraphs:
             self.chained_batches[bucket] = self._capture(lambda b=bucket: self._chained_batch_forward(b))
             if progress is not None:
                 progress(f"the decode batch of {bucket} rows", time.perf_counter() - started)
+        if self.verify_window > 1:
+            for bucket in [b for b in self.decode_buckets() if b >= self.verify_window]:
+                started = time.perf_counter()
+                self.verify_graphs[bucket] = self._capture(lambda b=bucket: self._batch_forward(b, b, self.verify_window))
+                if progress is not None:
+                    progress(f"the verify batch of {bucket} rows", time.perf_counter() - started)
 
     def _capture(self, body: Callable[[], WindowOutput]) -> tuple[torch.cuda.CUDAGraph, WindowOutput]:
         self.host_in.zero_()
@@ -206,9 +217,10 @@ class WindowGraphs:
             raise ValueError(f"a batch of {num_rows} rows in {num_seqs} windows (1..{self.max_batch_rows} rows, "
                              "none empty)")
         longest = max(len(ids) for _, ids, _ in windows)
-        bucket = None
-        if longest == 1 and self.use_graphs:
-            bucket = next((b for b in sorted(self.batch_graphs) if b >= num_rows), None)
+        graphs = {}
+        if self.use_graphs:
+            graphs = self.batch_graphs if longest == 1 else self.verify_graphs if longest <= self.verify_window else {}
+        bucket = next((b for b in sorted(graphs) if b >= num_rows), None)
         padded = bucket or num_rows
         if self.copied is not None:
             self.copied.synchronize()
@@ -228,13 +240,15 @@ class WindowGraphs:
             values[2 * m + pad] = self.scratch_slot
             values[3 * m + num_seqs + pad - num_rows] = self.scratch_slot
             values[4 * m + num_seqs + pad - num_rows] = pad
-        values[4 * m + num_seqs + padded - num_rows] = padded
+        used_seqs = num_seqs + padded - num_rows
+        values[4 * m + used_seqs : 4 * m + padded + 1] = padded  # the bucket's unused sequences are empty
+        values[3 * m + used_seqs : 3 * m + padded] = self.scratch_slot if bucket is not None else 0
         values[5 * m : 5 * m + padded] = [1] * num_rows + [0] * (padded - num_rows)
         self._send()
         self.last_decode_rows = padded if longest == 1 else None
         if bucket is None:
             return self._batch_forward(num_rows, num_seqs, longest)
-        graph, output = self.batch_graphs[bucket]
+        graph, output = graphs[bucket]
         graph.replay()
         return output
 

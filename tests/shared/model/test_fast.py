@@ -176,16 +176,16 @@ def test_a_batch_of_windows_matches_each_window_alone(model, fused):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs of decode batches need a CUDA device")
 def test_decode_batch_graphs_give_each_row_its_one_row_bits():
     """On the GPU a decode batch (captured, padded to its bucket on the scratch slot) gives every
-    row the same bits as that sequence's captured one-row step, and an eager verify batch the
-    same bits as each window alone."""
+    row the same bits as that sequence's captured one-row step, and a verify batch (captured
+    or eager) the same bits as each window alone."""
     config = ModelConfig.from_dict(CONFIG | dict(head_dim=16))
     model = load_model(config=config, random_weights=True, seed=5, dtype=torch.bfloat16, device="cuda")
     prompts = [[5, 17, 42, 8], [9, 1, 60, 33, 2, 70], [11, 12], [40, 41, 42]]
     pool, slots, scratch = _prefilled_pool(model, prompts, "cuda")
     runner = WindowGraphs(FusedModel(model, max_rows=8, max_length=64), pool, max_rows=5, max_batch_rows=8,
-                          scratch_slot=scratch)
+                          scratch_slot=scratch, verify_window=3)
     runner.capture()
-    assert sorted(runner.batch_graphs) == [2, 4, 8]
+    assert sorted(runner.batch_graphs) == [2, 4, 8] and sorted(runner.verify_graphs) == [4, 8]
     decode = [(slot, [20 + i], len(p)) for i, (slot, p) in enumerate(zip(slots, prompts))][:3]  # bucket 4, one pad
     batch = runner.run_batch(decode).logits[:3].clone()
     alone = torch.cat([runner.run(slot, ids, start).logits.clone() for slot, ids, start in decode])
@@ -196,10 +196,12 @@ def test_decode_batch_graphs_give_each_row_its_one_row_bits():
     chained = runner.run_batch_chained().logits[:3].clone()
     explicit = runner.run_batch([(slot, [t], start + 1) for (slot, _, start), t in zip(decode, next_ids)])
     assert torch.equal(chained, explicit.logits[:3])
-    verify = [(slots[0], [3, 4, 5], 4), (slots[1], [6], 6), (slots[3], [7, 8], 3)]
-    batch = runner.run_batch(verify).logits[:6].clone()
-    alone = torch.cat([runner.run(slot, ids, start).logits.clone() for slot, ids, start in verify])
-    assert torch.equal(batch, alone)
+    for verify in ([(slots[0], [3, 4, 5], 4), (slots[1], [6], 6), (slots[3], [7, 8], 3)],  # the 8-row graph
+                   [(slots[0], [3, 4, 5, 6], 4), (slots[2], [9], 2)]):  # a 4-row window: eager
+        rows = sum(len(ids) for _, ids, _ in verify)
+        batch = runner.run_batch(verify).logits[:rows].clone()
+        alone = torch.cat([runner.run(slot, ids, start).logits.clone() for slot, ids, start in verify])
+        assert torch.equal(batch, alone)
 
 
 def test_chained_decode_batch_feeds_each_rows_greedy_token(model, fused):
