@@ -38,11 +38,11 @@ def experts_reference(
     gate_up: Tensor,  # [E, 2I, H]
     down: Tensor,  # [E, H, I]
 ) -> Tensor:
-    """Per-route expert outputs [T*k, H] float32, route r = t*k + rank."""
+    """Per-route expert outputs [T*k, H] float32, route r = t*k + rank (zeros where the id is -1)."""
     num_tokens, top_k = expert_ids.shape
     out = torch.zeros((num_tokens * top_k, x.shape[1]), dtype=torch.float32, device=x.device)
     flat = expert_ids.reshape(-1)
-    for expert in torch.unique(flat).tolist():
+    for expert in [e for e in torch.unique(flat).tolist() if e >= 0]:
         routes = torch.nonzero(flat == expert).reshape(-1)
         rows = x[routes // top_k]
         gate, up = F.linear(rows, gate_up[expert]).float().chunk(2, dim=-1)

@@ -24,9 +24,9 @@ def _kernels():
 
     @triton.jit
     def topk_kernel(
-        logits_ptr, ids_ptr, weights_ptr, resident_ptr, draft_ptr, other_mult_ptr, draft_mult_ptr, E, floor,
+        logits_ptr, ids_ptr, weights_ptr, resident_ptr, draft_ptr, other_mult_ptr, draft_mult_ptr, live_ptr, E, floor,
         TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr,
-        MOCE: tl.constexpr, PARTIALS: tl.constexpr, ROUND_TO: tl.constexpr, PDL: tl.constexpr,
+        MOCE: tl.constexpr, PARTIALS: tl.constexpr, ROUND_TO: tl.constexpr, HAS_LIVE: tl.constexpr, PDL: tl.constexpr,
     ):
         if PDL:  # wait for the predecessor kernel before touching anything it may write or read
             tl.extra.cuda.gdc_wait()
@@ -63,6 +63,8 @@ def _kernels():
             remaining = tl.where(e == best, float("-inf"), remaining)
         if NORMALIZE:
             chosen = chosen / tl.maximum(tl.sum(chosen, axis=0), floor)
+        if HAS_LIVE:  # a padding row selects no expert (-1): the expert kernels skip it
+            picked = tl.where(tl.load(live_ptr + t) != 0, picked, -1)
         tl.store(ids_ptr + t * TOP_K + ranks, picked, mask=ranks < TOP_K)
         tl.store(weights_ptr + t * TOP_K + ranks, chosen, mask=ranks < TOP_K)
 
@@ -88,6 +90,7 @@ def route(
     resident: Tensor | None = None,  # [E] bool: MoCE residency map (None = plain top-k)
     draft_rows: Tensor | None = None,  # [T] bool
     tables: MoceTables | None = None,  # required with resident
+    live: Tensor | None = None,  # [T] int: 0 marks a padding row, whose ids become -1 (no expert runs for it)
     pdl: bool = False,  # launch as a programmatic dependent (kernels.fused.pdl_supported)
 ) -> tuple[Tensor, Tensor]:
     """(expert_ids [T, k] int64 in rank order, weights [T, k] float32)."""
@@ -103,9 +106,14 @@ def route(
                 summed = summed + router_logits[:, s]
             router_logits = summed.to(round_to)
         if resident is None:
-            return route_topk(router_logits, top_k, normalize=normalize)
-        return route_topk(router_logits, top_k, resident=resident, scale=tables.scale, r1_scale=tables.r1_scale,
-                          protect=tables.protect, draft_rows=draft_rows, normalize=normalize)
+            ids, weights = route_topk(router_logits, top_k, normalize=normalize)
+        else:
+            ids, weights = route_topk(router_logits, top_k, resident=resident, scale=tables.scale,
+                                      r1_scale=tables.r1_scale, protect=tables.protect, draft_rows=draft_rows,
+                                      normalize=normalize)
+        if live is not None:
+            ids = torch.where(live.to(ids.device).unsqueeze(1) != 0, ids, -1)
+        return ids, weights
     num_rows, num_experts = router_logits.shape[0], router_logits.shape[-1]
     device = router_logits.device
     ids = torch.empty((num_rows, top_k), dtype=torch.int64, device=device)
@@ -117,10 +125,10 @@ def route(
     _kernels()[(num_rows,)](
         router_logits.contiguous(), ids, weights,
         resident if moce else dummy, draft_rows if moce else dummy,
-        tables.other if moce else dummy, tables.draft if moce else dummy,
+        tables.other if moce else dummy, tables.draft if moce else dummy, live if live is not None else dummy,
         num_experts, WEIGHT_FLOOR,
         TOP_K=top_k, K_PAD=max(2, next_power_of_2(top_k)), BLOCK_E=max(16, next_power_of_2(num_experts)),
         NORMALIZE=normalize, MOCE=moce, PARTIALS=partials, ROUND_TO=tl_dtype(round_to or router_logits.dtype),
-        PDL=pdl, num_warps=1 if num_experts <= 256 else 4, **launch_options(pdl),
+        HAS_LIVE=live is not None, PDL=pdl, num_warps=1 if num_experts <= 256 else 4, **launch_options(pdl),
     )
     return ids, weights

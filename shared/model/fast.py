@@ -39,6 +39,7 @@ class Rows:
     seq_starts: Tensor  # [num_seqs + 1] int32: rows of sequence s are seq_starts[s]:seq_starts[s+1]
     seq_slots: Tensor  # [num_seqs] int64
     max_rows_per_seq: int
+    live: Tensor | None = None  # [T] int: 0 marks padding rows (batch graphs), which run no experts
 
     @staticmethod
     def window(start: int, num_rows: int, slot: int, device: torch.device | str) -> Rows:
@@ -162,7 +163,8 @@ class FusedModel:
         draft_rows = routing.draft_rows if routing is not None and routing.moce else None
         router_partials = linear_partials(normed, layer.router, layer.router_splits, pdl=pdl)
         expert_ids, weights = route(router_partials, layer.top_k, round_to=normed.dtype, normalize=layer.normalize,
-                                    resident=resident, draft_rows=draft_rows, tables=tables, pdl=pdl)
+                                    resident=resident, draft_rows=draft_rows, tables=tables, pdl=pdl,
+                                    live=rows.live if num_rows <= MAX_FUSED_TOKENS else None)
         if num_rows <= MAX_FUSED_TOKENS:
             route_out = fused_experts(normed, expert_ids, layer.store.gate_up, layer.store.down, pdl=pdl)
             return combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps, pdl=pdl)

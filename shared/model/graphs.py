@@ -95,6 +95,7 @@ class WindowGraphs:
             seq_starts=self.dev_in[4 * m : 4 * m + num_seqs + 1],
             seq_slots=self.dev_in[3 * m : 3 * m + num_seqs],
             max_rows_per_seq=max_rows_per_seq,
+            live=self.dev_in[5 * m : 5 * m + num_rows],
         )
 
     def _forward(self, num_rows: int) -> WindowOutput:
@@ -124,11 +125,12 @@ class WindowGraphs:
         return self._batch_forward(num_rows, num_rows, 1)
 
     def decode_buckets(self) -> list[int]:
-        """The decode-batch sizes captured as graphs: powers of two from 2 to max_batch_rows, and it."""
+        """The batch sizes captured as graphs: 2, 4, then every multiple of 8 up to max_batch_rows,
+        and it (padding rows cost their attention and norms, not their experts)."""
         if self.scratch_slot is None or self.max_batch_rows < 2:
             return []
-        sizes = {1 << i for i in range(1, self.max_batch_rows.bit_length()) if 1 << i <= self.max_batch_rows}
-        return sorted(sizes | {self.max_batch_rows})
+        sizes = {2, 4, *range(8, self.max_batch_rows + 1, 8), self.max_batch_rows}
+        return sorted(s for s in sizes if s <= self.max_batch_rows)
 
     def capture(self, sizes: list[int] | None = None, progress: Callable[[str, float], None] | None = None) -> None:
         """Capture the windows of `sizes` rows (default 1..max_rows), warming each up first.

@@ -188,3 +188,25 @@ def test_split_k_partials_feed_the_norm_and_the_router(device, dtype, splits):
     assert (ids == ref_ids).float().mean() > 0.9  # the sum order may flip a near-tie
     with pytest.raises(ValueError, match="round_to"):
         route(partials, 4, normalize=True)
+
+
+@devices_and_dtypes()
+def test_padding_rows_route_to_no_expert(device, dtype):
+    """live = 0 rows get expert id -1 and no expert output; live rows are untouched."""
+    torch.manual_seed(4)
+    logits = torch.randn(5, 16, device=device, dtype=dtype)
+    live = torch.tensor([1, 0, 1, 1, 0], device=device)
+    ids, weights = route(logits, 4, normalize=True)
+    masked_ids, masked_weights = route(logits, 4, normalize=True, live=live)
+    assert torch.equal(masked_ids[live == 1], ids[live == 1])
+    assert (masked_ids[live == 0] == -1).all()
+    torch.testing.assert_close(masked_weights[live == 1], weights[live == 1])
+    x = torch.randn(5, 32, device=device, dtype=dtype)
+    gate_up = torch.randn(16, 2 * 16, 32, device=device, dtype=dtype) * 0.1
+    down = torch.randn(16, 32, 16, device=device, dtype=dtype) * 0.1
+    out = fused_experts(x, masked_ids, gate_up, down).view(5, 4, 32)
+    full = fused_experts(x, ids, gate_up, down).view(5, 4, 32)
+    tol = tolerance(dtype)
+    torch.testing.assert_close(out[live == 1], full[live == 1], rtol=tol, atol=tol)
+    reference = experts_reference(x, masked_ids, gate_up, down).view(5, 4, 32)
+    assert (reference[live == 0] == 0).all()  # the kernels leave padding routes unwritten instead
