@@ -20,7 +20,7 @@ class VerifierSettings:
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16 or float16"})
     random_weights: bool = field(default=False, metadata={"help": "benchmarks: random weights from the model directory's config.json (no safetensors needed)"})
-    fused: str = field(default="auto", metadata={"help": "fused-kernel decode/verify path: auto (on for CUDA when the model allows), on, off (reference path)"})
+    fused: str = field(default="auto", metadata={"help": "fused-kernel decode/verify path: auto (on for CUDA when the model allows), on (on the CPU too: torch ops, batched rounds), off (reference path, rounds one by one)"})
     cuda_graphs: bool = field(default=True, metadata={"help": "capture the fused decode/verify windows as CUDA graphs (CUDA only)"})
     pdl: str = field(default="auto", metadata={"help": "programmatic dependent launch of the fused kernels: auto (on for compute capability 9.0+), off"})
     num_expert_slots: int = field(default=0, metadata={"help": "device slots per MoE layer (0 = all experts resident)"})
