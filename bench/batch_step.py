@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from bench.fused_step import kv_bytes, weight_bytes_per_token
+from bench.fused_step import distinct_experts_seen, kv_bytes, weight_bytes_per_token
 from bench.model_baseline import QWEN3_30B_A3B, SMALL, copy_bandwidth, cuda_time
 from shared.model import ModelConfig, load_model
 from shared.model.fast import FusedModel
@@ -73,35 +73,23 @@ def main() -> None:
             graph, _ = runner.batch_graphs[runner.last_decode_rows]
         ms = statistics.median(cuda_time(graph.replay, 30))
         base = base or ms
-        experts = distinct_with_batch(fused, runner, windows) if b > 1 else 8.0
+        experts = distinct_with_batch(runner, windows) if b > 1 else 8.0
         floor_bytes = dense + moe_layers * (experts - c.num_experts_per_tok) * expert_bytes + b * kv_bytes(model, args.context)
         floor = floor_bytes / bandwidth * 1e3
         print(f"| {b} | {ms:.3f} | {ms / b:.3f} | {b * 1e3 / ms:.0f} | {b * base / ms:.2f} | {experts:.1f} | {floor:.3f} "
               f"| {floor / ms:.2f} |")
 
 
-def distinct_with_batch(fused, runner, windows) -> float:
+def distinct_with_batch(runner, windows) -> float:
     """Mean distinct experts per MoE layer of one eager decode batch."""
-    import shared.model.fast as fast
-
-    seen: list[int] = []
-    original = fast.route
-
-    def recording(*a, **k):
-        ids, weights = original(*a, **k)
-        seen.append(len(set(ids.reshape(-1).tolist())))
-        return ids, weights
-
     captured = runner.use_graphs
-    fast.route = recording
     runner.use_graphs = False  # eager: the Python-level route call runs
     try:
-        runner.run_batch(windows)
+        with distinct_experts_seen() as seen:
+            runner.run_batch(windows)
     finally:
         runner.use_graphs = captured
-        fast.route = original
     return statistics.mean(seen)
-
 
 if __name__ == "__main__":
     main()

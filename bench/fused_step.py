@@ -17,6 +17,7 @@ Usage: python bench/fused_step.py [--small] [--contexts 512,4096,32768] [--sweep
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -233,8 +234,10 @@ def pdl_table(model, runner, pool, contexts, max_length, random_tokens, pairs: i
                   f"| {same} |")
 
 
-def distinct_experts(fused, runner, windows, context, random_tokens) -> dict[int, float]:
-    """Mean distinct experts per MoE layer a window of random tokens selects (eager fused run)."""
+@contextlib.contextmanager
+def distinct_experts_seen():
+    """While open, every eager fused forward appends each MoE layer's count of distinct
+    experts (over its rows' routes; padding ids -1 excluded) to the yielded list."""
     import shared.model.fast as fast
 
     seen: list[int] = []
@@ -242,19 +245,25 @@ def distinct_experts(fused, runner, windows, context, random_tokens) -> dict[int
 
     def recording(*a, **k):
         ids, weights = original(*a, **k)
-        seen.append(len(set(ids.reshape(-1).tolist())))
+        seen.append(len({e for e in ids.reshape(-1).tolist() if e >= 0}))
         return ids, weights
 
-    out = {}
     fast.route = recording
     try:
+        yield seen
+    finally:
+        fast.route = original
+
+
+def distinct_experts(fused, runner, windows, context, random_tokens) -> dict[int, float]:
+    """Mean distinct experts per MoE layer a window of random tokens selects (eager fused run)."""
+    out = {}
+    with distinct_experts_seen() as seen:
         for rows in windows:
             seen.clear()
             tokens = torch.tensor(random_tokens(rows), device="cuda")
             fused.forward(tokens, Rows.window(context, rows, 0, "cuda"), runner.kv)
             out[rows] = statistics.mean(seen)
-    finally:
-        fast.route = original
     return out
 
 

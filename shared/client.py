@@ -202,6 +202,7 @@ def stats_to_dict(stats: verifier_pb2.RequestStats) -> dict:
         "accepted": stats.accepted,
         "mean_accepted_length": stats.mean_accepted_length,
         "ttft_ms": stats.ttft_ms,
+        "queue_ms": stats.queue_ms,
         "tokens_per_s": stats.tokens_per_s,
         "acceptance_by_source": {name: stats.acceptance_by_source[name] for name in sorted(stats.acceptance_by_source)},
         "drafter_faults": stats.drafter_faults,

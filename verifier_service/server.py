@@ -36,6 +36,7 @@ from shared.protocol import (
 from shared.service import MESSAGE_OPTIONS, ServiceServer, run_until_signalled
 from shared.tokenizer import load_tokenizer
 from shared.worker import ModelWorker
+from verifier_service.admission import Admission, AdmissionLimits, AdmissionRefused
 from verifier_service.audit import HonestyAudit, accept_key, pit_values
 from verifier_service.chains import ChainFault, retain, validate_chain
 from verifier_service.drafter_link import DeadlineTracker, DrafterHealth, DrafterLink
@@ -59,8 +60,9 @@ def drafter_channel(settings: VerifierSettings) -> grpc.aio.Channel:
 
 
 class RequestStats:
-    def __init__(self, prompt_tokens: int) -> None:
-        self.started = time.perf_counter()
+    def __init__(self, prompt_tokens: int, started: float, queued_s: float) -> None:
+        self.started = started  # before the admission queue: TTFT includes the wait
+        self.queued_s = queued_s
         self.first_token_at: float | None = None
         self.prompt_tokens = prompt_tokens
         self.rounds = self.proposed = self.retained = self.accepted = 0
@@ -91,6 +93,7 @@ class RequestStats:
             tokens_per_s=completion_tokens / elapsed,
             acceptance_by_source={s: a / r for s, (r, a) in self.by_source.items() if r},
             drafter_faults=faults,
+            queue_ms=self.queued_s * 1e3,
         )
 
 
@@ -102,7 +105,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.tokenizer = tokenizer
         self.engine: Engine | None = None
         self.batcher: RoundBatcher | None = None
-        self.active = 0
+        self.admission = Admission(AdmissionLimits(settings.max_sessions, settings.max_queued, settings.queue_timeout_s))
         self.draining = False
         self.deadlines = DeadlineTracker(settings)
         self.draw_secret = settings.draw_secret.encode() if settings.draw_secret else secrets.token_bytes(32)
@@ -112,6 +115,11 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.metrics = VerifierMetrics()
         self.drafter_health = DrafterHealth(settings.drafter or "", self.metrics.drafter_reachable, log)
         self.metrics.drafter_reachable.set(-1 if self.channel is None else 0)
+
+    @property
+    def active(self) -> int:
+        """Requests holding a session."""
+        return self.admission.active
 
     async def probe_drafter(self, timeout_s: float = 3.0) -> None:
         """At start-up: say whether the drafter answers (and how the link is secured)."""
@@ -198,20 +206,23 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             spec = await asyncio.to_thread(self._parse, request)
         except RequestError as error:
             await context.abort(error.code, error.message)
-        if self.active >= self.settings.max_sessions:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"too many sessions: {self.active} in flight (max_sessions = {self.settings.max_sessions})",
-            )
+        arrived = time.perf_counter()
+        self.metrics.queued.inc()
+        try:
+            queued_s = await self.admission.acquire()
+        except AdmissionRefused as refused:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(refused))
+        finally:
+            self.metrics.queued.dec()
         structlog.contextvars.bind_contextvars(request_id=spec.request_id)
-        self.active += 1
         self.metrics.active.inc()
         link: DrafterLink | None = None
         opened: Session | None = None
         tracer = telemetry.tracer("tandem.verifier")
         try:
             with tracer.start_as_current_span("Generate", attributes={"tandem.request_id": spec.request_id}) as span:
-                stats = RequestStats(len(spec.prompt_ids))
+                stats = RequestStats(len(spec.prompt_ids), arrived, queued_s)
+                span.set_attribute("tandem.queue_ms", queued_s * 1e3)
                 with tracer.start_as_current_span("prefill", attributes={"tandem.prompt_tokens": len(spec.prompt_ids)}):
                     session = await self.worker.run(self.engine.open, spec)
                 opened = session
@@ -243,7 +254,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 self.batcher.leave(opened)
                 # Safe off the worker: a later request's jobs queue behind any round of this one.
                 self.engine.close(opened)
-            self.active -= 1
+            self.admission.release()
             self.metrics.active.dec()
             if link is not None:
                 for kind, count in link.faults.items():

@@ -24,7 +24,9 @@ class VerifierSettings:
     cuda_graphs: bool = field(default=True, metadata={"help": "capture the fused decode/verify windows as CUDA graphs (CUDA only)"})
     pdl: str = field(default="auto", metadata={"help": "programmatic dependent launch of the fused kernels: auto (on for compute capability 9.0+), off"})
     num_expert_slots: int = field(default=0, metadata={"help": "device slots per MoE layer (0 = all experts resident)"})
-    max_sessions: int = field(default=8, metadata={"help": "requests in flight at once; more get RESOURCE_EXHAUSTED"})
+    max_sessions: int = field(default=8, metadata={"help": "requests in flight at once (each holds a KV slot of max_context positions)"})
+    max_queued: int = field(default=64, metadata={"help": "requests that wait for a session (first come, first served); more get RESOURCE_EXHAUSTED"})
+    queue_timeout_s: float = field(default=30.0, metadata={"help": "longest wait in the queue before RESOURCE_EXHAUSTED"})
     max_new_tokens_limit: int = field(default=4096, metadata={"help": "largest max_new_tokens a request may ask for"})
     max_context: int = field(default=0, metadata={"help": "prompt + completion limit in tokens (0 = the model's max_position_embeddings)"})
     prefill_chunk: int = field(default=2048, metadata={"help": "prompt tokens per prefill forward (H200, 30B-A3B shapes: 3.7k tokens/s at 256, 23k at 2048)"})
@@ -54,7 +56,7 @@ class VerifierSettings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
-        for name in ("num_expert_slots", "max_context"):
+        for name in ("num_expert_slots", "max_context", "max_queued"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 0")
         if self.pdl not in ("auto", "off"):
@@ -71,6 +73,8 @@ class VerifierSettings:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} {value!r} must be finite and >= 0")
+        if not (math.isfinite(self.queue_timeout_s) and self.queue_timeout_s > 0):
+            raise ValueError(f"queue_timeout_s {self.queue_timeout_s!r} must be finite and > 0")
         if not (math.isfinite(self.drafter_deadline_max_ms) and self.drafter_deadline_max_ms > 0):
             raise ValueError(f"drafter_deadline_max_ms {self.drafter_deadline_max_ms!r} must be finite and > 0")
 

@@ -55,6 +55,7 @@ async def test_one_trace_from_client_to_drafter(spans, tiny_mtp_model):
     assert a["tandem.accepted"] == stats.accepted == sum(r.attributes["tandem.accepted"] for r in by_name["round"])
     assert a["tandem.mean_accepted_length_with_bonus"] == pytest.approx(stats.mean_accepted_length)
     assert a["tandem.finish_reason"] == "length" and "tandem.ttft_ms" in a and "tandem.tokens_per_s" in a
+    assert a["tandem.queue_ms"] == 0.0  # admitted at once: a session was free
     assert a["tandem.acceptance.MTP"] == pytest.approx(stats.acceptance_by_source["MTP"])
     for r in by_name["round"]:
         for key in ("tandem.source", "tandem.proposed", "tandem.retained", "tandem.accepted", "tandem.confidences",

@@ -82,7 +82,7 @@ async def test_concurrent_mixed_requests_match_each_run_alone(servers, tiny_mode
 
 
 async def test_a_request_refused_for_capacity_leaves_the_others_untouched(servers, tiny_model):
-    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(propose), fused="on", max_sessions=2)
+    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(propose), fused="on", max_sessions=2, max_queued=0)
     service = servers.verifier.service
     first, second = MIXED[1], MIXED[3]
     alone = [(await generate(stub, mixed_request(*m)))[0] for m in (first, second)]

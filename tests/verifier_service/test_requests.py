@@ -1,5 +1,7 @@
 """Every bad-input class gets the right status code and a message naming the field."""
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -45,13 +47,52 @@ async def test_bad_input_is_invalid_argument_naming_the_field(servers, tiny_mode
 
 
 async def test_too_many_sessions_is_resource_exhausted(servers, tiny_model):
-    stub = await servers.start(tiny_model, max_sessions=1)
+    stub = await servers.start(tiny_model, max_sessions=1, max_queued=0)
     first = stub.Generate(request([1, 2, 3], 200))
     await first.read()  # the first request holds the only session
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await generate(stub, request([1, 2, 3], 4))
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "max_sessions = 1" in error.value.details()
+    assert "max_sessions = 1" in error.value.details() and "max_queued = 0" in error.value.details()
+    first.cancel()
+
+
+async def test_requests_beyond_the_sessions_wait_their_turn(servers, tiny_model):
+    """A queued request runs when a session frees up; its queue time is in its stats (and in
+    its TTFT); past the queue bound requests are refused."""
+    from .conftest import STALL, ScriptedDrafter
+
+    # the first request speculates against a drafter that never answers: each of its rounds
+    # waits out the 2 s chain deadline, so it holds the only session until cancelled
+    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(lambda state: STALL), max_sessions=1, max_queued=1,
+                               queue_timeout_s=20.0)
+    plain = request([1, 2, 3], 6, disable=True)
+    alone, _, _ = await generate(stub, plain)
+    first = stub.Generate(request([4, 5, 6], 40, max_draft_tokens=3))
+    admission = servers.verifier.service.admission
+    while admission.active == 0:
+        await asyncio.sleep(0.01)
+    queued = asyncio.create_task(generate(stub, plain))
+    while admission.queued == 0:
+        await asyncio.sleep(0.01)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await generate(stub, request([7], 4))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queued = 1" in refused.value.details()
+    await asyncio.sleep(0.2)
+    first.cancel()  # its session passes to the queued request
+    tokens, final, _ = await queued
+    assert tokens == alone
+    assert final.stats.queue_ms >= 150 and final.stats.ttft_ms >= final.stats.queue_ms
+
+
+async def test_a_wait_past_the_queue_timeout_is_refused(servers, tiny_model):
+    stub = await servers.start(tiny_model, max_sessions=1, max_queued=4, queue_timeout_s=0.2)
+    first = stub.Generate(request([4, 5, 6], 200))
+    await first.read()
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await generate(stub, request([1, 2, 3], 4))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "queue_timeout_s" in refused.value.details()
     first.cancel()
 
 
