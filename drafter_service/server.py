@@ -28,7 +28,7 @@ from shared.model import RoutingOptions, load_model
 from shared.model.fast import FusedModel, fused_wanted
 from shared.model.registry import resolve_model
 from shared.protocol import PROTOCOL_VERSION, common_pb2, decode_hidden, drafter_pb2, drafter_pb2_grpc
-from shared.service import ServiceServer, run_until_signalled
+from shared.service import ServiceServer, require_model, run_until_signalled
 from shared.worker import ModelWorker
 
 log = structlog.get_logger("drafter")
@@ -276,6 +276,10 @@ class DrafterServer(ServiceServer):
             interceptors.append(security.BearerTokenInterceptor(settings.auth_token, protected_methods=(DRAFT_METHOD,)))
         super().__init__(settings, interceptors=interceptors)
         self.service = DrafterService(settings, model=model)
+
+    def preflight(self) -> None:
+        if self.service.model is None:
+            require_model(self.settings.model)
 
     def register(self) -> None:
         drafter_pb2_grpc.add_DrafterServicer_to_server(self.service, self.server)

@@ -73,7 +73,13 @@ def _run_service(name: str, args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    asyncio.run(server.serve(config))
+    from shared.service import StartupError
+
+    try:
+        asyncio.run(server.serve(config))
+    except StartupError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -27,6 +27,23 @@ MESSAGE_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# gRPC binds with SO_REUSEPORT by default, so a second service on a busy port would start and
+# silently take half of the first one's connections: bind exclusively instead.
+SERVER_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
+class StartupError(Exception):
+    """The service cannot start; the message names the setting and its value (one line)."""
+
+
+def require_model(name_or_path: str | None) -> None:
+    """StartupError unless the `model` setting names a checkpoint directory or a known model."""
+    from shared.model.registry import resolve_model
+
+    try:
+        resolve_model(name_or_path)
+    except FileNotFoundError as error:
+        raise StartupError(f"model = {name_or_path}: {error}") from None
 
 
 class ServiceServer:
@@ -37,7 +54,7 @@ class ServiceServer:
     def __init__(self, settings, *, interceptors=()) -> None:
         self.settings = settings
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=MESSAGE_OPTIONS, interceptors=list(interceptors))
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
         self.port: int | None = None
         self.loaded: asyncio.Task | None = None
         self.metrics_server = None
@@ -47,6 +64,10 @@ class ServiceServer:
     def register(self) -> None:
         """Add the service's servicer to self.server."""
         raise NotImplementedError
+
+    def preflight(self) -> None:
+        """Check what can be checked before binding (e.g. that the model exists); raise
+        StartupError naming the setting."""
 
     async def load(self) -> None:
         """Load the model; the base class marks the service SERVING afterwards."""
@@ -74,10 +95,18 @@ class ServiceServer:
         for name in ("", self.service_name):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         s = self.settings
+        self.preflight()
         credentials = security.server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca)
-        self.port = security.add_port(self.server, s.address, credentials)
+        try:
+            self.port = security.add_port(self.server, s.address, credentials)
+        except RuntimeError as error:
+            raise StartupError(f"port = {s.port}, host = {s.host}: {error}") from None
+        try:  # before the gRPC server starts: nothing is half-started when this port is busy
+            self.metrics_server = serve_metrics(self.metrics_registry, s.host, s.metrics_port)
+        except OSError as error:
+            raise StartupError(f"metrics_port = {s.metrics_port}: cannot serve /metrics on {s.host}: "
+                               f"{error.strerror or error}") from None
         await self.server.start()
-        self.metrics_server = serve_metrics(self.metrics_registry, s.host, s.metrics_port)
         self.loaded = asyncio.create_task(self._load_then_serve())
         return self.port
 
@@ -98,7 +127,7 @@ async def run_until_signalled(make_server: Callable[[], ServiceServer], service:
     configure_logging()
     telemetry.setup_tracing(service)
     server = make_server()
-    port = await server.start()
+    port = await server.start()  # StartupError: the caller prints its one line and exits 2
     log.info("listening", service=service, host=server.settings.host, port=port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -107,7 +136,9 @@ async def run_until_signalled(make_server: Callable[[], ServiceServer], service:
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({server.loaded, waiter}, return_when=asyncio.FIRST_COMPLETED)
     if server.loaded in done and server.loaded.exception() is not None:
-        raise server.loaded.exception()
+        error = server.loaded.exception()
+        await server.stop(0)
+        raise StartupError(f"loading the model failed: {type(error).__name__}: {error}") from error
     await stop.wait()
     log.info("draining", service=service, grace_s=server.settings.grace_s)
     await server.stop()

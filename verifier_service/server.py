@@ -33,7 +33,7 @@ from shared.protocol import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
-from shared.service import MESSAGE_OPTIONS, ServiceServer, run_until_signalled
+from shared.service import MESSAGE_OPTIONS, ServiceServer, require_model, run_until_signalled
 from shared.tokenizer import load_tokenizer
 from shared.worker import ModelWorker
 from verifier_service.admission import Admission, AdmissionLimits, AdmissionRefused
@@ -66,10 +66,12 @@ class RequestStats:
         self.first_token_at: float | None = None
         self.prompt_tokens = prompt_tokens
         self.rounds = self.proposed = self.retained = self.accepted = 0
+        self.committed = 0  # tokens delivered, plus the eos or stop token that ended the request
         self.by_source: dict[str, list[int]] = {}  # source -> [retained, accepted]
 
-    def round(self, source: str, proposed: int, retained: int, accepted: int) -> None:
+    def round(self, source: str, proposed: int, retained: int, accepted: int, committed: int) -> None:
         self.rounds += 1
+        self.committed += committed
         self.proposed += proposed
         self.retained += retained
         self.accepted += accepted
@@ -88,7 +90,7 @@ class RequestStats:
             proposed=self.proposed,
             retained=self.retained,
             accepted=self.accepted,
-            mean_accepted_length=completion_tokens / self.rounds if self.rounds else 0.0,
+            mean_accepted_length=self.committed / self.rounds if self.rounds else 0.0,
             ttft_ms=((self.first_token_at or now) - self.started) * 1e3,
             tokens_per_s=completion_tokens / elapsed,
             acceptance_by_source={s: a / r for s, (r, a) in self.by_source.items() if r},
@@ -249,6 +251,9 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     final=verifier_pb2.FinalEvent(finish_reason=completion.finish_reason, stats=message))
                 log.info("request done", rounds=stats.rounds, tokens=len(completion.token_ids),
                          finish=completion.finish_reason, faults=link.faults if link else {})
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away
+            self.metrics.requests.labels("cancelled").inc()
+            raise
         finally:
             if opened is not None:
                 self.batcher.leave(opened)
@@ -325,8 +330,9 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         ahead = link is None and spec.max_new_tokens - len(completion.token_ids) > 1
         outcome = await self.batcher.submit(RoundRequest(session, drafts, chain.q_rows if chain else None, ahead))
         source = chain.source if chain else "NONE"
-        stats.round(source, proposed, len(drafts), outcome.num_accepted)
         tokens, delta = completion.extend(outcome.emitted)
+        # committed: the tokens delivered, and the eos or stop token that ended the request
+        stats.round(source, proposed, len(drafts), outcome.num_accepted, len(tokens) + (completion.finish_reason == "stop"))
         if tokens and stats.first_token_at is None:
             stats.first_token_at = time.perf_counter()
             self.metrics.ttft_seconds.observe(stats.first_token_at - stats.started)
@@ -399,6 +405,10 @@ class VerifierServer(ServiceServer):
         interceptors = [security.BearerTokenInterceptor(settings.auth_token)] if settings.auth_token else []
         super().__init__(settings, interceptors=interceptors)
         self.service = VerifierService(settings, model=model, tokenizer=tokenizer)
+
+    def preflight(self) -> None:
+        if self.service.model is None:
+            require_model(self.settings.model)
 
     def register(self) -> None:
         # Generate takes raw bytes and parses them itself, so a malformed message is answered

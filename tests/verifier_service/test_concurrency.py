@@ -77,8 +77,9 @@ async def test_concurrent_mixed_requests_match_each_run_alone(servers, tiny_mode
     batches = registry.get_sample_value("tandem_verifier_batch_rounds_count") - batches_before
     rounds = sum(final.stats.rounds for _, final, _ in results[:-1])
     assert batches < rounds
-    # the cancelled request's slot comes back too
+    # the cancelled request's slot comes back too, and it is counted as cancelled
     assert await wait_until(lambda: service.engine.free_slots == 9 and service.active == 0)
+    assert registry.get_sample_value("tandem_verifier_requests_total", {"finish_reason": "cancelled"}) == 1
 
 
 async def test_a_request_refused_for_capacity_leaves_the_others_untouched(servers, tiny_model):

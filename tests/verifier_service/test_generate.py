@@ -59,6 +59,8 @@ async def test_eos_stops_and_is_not_emitted(servers, tiny_model):
     eos = tokens[4]
     req = request([1, 2, 3], 12)
     req.stop.eos_token_ids.append(eos)
-    stopped, final, _ = await generate(stub, req)
+    stopped, final, rounds = await generate(stub, req)
     assert stopped == tokens[: tokens.index(eos)]
     assert final.finish_reason == "stop"
+    # the round that committed the eos counts, and so does its token: plain rounds commit one each
+    assert final.stats.rounds == len(stopped) + 1 and final.stats.mean_accepted_length == 1.0
