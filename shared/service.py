@@ -2,14 +2,17 @@
 
 A `ServiceServer` binds its port (TLS when configured), registers health checking
 (NOT_SERVING until the model is loaded) and reflection, starts the Prometheus endpoint,
-loads the model in the background, and drains on stop: health NOT_SERVING, new calls
-refused with UNAVAILABLE, in-flight calls given `grace_s` to finish.
+loads the model in the background, and drains on stop: health NOT_SERVING while the port
+stays open (so load balancers see it), new work refused with UNAVAILABLE, in-flight work
+given `grace_s` to finish (a service may end it early, cleanly, near the limit), then the
+port closes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from collections.abc import Callable
 
 import grpc
@@ -76,6 +79,13 @@ class ServiceServer:
     async def close(self) -> None:
         """Release what the service holds (channels, workers) after the server stopped."""
 
+    def begin_drain(self, finish_by: float) -> None:
+        """Refuse new work; in-flight work should end by `finish_by` (time.monotonic())."""
+
+    def in_flight(self) -> int:
+        """Work the drain waits for before closing the port (default none)."""
+        return 0
+
     @property
     def metrics_registry(self):
         raise NotImplementedError
@@ -114,8 +124,13 @@ class ServiceServer:
         await self.loaded
 
     async def stop(self, grace: float | None = None) -> None:
+        grace = self.settings.grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.settings.grace_s if grace is None else grace)
+        deadline = time.monotonic() + grace
+        self.begin_drain(deadline - min(1.0, grace / 4))  # the last moments: final events go out
+        while self.in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.server.stop(max(0.0, deadline - time.monotonic()))
         await self.close()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()

@@ -109,6 +109,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.batcher: RoundBatcher | None = None
         self.admission = Admission(AdmissionLimits(settings.max_sessions, settings.max_queued, settings.queue_timeout_s))
         self.draining = False
+        self.finish_by: float | None = None  # draining: requests end by then (time.monotonic())
         self.deadlines = DeadlineTracker(settings)
         self.draw_secret = settings.draw_secret.encode() if settings.draw_secret else secrets.token_bytes(32)
         self.audit = HonestyAudit()  # the drafter address's honesty in probabilistic mode
@@ -216,6 +217,9 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(refused))
         finally:
             self.metrics.queued.dec()
+        if self.draining:  # it waited in the queue while the service began to stop
+            self.admission.release()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down")
         structlog.contextvars.bind_contextvars(request_id=spec.request_id)
         self.metrics.active.inc()
         link: DrafterLink | None = None
@@ -238,6 +242,9 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 while completion.finish_reason is None:
                     if session.cache.length >= session.cache.max_length:
                         completion.finish_reason = "length"
+                        break
+                    if self.finish_by is not None and time.monotonic() >= self.finish_by:
+                        completion.finish_reason = "shutdown"  # the service is stopping
                         break
                     with tracer.start_as_current_span("round", attributes={"tandem.round_id": round_id}) as round_span:
                         event = await self._round(session, link, completion, stats, round_id, round_span)
@@ -425,10 +432,14 @@ class VerifierServer(ServiceServer):
     def metrics_registry(self):
         return self.service.metrics.registry
 
-    async def stop(self, grace: float | None = None) -> None:
-        """Drain: health NOT_SERVING, refuse new requests, let in-flight ones finish (up to grace)."""
+    def begin_drain(self, finish_by: float) -> None:
+        """Refuse new requests; requests still running at `finish_by` end with finish reason
+        "shutdown" and their final event."""
         self.service.draining = True
-        await super().stop(grace)
+        self.service.finish_by = finish_by
+
+    def in_flight(self) -> int:
+        return self.service.active + self.service.admission.queued
 
     async def close(self) -> None:
         if self.service.batcher is not None:

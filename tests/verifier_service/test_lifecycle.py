@@ -99,3 +99,32 @@ async def test_tandem_generate_against_a_verifier_process(verifier_process):
     assert result["stats"]["rounds"] == 5 and result["text"] is None
     bad = await asyncio.to_thread(subprocess.run, command[:-1] + ["--top-p", "1.5"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "top_p" in bad.stderr
+
+
+async def test_a_drain_ends_long_requests_with_a_final_event(servers, tiny_model):
+    """Stopping with requests still running: health NOT_SERVING while the port is open, new
+    requests UNAVAILABLE, and a request still running near the grace limit ends with its
+    final event (finish reason "shutdown") instead of being cut."""
+    from .conftest import STALL, ScriptedDrafter
+
+    # a drafter that never answers: every round waits out the 100 ms chain deadline
+    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(lambda state: STALL), drafter_deadline_ms=100.0)
+    call = stub.Generate(request([1, 2, 3], 200, max_draft_tokens=3))
+    first = await call.read()
+    verifier, servers.verifier = servers.verifier, None  # stopped here, not by the fixture
+    stopping = asyncio.create_task(verifier.stop(2.0))
+    await asyncio.sleep(0.2)
+    health = health_pb2_grpc.HealthStub(servers.channel)
+    reply = await health.Check(health_pb2.HealthCheckRequest(service="tandem.v1.Verifier"))
+    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await generate(stub, request([1, 2, 3], 3))
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    tokens, final = list(first.token_ids), None
+    while (event := await call.read()) != grpc.aio.EOF:
+        tokens += list(event.token_ids)
+        if event.HasField("final"):
+            final = event.final
+    assert final is not None and final.finish_reason == "shutdown"
+    assert 0 < len(tokens) < 200 and final.stats.completion_tokens == len(tokens)
+    await stopping
