@@ -44,6 +44,7 @@ from verifier_service.batcher import BatchSettings, RoundBatcher
 from verifier_service.engine import Engine, RoundRequest, Session
 from verifier_service.requests import RequestError, RequestSpec, parse_request
 from verifier_service.settings import VerifierSettings
+from verifier_service.stats import RequestStats
 from verifier_service.stops import Completion
 
 log = structlog.get_logger("verifier")
@@ -57,46 +58,6 @@ def drafter_channel(settings: VerifierSettings) -> grpc.aio.Channel:
     config = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
     credentials = security.channel_credentials(settings.drafter_tls_ca, settings.drafter_tls_cert, settings.drafter_tls_key)
     return security.open_channel(settings.drafter, credentials, [*CHANNEL_OPTIONS, ("grpc.service_config", config)])
-
-
-class RequestStats:
-    def __init__(self, prompt_tokens: int, started: float, queued_s: float) -> None:
-        self.started = started  # before the admission queue: TTFT includes the wait
-        self.queued_s = queued_s
-        self.first_token_at: float | None = None
-        self.prompt_tokens = prompt_tokens
-        self.rounds = self.proposed = self.retained = self.accepted = 0
-        self.committed = 0  # tokens delivered, plus the eos or stop token that ended the request
-        self.by_source: dict[str, list[int]] = {}  # source -> [retained, accepted]
-
-    def round(self, source: str, proposed: int, retained: int, accepted: int, committed: int) -> None:
-        self.rounds += 1
-        self.committed += committed
-        self.proposed += proposed
-        self.retained += retained
-        self.accepted += accepted
-        if retained:
-            counts = self.by_source.setdefault(source, [0, 0])
-            counts[0] += retained
-            counts[1] += accepted
-
-    def message(self, completion_tokens: int, faults: int) -> verifier_pb2.RequestStats:
-        now = time.perf_counter()
-        elapsed = max(now - self.started, 1e-9)
-        return verifier_pb2.RequestStats(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=completion_tokens,
-            rounds=self.rounds,
-            proposed=self.proposed,
-            retained=self.retained,
-            accepted=self.accepted,
-            mean_accepted_length=self.committed / self.rounds if self.rounds else 0.0,
-            ttft_ms=((self.first_token_at or now) - self.started) * 1e3,
-            tokens_per_s=completion_tokens / elapsed,
-            acceptance_by_source={s: a / r for s, (r, a) in self.by_source.items() if r},
-            drafter_faults=faults,
-            queue_ms=self.queued_s * 1e3,
-        )
 
 
 class VerifierService(verifier_pb2_grpc.VerifierServicer):
