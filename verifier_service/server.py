@@ -77,6 +77,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.channel = drafter_channel(settings) if settings.drafter else None
         self.drafter = drafter_pb2_grpc.DrafterStub(self.channel) if self.channel else None
         self.metrics = VerifierMetrics()
+        self.metrics.queued.set_function(lambda: self.admission.queued)
         self.drafter_health = DrafterHealth(settings.drafter or "", self.metrics.drafter_reachable, log)
         self.metrics.drafter_reachable.set(-1 if self.channel is None else 0)
 
@@ -117,7 +118,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             progress=lambda message: log.info(message), draw_secret=self.draw_secret,
         )
         self.batcher = RoundBatcher(self.worker, self.engine.run_rounds,
-                                    BatchSettings(max_rounds=s.max_sessions, gather_s=min(s.batch_gather_ms / 1e3, 0.999)),
+                                    BatchSettings(max_rounds=s.max_sessions, gather_s=s.batch_gather_ms / 1e3),
                                     on_batch=self.metrics.batch_rounds.observe)
         log.info("verifier ready", address=s.address, drafter=s.drafter, vocab=self.model.config.vocab_size,
                  path=self.engine.path)
@@ -171,13 +172,10 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         except RequestError as error:
             await context.abort(error.code, error.message)
         arrived = time.perf_counter()
-        self.metrics.queued.inc()
         try:
             queued_s = await self.admission.acquire()
         except AdmissionRefused as refused:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(refused))
-        finally:
-            self.metrics.queued.dec()
         if self.draining:  # it waited in the queue while the service began to stop
             self.admission.release()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down")

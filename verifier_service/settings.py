@@ -73,6 +73,8 @@ class VerifierSettings:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} {value!r} must be finite and >= 0")
+        if not self.batch_gather_ms < 1000:
+            raise ValueError(f"batch_gather_ms {self.batch_gather_ms!r} must be below 1000")
         if not (math.isfinite(self.queue_timeout_s) and self.queue_timeout_s > 0):
             raise ValueError(f"queue_timeout_s {self.queue_timeout_s!r} must be finite and > 0")
         if not (math.isfinite(self.drafter_deadline_max_ms) and self.drafter_deadline_max_ms > 0):

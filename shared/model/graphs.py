@@ -124,7 +124,7 @@ class WindowGraphs:
         self.dev_in[m : m + num_rows].add_(self.dev_in[5 * m : 5 * m + num_rows])
         return self._batch_forward(num_rows, num_rows, 1)
 
-    def decode_buckets(self) -> list[int]:
+    def batch_buckets(self) -> list[int]:
         """The batch sizes captured as graphs: 2, 4, then every multiple of 8 up to max_batch_rows,
         and it (padding rows cost their attention and norms, not their experts)."""
         if self.scratch_slot is None or self.max_batch_rows < 2:
@@ -147,14 +147,14 @@ class WindowGraphs:
                 progress(f"the {num_rows}-row window", time.perf_counter() - started)
         if 1 in self.graphs:
             self.chained = self._capture(self._chained_forward)
-        for bucket in self.decode_buckets():
+        for bucket in self.batch_buckets():
             started = time.perf_counter()
             self.batch_graphs[bucket] = self._capture(lambda b=bucket: self._batch_forward(b, b, 1))
             self.chained_batches[bucket] = self._capture(lambda b=bucket: self._chained_batch_forward(b))
             if progress is not None:
                 progress(f"the decode batch of {bucket} rows", time.perf_counter() - started)
         if self.verify_window > 1:
-            for bucket in [b for b in self.decode_buckets() if b >= self.verify_window]:
+            for bucket in [b for b in self.batch_buckets() if b >= self.verify_window]:
                 started = time.perf_counter()
                 self.verify_graphs[bucket] = self._capture(lambda b=bucket: self._batch_forward(b, b, self.verify_window))
                 if progress is not None:
@@ -188,10 +188,8 @@ class WindowGraphs:
         num_rows = len(token_ids)
         if not 1 <= num_rows <= self.max_rows:
             raise ValueError(f"a window of {num_rows} rows (1..{self.max_rows} allowed)")
-        if self.copied is not None:
-            self.copied.synchronize()  # the last round's copy has left host_in (normally long done)
         m = self.max_batch_rows
-        values = self.host_in.numpy()
+        values = self._host_values()
         values[:num_rows] = token_ids
         values[m : m + num_rows] = range(start, start + num_rows)
         values[2 * m : 2 * m + num_rows] = slot
@@ -204,6 +202,13 @@ class WindowGraphs:
         graph, output = captured
         graph.replay()
         return output
+
+    def _host_values(self):
+        """host_in as a numpy array to fill, once the last round's copy has left it (normally
+        long done)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host_in.numpy()
 
     def _send(self) -> None:
         self.dev_in.copy_(self.host_in, non_blocking=True)
@@ -224,10 +229,8 @@ class WindowGraphs:
             graphs = self.batch_graphs if longest == 1 else self.verify_graphs if longest <= self.verify_window else {}
         bucket = next((b for b in sorted(graphs) if b >= num_rows), None)
         padded = bucket or num_rows
-        if self.copied is not None:
-            self.copied.synchronize()
         m = self.max_batch_rows
-        values = self.host_in.numpy()
+        values = self._host_values()
         row = 0
         for seq, (slot, ids, start) in enumerate(windows):
             values[row : row + len(ids)] = ids

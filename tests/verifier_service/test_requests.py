@@ -75,6 +75,8 @@ async def test_requests_beyond_the_sessions_wait_their_turn(servers, tiny_model)
     queued = asyncio.create_task(generate(stub, plain))
     while admission.queued == 0:
         await asyncio.sleep(0.01)
+    registry = servers.verifier.service.metrics.registry
+    assert registry.get_sample_value("tandem_verifier_queued_requests") == 1
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await generate(stub, request([7], 4))
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queued = 1" in refused.value.details()
