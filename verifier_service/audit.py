@@ -20,12 +20,20 @@ Two defences:
 Only top-gate chains are audited: under the pick gate the drafter's retention keeps a step
 depending on its own draw, so kept drafts are not plain draws from q (that gate is
 approximate by definition).
+
+Only fresh draws are audited: an honest drafter's draw at a position comes from the draft
+stream keyed by (seed, position), so a position drafted again (after a rejection, or by a
+later request with the same seed; unset seeds are 0) repeats the same uniform and the same
+v. Counting repeats would make the sample's values dependent and reject honest drafters.
+`FreshPositions` remembers, per seed, which positions the audit has already seen.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
+from collections import OrderedDict
 
 import torch
 
@@ -74,6 +82,16 @@ class HonestyAudit:
         self.next_check = FIRST_CHECK
         self.threshold = false_alarm / 2 / CHECKS_PER_SERIES  # series 1's share, halved each series
         self.rejected: str | None = None  # why, once rejected
+        self.fresh = FreshPositions()
+
+    def observe_drafts(self, seed: int, key: int, base_position: int, drafts: list[int], q_rows: SparseRows) -> bool:
+        """Audit a chain (drafts[j] at position base_position + j) by its fresh draws only;
+        returns True when this call rejected the drafter."""
+        fresh = self.fresh.claim(seed, base_position, base_position + len(drafts))
+        if not fresh or self.rejected is not None:
+            return False
+        values = pit_values(drafts, q_rows, key, base_position)
+        return self.observe([values[position - base_position] for position in fresh])
 
     def observe(self, values: list[float]) -> bool:
         """Add PIT values; returns True when this call rejected the drafter."""
@@ -95,3 +113,44 @@ class HonestyAudit:
                 self.next_check = FIRST_CHECK
                 self.threshold /= 2
         return False
+
+
+class FreshPositions:
+    """The (seed, position) pairs already audited, as disjoint position ranges per seed.
+
+    Bounded: the least recently used seeds are forgotten beyond `max_seeds` (a forgotten seed
+    that comes back is audited again; with random seeds that never happens, and the default
+    seed 0 is always recent)."""
+
+    def __init__(self, max_seeds: int = 65536) -> None:
+        if max_seeds < 1:
+            raise ValueError(f"max_seeds must be >= 1, got {max_seeds}")
+        self.max_seeds = max_seeds
+        self._ranges: OrderedDict[int, list[tuple[int, int]]] = OrderedDict()  # sorted, disjoint, non-adjacent
+
+    def claim(self, seed: int, start: int, stop: int) -> list[int]:
+        """The positions in [start, stop) not seen before for `seed`, now marked as seen."""
+        ranges = self._ranges.pop(seed, [])
+        self._ranges[seed] = ranges
+        if len(self._ranges) > self.max_seeds:
+            self._ranges.popitem(last=False)
+        if start >= stop:
+            return []
+        fresh, cursor = [], start
+        first = bisect.bisect_right(ranges, (start, float("inf"))) - 1
+        first = max(first, 0)
+        last = first
+        while last < len(ranges) and ranges[last][0] <= stop:
+            lo, hi = ranges[last]
+            if hi < start:
+                first += 1
+            else:
+                fresh.extend(range(cursor, max(cursor, min(lo, stop))))
+                cursor = max(cursor, hi)
+            last += 1
+        fresh.extend(range(cursor, stop))
+        merged = ranges[first:last]
+        lo = min([start] + [r[0] for r in merged])
+        hi = max([stop] + [r[1] for r in merged])
+        ranges[first:last] = [(lo, hi)]
+        return fresh

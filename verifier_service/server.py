@@ -37,7 +37,7 @@ from shared.service import MESSAGE_OPTIONS, ServiceServer, require_model, run_un
 from shared.tokenizer import load_tokenizer
 from shared.worker import ModelWorker
 from verifier_service.admission import Admission, AdmissionLimits, AdmissionRefused
-from verifier_service.audit import HonestyAudit, accept_key, pit_values
+from verifier_service.audit import HonestyAudit, accept_key
 from verifier_service.chains import ChainFault, retain, validate_chain
 from verifier_service.drafter_link import DeadlineTracker, DrafterHealth, DrafterLink
 from verifier_service.batcher import BatchSettings, RoundBatcher
@@ -261,7 +261,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             return None
         if chain.q_rows is not None and spec.gate == Gate.TOP:
             key = accept_key(self.draw_secret, spec.seed)
-            if self.audit.observe(pit_values(chain.token_ids, chain.q_rows, key, len(session.token_ids))):
+            if self.audit.observe_drafts(spec.seed, key, len(session.token_ids), chain.token_ids, chain.q_rows):
                 log.warning("drafter rejected for probabilistic rounds by the honesty audit",
                             drafter=self.settings.drafter, reason=self.audit.rejected)
                 self.metrics.faults.labels("audit_rejected").inc()

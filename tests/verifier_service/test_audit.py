@@ -9,7 +9,7 @@ import torch
 
 from kernels.sampling import SparseRows, draw
 from shared.protocol import common_pb2
-from verifier_service.audit import FALSE_ALARM, HonestyAudit, accept_key, ks_distance, pit_values
+from verifier_service.audit import FALSE_ALARM, FreshPositions, HonestyAudit, accept_key, ks_distance, pit_values
 
 from .conftest import ScriptedDrafter, chain, generate, q_row, request, sampled_chain
 
@@ -52,6 +52,49 @@ def test_the_false_alarm_budget_is_spent_at_most_once_over_a_drafter_life():
     assert audit.threshold <= FALSE_ALARM / 2 / 17
 
 
+def test_fresh_positions_match_a_set_of_seen_pairs():
+    fresh, seen = FreshPositions(), set()
+    rng = random.Random(1)
+    for _ in range(3000):
+        seed, start = rng.randrange(3), rng.randrange(200)
+        stop = start + rng.randrange(8)
+        expected = [p for p in range(start, stop) if (seed, p) not in seen]
+        seen.update((seed, p) for p in range(start, stop))
+        assert fresh.claim(seed, start, stop) == expected
+        ranges = fresh._ranges[seed]
+        assert all(a[1] < b[0] for a, b in zip(ranges, ranges[1:]))  # sorted, disjoint, merged
+
+
+def test_fresh_positions_forget_the_least_recently_used_seed():
+    fresh = FreshPositions(max_seeds=2)
+    assert fresh.claim(1, 0, 4) == [0, 1, 2, 3]
+    fresh.claim(2, 0, 1)
+    fresh.claim(1, 9, 9)  # seed 1 used again: seed 2 is now the oldest
+    fresh.claim(3, 0, 1)
+    assert fresh.claim(1, 0, 4) == [] and fresh.claim(2, 0, 1) == [0]
+    with pytest.raises(ValueError, match="max_seeds"):
+        FreshPositions(max_seeds=0)
+
+
+def test_redrafted_positions_and_repeated_seeds_do_not_reject_an_honest_drafter():
+    """An honest drafter at low acceptance redrafts each position up to k times, and requests
+    without a seed all use seed 0: the same draft-stream uniform and the same v come back.
+    Sample: 40 identical requests (seed 0, positions 5..36, k = 3, nothing accepted). Counted
+    every time, the repeats reject the drafter (the CI failure of 2026-12-01); counted once per
+    (seed, position), the audit sees 32 independent uniforms and keeps it (false alarm <= 1e-6)."""
+    q = SparseRows.from_dicts([{1: 0.4, 2: 0.35, 3: 0.25}] * 3)
+    key = accept_key(b"secret", 0)
+    audit, naive = HonestyAudit(), HonestyAudit()
+    for _ in range(40):
+        for base in range(5, 35):
+            drafts = [int(draw(SparseRows.from_dicts([{1: 0.4, 2: 0.35, 3: 0.25}]), 0, torch.tensor([base + j]),
+                               stream="draft")[0]) for j in range(3)]
+            audit.observe_drafts(0, key, base, drafts, q)
+            naive.observe(pit_values(drafts, q, key, base))
+    assert naive.rejected is not None  # so the duplicates matter and this test can fail
+    assert audit.rejected is None and len(audit.values) == 32
+
+
 def steering(state):
     """Always proposes STEERED, declaring q(STEERED) = 1e-9: accepted almost surely if trusted."""
     return chain(state, [STEERED], [q_row({STEERED: 1e-9, 8: 1.0 - 1e-9})])
@@ -88,8 +131,8 @@ async def test_the_steering_attack_is_stopped(servers, tiny_model):
 async def test_an_honest_drafter_keeps_drafting_in_probabilistic_mode(servers, tiny_model):
     q = {1: 0.4, 2: 0.35, 3: 0.25}
     stub = await servers.start(tiny_model, drafter=ScriptedDrafter(lambda s: sampled_chain(s, q, 3)), max_draft_tokens=3)
-    for seed in range(12):
-        req = request(PROMPT, 16, temperature=1.0, seed=seed, mode=common_pb2.MODE_PROBABILISTIC)
+    for seed in range(12):  # seeds repeat (0..5 twice): the audit must count a draw once (FreshPositions)
+        req = request(PROMPT, 16, temperature=1.0, seed=seed % 6, mode=common_pb2.MODE_PROBABILISTIC)
         _, final, _ = await generate(stub, req)
         assert final.stats.retained > 0
     assert servers.verifier.service.audit.rejected is None
