@@ -216,10 +216,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                             check_open(up.open, config)  # on the loop, before any work: cheap and bounded
                             if session is not None:  # a re-open on the same stream replaces its session
                                 self.sessions.remove(session)
-                            evictions = self.sessions.evictions
                             session, chain = await self.worker.run(self._open_and_propose, up.open)
-                            self.sessions.put(session)
-                            self.metrics.evictions.inc(self.sessions.evictions - evictions)
+                            # counted here, not as a before/after difference: concurrent opens overlap
+                            self.metrics.evictions.inc(self.sessions.put(session))
                             structlog.contextvars.bind_contextvars(request_id=session.session_id)
                         else:
                             check_commit(up.commit, max_drafts=session.max_drafts, committed=len(session.tokens),

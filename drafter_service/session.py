@@ -63,12 +63,16 @@ class SessionStore:
         self._sessions: OrderedDict[int, DraftSession] = OrderedDict()
         self.evictions = 0
 
-    def put(self, session: DraftSession) -> None:
+    def put(self, session: DraftSession) -> int:
+        """Hold `session` (most recently used); returns how many sessions this evicted."""
         self._sessions[id(session)] = session
         self._sessions.move_to_end(id(session))
+        evicted = 0
         while len(self._sessions) > self.capacity:
             self._sessions.popitem(last=False)
-            self.evictions += 1
+            evicted += 1
+        self.evictions += evicted
+        return evicted
 
     def holds(self, session: DraftSession) -> bool:
         return self._sessions.get(id(session)) is session

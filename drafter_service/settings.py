@@ -31,6 +31,7 @@ class DrafterSettings:
     tls_client_ca: str | None = field(default=None, metadata={"help": "PEM CA bundle: require client certificates signed by it (mutual TLS)"})
     auth_token: str | None = field(default=None, metadata={"help": "bearer token Draft callers (verifiers) must send; none = no auth (use mutual TLS or this in production)"})
     grace_s: float = field(default=5.0, metadata={"help": "SIGTERM: seconds open streams get to finish"})
+    max_connection_age_s: float = field(default=60.0, metadata={"help": "seconds before a client connection is asked to reconnect (GOAWAY; open streams run on), so clients re-resolve DNS and reach new replicas; 0 = never"})
 
     def __post_init__(self) -> None:
         base.validate_service(self)
@@ -44,8 +45,6 @@ class DrafterSettings:
             raise ValueError(f"moce_scale {self.moce_scale!r} must be finite and > 0")
         if self.expert_slots < 0 or self.global_index_contexts < 0:
             raise ValueError("expert_slots and global_index_contexts must be >= 0")
-        if not (math.isfinite(self.grace_s) and self.grace_s >= 0):
-            raise ValueError(f"grace_s {self.grace_s!r} must be finite and >= 0")
 
     @property
     def address(self) -> str:

@@ -35,6 +35,14 @@ MESSAGE_OPTIONS = [
 SERVER_OPTIONS = [*MESSAGE_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
+def server_options(settings) -> list[tuple[str, int]]:
+    """SERVER_OPTIONS plus the maximum connection age: a client reconnects after it (streams
+    already open run on: no age grace), and reconnecting re-resolves a DNS name, so replicas
+    added behind one are reached within that age."""
+    age_ms = round(settings.max_connection_age_s * 1000)
+    return [*SERVER_OPTIONS, ("grpc.max_connection_age_ms", age_ms)] if age_ms > 0 else list(SERVER_OPTIONS)
+
+
 class StartupError(Exception):
     """The service cannot start; the message names the setting and its value (one line)."""
 
@@ -57,7 +65,7 @@ class ServiceServer:
     def __init__(self, settings, *, interceptors=()) -> None:
         self.settings = settings
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+        self.server = grpc.aio.server(options=server_options(settings), interceptors=list(interceptors))
         self.port: int | None = None
         self.loaded: asyncio.Task | None = None
         self.metrics_server = None

@@ -110,5 +110,7 @@ def validate_service(settings: Any) -> None:
         raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
     if settings.fused not in FUSED_CHOICES:
         raise ValueError(f"fused {settings.fused!r} must be one of {', '.join(FUSED_CHOICES)}")
-    if not (math.isfinite(settings.grace_s) and settings.grace_s >= 0):
-        raise ValueError(f"grace_s {settings.grace_s!r} must be finite and >= 0")
+    for name in ("grace_s", "max_connection_age_s"):
+        value = getattr(settings, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} {value!r} must be finite and >= 0")

@@ -49,6 +49,7 @@ class VerifierSettings:
     drafter_tls_cert: str | None = field(default=None, metadata={"help": "PEM client certificate for mutual TLS to the drafter"})
     drafter_tls_key: str | None = field(default=None, metadata={"help": "PEM private key of drafter_tls_cert"})
     grace_s: float = field(default=10.0, metadata={"help": "SIGTERM: seconds in-flight requests get to finish"})
+    max_connection_age_s: float = field(default=60.0, metadata={"help": "seconds before a client connection is asked to reconnect (GOAWAY; open streams run on), so clients re-resolve DNS and reach new replicas; 0 = never"})
 
     def __post_init__(self) -> None:
         base.validate_service(self)

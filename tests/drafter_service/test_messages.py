@@ -1,6 +1,7 @@
 """Malformed or oversized messages to the drafter are refused with INVALID_ARGUMENT before any
 work (issue 12, item 4), and leave it serving everyone else at full speed."""
 
+import asyncio
 import time
 
 import grpc
@@ -123,5 +124,29 @@ async def test_streams_per_peer_are_capped(tiny_mtp_model):
         replies = await exchange(stub, [open_up(tiny_mtp_model, [1, 2, 3], session_id="again")])  # a slot is free again
         assert replies[0].HasField("chain")
     finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_concurrent_opens_count_each_eviction_once(tiny_mtp_model):
+    """300 concurrent opens once counted 990 evictions for 44 real ones (issue 15): each
+    handler took a before/after difference of the store's counter across its await."""
+    server = DrafterServer(DrafterSettings(port=0, max_sessions=2), model=tiny_mtp_model)
+    port = await server.start()
+    await server.wait_loaded()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = drafter_pb2_grpc.DrafterStub(channel)
+    calls = [stub.Draft() for _ in range(12)]
+    try:
+        await asyncio.gather(*(call.write(open_up(tiny_mtp_model, [1, 2, 3], session_id=f"s{i}"))
+                               for i, call in enumerate(calls)))
+        replies = await asyncio.gather(*(call.read() for call in calls))
+        assert all(reply.HasField("chain") for reply in replies)
+        counted = server.metrics_registry.get_sample_value("tandem_drafter_session_evictions_total")
+        assert server.service.sessions.evictions == 10  # 12 sessions held by a store of 2
+        assert counted == 10
+    finally:
+        for call in calls:
+            call.cancel()
         await channel.close()
         await server.stop(0)

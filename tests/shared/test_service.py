@@ -1,13 +1,15 @@
 """Service start-up: a busy port, a busy metrics port or a missing model stops the start with
 one line naming the setting (exit status 2 from the CLI), and nothing is left half-started."""
 
+import asyncio
 import socket
 import subprocess
 import sys
 
+import grpc
 import pytest
 
-from shared.service import StartupError
+from shared.service import ServiceServer, StartupError, server_options
 from verifier_service.server import VerifierServer
 from verifier_service.settings import VerifierSettings
 
@@ -59,3 +61,47 @@ def test_cli_start_up_failures_are_one_line_and_exit_2(service):
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and fragment in errors[0], result.stderr
         assert "Traceback" not in result.stderr
+
+
+class PeerEcho(ServiceServer):
+    """A bare service whose one method answers the caller's address (host:port of its connection)."""
+
+    service_name = "test.PeerEcho"
+
+    def register(self) -> None:
+        async def peer(request: bytes, context) -> bytes:
+            return context.peer().encode()
+
+        handler = grpc.unary_unary_rpc_method_handler(peer)
+        self.server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(self.service_name, {"Peer": handler}),))
+
+    async def load(self) -> None:
+        pass
+
+    @property
+    def metrics_registry(self):
+        return None
+
+
+@pytest.mark.parametrize("age_s", [0.0, 0.3])
+async def test_clients_reconnect_after_the_maximum_connection_age(age_s):
+    """New replicas behind a DNS name are only seen when a client reconnects (issue 15): with
+    a maximum age the server sends GOAWAY and the channel's next call uses a new connection
+    (a new client port); without one the connection stays."""
+    server = PeerEcho(VerifierSettings(port=0, max_connection_age_s=age_s))
+    port = await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary("/test.PeerEcho/Peer")
+            first = await call(b"")
+            await asyncio.sleep(1.0)  # > the age plus gRPC's 10% jitter
+            second = await call(b"")
+        assert (first != second) == (age_s > 0), (first, second)
+    finally:
+        await server.stop(0)
+
+
+def test_the_connection_age_is_validated():
+    with pytest.raises(ValueError, match="max_connection_age_s"):
+        VerifierSettings(max_connection_age_s=-1)
+    assert ("grpc.max_connection_age_ms", 60000) in server_options(VerifierSettings())
