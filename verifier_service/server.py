@@ -8,6 +8,7 @@ worker, stream the committed tokens, commit to the drafter) → final event with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -183,6 +184,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.metrics.active.inc()
         link: DrafterLink | None = None
         opened: Session | None = None
+        completion: Completion | None = None
         tracer = telemetry.tracer("tandem.verifier")
         try:
             with tracer.start_as_current_span("Generate", attributes={"tandem.request_id": spec.request_id}) as span:
@@ -219,6 +221,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                          finish=completion.finish_reason, faults=link.faults if link else {})
         except (asyncio.CancelledError, GeneratorExit):  # the client went away
             self.metrics.requests.labels("cancelled").inc()
+            log.info("request cancelled", tokens=len(completion.token_ids) if completion else 0)
             raise
         finally:
             if opened is not None:
@@ -239,8 +242,12 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             request = verifier_pb2.GenerateRequest.FromString(raw)
         except DecodeError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed GenerateRequest ({len(raw)} bytes): {error}"[:200])
-        async for event in self.Generate(request, context):
-            yield event
+        # aclosing: when the client goes away while this generator waits at its yield, the
+        # inner one is closed here, in the request's own context — not later by the event
+        # loop's finaliser in another (where its spans fail to detach and cleanup waits for GC)
+        async with contextlib.aclosing(self.Generate(request, context)) as events:
+            async for event in events:
+                yield event
 
     def _may_draft(self, spec: RequestSpec) -> bool:
         """Exact mode may use any drafter; probabilistic mode only one the audit has not

@@ -128,3 +128,44 @@ async def test_a_drain_ends_long_requests_with_a_final_event(servers, tiny_model
     assert final is not None and final.finish_reason == "shutdown"
     assert 0 < len(tokens) < 200 and final.stats.completion_tokens == len(tokens)
     await stopping
+
+
+async def test_a_cancelled_request_leaves_no_traceback(verifier_process):
+    """A client cancelling mid-stream is routine: the process logs it and prints no traceback
+    (an OpenTelemetry "Failed to detach context" traceback once appeared on every cancel)."""
+    process, port = verifier_process
+    await asyncio.to_thread(wait_serving, f"127.0.0.1:{port}", timeout=60, process=process)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        for _ in range(3):
+            call = stub.Generate(request([1, 2, 3], 150))
+            await call.read()
+            call.cancel()
+        tokens, _, _ = await generate(stub, request([1, 2, 3], 3))
+        assert len(tokens) == 3
+    process.send_signal(signal.SIGTERM)
+    output = (await asyncio.to_thread(process.communicate, timeout=30))[0].decode()
+    assert process.returncode == 0
+    assert "Traceback" not in output and "Failed to detach" not in output, output[-3000:]
+    assert "cancelled" in output  # the cancel is logged, as one line
+
+
+class Context:
+    """What Generate needs of a ServicerContext when nothing goes wrong."""
+
+    async def abort(self, code, details):
+        raise AssertionError(f"aborted: {code} {details}")
+
+
+async def test_closing_the_handler_at_a_yield_cleans_up_at_once(servers, tiny_model):
+    """gRPC closes the handler's generator when the client goes away while it waits to send:
+    the request's session, admission slot and spans are released right there, in the
+    request's own context, not later by the event loop's finaliser (where OpenTelemetry
+    printed "Failed to detach context")."""
+    await servers.start(tiny_model)
+    service = servers.verifier.service
+    events = service.generate_raw(request([1, 2, 3], 50).SerializeToString(), Context())
+    await events.__anext__()
+    assert service.active == 1
+    await events.aclose()
+    assert service.active == 0
