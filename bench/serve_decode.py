@@ -98,7 +98,7 @@ def make_spec(prompt: list[int], new_tokens: int):
         request_id="bench", prompt_ids=tuple(prompt), max_new_tokens=new_tokens, sampling=SamplingParams(temperature=0.0),
         seed=0, mode=Mode.EXACT, gate=Gate.TOP, speculate=False, coupled=False, max_draft_tokens=0,
         retention=RetentionPolicy(), retention_schedule="", retention_min_cum=0.0, eos_token_ids=frozenset(),
-        stop_sequences=(), text_prompt=False,
+        stop_sequences=(),
     )
 
 

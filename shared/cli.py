@@ -12,6 +12,7 @@ import argparse
 import functools
 import importlib
 import json
+import math
 import os
 import sys
 from importlib import metadata
@@ -247,6 +248,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     prompt = args.prompt if args.prompt is not None else args.prompt_ids
     try:
+        if args.timeout is not None and not (math.isfinite(args.timeout) and args.timeout > 0):
+            raise ValueError(f"--timeout {args.timeout} must be a positive number of seconds")
         config = _generation_config(args)
         config.to_request(prompt)  # out-of-range values fail here, before any connection
     except (TypeError, ValueError) as error:
@@ -255,9 +258,6 @@ def _run_generate(args: argparse.Namespace) -> int:
     accumulator = GenerationAccumulator()
     out = sys.stdout
     wrote = False  # anything streamed to stdout (owes a closing newline)
-    # A text prompt means the verifier has a tokenizer: an event without text there is text
-    # held back (an incomplete character), not a verifier that sends none.
-    ids_until_text = args.prompt is None
     try:
         from shared.security import channel_credentials
 
@@ -270,10 +270,11 @@ def _run_generate(args: argparse.Namespace) -> int:
                     accumulator.add(event)
                     if args.json:
                         continue
-                    if event.text_delta:
-                        ids_until_text = False
+                    if event.HasField("text_delta"):  # a verifier with a tokenizer: text only
+                        if not event.text_delta:
+                            continue  # text held back (an incomplete character)
                         out.write(event.text_delta)
-                    elif ids_until_text and event.token_ids:
+                    elif event.token_ids:
                         out.write(("" if not wrote else " ") + " ".join(map(str, event.token_ids)))
                     else:
                         continue

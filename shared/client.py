@@ -88,8 +88,19 @@ class GenerationConfig:
             raise ValueError(f"gate must be one of {sorted(_GATES)}; got {self.gate!r}")
         if not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must lie in [0, 2**64); got {self.seed}")
+        for name in ("max_new_tokens", "top_k", "max_support", "max_draft_tokens"):  # uint32 on the wire
+            if not 0 <= getattr(self, name) < 2**32:
+                raise ValueError(f"{name} must lie in [0, 2**32); got {getattr(self, name)}")
+        # Options that would do nothing in the chosen mode are refused, not ignored.
+        if self.gate == "pick" and self.mode == "exact":
+            raise ValueError("gate = pick is an admission rule of probabilistic mode; mode = exact (use --mode probabilistic)")
+        if self.coupled and self.mode == "probabilistic":
+            raise ValueError("coupled drafting belongs to exact mode; mode = probabilistic")
         # Lists are accepted for convenience; tuples keep the config hashable.
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        for index, sequence in enumerate(stop):
+            if not isinstance(sequence, str) or not sequence:
+                raise ValueError(f"stop[{index}] = {sequence!r}: stop sequences are non-empty strings")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "eos_token_ids", tuple(_token_ids(self.eos_token_ids, "eos_token_ids")))
 
@@ -222,7 +233,7 @@ class GenerationAccumulator:
 
     def add(self, event: verifier_pb2.GenerateEvent) -> None:
         self.token_ids.extend(event.token_ids)
-        if event.text_delta:
+        if event.HasField("text_delta"):  # the verifier has a tokenizer (the delta may be "")
             self.text_parts.append(event.text_delta)
         if event.HasField("round"):
             self.rounds.append(round_to_dict(event.round))

@@ -51,7 +51,6 @@ class RequestSpec:
     retention_min_cum: float
     eos_token_ids: frozenset[int]
     stop_sequences: tuple[str, ...]
-    text_prompt: bool
 
 
 def parse_request(
@@ -113,6 +112,10 @@ def parse_request(
     gate = {common_pb2.GATE_UNSPECIFIED: Gate.TOP, common_pb2.GATE_TOP: Gate.TOP, common_pb2.GATE_PICK: Gate.PICK}.get(spec.gate)
     if gate is None:
         raise _invalid(f"speculation.gate {spec.gate} is not a known Gate")
+    if gate == Gate.PICK and mode == Mode.EXACT:
+        raise _invalid("speculation.gate = GATE_PICK applies to probabilistic mode; speculation.mode is exact")
+    if spec.coupled and mode == Mode.PROBABILISTIC:
+        raise _invalid("speculation.coupled applies to exact mode; speculation.mode is probabilistic")
     max_draft = spec.max_draft_tokens or settings.max_draft_tokens
     if not 0 <= max_draft <= settings.max_draft_tokens_limit:
         raise _invalid(f"speculation.max_draft_tokens must lie in [0, {settings.max_draft_tokens_limit}]; got {spec.max_draft_tokens}")
@@ -129,8 +132,11 @@ def parse_request(
         if token >= vocab_size:
             raise _invalid(f"stop.eos_token_ids[{index}] = {token} is out of range [0, {vocab_size})")
     stops = tuple(request.stop.stop_sequences)
-    if len(stops) > MAX_STOP_SEQUENCES or any(not 0 < len(x) <= MAX_STOP_LENGTH for x in stops):
-        raise _invalid(f"stop.stop_sequences: at most {MAX_STOP_SEQUENCES} non-empty strings of <= {MAX_STOP_LENGTH} characters")
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise _invalid(f"stop.stop_sequences has {len(stops)} strings; at most {MAX_STOP_SEQUENCES}")
+    for index, stop in enumerate(stops):
+        if not 0 < len(stop) <= MAX_STOP_LENGTH:
+            raise _invalid(f"stop.stop_sequences[{index}] = {stop[:40]!r}{'...' if len(stop) > 40 else ''} must have 1 to {MAX_STOP_LENGTH} characters")
     if stops and tokenizer is None:
         raise _invalid("stop.stop_sequences need a tokenizer and this model has none")
     return RequestSpec(
@@ -149,5 +155,4 @@ def parse_request(
         retention_min_cum=min_cum,
         eos_token_ids=frozenset(request.stop.eos_token_ids) | frozenset(model_eos_ids),
         stop_sequences=stops,
-        text_prompt=which == "prompt_text",
     )

@@ -197,8 +197,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     link = DrafterLink(self.drafter, self.deadlines, security.bearer_metadata(self.settings.drafter_token),
                                        self.drafter_health)
                     await link.open(self._open_message(session, 0), self._trace_context())
-                completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences,
-                                        self.tokenizer if spec.text_prompt or spec.stop_sequences else None)
+                completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences, self.tokenizer)
                 round_id = 0
                 while completion.finish_reason is None:
                     if session.cache.length >= session.cache.max_length:
@@ -337,7 +336,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         })
         return verifier_pb2.GenerateEvent(
             token_ids=tokens,
-            text_delta=delta,
+            text_delta=delta if self.tokenizer is not None else None,  # set: the client knows text is streamed
             round=verifier_pb2.RoundInfo(
                 round_id=round_id, source=SOURCE_ENUM[source], proposed=proposed, retained=len(drafts),
                 accepted=outcome.num_accepted, verify_ms=verify_ms, draft_wait_ms=wait_ms,

@@ -56,7 +56,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                 text, held = held + text, ""
             yield verifier_pb2.GenerateEvent(
                 token_ids=chunk,
-                text_delta=text,
+                text_delta=text if with_text else None,  # set only where there is text (a tokenizer)
                 round=verifier_pb2.RoundInfo(
                     round_id=round_id,
                     source=source,
@@ -172,7 +172,7 @@ def test_every_config_field_maps_to_the_request():
         retention_schedule="0.10, 0.35",
         retention_min_cum=0.25,
         speculation=False,
-        coupled=True,
+        coupled=False,
         eos_token_ids=[2, 3],
         stop=["\n\n", "END"],
         request_id="req-1",
@@ -191,7 +191,8 @@ def test_every_config_field_maps_to_the_request():
     assert speculation.mode == common_pb2.MODE_PROBABILISTIC and speculation.gate == common_pb2.GATE_PICK
     assert speculation.max_draft_tokens == 6
     assert speculation.retention.schedule == "0.10, 0.35" and speculation.retention.min_cum == 0.25
-    assert speculation.disable and speculation.coupled
+    assert speculation.disable and not speculation.coupled
+    assert GenerationConfig(coupled=True).to_request([1]).speculation.coupled
     assert list(request.stop.eos_token_ids) == [2, 3] and list(request.stop.stop_sequences) == ["\n\n", "END"]
 
 
@@ -212,6 +213,21 @@ def test_bad_configs_and_prompts_fail_before_any_call():
         GenerationConfig(seed=-1)
     with pytest.raises(TypeError, match="bytes"):
         GenerationConfig().to_request(b"hi")
+    with pytest.raises(ValueError, match=r"max_new_tokens must lie in \[0, 2\*\*32\); got 5000000000"):
+        GenerationConfig(max_new_tokens=5_000_000_000)
+    with pytest.raises(ValueError, match="top_k"):
+        GenerationConfig(top_k=-1)
+    with pytest.raises(ValueError, match=r"stop\[1\] = ''"):
+        GenerationConfig(stop=["END", ""])
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ({"gate": "pick"}, "gate = pick is an admission rule of probabilistic mode; mode = exact"),
+    ({"mode": "probabilistic", "coupled": True}, "coupled drafting belongs to exact mode; mode = probabilistic"),
+])
+def test_options_that_do_nothing_in_the_mode_are_refused(options, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        GenerationConfig(**options)
 
 
 # --- async client ---------------------------------------------------------------------------
@@ -321,7 +337,7 @@ def test_cli_json(thread_verifier, capsys):
     target, servicer = thread_verifier
     argv = ["generate", "--verifier", target, "--prompt-ids", "1,2,3,4", "--max-new-tokens", "8", "--json"]
     argv += ["--temperature", "0.5", "--top-p", "0.9", "--seed", "11", "--mode", "probabilistic", "--gate", "pick"]
-    argv += ["--no-speculation", "--coupled", "--stop", "A", "--stop", "B", "--eos-ids", "0,2", "--retention-schedule", "0.1,0.2"]
+    argv += ["--no-speculation", "--stop", "A", "--stop", "B", "--eos-ids", "0,2", "--retention-schedule", "0.1,0.2"]
     assert cli.main(argv) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out) == {
@@ -335,7 +351,7 @@ def test_cli_json(thread_verifier, capsys):
     assert request.sampling.temperature == 0.5 and request.sampling.seed == 11
     assert request.sampling.HasField("top_p") and request.sampling.top_p == pytest.approx(0.9)
     assert request.speculation.mode == common_pb2.MODE_PROBABILISTIC and request.speculation.gate == common_pb2.GATE_PICK
-    assert request.speculation.disable and request.speculation.coupled
+    assert request.speculation.disable and not request.speculation.coupled
     assert request.speculation.retention.schedule == "0.1,0.2"
     assert list(request.stop.stop_sequences) == ["A", "B"] and list(request.stop.eos_token_ids) == [0, 2]
 
@@ -390,9 +406,20 @@ def test_cli_bad_prompt_ids_exit_2(value, capsys):
     assert "--prompt-ids" in err and repr(value) in err
 
 
-def test_cli_out_of_range_value_exits_2_before_connecting(capsys):
-    assert cli.main(["generate", "--verifier", "127.0.0.1:1", "--prompt", "a", "--max-new-tokens", "4", "--seed", "-1"]) == 2
-    assert "seed" in capsys.readouterr().err
+@pytest.mark.parametrize("extra, fragment", [
+    (["--seed", "-1"], "seed"),
+    (["--max-new-tokens", "5000000000"], "max_new_tokens must lie in [0, 2**32); got 5000000000"),
+    (["--timeout", "-1"], "--timeout -1.0 must be a positive number of seconds"),
+    (["--timeout", "nan"], "--timeout nan"),
+    (["--stop", ""], "stop[0] = ''"),
+    (["--gate", "pick"], "mode = exact"),
+    (["--mode", "probabilistic", "--coupled"], "mode = probabilistic"),
+])
+def test_cli_bad_values_exit_2_before_connecting(capsys, extra, fragment):
+    argv = ["generate", "--verifier", "127.0.0.1:1", "--prompt", "a", "--max-new-tokens", "4", *extra]
+    assert cli.main(argv) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: ") and fragment in errors[0], errors
 
 
 def test_cli_prompt_is_required_and_exclusive(capsys):

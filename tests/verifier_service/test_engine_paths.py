@@ -19,7 +19,7 @@ def spec(prompt, *, temperature, seed=7, max_new_tokens=24, request_id="r"):
         request_id=request_id, prompt_ids=tuple(prompt), max_new_tokens=max_new_tokens,
         sampling=SamplingParams(temperature=temperature, top_k=20, top_p=0.95), seed=seed, mode=Mode.EXACT,
         gate=Gate.TOP, speculate=True, coupled=False, max_draft_tokens=4, retention=RetentionPolicy(),
-        retention_schedule="", retention_min_cum=0.0, eos_token_ids=frozenset(), stop_sequences=(), text_prompt=False,
+        retention_schedule="", retention_min_cum=0.0, eos_token_ids=frozenset(), stop_sequences=(),
     )
 
 

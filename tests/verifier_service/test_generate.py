@@ -53,6 +53,25 @@ async def test_text_prompt_streams_text_with_the_embedded_model(servers):
     assert text.startswith("\n    ")
 
 
+async def test_an_id_prompt_streams_text_too_where_there_is_a_tokenizer(servers, tiny_model):
+    """Text is streamed whenever the verifier has a tokenizer (`tandem generate --prompt-ids`
+    printed raw ids before); text_delta is set on every token event there — and never where
+    there is no tokenizer — so a client knows which it gets from the first event."""
+    path = resolve_model(None)
+    tokenizer = load_tokenizer(path)
+    stub = await servers.start(load_model(path), tokenizer=tokenizer)
+    req = verifier_pb2.GenerateRequest(prompt_ids=verifier_pb2.TokenIds(ids=tokenizer.encode("def main():").ids),
+                                       max_new_tokens=12)
+    events = [event async for event in stub.Generate(req) if event.token_ids]
+    assert events and all(event.HasField("text_delta") for event in events)
+    tokens = [t for event in events for t in event.token_ids]
+    assert "".join(event.text_delta for event in events) == tokenizer.decode(tokens)
+    await servers.stop()
+    stub = await servers.start(tiny_model)
+    events = [event async for event in stub.Generate(request([1, 2, 3], 4)) if event.token_ids]
+    assert events and not any(event.HasField("text_delta") for event in events)
+
+
 async def test_eos_stops_and_is_not_emitted(servers, tiny_model):
     stub = await servers.start(tiny_model)
     tokens, _, _ = await generate(stub, request([1, 2, 3], 12))

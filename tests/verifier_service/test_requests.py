@@ -33,6 +33,13 @@ CASES = {
     "text prompt without tokenizer": (lambda r: setattr(r, "prompt_text", "hello"), "prompt_text needs a tokenizer"),
     "eos id out of range": (lambda r: r.stop.eos_token_ids.append(1000), "stop.eos_token_ids[0] = 1000"),
     "unknown protocol version": (lambda r: setattr(r, "protocol_version", 99), "protocol_version 99"),
+    "empty stop sequence": (lambda r: r.stop.stop_sequences.append(""), "stop.stop_sequences[0] = '' must have 1 to 256"),
+    # options that would do nothing in the chosen mode are refused, naming both
+    "pick gate in exact mode": (lambda r: setattr(r.speculation, "gate", common_pb2.GATE_PICK),
+                                "speculation.gate = GATE_PICK applies to probabilistic mode; speculation.mode is exact"),
+    "coupled in probabilistic mode": (lambda r: (setattr(r.speculation, "mode", common_pb2.MODE_PROBABILISTIC),
+                                                 setattr(r.speculation, "coupled", True)),
+                                      "speculation.coupled applies to exact mode; speculation.mode is probabilistic"),
 }
 
 
