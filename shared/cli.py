@@ -95,12 +95,15 @@ def _add_demo(subcommands) -> None:
     )
     parser.add_argument("--prompt", default="import os\n\n\ndef read_lines(path):", help="text prompt (\\n for newlines)")
     parser.add_argument("--max-new-tokens", type=int, default=160)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mode", choices=("exact", "probabilistic"), default="exact")
+    # Seeded sampling by default: greedy decoding of the small embedded model soon loops.
+    parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--mode", choices=("exact", "probabilistic"), default="exact",
+                        help="exact mode drafts coupled to the target's own draws (same tokens as plain decoding)")
     parser.add_argument("--max-draft-tokens", type=int, default=4)
     parser.add_argument("--model", default=None, help="checkpoint directory or name (default: the embedded model)")
-    parser.add_argument("--no-color", action="store_true", help="mark accepted drafts with [brackets] instead of color")
+    parser.add_argument("--markers", choices=("auto", "color", "brackets", "none"), default="auto",
+                        help="how accepted drafts are marked: auto = color on a terminal, none otherwise (plain text)")
     parser.set_defaults(handler=_run_demo)
 
 

@@ -39,14 +39,16 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"starting drafter on :{drafter_port} and verifier on :{verifier_port} ({model_dir.name}) ...", file=sys.stderr)
     drafter = _start("drafter", [*model_args, "--port", str(drafter_port)])
     verifier = _start("verifier", [*model_args, "--port", str(verifier_port), "--drafter", f"127.0.0.1:{drafter_port}"])
-    color = not args.no_color and sys.stdout.isatty()
+    markers = args.markers if args.markers != "auto" else ("color" if sys.stdout.isatty() else "none")
     try:
         wait_serving(f"127.0.0.1:{drafter_port}", name="drafter", process=drafter)
         wait_serving(f"127.0.0.1:{verifier_port}", name="verifier", process=verifier)
         config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                                  mode=args.mode, max_draft_tokens=args.max_draft_tokens)
-        legend = "accepted drafts: green = MTP, cyan = suffix lookup" if color else "accepted drafts in [MTP: ...] / [SUFFIX: ...]"
-        print(f"--- {legend} ---", file=sys.stderr)
+                                  mode=args.mode, max_draft_tokens=args.max_draft_tokens,
+                                  coupled=args.mode == "exact" and args.temperature > 0)
+        legend = {"color": "accepted drafts: green = MTP, cyan = suffix lookup",
+                  "brackets": "accepted drafts in [MTP: ...] / [SUFFIX: ...]", "none": "plain text (--markers to mark drafts)"}
+        print(f"--- {legend[markers]} ---", file=sys.stderr)
         sys.stdout.write(prompt)
         completion: list[int] = []
         shown = ""
@@ -65,9 +67,9 @@ def run_demo(args: argparse.Namespace) -> int:
                     completion += part
                     text = tokenizer.decode(completion)
                     piece, shown = text[len(shown):], text
-                    if is_draft and color:
+                    if is_draft and markers == "color":
                         piece = f"{COLORS.get(source, '')}{piece}{RESET}"
-                    elif is_draft:
+                    elif is_draft and markers == "brackets":
                         piece = f"[{source}: {piece}]"
                     sys.stdout.write(piece)
                 sys.stdout.flush()
