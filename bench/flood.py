@@ -149,7 +149,21 @@ def main() -> None:
         before = {"verifier": rss_mib(verifier.pid), "drafter": rss_mib(drafter.pid)}
         results = collections.defaultdict(collections.Counter)
         log(f"flood, {args.seconds:.0f} s ...")
-        asyncio.run(flood(v_address, d_address, args.seconds, args.clients_per_class, results, args.only))
+        samples = []  # (seconds into the flood, verifier MiB, drafter MiB): growth or a plateau?
+
+        async def sample(every: float = 10.0):
+            started = time.monotonic()
+            while True:
+                await asyncio.sleep(every)
+                samples.append((time.monotonic() - started, rss_mib(verifier.pid), rss_mib(drafter.pid)))
+                log(f"  {samples[-1][0]:.0f} s: verifier {samples[-1][1]:.0f} MiB, drafter {samples[-1][2]:.0f} MiB")
+
+        async def flood_and_sample():
+            sampler = asyncio.create_task(sample())
+            await flood(v_address, d_address, args.seconds, args.clients_per_class, results, args.only)
+            sampler.cancel()
+
+        asyncio.run(flood_and_sample())
         time.sleep(1.0)
         after = {"verifier": rss_mib(verifier.pid), "drafter": rss_mib(drafter.pid)}
         children.check_alive()
@@ -163,6 +177,10 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: |")
     for name in ("verifier", "drafter"):
         print(f"| {name} | {before[name]:.0f} | {after[name]:.0f} | {after[name] / before[name] - 1:+.1%} |")
+    print("\n| seconds into the flood | verifier RSS (MiB) | drafter RSS (MiB) |")
+    print("| ---: | ---: | ---: |")
+    for seconds, v_mib, d_mib in samples:
+        print(f"| {seconds:.0f} | {v_mib:.0f} | {d_mib:.0f} |")
 
 
 if __name__ == "__main__":

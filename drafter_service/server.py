@@ -197,7 +197,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.streams_by_peer[peer] = self.streams_by_peer.get(peer, 0) + 1
         self.metrics.active.inc()
         try:
-            async for up in request_iterator:
+            # context.read(), not `async for` over request_iterator: gRPC's iterator keeps the
+            # last message in a suspended generator after an abort, for as long as the call's
+            # garbage lives (a flood of refused 4M-token opens held gigabytes).
+            while (up := await context.read()) is not grpc.aio.EOF:
                 kind = up.WhichOneof("kind")
                 if kind not in ("open", "commit"):
                     continue  # a message kind this version does not know
@@ -210,6 +213,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 # joins that trace even though the stream outlives it.
                 parent = telemetry.extract_context(up.trace_context) if up.trace_context else None
                 with tracer.start_as_current_span("propose", context=parent) as span:
+                    refusal = None
                     try:
                         config = self.model.config
                         if kind == "open":
@@ -225,7 +229,12 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                                          round_id=session.round_id, config=config)
                             chain = await self.worker.run(self._commit_and_propose, session, up.commit)
                     except ValueError as error:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+                        refusal = str(error)
+                    if refusal is not None:
+                        # The abort's traceback keeps this frame alive until a full garbage
+                        # collection: it must not keep the refused (possibly huge) message too.
+                        del up
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
                     self._observe(span, session, chain, kind)
                 yield drafter_pb2.DraftDown(protocol_version=PROTOCOL_VERSION, chain=chain)
         finally:

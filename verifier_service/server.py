@@ -171,7 +171,12 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         try:  # off the event loop: tokenising a long text prompt must not stall other requests
             spec = await asyncio.to_thread(self._parse, request)
         except RequestError as error:
-            await context.abort(error.code, error.message)
+            refusal = error.code, error.message  # not the error: its traceback holds the request
+        else:
+            refusal = None
+        if refusal is not None:
+            del request  # not kept alive by the abort's traceback (see generate_raw)
+            await context.abort(*refusal)
         arrived = time.perf_counter()
         try:
             queued_s = await self.admission.acquire()
@@ -237,14 +242,24 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
 
     async def generate_raw(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[verifier_pb2.GenerateEvent]:
         """Generate over the wire: parse the request bytes, refusing malformed ones."""
+        # After an abort, the frames it passed through stay alive until Python's next full
+        # garbage collection (its traceback sits in a reference cycle), so no frame on the way
+        # may hold the request: refused 10 MB requests would pile up (bench/flood.py).
         try:
             request = verifier_pb2.GenerateRequest.FromString(raw)
         except DecodeError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed GenerateRequest ({len(raw)} bytes): {error}"[:200])
+            refusal = f"malformed GenerateRequest ({len(raw)} bytes): {error}"[:200]
+        else:
+            refusal = None
+        del raw
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
+        events = self.Generate(request, context)
+        del request
         # aclosing: when the client goes away while this generator waits at its yield, the
         # inner one is closed here, in the request's own context — not later by the event
         # loop's finaliser in another (where its spans fail to detach and cleanup waits for GC)
-        async with contextlib.aclosing(self.Generate(request, context)) as events:
+        async with contextlib.aclosing(events) as events:
             async for event in events:
                 yield event
 

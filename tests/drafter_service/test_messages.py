@@ -2,13 +2,15 @@
 work (issue 12, item 4), and leave it serving everyone else at full speed."""
 
 import asyncio
+import gc
+import types
 import time
 
 import grpc
 import pytest
 import torch
 
-from drafter_service.server import DrafterServer
+from drafter_service.server import DrafterServer, DrafterService
 from drafter_service.settings import DrafterSettings
 from shared.protocol import PROTOCOL_VERSION, drafter_pb2, drafter_pb2_grpc, encode_hidden
 
@@ -150,3 +152,25 @@ async def test_concurrent_opens_count_each_eviction_once(tiny_mtp_model):
             call.cancel()
         await channel.close()
         await server.stop(0)
+
+
+def frames_of(function) -> list:
+    """Live frames (garbage not yet collected included) running `function`'s code."""
+    return [o for o in gc.get_objects() if type(o) is types.FrameType and o.f_code is function.__code__]
+
+
+async def test_a_refused_message_is_not_kept_alive_by_the_abort(drafter, tiny_mtp_model):
+    """After an abort the handler's frame lives on until Python's next full garbage
+    collection (its traceback sits in a reference cycle). It once held the refused message
+    there, so a flood of 4M-token opens grew the drafter by gigabytes (bench/flood.py)."""
+    gc.collect()
+    gc.disable()  # a full collection would hide what the frames hold
+    try:
+        for _ in range(3):
+            with pytest.raises(grpc.aio.AioRpcError):
+                await exchange(drafter, [open_up(tiny_mtp_model, [1, 2, 500])])
+        frames = frames_of(DrafterService.Draft)
+        assert frames  # the frames do outlive the call: the test sees what it should
+        assert all("up" not in frame.f_locals for frame in frames)
+    finally:
+        gc.enable()

@@ -1,6 +1,8 @@
 """Every bad-input class gets the right status code and a message naming the field."""
 
 import asyncio
+import gc
+import types
 
 import grpc
 import pytest
@@ -110,3 +112,25 @@ async def test_probabilistic_mode_and_pick_gate_are_accepted(servers, tiny_model
     req = request([1, 2, 3], 3, temperature=1.0, mode=common_pb2.MODE_PROBABILISTIC, gate=common_pb2.GATE_PICK)
     tokens, final, _ = await generate(stub, req)
     assert len(tokens) == 3 and isinstance(final, verifier_pb2.FinalEvent)
+
+
+async def test_a_refused_request_is_not_kept_alive_by_the_abort(servers, tiny_model):
+    """After an abort the handler's frames live on until Python's next full garbage
+    collection. They once held the refused request (bytes and parsed), so a flood of
+    refused 10 MB requests grew the verifier by hundreds of MB (bench/flood.py)."""
+    from verifier_service.server import VerifierService
+
+    stub = await servers.start(tiny_model)
+    gc.collect()
+    gc.disable()  # a full collection would hide what the frames hold
+    try:
+        for change in (lambda r: r.prompt_ids.ids.append(97), lambda r: setattr(r.sampling, "top_p", 0.0)):
+            with pytest.raises(grpc.aio.AioRpcError):
+                await generate(stub, with_changes(change))
+        frames = [o for o in gc.get_objects() if type(o) is types.FrameType
+                  and o.f_code in (VerifierService.Generate.__code__, VerifierService.generate_raw.__code__,
+                                   VerifierService._parse.__code__)]  # the last: through the RequestError's traceback
+        assert frames  # the frames do outlive the calls: the test sees what it should
+        assert all(not {"raw", "request"} & set(frame.f_locals) for frame in frames)
+    finally:
+        gc.enable()
