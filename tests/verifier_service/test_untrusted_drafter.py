@@ -87,9 +87,12 @@ class SlowTokenizer:
 
     def __init__(self, seconds):
         self.seconds = seconds
+        self.started = self.finished = 0  # encode calls begun and ended
 
     def encode(self, text):
+        self.started += 1
         time.sleep(self.seconds)
+        self.finished += 1
         return SimpleNamespace(ids=[1, 2, 3])
 
     def decode(self, ids):
@@ -118,41 +121,40 @@ async def test_oversized_or_odd_values_are_refused_with_short_messages(servers, 
         req.speculation.retention.schedule = "0.1,\u0661"
     else:
         req.request_id = "r" * 100_000
-    started = time.perf_counter()
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await generate(stub, req)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert len(error.value.details()) <= 400
-    assert time.perf_counter() - started < 5.0
     expected = {"huge prompt_ids": "the context holds 256", "long schedule": "at most 8 are allowed",
                 "arabic digit": "is not a number (ASCII digits)", "long request_id": "request_id has 100000 characters"}
     assert expected[case] in error.value.details()
 
 
 async def test_text_prompts_are_tokenised_off_the_event_loop(servers, tiny_model):
-    stub = await servers.start(tiny_model, tokenizer=SlowTokenizer(1.0))
+    tokenizer = SlowTokenizer(3.0)
+    stub = await servers.start(tiny_model, tokenizer=tokenizer)
     health = health_pb2_grpc.HealthStub(servers.channel)
     req = request(PROMPT, 2)
     req.prompt_text = "a slow prompt"
     call = asyncio.ensure_future(generate(stub, req))
-    await asyncio.sleep(0.2)  # the tokenizer is busy now
-    started = time.perf_counter()
-    reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+    while not tokenizer.started:  # the tokenizer is busy from now on
+        await asyncio.sleep(0.01)
+    reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=10.0)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    assert time.perf_counter() - started < 0.5  # answered while the prompt is being tokenised
+    assert tokenizer.finished == 0  # answered while the prompt was being tokenised
     tokens, final, _ = await call
     assert len(tokens) == 2
 
 
 async def test_a_text_prompt_over_the_byte_limit_is_refused_before_tokenising(servers, tiny_model):
-    stub = await servers.start(tiny_model, tokenizer=SlowTokenizer(30.0))
+    tokenizer = SlowTokenizer(30.0)
+    stub = await servers.start(tiny_model, tokenizer=tokenizer)
     req = request(PROMPT, 2)
     req.prompt_text = "x" * (256 * 32 + 1)
-    started = time.perf_counter()
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await generate(stub, req)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_text has 8193 bytes" in error.value.details()
-    assert time.perf_counter() - started < 5.0
+    assert tokenizer.started == 0
 
 
 # -- item 9: a drafter the verifier cannot reach is said loudly ------------------------------------
