@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(subcommands)
     _add_service(subcommands, "verifier")
     _add_service(subcommands, "drafter")
+    _add_service(subcommands, "gateway")
     _add_generate(subcommands)
     _add_protocol(subcommands)
     return parser
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 SERVICES = {
     "verifier": "run the verifier service (owns the target model; clients call Generate)",
     "drafter": "run the drafter service (MTP drafting and suffix lookup; the verifier calls Draft)",
+    "gateway": "run the OpenAI-compatible HTTP edge in front of verifiers (/v1/completions, /v1/chat/completions)",
 }
 
 
@@ -58,7 +60,7 @@ def _add_service(subcommands, name: str) -> None:
     parser = subcommands.add_parser(
         name,
         help=SERVICES[name],
-        description=f"Run the {name} gRPC service. Every option also reads an environment variable; flags win.",
+        description=f"Run the {name} service. Every option also reads an environment variable; flags win.",
     )
     settings.add_arguments(parser)
     parser.set_defaults(handler=functools.partial(_run_service, name))
@@ -321,6 +323,9 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # gRPC's C core logs routine connection events (a peer's GOAWAY) at INFO: errors only,
+    # unless the operator asks (before any handler imports grpc).
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     parser = build_parser()
     args = parser.parse_args(argv)
     handler = getattr(args, "handler", None)

@@ -301,6 +301,19 @@ class AsyncVerifierClient:
             accumulator.add(event)
         return accumulator.result()
 
+    async def serving(self, timeout: float = 2.0) -> bool:
+        """Whether the verifier's health check answers SERVING (False when unreachable or loading)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        self._get_stub()
+        health = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            reply = await health.Check(health_pb2.HealthCheckRequest(service="tandem.v1.Verifier"), timeout=timeout,
+                                       metadata=self._metadata)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
     async def close(self) -> None:
         if self._channel is not None:
             await self._channel.close()

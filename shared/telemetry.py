@@ -78,6 +78,11 @@ def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
+def use_span(span: trace.Span):
+    """A context manager making `span` current without ending it (the caller ends it)."""
+    return trace.use_span(span, end_on_exit=False)
+
+
 def inject_context(carrier: MutableMapping[str, str]) -> None:
     """Write the current span's context into a string map (carried per stream message)."""
     propagate.inject(carrier)

@@ -2,6 +2,10 @@
 
 import os
 
+# gRPC's C core logs routine connection events (a peer's GOAWAY when a test stops a server)
+# at INFO; errors only, set before grpc is first imported.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import pytest
 import torch
 

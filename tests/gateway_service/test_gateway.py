@@ -1,0 +1,167 @@
+"""The OpenAI-compatible edge through the official `openai` package (issue 19): a real
+verifier (embedded model and tokenizer) on a gRPC port and a real gateway on an HTTP port,
+both in this process."""
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from gateway_service.chat import PLAIN_TEMPLATE, ChatTemplate
+from gateway_service.server import Gateway, start_in_loop
+from gateway_service.settings import GatewaySettings
+from shared import cli
+from shared.client import AsyncVerifierClient, GenerationConfig
+from shared.model import load_model
+from shared.model.registry import resolve_model
+from shared.tokenizer import load_tokenizer
+from verifier_service.server import VerifierServer
+from verifier_service.settings import VerifierSettings
+
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    path = resolve_model(None)
+    return path, load_model(path), load_tokenizer(path)
+
+
+class Edge:
+    def __init__(self):
+        self.verifier = self.server = self.task = None
+
+    async def start(self, embedded, *, verifier=None, **gateway_settings):
+        path, model, tokenizer = embedded
+        self.verifier = VerifierServer(VerifierSettings(port=0, **(verifier or {})), model=model, tokenizer=tokenizer)
+        vport = await self.verifier.start()
+        await self.verifier.wait_loaded()
+        self.address = f"127.0.0.1:{vport}"
+        gateway = Gateway(GatewaySettings(verifier=self.address, port=0, **gateway_settings), model_dir=path)
+        self.server, self.task, port = await start_in_loop(gateway)
+        self.base_url = f"http://127.0.0.1:{port}"
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key=gateway_settings.get("auth_token") or "none",
+                                  max_retries=0)
+
+    async def stop(self):
+        if self.server is not None:
+            self.server.should_exit = True
+            await self.task
+        if self.verifier is not None:
+            await self.verifier.stop(0)
+
+
+@pytest.fixture
+async def edge():
+    e = Edge()
+    yield e
+    await e.stop()
+
+
+async def direct(address, prompt, **config):
+    async with AsyncVerifierClient(address) as client:
+        return await client.generate(prompt, GenerationConfig(**config))
+
+
+async def test_completions_equal_the_verifier_and_tandem_generate(edge, embedded, capsys):
+    client = await edge.start(embedded)
+    model = (await client.models.list()).data[0].id
+    assert model == "tandem-demo-moe"
+    reply = await client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0.8, seed=5)
+    expected = await direct(edge.address, PROMPT, max_new_tokens=12, temperature=0.8, seed=5)
+    assert reply.choices[0].text == expected.text and reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 12 and reply.usage.prompt_tokens == expected.stats["prompt_tokens"]
+    assert reply.usage.model_extra["rounds"] == expected.stats["rounds"]  # tandem's stats ride along
+    argv = ["generate", "--verifier", edge.address, "--prompt", PROMPT, "--max-new-tokens", "12",
+            "--temperature", "0.8", "--seed", "5", "--json"]
+    assert await asyncio.to_thread(cli.main, argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()[-1]  # (the in-process verifier logs to stdout too)
+    assert json.loads(out)["text"] == reply.choices[0].text
+
+
+async def test_streamed_completions_and_chat_give_the_same_text(edge, embedded):
+    client = await edge.start(embedded)
+    options = dict(model="tandem-demo-moe", max_tokens=10, temperature=0.7, seed=3)
+    whole = await client.completions.create(prompt=PROMPT, **options)
+    chunks = [c async for c in await client.completions.create(prompt=PROMPT, stream=True,
+                                                               stream_options={"include_usage": True}, **options)]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": PROMPT}]
+    chat = await client.chat.completions.create(messages=messages, **options)
+    rendered = ChatTemplate(PLAIN_TEMPLATE).render(messages)  # the embedded model has no template of its own
+    assert rendered == f"system: You write Python.\nuser: {PROMPT}\nassistant:"
+    expected = await direct(edge.address, rendered, max_new_tokens=10, temperature=0.7, seed=3)
+    assert chat.choices[0].message.content == expected.text and chat.choices[0].message.role == "assistant"
+    streamed = [c async for c in await client.chat.completions.create(messages=messages, stream=True, **options)]
+    assert streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected.text
+
+
+async def test_tandem_parameters_pass_as_extra_body(edge, embedded):
+    client = await edge.start(embedded)
+    extra = {"top_k": 5, "mode": "exact", "speculation": False, "max_draft_tokens": 2}
+    reply = await client.completions.create(model="tandem-demo-moe", prompt=[1, 2, 3], max_tokens=4, seed=1,
+                                            extra_body=extra)
+    expected = await direct(edge.address, [1, 2, 3], max_new_tokens=4, temperature=1.0, seed=1, top_k=5,
+                            speculation=False, max_draft_tokens=2)
+    assert reply.choices[0].text == expected.text  # token-id prompts stream text too
+
+
+@pytest.mark.parametrize("options, status, param", [
+    ({"temperature": -1}, 400, "temperature"),
+    ({"top_p": 1.5}, 400, "top_p"),
+    ({"n": 2}, 400, "n"),
+    ({"logprobs": 2}, 400, "logprobs"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"extra_body": {"gate": "pick"}}, 400, "gate"),
+    ({"model": "gpt-4"}, 404, "model"),
+])
+async def test_bad_parameters_are_openai_errors_naming_the_field(edge, embedded, options, status, param):
+    client = await edge.start(embedded)
+    request = {"model": "tandem-demo-moe", "prompt": PROMPT, "max_tokens": 4, **options}
+    for stream in (False, True):
+        with pytest.raises(openai.APIStatusError) as error:
+            await client.completions.create(stream=stream, **request)
+        assert error.value.status_code == status
+        assert error.value.body["param"] == param, error.value.body
+
+
+async def test_auth_capacity_and_health(edge, embedded):
+    client = await edge.start(embedded, auth_token="s3cret", verifier={"max_sessions": 1, "max_queued": 0})
+    anonymous = openai.AsyncOpenAI(base_url=f"{edge.base_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await anonymous.models.list()
+    first = await client.completions.create(model="tandem-demo-moe", prompt=PROMPT, max_tokens=200, stream=True)
+    await anext(aiter(first))  # holds the verifier's one session
+    with pytest.raises(openai.RateLimitError):
+        await client.completions.create(model="tandem-demo-moe", prompt=PROMPT, max_tokens=4)
+    await first.close()
+    assert (await get(f"{edge.base_url}/health"))[0] == 200  # no token needed
+    await edge.verifier.stop(0)
+    edge.verifier = None
+    status, body = await get(f"{edge.base_url}/health")
+    assert status == 503 and body["error"]["type"] == "server_error"
+
+
+async def get(url: str) -> tuple[int, dict]:
+    def fetch():
+        try:
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    return await asyncio.to_thread(fetch)
+
+
+def test_settings_are_validated():
+    with pytest.raises(ValueError, match="timeout_s"):
+        GatewaySettings(timeout_s=0)
+    with pytest.raises(ValueError, match="verifier_tls_cert and verifier_tls_key"):
+        GatewaySettings(verifier_tls_cert="c.pem")
