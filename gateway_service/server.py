@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from gateway_service.chat import ChatTemplate, ChatTemplateError
@@ -115,8 +116,12 @@ class Gateway:
         except ApiError as error:
             return _error(error, request_id)
         reply = Reply(request_id, self.model_name, chat=chat)
+        # A child of the framework's HTTP span where one exists, else of the caller's trace
+        # (its traceparent header).
+        parent = None if trace.get_current_span().get_span_context().is_valid else \
+            telemetry.extract_context(dict(request.headers))
         span = telemetry.tracer("tandem.gateway").start_span(
-            "POST /v1/chat/completions" if chat else "POST /v1/completions", kind=SpanKind.SERVER,
+            "chat completion" if chat else "completion", kind=SpanKind.SERVER, context=parent,
             attributes={"tandem.request_id": request_id, "tandem.stream": stream})
         events = self._events(span, prompt, config)
         try:

@@ -1,5 +1,7 @@
 """One trace from the client through the verifier's rounds into the drafter's proposals."""
 
+import asyncio
+
 import grpc
 import pytest
 from opentelemetry import trace
@@ -80,3 +82,40 @@ def test_tracing_off_installs_nothing():
     assert telemetry._exporter({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}) is not None
     with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER 'zipkin'"):
         telemetry._exporter({"OTEL_TRACES_EXPORTER": "zipkin"})
+
+
+async def test_the_gateway_joins_the_callers_trace_and_the_verifiers(spans, tiny_mtp_model):
+    """HTTP caller (traceparent header) → gateway span → gRPC client span → the verifier's
+    Generate span: one trace (issue 19)."""
+    import json
+    import urllib.request
+
+    from gateway_service.server import Gateway, start_in_loop
+    from gateway_service.settings import GatewaySettings
+    from shared.model.registry import resolve_model
+
+    pair = Pair()
+    server = None
+    try:
+        await pair.start(tiny_mtp_model)
+        gateway = Gateway(GatewaySettings(verifier=f"127.0.0.1:{pair.verifier.port}", served_model_name="tiny"),
+                          model_dir=resolve_model(None))
+        server, task, port = await start_in_loop(gateway)
+        with telemetry.tracer("test-client").start_as_current_span("http client") as client_span:
+            headers = {"content-type": "application/json", "x-request-id": "edge-trace"}
+            telemetry.inject_context(headers)
+        body = json.dumps({"model": "tiny", "prompt": [3, 14, 15], "max_tokens": 4, "seed": 2}).encode()
+        post = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, headers=headers)
+        reply = await asyncio.to_thread(lambda: json.loads(urllib.request.urlopen(post, timeout=30).read()))
+        assert reply["id"] == "edge-trace" and reply["usage"]["completion_tokens"] == 4
+    finally:
+        if server is not None:
+            server.should_exit = True
+            await task
+        await pair.stop()
+    trace_id = client_span.get_span_context().trace_id
+    finished = {s.name: s for s in spans.get_finished_spans() if s.context.trace_id == trace_id}
+    assert {"completion", "/tandem.v1.Verifier/Generate", "Generate"} <= set(finished), sorted(finished)
+    edge = finished["completion"]
+    assert edge.attributes["tandem.request_id"] == "edge-trace"
+    assert finished["Generate"].attributes["tandem.request_id"] == "edge-trace"  # the id travels on
