@@ -191,8 +191,12 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         opened: Session | None = None
         completion: Completion | None = None
         tracer = telemetry.tracer("tandem.verifier")
+        # The request's span is current only between yields, never while this generator is
+        # suspended: gRPC may close it from another context (a client gone while an event
+        # waits to be sent), where a context entered here could not be left.
+        span = tracer.start_span("Generate", attributes={"tandem.request_id": spec.request_id})
         try:
-            with tracer.start_as_current_span("Generate", attributes={"tandem.request_id": spec.request_id}) as span:
+            with telemetry.use_span(span):
                 stats = RequestStats(len(spec.prompt_ids), arrived, queued_s)
                 span.set_attribute("tandem.queue_ms", queued_s * 1e3)
                 with tracer.start_as_current_span("prefill", attributes={"tandem.prompt_tokens": len(spec.prompt_ids)}):
@@ -203,31 +207,33 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                                        self.drafter_health)
                     await link.open(self._open_message(session, 0), self._trace_context())
                 completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences, self.tokenizer)
-                round_id = 0
-                while completion.finish_reason is None:
-                    if session.cache.length >= session.cache.max_length:
-                        completion.finish_reason = "length"
-                        break
-                    if self.finish_by is not None and time.monotonic() >= self.finish_by:
-                        completion.finish_reason = "shutdown"  # the service is stopping
-                        break
-                    with tracer.start_as_current_span("round", attributes={"tandem.round_id": round_id}) as round_span:
-                        event = await self._round(session, link, completion, stats, round_id, round_span)
-                    yield event
-                    round_id += 1
-                faults = sum(v for k, v in (link.faults if link else {}).items() if k != "resync")
-                message = stats.message(len(completion.token_ids), faults)
-                self._finish_span(span, message, completion.finish_reason)
-                self.metrics.requests.labels(completion.finish_reason).inc()
-                yield verifier_pb2.GenerateEvent(
-                    final=verifier_pb2.FinalEvent(finish_reason=completion.finish_reason, stats=message))
-                log.info("request done", rounds=stats.rounds, tokens=len(completion.token_ids),
-                         finish=completion.finish_reason, faults=link.faults if link else {})
+            round_id = 0
+            while completion.finish_reason is None:
+                if session.cache.length >= session.cache.max_length:
+                    completion.finish_reason = "length"
+                    break
+                if self.finish_by is not None and time.monotonic() >= self.finish_by:
+                    completion.finish_reason = "shutdown"  # the service is stopping
+                    break
+                with telemetry.use_span(span), \
+                        tracer.start_as_current_span("round", attributes={"tandem.round_id": round_id}) as round_span:
+                    event = await self._round(session, link, completion, stats, round_id, round_span)
+                yield event
+                round_id += 1
+            faults = sum(v for k, v in (link.faults if link else {}).items() if k != "resync")
+            message = stats.message(len(completion.token_ids), faults)
+            self._finish_span(span, message, completion.finish_reason)
+            self.metrics.requests.labels(completion.finish_reason).inc()
+            yield verifier_pb2.GenerateEvent(
+                final=verifier_pb2.FinalEvent(finish_reason=completion.finish_reason, stats=message))
+            log.info("request done", rounds=stats.rounds, tokens=len(completion.token_ids),
+                     finish=completion.finish_reason, faults=link.faults if link else {})
         except (asyncio.CancelledError, GeneratorExit):  # the client went away
             self.metrics.requests.labels("cancelled").inc()
             log.info("request cancelled", tokens=len(completion.token_ids) if completion else 0)
             raise
         finally:
+            span.end()
             if opened is not None:
                 self.batcher.leave(opened)
                 # Safe off the worker: a later request's jobs queue behind any round of this one.
