@@ -1,4 +1,4 @@
-# tandem: one image for both services (`tandem verifier`, `tandem drafter`).
+# tandem: one image for every service (`tandem verifier`, `tandem drafter`, `tandem gateway`).
 #
 #   docker build -t tandem:latest .
 #   docker run --rm -p 50052:50052 tandem:latest drafter
@@ -32,6 +32,7 @@ COPY kernels/ kernels/
 COPY shared/ shared/
 COPY verifier_service/ verifier_service/
 COPY drafter_service/ drafter_service/
+COPY gateway_service/ gateway_service/
 # Check from outside /src that the installed package (generated modules included) imports.
 RUN pip install . && cd / && tandem protocol
 # The embedded demo model (models/tandem-demo-moe), readable by the unprivileged user.

@@ -7,6 +7,7 @@ kustomize/kubectl run only where installed).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shutil
@@ -280,7 +281,44 @@ def test_k8s_gpu_component(tmp_path):
     for doc in docs:
         if doc["kind"] == "Deployment":
             (container,) = doc["spec"]["template"]["spec"]["containers"]
-            assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
             kind = container["args"][0]
+            if kind not in MODEL_COMMANDS:  # the gateway runs no model
+                assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+                continue
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
             env = configs[container["envFrom"][0]["configMapRef"]["name"]]
             assert settings_of(kind, env).device == "cuda"
+
+
+# --- the gateway (issue 19) ---------------------------------------------------------------
+
+
+def gateway_settings(env: dict[str, str]):
+    from gateway_service import settings
+
+    fields = {f.name.upper() for f in dataclasses.fields(settings.GatewaySettings)}
+    unknown = sorted(key for key in env if key.startswith(settings.ENV_PREFIX) and key.removeprefix(settings.ENV_PREFIX) not in fields)
+    assert not unknown, f"not gateway settings: {unknown}"
+    return settings.from_args(None, environ=env)
+
+
+def test_the_gateway_is_deployed_in_front_of_the_verifier():
+    compose = load_compose()
+    service = compose["services"]["gateway"]
+    assert service["command"] == ["gateway"] and not service.get("profiles")
+    settings = gateway_settings(environment(service))
+    assert settings.host == "0.0.0.0" and f"{settings.port}:{settings.port}" in service["ports"]
+    assert split_address(settings.verifier) == ("dns:///", "verifier", 50051)
+    assert f"{settings.port}/health" in " ".join(service["healthcheck"]["test"])
+    assert service["depends_on"]["verifier"]["condition"] == "service_healthy"
+    k8s_env = env_file(K8S / "gateway.env")
+    k8s = gateway_settings(k8s_env)
+    assert k8s.host == "0.0.0.0" and split_address(k8s.verifier) == ("dns:///", "tandem-verifier", 50051)
+    docs = [doc for doc in yaml.safe_load_all((K8S / "gateway.yaml").read_text()) if doc]
+    (deployment,) = [doc for doc in docs if doc["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == ["gateway"] and deployment["spec"]["template"]["spec"]["enableServiceLinks"] is False
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": k8s.port}
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert "gateway.yaml" in kustomization["resources"]
+    assert {"name": "tandem-gateway-settings", "envs": ["gateway.env"]} in kustomization["configMapGenerator"]
