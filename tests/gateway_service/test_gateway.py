@@ -165,3 +165,27 @@ def test_settings_are_validated():
         GatewaySettings(timeout_s=0)
     with pytest.raises(ValueError, match="verifier_tls_cert and verifier_tls_key"):
         GatewaySettings(verifier_tls_cert="c.pem")
+
+
+async def test_streamed_chunks_are_not_held_by_nagle():
+    """Accepted connections get TCP_NODELAY (asyncio sets it only for sockets made with
+    IPPROTO_TCP): without it, every request after a connection's first had its streamed
+    chunks held back for the client's delayed ACKs and delivered at the end."""
+    import socket
+
+    from gateway_service.server import bind
+
+    nodelay = asyncio.get_running_loop().create_future()
+
+    def accepted(reader, writer):
+        sock = writer.get_extra_info("socket")
+        nodelay.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        writer.close()
+
+    listening = bind("127.0.0.1", 0)
+    server = await asyncio.start_server(accepted, sock=listening)
+    _, writer = await asyncio.open_connection(*listening.getsockname())
+    assert await asyncio.wait_for(nodelay, 10) != 0
+    writer.close()
+    server.close()
+    await server.wait_closed()
