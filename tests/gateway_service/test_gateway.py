@@ -147,6 +147,9 @@ async def test_auth_capacity_and_health(edge, embedded):
     edge.verifier = None
     status, body = await get(f"{edge.base_url}/health")
     assert status == 503 and body["error"]["type"] == "server_error"
+    with pytest.raises(openai.InternalServerError) as unavailable:  # no verifier to answer
+        await client.completions.create(model="tandem-demo-moe", prompt=PROMPT, max_tokens=4)
+    assert unavailable.value.status_code == 503
 
 
 async def get(url: str) -> tuple[int, dict]:

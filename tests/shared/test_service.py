@@ -49,7 +49,7 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shared.cli", *argv], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("service", ["verifier", "drafter"])
+@pytest.mark.parametrize("service", ["verifier", "drafter", "gateway"])
 def test_cli_start_up_failures_are_one_line_and_exit_2(service):
     with busy_port() as taken:
         port = taken.getsockname()[1]
