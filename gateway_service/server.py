@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import signal
 import socket
 import time
 import uuid
@@ -231,6 +232,19 @@ class Reply:
         return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
+def _uvicorn_server():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # The loop's own handlers (serve) instead: uvicorn re-raises the signal after its
+            # drain, which would end the process with status -15 instead of 0 like the others.
+            yield
+
+    return Server
+
+
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before anything starts (a busy port is a StartupError)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -269,9 +283,14 @@ async def serve(settings: GatewaySettings) -> None:
     sock = bind(settings.host, settings.port)
     config = uvicorn.Config(gateway.app, log_config=None, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=settings.grace_s)
+    server = _uvicorn_server()(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # stop taking connections, finish the open requests
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
     log.info("gateway listening", host=settings.host, port=sock.getsockname()[1], verifier=settings.verifier,
              model=gateway.model_name)
-    await uvicorn.Server(config).serve(sockets=[sock])
+    await server.serve(sockets=[sock])
+    log.info("gateway stopped")
 
 
 async def start_in_loop(gateway: Gateway, host: str = "127.0.0.1", port: int = 0):

@@ -192,3 +192,33 @@ async def test_streamed_chunks_are_not_held_by_nagle():
     writer.close()
     server.close()
     await server.wait_closed()
+
+
+def test_sigterm_stops_the_gateway_process_with_status_0():
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "gateway_service", "--port", str(port)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # /v1/models answers without a verifier
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as reply:
+                    assert json.loads(reply.read())["data"][0]["id"] == "tandem-demo-moe"
+                    break
+            except OSError:
+                assert time.monotonic() < deadline and process.poll() is None, process.stdout.read()
+                time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=30)[0]
+    finally:
+        process.kill()
+    assert process.returncode == 0, output
+    assert "gateway stopped" in output and "Traceback" not in output
