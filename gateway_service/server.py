@@ -21,8 +21,9 @@ from collections.abc import AsyncIterator
 
 import structlog
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from opentelemetry.trace import SpanKind
 
 from gateway_service.chat import ChatTemplate, ChatTemplateError
@@ -30,11 +31,12 @@ from gateway_service.openai_api import ApiError, chat_messages, completion_promp
 from gateway_service.settings import GatewaySettings
 from shared import security, telemetry
 from shared.client import AsyncVerifierClient, GenerationAccumulator, VerifierError
+from shared.metrics import GatewayMetrics
 from shared.service import StartupError
 
 log = structlog.get_logger("tandem")
 ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
-OPEN_PATHS = ("/health",)  # answered without the bearer token (load balancers probe it)
+OPEN_PATHS = ("/health", "/metrics")  # answered without the bearer token (probes, Prometheus)
 
 
 def _error(error: ApiError, request_id: str | None = None) -> JSONResponse:
@@ -43,7 +45,7 @@ def _error(error: ApiError, request_id: str | None = None) -> JSONResponse:
 
 
 class BearerAuth:
-    """Refuses HTTP requests without the bearer token (/health excepted); plain ASGI, so a
+    """Refuses HTTP requests without the bearer token (OPEN_PATHS excepted); plain ASGI, so a
     streamed response passes through untouched."""
 
     def __init__(self, app, token: str) -> None:
@@ -73,6 +75,7 @@ class Gateway:
             settings.verifier, timeout=settings.timeout_s, credentials=credentials, token=settings.verifier_token,
             channel_options=[("grpc.service_config", ROUND_ROBIN)])
         self.created = int(time.time())
+        self.metrics = GatewayMetrics()
         self.app = self._build()
 
     def _build(self) -> FastAPI:
@@ -97,17 +100,52 @@ class Gateway:
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
                                                  "owned_by": "tandem"}]}
 
+        @app.get("/metrics")
+        async def metrics():
+            return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
         @app.post("/v1/completions")
         async def completions(request: Request):
-            return await self._handle(request, chat=False)
+            return await self._measured("completions", self._handle(request, chat=False))
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
-            return await self._handle(request, chat=True)
+            return await self._measured("chat_completions", self._handle(request, chat=True))
 
         return app
 
+    async def _measured(self, endpoint: str, handling) -> Response:
+        """Count the response by status and time it to its last byte (a stream's end)."""
+        started = time.perf_counter()
+        self.metrics.active.inc()
+        try:
+            response = await handling
+        except BaseException:
+            self.metrics.active.dec()
+            raise
+
+        def done() -> None:
+            self.metrics.active.dec()
+            self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+            self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
+
+        if isinstance(response, StreamingResponse):
+            chunks = response.body_iterator
+
+            async def counted():
+                try:
+                    async for chunk in chunks:
+                        yield chunk
+                finally:
+                    done()
+
+            response.body_iterator = counted()
+        else:
+            done()
+        return response
+
     async def _handle(self, request: Request, *, chat: bool):
+        started = time.perf_counter()
         request_id = request.headers.get("x-request-id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             try:
@@ -137,13 +175,12 @@ class Gateway:
         events = self._events(span, prompt, config)
         try:
             first = await anext(events)  # the verifier's verdict on the request, before any status
-        except VerifierError as error:
-            await events.aclose()
-            span.end()
+        except VerifierError as error:  # (the events generator has ended, and its span with it)
             log.info("request refused", request_id=request_id, code=error.code.name)
             return _error(ApiError.from_verifier(error, "messages" if chat else "prompt"), request_id)
         except StopAsyncIteration:
             first = None
+        self.metrics.ttft_seconds.observe(time.perf_counter() - started)
         if stream:
             body_iter = reply.stream(first, events, include_usage)
             return StreamingResponse(body_iter, media_type="text/event-stream", headers={"x-request-id": request_id})

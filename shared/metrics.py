@@ -1,4 +1,4 @@
-"""Prometheus metrics of both services, each on its own registry, served at /metrics.
+"""Prometheus metrics of the services, each on its own registry, served at /metrics.
 
 A registry per server instance (not the process-global one) keeps several servers in one
 process (tests, the demo) apart.
@@ -46,6 +46,18 @@ class DrafterMetrics:
         self.evictions = Counter("tandem_drafter_session_evictions", "Sessions evicted (their verifier re-syncs)", registry=r)
         self.slot_misses = Counter("tandem_drafter_expert_slot_misses", "Expert slot misses on draft rows", registry=r)
         self.slot_hit_rate = Gauge("tandem_drafter_expert_slot_hit_rate", "Expert slot hit rate of the MTP layer", registry=r)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("tandem_gateway_requests", "HTTP requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.request_seconds = Histogram("tandem_gateway_request_seconds", "Completion latency, request to last byte",
+                                         ["endpoint"], registry=r)
+        self.ttft_seconds = Histogram("tandem_gateway_ttft_seconds", "Time to the first token (streamed requests)",
+                                      registry=r)
+        self.active = Gauge("tandem_gateway_active_requests", "Completions in flight", registry=r)
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int):

@@ -222,3 +222,19 @@ def test_sigterm_stops_the_gateway_process_with_status_0():
         process.kill()
     assert process.returncode == 0, output
     assert "gateway stopped" in output and "Traceback" not in output
+
+
+async def test_metrics_count_requests_by_status_and_time_them(edge, embedded):
+    client = await edge.start(embedded, auth_token="t")
+    await client.completions.create(model="tandem-demo-moe", prompt=PROMPT, max_tokens=3)
+    stream = await client.completions.create(model="tandem-demo-moe", prompt=PROMPT, max_tokens=3, stream=True)
+    async for _ in stream:
+        pass
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(model="tandem-demo-moe", prompt=PROMPT, max_tokens=3, temperature=-1)
+    url = f"{edge.base_url}/metrics"  # open, like /health
+    text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read().decode())
+    assert 'tandem_gateway_requests_total{endpoint="completions",status="200"} 2.0' in text
+    assert 'tandem_gateway_requests_total{endpoint="completions",status="400"} 1.0' in text
+    assert 'tandem_gateway_request_seconds_count{endpoint="completions"} 3.0' in text
+    assert "tandem_gateway_active_requests 0.0" in text
