@@ -113,7 +113,7 @@ def test_model_services_have_grpc_healthchecks():
             assert service["healthcheck"].get("start_period"), f"{name}: model loading needs a start period"
 
 
-def test_prometheus_scrapes_both_metrics_ports():
+def test_prometheus_scrapes_every_services_metrics():
     compose = load_compose()
     prometheus = compose["services"]["prometheus"]
     assert any(str(volume).startswith("./deploy/prometheus.yml:") for volume in prometheus["volumes"])
@@ -127,7 +127,9 @@ def test_prometheus_scrapes_both_metrics_ports():
         port = int(environment(service)[PREFIX[kind] + "METRICS_PORT"])
         assert port, f"{name} has /metrics on"
         assert (name, port) in targets, f"prometheus does not scrape {name}:{port}"
-    assert {port for _, port in targets} == {9091, 9092}
+    gateway = compose["services"]["gateway"]
+    assert ("gateway", int(environment(gateway)["TANDEM_GATEWAY_PORT"])) in targets  # /metrics on its HTTP port
+    assert {port for _, port in targets} == {9091, 9092, 8000}
 
 
 def test_traces_flow_to_the_collector_and_on_to_jaeger():
