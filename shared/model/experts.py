@@ -153,10 +153,18 @@ class ExpertStore:
             )
         if path != "dispatch":
             raise ValueError(f"expert path {path!r} must be 'dispatch', 'gather' or 'grouped'")
+        streamed = False
         if not self.all_resident:  # all resident: nothing can miss, and counting would sync
-            self.ensure([e for e in torch.unique(expert_ids).tolist() if e >= 0])
+            wanted = [e for e in torch.unique(expert_ids).tolist() if e >= 0]
+            # More distinct experts than slots (a long row block, e.g. a prompt's catch-up):
+            # each is loaded just before its rows run (experts run one after another).
+            streamed = len(wanted) > self.num_slots
+            if not streamed:
+                self.ensure(wanted)
 
         def run(expert: int, rows: Tensor) -> Tensor:
+            if streamed:
+                self.ensure([expert])
             slot = expert if self.all_resident else self._lru[expert]
             gate, up = F.linear(rows, self.gate_up[slot]).chunk(2, dim=-1)
             return F.linear(F.silu(gate) * up, self.down[slot])

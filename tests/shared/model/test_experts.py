@@ -73,3 +73,16 @@ def test_gather_path_matches_dispatch(mtp_checkpoint):
     assert (logits - expected).abs().max() < 1e-5
     with pytest.raises(ValueError, match="expert path"):
         stores[0].forward(torch.zeros(1, 32), torch.zeros(1, 2, dtype=torch.int64), torch.ones(1, 2), path="bogus")
+
+
+def test_a_block_needing_more_experts_than_slots_streams_them(mtp_checkpoint):
+    """A prompt's rows route to more distinct experts than there are slots: each expert is
+    loaded just before its rows run, and the output is the all-resident one (the drafter's
+    catch-up over a prompt once failed here: "13 distinct experts needed at once")."""
+    ids = torch.randint(0, 97, (24,), generator=torch.Generator().manual_seed(1))
+    full = load_model(mtp_checkpoint)
+    few = load_model(mtp_checkpoint, num_expert_slots=2)
+    expected, _ = full.score(ids)
+    got, _ = few.score(ids)  # 24 rows at once, top-2 of 8 experts: far more than 2 distinct
+    assert torch.equal(got, expected)
+    assert sum(layer.mlp.experts.counters.misses for layer in few.layers) >= 6
