@@ -21,7 +21,7 @@ class DrafterSettings:
     fused: str = field(default="auto", metadata={"help": "fused-kernel MTP path: auto (on for CUDA when the model allows), on, off (reference path)"})
     max_sessions: int = field(default=256, metadata={"help": "sessions kept; the least recently used is evicted (its verifier re-syncs)"})
     max_streams_per_peer: int = field(default=64, metadata={"help": "Draft streams one peer (client address) may hold open; more get RESOURCE_EXHAUSTED"})
-    moce_scale: float = field(default=1.0, metadata={"help": "MoCE base scale b for the MTP layer's draft rows (m = b*b; 1 = plain routing)"})
+    moce_scale: float = field(default=1.0, metadata={"help": "MoCE base scale b for the MTP layer's draft rows (m = b*b; 1 = plain routing); with --expert-slots at 25%/50% of the experts, 3/2 halve the misses (docs/PERFORMANCE.md)"})
     expert_slots: int = field(default=0, metadata={"help": "device expert slots per MoE layer (0 = all resident)"})
     global_index_contexts: int = field(default=200_000, metadata={"help": "contexts kept in the cross-session suffix index"})
     planner: str = field(default="adaptive", metadata={"help": "source choice: adaptive (learned estimates), mtp or suffix (fixed, for ablations)"})
