@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import re
 import secrets
-from dataclasses import dataclass
 
 import grpc
 
-from shared.client import GenerationConfig, Generation, VerifierError
+from shared.client import Generation, GenerationConfig, VerifierError
 
-IGNORED = {"user", "stream_options", "model", "messages", "prompt", "stream", "n", "suffix"}
 UNSUPPORTED = {  # fields that change the output, refused unless left at their neutral value
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
@@ -68,15 +66,6 @@ class ApiError(Exception):
 
 def bad(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param)
-
-
-@dataclass(frozen=True)
-class Parsed:
-    prompt: str | list[int]
-    config: GenerationConfig
-    stream: bool
-    include_usage: bool
-    model: str
 
 
 def _number(body: dict, name: str, kind: type):

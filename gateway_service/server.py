@@ -187,7 +187,7 @@ class Gateway:
         try:
             generation = await reply.collect(first, events)
         except VerifierError as error:
-            return _error(ApiError.from_verifier(error), request_id)
+            return _error(ApiError.from_verifier(error, "messages" if chat else "prompt"), request_id)
         return JSONResponse(reply.response(generation), headers={"x-request-id": request_id})
 
     async def _events(self, span, prompt, config) -> AsyncIterator:
