@@ -49,6 +49,7 @@ def build_parser(cls: type, parser: argparse.ArgumentParser, env_prefix: str) ->
         flag = "--" + field.name.replace("_", "-")
         default = "none" if field.default is None else field.default
         help_text = f"{field.metadata.get('help', '')} (default: {default}; env {env_prefix}{field.name.upper()})"
+        help_text = help_text.replace("%", "%%")  # argparse formats help with %: a literal "25%" must not break --help
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
