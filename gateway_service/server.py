@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from opentelemetry.trace import SpanKind
@@ -124,13 +125,18 @@ class Gateway:
             self.metrics.active.dec()
             raise
 
+        finished = False
+
         def done() -> None:
-            self.metrics.active.dec()
-            self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
-            self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
+            nonlocal finished
+            if not finished:
+                finished = True
+                self.metrics.active.dec()
+                self.metrics.requests.labels(endpoint, str(response.status_code)).inc()
+                self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
 
         if isinstance(response, StreamingResponse):
-            chunks = response.body_iterator
+            chunks, previous = response.body_iterator, response.background
 
             async def counted():
                 try:
@@ -139,7 +145,12 @@ class Gateway:
                 finally:
                     done()
 
-            response.body_iterator = counted()
+            async def after() -> None:  # runs after the stream, also when its body never started
+                if previous is not None:
+                    await previous()
+                done()
+
+            response.body_iterator, response.background = counted(), BackgroundTask(after)
         else:
             done()
         return response
@@ -183,7 +194,10 @@ class Gateway:
         self.metrics.ttft_seconds.observe(time.perf_counter() - started)
         if stream:
             body_iter = reply.stream(first, events, include_usage)
-            return StreamingResponse(body_iter, media_type="text/event-stream", headers={"x-request-id": request_id})
+            # events.aclose() afterwards: a client gone before the body starts would otherwise
+            # leave the verifier call open until the generator is collected
+            return StreamingResponse(body_iter, media_type="text/event-stream", headers={"x-request-id": request_id},
+                                     background=BackgroundTask(events.aclose))
         try:
             generation = await reply.collect(first, events)
         except VerifierError as error:
