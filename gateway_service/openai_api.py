@@ -87,8 +87,8 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def parse(body: object, *, served_model: str, default_max_tokens: int, request_id: str) -> tuple[dict, GenerationConfig, bool, bool]:
-    """Validate the shared fields of a (chat) completion request; returns (body, config, stream, include_usage)."""
+def parse(body: object, *, served_model: str, default_max_tokens: int, request_id: str) -> tuple[GenerationConfig, bool, bool]:
+    """Validate the shared fields of a (chat) completion request; returns (config, stream, include_usage)."""
     if not isinstance(body, dict):
         raise bad(None, "the request body must be a JSON object")
     model = body.get("model")
@@ -138,7 +138,7 @@ def parse(body: object, *, served_model: str, default_max_tokens: int, request_i
         message = str(error)
         name = re.match(r"\w+", message)
         raise bad({"max_new_tokens": "max_tokens"}.get(name.group(0), name.group(0)) if name else None, message) from None
-    return body, config, stream, bool(options.get("include_usage"))
+    return config, stream, bool(options.get("include_usage"))
 
 
 def completion_prompt(body: dict) -> str | list[int]:

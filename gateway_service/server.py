@@ -163,7 +163,7 @@ class Gateway:
                 body = await request.json()
             except ValueError:
                 raise ApiError(400, "the request body is not valid JSON") from None
-            body, config, stream, include_usage = parse(
+            config, stream, include_usage = parse(
                 body, served_model=self.model_name, request_id=request_id,
                 default_max_tokens=self.settings.default_max_tokens if chat else 16)
             if chat:

@@ -70,7 +70,7 @@ class VerifierSettings:
             raise ValueError(
                 f"max_draft_tokens {self.max_draft_tokens} must lie in [0, max_draft_tokens_limit = {self.max_draft_tokens_limit}]"
             )
-        for name in ("drafter_deadline_ms", "drafter_deadline_margin_ms", "grace_s", "batch_gather_ms"):
+        for name in ("drafter_deadline_ms", "drafter_deadline_margin_ms", "batch_gather_ms"):  # (grace_s: base)
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} {value!r} must be finite and >= 0")
