@@ -82,6 +82,8 @@ def main() -> None:
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--check-only", action="store_true", help="correctness and invariance only")
+    parser.add_argument("--tables", default="pdl,reference,windows,kernels",
+                        help="which timing tables to print (comma-separated)")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     windows = [int(w) for w in args.windows.split(",")]
@@ -164,16 +166,18 @@ def main() -> None:
         floor = (weights + kv_bytes(model, context)) / bandwidth * 1e3
         print(f"| {context} | {ms:.3f} | {1e3 / ms:.1f} | {floor:.3f} | {floor / ms:.2f} |")
 
-    try:
-        pdl_table(model, runner, pool, contexts, max_length, random_tokens)
-    except Exception:
-        traceback.print_exc()
+    tables = set(args.tables.split(","))
+    if "pdl" in tables:
+        try:
+            pdl_table(runner, pool, contexts, max_length, random_tokens)
+        except Exception:
+            traceback.print_exc()
 
     try:  # the previous best: the reference modules captured whole (gather experts), same weights
         stores = [layer.mlp.experts for layer in model.layers]
         for store in stores:
             store.path = "gather"
-        for context in contexts[:1]:
+        for context in contexts[:1] if "reference" in tables else []:
             # a cache just past the steps timed: the static-shape reference attends over all of it
             cache = KVCache.view(pool.keys[:, 0, : context + 64], pool.values[:, 0, : context + 64])
             cache.length = context
@@ -188,16 +192,17 @@ def main() -> None:
     except Exception:
         traceback.print_exc()
 
-    distinct = distinct_experts(fused, runner, windows, contexts[0], random_tokens)
+    distinct = distinct_experts(fused, runner, windows, contexts[0], random_tokens) if "windows" in tables else {}
     print("\n| context | window T | ms | time(T)/time(1) | distinct experts per MoE layer |")
     print("| ---: | ---: | ---: | ---: | ---: |")
-    for context in contexts:
+    for context in contexts if "windows" in tables else []:
         for rows in windows:
             ms = replay_time(runner, rows, context)
             print(f"| {context} | {rows} | {ms:.3f} | {ms / decode_ms[context]:.2f} | {distinct.get(rows, float('nan')):.1f} |")
 
     try:
-        kernel_table(model, fused, pool, contexts, args.sweep)
+        if "kernels" in tables:
+            kernel_table(model, fused, pool, contexts, args.sweep)
     except Exception:
         traceback.print_exc()
     if not args.skip_prefill:
@@ -207,31 +212,42 @@ def main() -> None:
             traceback.print_exc()
 
 
-def pdl_table(model, runner, pool, contexts, max_length, random_tokens, pairs: int = 9) -> None:
-    """Programmatic dependent launch (the default where supported) against plain launches: the
-    same kernels and graphs, timed interleaved (median of paired ratios), logits compared bit
-    for bit. (Weight prefetch into L2 before the wait and a late trigger were tried the same way
-    and measured slower: docs/PERFORMANCE.md.)"""
-    if not runner.fused.pdl:
-        log("no programmatic dependent launch on this GPU: no PDL table")
-        return
-    plain = WindowGraphs(FusedModel(model, max_rows=runner.max_rows, max_length=max_length, pdl=False), pool,
-                         max_rows=runner.max_rows)
-    sizes = [1, 5] if runner.max_rows >= 5 else [1]
-    plain.capture(sizes)
-    print("\n| context | window T | PDL ms | plain ms | plain/PDL (median of paired ratios) | logits bit-identical |")
+def paired_table(label: str, runner, other, sizes, contexts, random_tokens, pairs: int = 9) -> None:
+    """The default graphs against a variant's (`other`) on the same weights and pool: timed
+    interleaved (median of paired ratios), logits compared bit for bit."""
+    print(f"\n| context | window T | default ms | {label} ms | {label}/default (median of paired ratios) "
+          "| logits bit-identical |")
     print("| ---: | ---: | ---: | ---: | ---: | --- |")
     for context in contexts:
         for rows in sizes:
             tokens = random_tokens(rows)
-            same = torch.equal(runner.run(0, tokens, context).logits.clone(), plain.run(0, tokens, context).logits)
+            same = torch.equal(runner.run(0, tokens, context).logits.clone(), other.run(0, tokens, context).logits)
             on, off = [], []
             for _ in range(pairs):
                 on.append(replay_time(runner, rows, context, repeats=20))
-                off.append(replay_time(plain, rows, context, repeats=20))
+                off.append(replay_time(other, rows, context, repeats=20))
             ratio = statistics.median(b / a for a, b in zip(on, off))
             print(f"| {context} | {rows} | {statistics.median(on):.3f} | {statistics.median(off):.3f} | {ratio:.3f} "
                   f"| {same} |")
+
+
+def variant_runner(runner, pool, max_length, **fused_options):
+    """Window graphs of the same model through a FusedModel built with other options."""
+    fused = FusedModel(runner.fused.model, max_rows=runner.max_rows, max_length=max_length, **fused_options)
+    return WindowGraphs(fused, pool, max_rows=runner.max_rows)
+
+
+def pdl_table(runner, pool, contexts, max_length, random_tokens) -> None:
+    """Programmatic dependent launch (the default where supported) against plain launches.
+    (Weight prefetch into L2 before the wait and a late trigger were tried the same way and
+    measured slower: docs/PERFORMANCE.md.)"""
+    if not runner.fused.pdl:
+        log("no programmatic dependent launch on this GPU: no PDL table")
+        return
+    plain = variant_runner(runner, pool, max_length, pdl=False)
+    sizes = [1, 5] if runner.max_rows >= 5 else [1]
+    plain.capture(sizes)
+    paired_table("plain launches", runner, plain, sizes, contexts, random_tokens)
 
 
 @contextlib.contextmanager

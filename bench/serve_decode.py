@@ -12,10 +12,11 @@ One run, random bf16 weights at Qwen3-30B-A3B shapes (or --small), on one GPU:
 - a sampled request (temperature 0.8, top-p 0.95) through the fused service.
 
 The service arm and the raw-step arm alternate block by block (order reversed each block);
-quoted ratios are medians of per-block ratios. With --compare-pdl the run is instead two
-services on the same weights, `--pdl auto` and `--pdl off`, alternating the same way.
+quoted ratios are medians of per-block ratios. With --compare FLAGS the run is instead two
+services on the same weights, the defaults and the defaults plus FLAGS (e.g. "--pdl off",
+"--epilogues off"), alternating the same way.
 Usage:
-  python bench/serve_decode.py [--small] [--contexts 512,4096,32768] [--new-tokens 256] [--blocks 3] [--compare-pdl]
+  python bench/serve_decode.py [--small] [--contexts 512,4096,32768] [--new-tokens 256] [--blocks 3] [--compare FLAGS]
 """
 
 from __future__ import annotations
@@ -112,8 +113,9 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="raw results as JSON")
-    parser.add_argument("--compare-pdl", action="store_true",
-                        help="only: the service with programmatic dependent launch against --pdl off, paired")
+    parser.add_argument("--compare", default=None, metavar="FLAGS",
+                        help='only: the default service against one started with these verifier flags, paired '
+                             '(e.g. "--epilogues off")')
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     max_positions = max(contexts) + args.new_tokens + 64
@@ -137,9 +139,9 @@ def main() -> None:
 
     import asyncio
 
-    if args.compare_pdl:
+    if args.compare:
         try:
-            compare_pdl(start_service, children, prompts, contexts, greedy, args, results)
+            compare_flags(start_service, children, prompts, contexts, greedy, args, results)
         finally:
             children.stop()
         return
@@ -208,15 +210,17 @@ def main() -> None:
         args.out.write_text(json.dumps(results, indent=1, default=str))
 
 
-def compare_pdl(start_service, children, prompts, contexts, greedy, args, results) -> None:
+def compare_flags(start_service, children, prompts, contexts, greedy, args, results) -> None:
     import asyncio
+    import shlex
 
-    addresses = {"pdl": start_service("pdl", []), "no-pdl": start_service("no-pdl", ["--pdl", "off"])}
+    variant = args.compare
+    addresses = {"default": start_service("default", []), variant: start_service("variant", shlex.split(variant))}
     for name, address in addresses.items():
         asyncio.run(children.wait_serving(name, address, timeout=900))
         client_decode(address, prompts[contexts[0]][:64], GenerationConfig(max_new_tokens=8))  # warm-up
-    print(f"\n| context | service tokens/s, PDL | service tokens/s, --pdl off | PDL / off (median of {args.blocks} "
-          "paired blocks) | same tokens |")
+    print(f"\n| context | service tokens/s, defaults | service tokens/s, `{variant}` | defaults / variant (median of "
+          f"{args.blocks} paired blocks) | same tokens |")
     print("| ---: | ---: | ---: | ---: | --- |")
     for context in contexts:
         rows = []
@@ -226,10 +230,10 @@ def compare_pdl(start_service, children, prompts, contexts, greedy, args, result
             log(f"  context {context} block {block}: " + ", ".join(
                 f"{arm} {rows[-1][arm]['decode_tokens_per_s']:.1f} tok/s" for arm in addresses))
         results["contexts"][context] = rows
-        on = statistics.median(r["pdl"]["decode_tokens_per_s"] for r in rows)
-        off = statistics.median(r["no-pdl"]["decode_tokens_per_s"] for r in rows)
-        ratio = statistics.median(r["pdl"]["decode_tokens_per_s"] / r["no-pdl"]["decode_tokens_per_s"] for r in rows)
-        same = all(r["pdl"]["token_ids"] == r["no-pdl"]["token_ids"] for r in rows)
+        on = statistics.median(r["default"]["decode_tokens_per_s"] for r in rows)
+        off = statistics.median(r[variant]["decode_tokens_per_s"] for r in rows)
+        ratio = statistics.median(r["default"]["decode_tokens_per_s"] / r[variant]["decode_tokens_per_s"] for r in rows)
+        same = all(r["default"]["token_ids"] == r[variant]["token_ids"] for r in rows)
         print(f"| {context} | {on:.1f} | {off:.1f} | {ratio:.3f} | {same} |")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1, default=str))

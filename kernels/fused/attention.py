@@ -29,6 +29,7 @@ BLOCK_N = 64  # keys per inner step
 SPLIT = 128  # keys per split: short contexts still spread over many programs (H200: 13 µs at
 # context 512 with 512-key splits, latency-bound in one program per KV head)
 MERGE_CHUNK = 32  # splits merged per step
+SPLIT_WARPS, SPLIT_STAGES, MERGE_WARPS = 4, 3, 1  # (H200, bench/config_sweep.py: 3 stages beat 2 by ~2%)
 
 
 def attention_reference(
@@ -194,13 +195,13 @@ def decode_attention(
         cache_keys.stride(0), cache_keys.stride(1), 1.0 / math.sqrt(head_dim), workspace.num_splits, num_row_blocks,
         NUM_Q=num_heads, NUM_KV=num_kv, D=head_dim, GROUP=group, ROWS_PER_BLOCK=rows_per_block,
         SPLIT=workspace.split, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=ieee, PDL=pdl,
-        num_warps=4, num_stages=2, **launch_options(pdl),
+        num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES, **launch_options(pdl),
     )
     out = torch.empty_like(q)
     slice_ = min(head_dim, MERGE_SLICE)
     merge_kernel[(num_rows, num_heads, head_dim // slice_)](
         workspace.o_part, workspace.lse_part, positions, out, workspace.num_splits,
         NUM_Q=num_heads, D=head_dim, SPLIT=workspace.split, CHUNK=MERGE_CHUNK, SLICE=slice_, PDL=pdl,
-        num_warps=1, **launch_options(pdl),
+        num_warps=MERGE_WARPS, **launch_options(pdl),
     )
     return out

@@ -27,11 +27,14 @@ def linear_config(num_out: int, num_in: int) -> tuple[int, int, int, int]:
     A function of the weight shape only (never of the row count): that is what keeps rows
     batch-invariant. Small N gets narrow column blocks so enough programs fill the GPU.
     """
-    # Measured on the H200 at 1 row (docs/PERFORMANCE.md): BK 256 beats 128 everywhere; BN 64 for
-    # wide outputs (qkv 6.1 µs vs cuBLAS 6.6, lm_head 140 µs), 32 for the rest (o_proj 7.4, router 4.4).
-    block_k = min(256, max(16, next_power_of_2(num_in)))
-    block_n = 64 if num_out >= 4096 else 32
-    return block_n, block_k, 4, 3
+    # Measured on the H200 (docs/PERFORMANCE.md; bench/config_sweep.py times the whole captured
+    # step): BK 256, BN 64 and 4 stages from 2,048 outputs (qkv, o_proj; o_proj then takes 4 K
+    # splits), 3 stages for the lm_head as measured; BK 128 for narrow outputs (the router: 16 K
+    # splits instead of 8, so twice the programs).
+    block_k = min(128 if num_out <= 256 else 256, max(16, next_power_of_2(num_in)))
+    block_n = 64 if num_out >= 2048 else 32
+    stages = 4 if 2048 <= num_out < 65536 else 3
+    return block_n, block_k, 4, stages
 
 
 @functools.cache

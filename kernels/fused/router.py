@@ -16,6 +16,8 @@ from torch import Tensor
 from kernels.fused import launch_options, next_power_of_2, tl_dtype, use_triton
 from kernels.routing import WEIGHT_FLOOR, moce_multipliers, route_topk
 
+ROUTE_WARPS = 1  # per row, up to 256 experts (launch settings are module constants: bench/config_sweep.py)
+
 
 @functools.cache
 def _kernels():
@@ -129,6 +131,6 @@ def route(
         num_experts, WEIGHT_FLOOR,
         TOP_K=top_k, K_PAD=max(2, next_power_of_2(top_k)), BLOCK_E=max(16, next_power_of_2(num_experts)),
         NORMALIZE=normalize, MOCE=moce, PARTIALS=partials, ROUND_TO=tl_dtype(round_to or router_logits.dtype),
-        HAS_LIVE=live is not None, PDL=pdl, num_warps=1 if num_experts <= 256 else 4, **launch_options(pdl),
+        HAS_LIVE=live is not None, PDL=pdl, num_warps=ROUTE_WARPS if num_experts <= 256 else 4, **launch_options(pdl),
     )
     return ids, weights
