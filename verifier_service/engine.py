@@ -38,6 +38,11 @@ class Session:
     token_ids: list[int]  # committed: prompt + completion
     hidden_rows: list[Tensor] = field(default_factory=list)  # final-norm rows of token_ids[:-1], CPU bf16
     slot: int | None = None  # KV pool slot (fused path)
+    prefilled: int = 0  # prompt tokens in the cache (the prompt but its last token, once prefill is done)
+
+    @property
+    def prefill_left(self) -> int:
+        return len(self.spec.prompt_ids) - 1 - self.prefilled
 
     @property
     def capacity_left(self) -> int:
@@ -157,22 +162,39 @@ class Engine:
 
     def open(self, spec: RequestSpec) -> Session:
         """Allocate the session's cache and prefill the prompt but its last token (the head)."""
+        session = self.begin(spec)
+        try:
+            while not self.prefill_step(session):
+                pass
+        except BaseException:
+            self.close(session)
+            raise
+        return session
+
+    def begin(self, spec: RequestSpec) -> Session:
+        """Allocate the session's cache; its prompt is then prefilled by prefill_step calls."""
         length = min(self.max_context, len(spec.prompt_ids) + spec.max_new_tokens + spec.max_draft_tokens + 1)
         slot = None
         if self.windows is not None:
             slot, cache = self.windows.pool.acquire(length)
         else:
             cache = self.model.new_cache(length)
-        session = Session(spec=spec, cache=cache, token_ids=list(spec.prompt_ids), slot=slot)
-        try:
-            body = torch.tensor(spec.prompt_ids[:-1], dtype=torch.int64, device=self.model.device)
-            for start in range(0, body.shape[0], self.prefill_chunk):
-                _, hidden = self.model(body[start : start + self.prefill_chunk], session.cache)
-                session.hidden_rows.append(hidden.to("cpu", torch.bfloat16))
-        except BaseException:
-            self.close(session)
-            raise
-        return session
+        return Session(spec=spec, cache=cache, token_ids=list(spec.prompt_ids), slot=slot)
+
+    def prefill_step(self, session: Session) -> bool:
+        """Prefill the next chunk (at most prefill_chunk tokens) of the prompt; True once it is all in.
+
+        The server runs each chunk as its own job on the model worker, so other sessions' rounds
+        run between the chunks of a long prompt instead of waiting for all of it."""
+        count = min(self.prefill_chunk, session.prefill_left)
+        if count > 0:
+            start = session.prefilled
+            chunk = torch.tensor(session.spec.prompt_ids[start : start + count], dtype=torch.int64,
+                                 device=self.model.device)
+            _, hidden = self.model(chunk, session.cache)
+            session.hidden_rows.append(hidden.to("cpu", torch.bfloat16))
+            session.prefilled += count
+        return session.prefill_left <= 0
 
     def close(self, session: Session) -> None:
         """Give the session's KV slot back (idempotent)."""

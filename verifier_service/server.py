@@ -199,9 +199,14 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             with telemetry.use_span(span):
                 stats = RequestStats(len(spec.prompt_ids), arrived, queued_s)
                 span.set_attribute("tandem.queue_ms", queued_s * 1e3)
-                with tracer.start_as_current_span("prefill", attributes={"tandem.prompt_tokens": len(spec.prompt_ids)}):
-                    session = await self.worker.run(self.engine.open, spec)
-                opened = session
+                with tracer.start_as_current_span("prefill", attributes={"tandem.prompt_tokens": len(spec.prompt_ids)}) \
+                        as prefill_span:
+                    session = opened = await self.worker.run(self.engine.begin, spec)
+                    # A job per chunk: other sessions' rounds run between the chunks of a long prompt.
+                    chunks = 1
+                    while not await self.worker.run(self.engine.prefill_step, session):
+                        chunks += 1
+                    prefill_span.set_attribute("tandem.prefill_chunks", chunks)
                 if self.drafter is not None and spec.speculate and self._may_draft(spec):
                     link = DrafterLink(self.drafter, self.deadlines, security.bearer_metadata(self.settings.drafter_token),
                                        self.drafter_health)

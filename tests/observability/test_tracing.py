@@ -59,6 +59,8 @@ async def test_one_trace_from_client_to_drafter(spans, tiny_mtp_model):
     assert a["tandem.finish_reason"] == "length" and "tandem.ttft_ms" in a and "tandem.tokens_per_s" in a
     assert a["tandem.queue_ms"] == 0.0  # admitted at once: a session was free
     assert a["tandem.acceptance.MTP"] == pytest.approx(stats.acceptance_by_source["MTP"])
+    prefill = by_name["prefill"][0].attributes
+    assert prefill["tandem.prompt_tokens"] == stats.prompt_tokens and prefill["tandem.prefill_chunks"] >= 1
     for r in by_name["round"]:
         for key in ("tandem.source", "tandem.proposed", "tandem.retained", "tandem.accepted", "tandem.confidences",
                     "tandem.draft_ms", "tandem.rpc_ms", "tandem.verify_ms", "tandem.bytes_up", "tandem.bytes_down",

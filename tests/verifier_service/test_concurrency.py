@@ -117,3 +117,37 @@ async def test_probabilistic_requests_batch_like_alone(servers, tiny_model):
     alone = [(await generate(stub, probabilistic(seed)))[0] for seed in (1, 2, 3, 4)]
     together = await asyncio.gather(*(generate(stub, probabilistic(seed)) for seed in (1, 2, 3, 4)))
     assert [tokens for tokens, _, _ in together] == alone
+
+
+async def test_a_long_prompt_prefills_in_chunks_between_other_sessions_rounds(servers, tiny_model):
+    """Chunked prefill: each chunk is its own job on the model worker, so a session already
+    decoding keeps getting rounds while a long prompt is prefilled (it is not stalled for the
+    whole prompt), and the long request's tokens are what it produces alone."""
+    stub = await servers.start(tiny_model, fused="on", max_sessions=2, prefill_chunk=4)
+    service = servers.verifier.service
+    engine, batcher = service.engine, service.batcher
+    long_prompt = [(7 * i) % 97 for i in range(80)]  # 79 tokens to prefill: 20 chunks of <= 4
+    alone = (await generate(stub, request(long_prompt, 6)))[0]
+
+    jobs = []  # the worker's jobs in the order they ran
+    prefill_step, run_rounds = engine.prefill_step, batcher.run_rounds
+
+    def logged_prefill_step(session):
+        jobs.append(("prefill", session.spec.request_id))
+        return prefill_step(session)
+
+    def logged_run_rounds(rounds):
+        jobs.append(("rounds", tuple(r.session.spec.request_id for r in rounds)))
+        return run_rounds(rounds)
+
+    engine.prefill_step, batcher.run_rounds = logged_prefill_step, logged_run_rounds
+    decoding = stub.Generate(request([5, 17, 42], 60))
+    await anext(aiter(decoding))  # the short request decodes before the long one arrives
+    long_tokens, final, _ = await generate(stub, request(long_prompt, 6))
+    decoding.cancel()
+
+    prefills = [i for i, (kind, _) in enumerate(jobs) if kind == "prefill" and i > 0]  # job 0: the short prompt
+    assert len(prefills) == 20, jobs
+    rounds_between = [job for job in jobs[prefills[0] : prefills[-1]] if job[0] == "rounds"]
+    assert len(rounds_between) >= 5, jobs  # the decoding session ran on during the long prefill
+    assert long_tokens == alone and final.finish_reason == "length"
