@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--setup", choices=SETUPS, default="cpu-embedded")
     parser.add_argument("--blocks", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=4, help="built-in Python-code prompts (random ids for gpu-synthetic)")
+    parser.add_argument("--prompt-set", choices=("code", "repeat"), default="code",
+                        help="code: short code openings; repeat: a piece of real code, then the start of it again with a "
+                             "name changed (repeat-with-edits)")
     parser.add_argument("--prompt-length", type=int, default=128, help="random-weight models: random prompt length")
     parser.add_argument("--random-shapes", choices=sorted(SHAPES), default=None,
                         help="synthetic setups: random weights at these shapes (gpu-synthetic default: qwen3-30b-a3b; "

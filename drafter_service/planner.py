@@ -16,17 +16,20 @@ import copy
 import threading
 from dataclasses import dataclass, field
 
-BUCKETS = ((3, 3), (4, 7), (8, 15), (16, 32))  # suffix match lengths
+# Suffix match lengths; matches of 1-2 tokens (the suffix proposer counts contexts from one
+# token on) learn apart from longer ones, in the last bucket.
+BUCKETS = ((3, 3), (4, 7), (8, 15), (16, 32), (1, 2))
+SHORT_BUCKET = len(BUCKETS) - 1
 PRIOR = {"MTP": (2.0, 2.0), "SUFFIX": (3.0, 1.0)}  # Beta(accepted, rejected) per step
 
 
 def suffix_bucket(length: int) -> int:
     if length < BUCKETS[0][0]:
-        return 0
-    for index, (low, high) in enumerate(BUCKETS):
+        return SHORT_BUCKET
+    for index, (low, high) in enumerate(BUCKETS[:SHORT_BUCKET]):
         if low <= length <= high:
             return index
-    return len(BUCKETS) - 1
+    return SHORT_BUCKET - 1
 
 
 @dataclass

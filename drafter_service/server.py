@@ -92,6 +92,7 @@ class Drafter:
             session_id=message.session_id, sampling=sampling, seed=message.sampling.seed, mode=mode, gate=gate,
             coupled=message.speculation.coupled, policy=policy, max_drafts=max_drafts,
             snapshot=self.snapshot_for(message.session_id), suffix=suffix, mtp=mtp_state, round_id=message.next_round_id,
+            opened_with=len(tokens),
         )
 
     def commit(self, session: DraftSession, message: drafter_pb2.DraftCommit) -> None:
@@ -102,7 +103,7 @@ class Drafter:
                                message.verify_ms, message.num_verified + 1)
         elif message.verify_ms > 0:
             self.planner.learn("MTP", 0, 0, 0, message.verify_ms, 1)
-        session.suffix.extend(emitted)
+        session.suffix.extend(emitted, count=False)  # counted after the chain is sent (Draft)
         session.round_id = message.round_id + 1
         if session.mtp is not None:
             hidden = decode_hidden(message.hidden)
@@ -114,10 +115,12 @@ class Drafter:
         started = time.perf_counter()
         limit = session.max_drafts
         match = session.suffix.lookup(limit)
-        if match is None and session.mode == Mode.EXACT:
+        if session.mode == Mode.EXACT:
             # Other sessions' outputs only in exact mode: a same-seed session's tokens encode
             # its accept draws, which would bias probabilistic acceptance here.
-            match = self.global_index.lookup(session.tokens, limit)
+            other = self.global_index.lookup(session.suffix, limit)
+            if other is not None and (match is None or other.score > match.score):
+                match = other
         mtp_ready = session.mtp is not None and session.mtp.next_logits is not None
         plan = choose(session.snapshot, limit=limit, mtp_available=mtp_ready,
                       suffix_length=match.length if match else None,
@@ -176,6 +179,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             )
         self.drafter = Drafter(self.model, self.settings)
         log.info("drafter ready", address=self.settings.address, mtp=self.drafter.mtp is not None)
+
+    def _add_output(self, token_ids: list[int]) -> None:
+        self.drafter.global_index.add(token_ids)
+        self.metrics.global_contexts.set(len(self.drafter.global_index))
 
     def _open_and_propose(self, message):
         session = self.drafter.open(message)
@@ -237,6 +244,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
                     self._observe(span, session, chain, kind)
                 yield drafter_pb2.DraftDown(protocol_version=PROTOCOL_VERSION, chain=chain)
+                if session.suffix.counted < len(session.suffix.tokens):
+                    # The suffix counts of the tokens just committed, while the verifier verifies.
+                    await self.worker.run(session.suffix.count_pending)
         finally:
             self.metrics.active.dec()
             self.streams_by_peer[peer] -= 1
@@ -244,8 +254,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 del self.streams_by_peer[peer]
             if session is not None:
                 self.sessions.remove(session)
-                if self.drafter is not None:
-                    self.drafter.global_index.add(session.tokens)
+                if self.drafter is not None:  # its output joins the global index, on the worker like every lookup
+                    self.worker.submit(self._add_output, session.tokens[session.opened_with:])
             structlog.contextvars.unbind_contextvars("request_id")
 
     def _observe(self, span, session: DraftSession, chain: drafter_pb2.DraftChain, kind: str) -> None:

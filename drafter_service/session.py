@@ -30,6 +30,7 @@ class DraftSession:
     mtp: MTPState | None
     round_id: int
     in_flight: Plan | None = None  # the plan of the last chain sent (learned from at commit)
+    opened_with: int = 0  # committed tokens at open (the prompt): the rest is this session's output
 
     @property
     def tokens(self) -> list[int]:

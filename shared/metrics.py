@@ -46,6 +46,9 @@ class DrafterMetrics:
         self.evictions = Counter("tandem_drafter_session_evictions", "Sessions evicted (their verifier re-syncs)", registry=r)
         self.slot_misses = Counter("tandem_drafter_expert_slot_misses", "Expert slot misses on draft rows", registry=r)
         self.slot_hit_rate = Gauge("tandem_drafter_expert_slot_hit_rate", "Expert slot hit rate of the MTP layer", registry=r)
+        self.global_contexts = Gauge("tandem_drafter_suffix_global_contexts",
+                                     "Contexts in the cross-session suffix index (bounded by --global-index-contexts)",
+                                     registry=r)
 
 
 class GatewayMetrics:

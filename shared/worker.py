@@ -23,5 +23,10 @@ class ModelWorker:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
+    def submit(self, fn: Callable[..., object], *args) -> None:
+        """Queue fn(*args) behind the jobs already queued, without waiting for it (housekeeping
+        that must not race the model code, e.g. from a `finally` that cannot await)."""
+        self._executor.submit(fn, *args)
+
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -20,15 +20,37 @@ from .runs import Arm, Run
 from .services import Children, Tap
 
 
-def text_prompts(model_dir: Path, count: int) -> list[list[int]]:
+def text_prompts(model_dir: Path, count: int, prompt_set: str = "code") -> list[list[int]]:
     from shared.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is None:
         raise ServiceError(f"{model_dir} has no tokenizer: the built-in text prompts need one")
-    if count > len(PROMPTS):
-        raise ServiceError(f"--prompts {count}: there are {len(PROMPTS)} built-in prompts")
-    return [tokenizer.encode(p).ids for p in PROMPTS[:count]]
+    texts = PROMPTS if prompt_set == "code" else repeat_prompts()
+    if count > len(texts):
+        raise ServiceError(f"--prompts {count}: there are {len(texts)} {prompt_set} prompts")
+    return [tokenizer.encode(p).ids for p in texts[:count]]
+
+
+def repeat_prompts() -> list[str]:
+    """Repeat-with-edits prompts: a piece of real code (standard library sources), then the
+    request to write it again with one name changed, and the first lines of that version;
+    the completion's natural continuation repeats the piece with the edit."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    prompts = []
+    for name in ("json/decoder.py", "json/encoder.py", "textwrap.py", "shlex.py", "fnmatch.py", "glob.py",
+                 "colorsys.py", "bisect.py"):
+        text = (stdlib / name).read_text()
+        lines = text.splitlines(keepends=True)
+        start = next(i for i, line in enumerate(lines) if line.startswith(("def ", "class ")))
+        piece = "".join(lines[start : start + 40])
+        first = piece.split("(")[0].split()[-1]  # the first def/class name
+        edited = piece.replace(first, first + "_v2")
+        prompts.append(piece + f"\n\n# The same code, with {first} renamed to {first}_v2:\n\n"
+                       + "".join(edited.splitlines(keepends=True)[:3]))
+    return prompts
 
 
 def random_prompts(vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
@@ -43,7 +65,7 @@ async def run_embedded(args, children: Children, workdir: Path) -> tuple[list[di
 
     device = "cuda" if args.setup.startswith("gpu") else "cpu"
     model_dir = resolve_model(args.model)
-    prompts = text_prompts(model_dir, args.prompts)
+    prompts = text_prompts(model_dir, args.prompts, args.prompt_set)
     run = Run(args, prompts)
     d_port, v_port, t_port, tv_port = free_port(), free_port(), free_port(), free_port()
     common = ["--model", str(model_dir), "--device", device, "--dtype", args.dtype]
@@ -128,7 +150,7 @@ async def run_synthetic(args, children: Children, workdir: Path) -> tuple[list[d
     else:
         model_dir = resolve_model(args.model)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        prompts = text_prompts(model_dir, args.prompts)
+        prompts = text_prompts(model_dir, args.prompts, args.prompt_set)
         model_args = ["--model", str(model_dir)]
         model_name = model_dir.name
     run = Run(args, prompts)

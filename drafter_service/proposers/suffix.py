@@ -1,98 +1,314 @@
-"""Suffix lookup: propose the continuation of the longest earlier match of the current suffix.
+"""Suffix drafting: continue the longest earlier match of the current suffix, by its counts.
 
-Per session: every committed token extends an n-gram index (the last MIN_MATCH tokens →
-their newest end positions), an amortised O(1) update. A lookup takes the candidates that
-share the last MIN_MATCH tokens, extends each match backwards up to MAX_MATCH tokens, and
-keeps the longest (newest on ties); the tokens that followed it are the proposal.
+Both indexes count, for every context of the lengths in ORDERS (1..8, then sparser up to
+32 tokens), which tokens followed it: the per-request index over the request's prompt and
+output, the global index over previous requests' outputs (bounded). A context is a rolling
+hash of its tokens, so an update is O(len(ORDERS)) per token and a lookup O(1).
 
-Across sessions: a bounded global index of (context → next-token counts) over recent
-sessions' outputs, proposing the most frequent continuation. Proposals depend only on
-committed tokens (this session's, or other sessions' already committed outputs).
+A proposal (as in SuffixDecoding, arXiv 2411.04975) starts from the longest context that
+matches the end of the committed tokens, then follows the most frequent continuation
+(ties: the most recently seen), conditioning on a longer context as the match grows, while
+the chain's estimated probability (the product of continuation frequencies) stays above a
+floor, for at most factor × match length + offset tokens. The global index's proposal wins
+when its score (the sum of the prefix probabilities: expected accepted tokens) is higher.
+
+Proposals depend only on committed tokens (this request's, or other requests' finished
+outputs), never on a draw, so they are the same on a replay.
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
-MIN_MATCH = 3
-MAX_MATCH = 32
-CANDIDATES_PER_KEY = 8  # newest occurrences kept per n-gram
+ORDERS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32)  # context lengths counted
+MAX_MATCH = ORDERS[-1]
+# Hashes stay below 2**31 so CPython's arithmetic on them stays fast; a collision (a few per
+# hundred thousand contexts) can only cost a wrong draft, which verification rejects.
+MOD = (1 << 31) - 1
+BASE = 0x9E3779B9 % MOD
+POW = [1]
+for _ in range(MAX_MATCH):
+    POW.append(POW[-1] * BASE % MOD)
+del _
+
+MIN_TOKEN_PROB = 0.1  # stop a chain when its estimated probability drops below this
+# A chain holds at most factor × (matched context tokens) + offset drafts. Chosen on a replay
+# of real code (bench/suffix_replay.py, docs/PERFORMANCE.md): one more than the match for the
+# request's own text; twice the match for other requests' outputs, which repeat longer.
+REQUEST_FACTOR, REQUEST_OFFSET = 1.0, 1.0
+GLOBAL_FACTOR, GLOBAL_OFFSET = 2.0, 0.0
 
 
 @dataclass(frozen=True)
 class SuffixMatch:
-    length: int  # tokens of the current suffix matched (MIN_MATCH..MAX_MATCH)
-    continuation: list[int]  # up to k tokens that followed the match
+    length: int  # tokens of the current suffix matched (1..MAX_MATCH)
+    continuation: list[int]  # the proposed tokens
+    score: float = 0.0  # expected accepted tokens under the counts (sum of prefix probabilities)
+    source: str = "request"  # "request" or "global"
+
+
+class ContextCounts:
+    """Context hash → next-token counts, one table per order; optionally bounded.
+
+    A value is the single token seen after the context (count 1), or a dict token → count
+    whose order is recency (a token moves to the end when counted). Bounded tables keep two
+    generations: when the current one holds max_contexts // 2 contexts it becomes the old
+    one (whose leftovers are dropped), and a context counted again moves to the current."""
+
+    def __init__(self, max_contexts: int | None = None) -> None:
+        if max_contexts is not None and max_contexts < 0:
+            raise ValueError(f"max_contexts {max_contexts} must be >= 0")
+        self.max_contexts = max_contexts
+        self.current: list[dict] = [{} for _ in ORDERS]
+        self.old: list[dict] = [{} for _ in ORDERS]
+        self._current_size = 0
+        self.levels = [(table, order, POW[order]) for table, order in zip(self.current, ORDERS)]  # (unbounded only)
+
+    def __len__(self) -> int:
+        return self._current_size + sum(len(t) for t in self.old)
+
+    def count(self, order_index: int, key: int, token: int) -> None:
+        table = self.current[order_index]
+        value = table.get(key)
+        if value is None:
+            if self.max_contexts is not None:
+                value = self.old[order_index].pop(key, None)
+                if self.max_contexts == 0:
+                    return
+                if self._current_size >= self.max_contexts // 2 or self.max_contexts < 2:
+                    self.old, self.current = self.current, [{} for _ in ORDERS]
+                    self._current_size = 0
+                    table = self.current[order_index]
+            self._current_size += 1
+            if value is None:
+                table[key] = token
+                return
+        if type(value) is int:
+            table[key] = {token: 2} if value == token else {value: 1, token: 1}
+        else:
+            value[token] = value.pop(token, 0) + 1
+
+    def get(self, order_index: int, key: int):
+        value = self.current[order_index].get(key)
+        if value is None and self.max_contexts is not None:
+            value = self.old[order_index].get(key)
+        return value
+
+
+def _best(value) -> tuple[int, float]:
+    """(most frequent next token, its frequency); ties go to the most recently counted."""
+    if type(value) is int:
+        return value, 1.0
+    best, best_count, total = -1, 0, 0
+    for token, count in value.items():
+        total += count
+        if count >= best_count:
+            best, best_count = token, count
+    return best, best_count / total
+
+
+def _hash_tokens(prefix: list[int], token_ids: list[int]) -> None:
+    """Append the rolling prefix hashes of token_ids to prefix (prefix[i] hashes the first i tokens)."""
+    h = prefix[-1]
+    for token in token_ids:
+        h = (h * BASE + token + 1) % MOD
+        prefix.append(h)
+
+
+def _count_stream(counts: ContextCounts, token_ids: list[int], prefix: list[int], start: int) -> None:
+    """Count the contexts before each token token_ids[start:] (prefix: hashes of token_ids[:i], i <= len)."""
+    if counts.max_contexts is not None:
+        for n in range(start, len(token_ids)):
+            token, hn = token_ids[n], prefix[n]
+            for oi, order in enumerate(ORDERS):
+                if order > n:
+                    break
+                counts.count(oi, (hn - prefix[n - order] * POW[order]) % MOD, token)
+        return
+    # Unbounded (a request's own index, on every round's path): ContextCounts.count inlined.
+    levels = counts.levels
+    added = 0
+    for n in range(start, len(token_ids)):
+        token, hn = token_ids[n], prefix[n]
+        for table, order, power in levels:
+            if order > n:
+                break
+            key = (hn - prefix[n - order] * power) % MOD
+            value = table.get(key)
+            if value is None:
+                table[key] = token
+                added += 1
+            elif type(value) is int:
+                table[key] = {token: 2} if value == token else {value: 1, token: 1}
+            else:
+                value[token] = value.pop(token, 0) + 1
+    counts._current_size += added
+
+
+def _propose(counts: ContextCounts, prefix: list[int], max_tokens: int, min_prob: float, factor: float,
+             offset: float, source: str) -> SuffixMatch | None:
+    """The chain from the longest context of `counts` matching the end of the hashed tokens."""
+    n = len(prefix) - 1
+    hn = prefix[n]
+    current = counts.current  # (ContextCounts.get inlined: this runs on every round's path)
+    old = counts.old if counts.max_contexts is not None else None
+    # A context is counted with all its suffixes, so the orders that match form a prefix of
+    # ORDERS: binary search for the last one.
+    low, high = 0, len(ORDERS)  # ORDERS[:low] match, ORDERS[high:] do not
+    while low < high:
+        mid = (low + high) // 2
+        order = ORDERS[mid]
+        found = False
+        if order <= n:
+            key = (hn - prefix[n - order] * POW[order]) % MOD
+            found = key in current[mid] or (old is not None and key in old[mid])
+        if found:
+            low = mid + 1
+        else:
+            high = mid
+    oi = low - 1
+    if oi < 0:
+        return None
+    matched = ORDERS[oi]
+    limit = min(max_tokens, int(matched * factor + offset + 1e-6))
+    draft: list[int] = []
+    hashes = prefix  # extended privately below once a token is drafted
+    prob, score = 1.0, 0.0
+    while len(draft) < limit:
+        length = matched + len(draft)  # the match grows with every drafted token
+        while oi + 1 < len(ORDERS) and ORDERS[oi + 1] <= length:
+            oi += 1
+        end = len(hashes) - 1
+        value = None
+        while oi >= 0:
+            order = ORDERS[oi]
+            if order <= end:
+                key = (hashes[end] - hashes[end - order] * POW[order]) % MOD
+                value = current[oi].get(key)
+                if value is None and old is not None:
+                    value = old[oi].get(key)
+                if value is not None:
+                    break
+            oi -= 1
+        if value is None:
+            break
+        token, p = _best(value)
+        prob *= p
+        if prob < min_prob:
+            break
+        draft.append(token)
+        score += prob
+        if hashes is prefix:
+            hashes = prefix[-MAX_MATCH - 1 :]
+        hashes.append((hashes[-1] * BASE + token + 1) % MOD)
+    if not draft:
+        return None
+    return SuffixMatch(matched, draft, score, source)
 
 
 class SuffixIndex:
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self._ends: dict[tuple[int, ...], deque[int]] = {}
+    """One request's committed tokens (prompt and output) with their context counts.
 
-    def extend(self, token_ids: list[int]) -> None:
-        for token in token_ids:
-            self.tokens.append(token)
-            end = len(self.tokens)
-            if end >= MIN_MATCH:
-                key = tuple(self.tokens[end - MIN_MATCH : end])
-                self._ends.setdefault(key, deque(maxlen=CANDIDATES_PER_KEY)).append(end)
+    extend(..., count=False) only appends the tokens (and their hashes: a lookup matches
+    the current end at once); their contexts are counted by count_pending(), which the
+    drafter runs after sending a chain, off the round's latency path. A lookup then misses
+    only repeats inside the tokens of the last commit."""
+
+    def __init__(self, min_prob: float = MIN_TOKEN_PROB, factor: float = REQUEST_FACTOR,
+                 offset: float = REQUEST_OFFSET) -> None:
+        self.tokens: list[int] = []
+        self.prefix: list[int] = [0]
+        self.counts = ContextCounts()
+        self.counted = 0  # tokens whose preceding contexts are counted
+        self.min_prob, self.factor, self.offset = min_prob, factor, offset
+
+    def extend(self, token_ids: list[int], count: bool = True) -> None:
+        self.tokens.extend(token_ids)
+        _hash_tokens(self.prefix, token_ids)
+        if count:
+            self.count_pending()
+
+    def count_pending(self) -> None:
+        _count_stream(self.counts, self.tokens, self.prefix, self.counted)
+        self.counted = len(self.tokens)
 
     def lookup(self, k: int) -> SuffixMatch | None:
-        """The longest earlier match of the current suffix and up to k following tokens."""
-        n = len(self.tokens)
-        if n < MIN_MATCH + 1 or k < 1:
+        """The request's own proposal of at most k tokens (None: no context matches)."""
+        if k < 1:
             return None
-        candidates = self._ends.get(tuple(self.tokens[n - MIN_MATCH :]), ())
-        best: tuple[int, int] | None = None  # (length, end)
-        for end in reversed(candidates):  # newest first: ties keep the newest
-            if end >= n:
-                continue  # the current suffix itself
-            length = MIN_MATCH
-            while length < MAX_MATCH and end - length > 0 and self.tokens[end - length - 1] == self.tokens[n - length - 1]:
-                length += 1
-            if best is None or length > best[0]:
-                best = (length, end)
-        if best is None:
-            return None
-        length, end = best
-        return SuffixMatch(length, self.tokens[end : end + k])
+        return _propose(self.counts, self.prefix, k, self.min_prob, self.factor, self.offset, "request")
 
 
 class GlobalIndex:
-    """Frequency-scored continuations over recent sessions' outputs, bounded in memory."""
+    """Context counts over previous requests' outputs, bounded to max_contexts contexts."""
 
-    def __init__(self, max_contexts: int = 200_000) -> None:
-        self.max_contexts = max_contexts
-        self._next: OrderedDict[tuple[int, ...], Counter[int]] = OrderedDict()
+    def __init__(self, max_contexts: int | None = 1_000_000, min_prob: float = MIN_TOKEN_PROB,
+                 factor: float = GLOBAL_FACTOR, offset: float = GLOBAL_OFFSET) -> None:
+        self.counts = ContextCounts(max_contexts)
+        self.min_prob, self.factor, self.offset = min_prob, factor, offset
 
     def add(self, token_ids: list[int]) -> None:
-        for end in range(MIN_MATCH, len(token_ids)):
-            key = tuple(token_ids[end - MIN_MATCH : end])
-            counts = self._next.get(key)
-            if counts is None:
-                counts = self._next[key] = Counter()
-                if len(self._next) > self.max_contexts:
-                    self._next.popitem(last=False)  # forget the least recently updated context
-            else:
-                self._next.move_to_end(key)
-            counts[token_ids[end]] += 1
+        """Count a finished output (contexts within it only, as the request's prompt is its own)."""
+        token_ids = list(token_ids)
+        prefix = [0]
+        _hash_tokens(prefix, token_ids)
+        _count_stream(self.counts, token_ids, prefix, 0)
 
-    def lookup(self, context: list[int], k: int, min_count: int = 2) -> SuffixMatch | None:
-        """Greedy chain of the most frequent continuations (ties: lowest token id)."""
-        proposal: list[int] = []
-        window = list(context[-MIN_MATCH:])
-        while len(proposal) < k and len(window) == MIN_MATCH:
-            counts = self._next.get(tuple(window))
-            if not counts:
-                break
-            token, count = min(counts.items(), key=lambda item: (-item[1], item[0]))
-            if count < min_count:
-                break
-            proposal.append(token)
-            window = window[1:] + [token]
-        return SuffixMatch(MIN_MATCH, proposal) if proposal else None
+    def lookup(self, index: SuffixIndex, k: int) -> SuffixMatch | None:
+        """The global proposal of at most k tokens after the request's committed tokens."""
+        if k < 1:
+            return None
+        return _propose(self.counts, index.prefix, k, self.min_prob, self.factor, self.offset, "global")
 
     def __len__(self) -> int:
-        return len(self._next)
+        return len(self.counts)
+
+
+class SuffixDrafter:
+    """The suffix proposer on its own (benchmarks, and any caller without the service):
+    start(request_id, prompt_ids), propose(request_id, max_tokens), extend(request_id,
+    token_ids), finish(request_id) (the output then joins the global index)."""
+
+    def __init__(self, max_global_contexts: int | None = 1_000_000, min_prob: float = MIN_TOKEN_PROB,
+                 use_global: bool = True) -> None:
+        self.global_index = GlobalIndex(max_global_contexts, min_prob) if use_global else None
+        self.min_prob = min_prob
+        self._requests: dict[object, tuple[SuffixIndex, int]] = {}  # id → (index, prompt length)
+
+    def start(self, request_id: object, prompt_ids: list[int]) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already active")
+        index = SuffixIndex(self.min_prob)
+        index.extend(list(prompt_ids))
+        self._requests[request_id] = (index, len(prompt_ids))
+
+    def extend(self, request_id: object, token_ids: list[int], count: bool = True) -> None:
+        """Commit tokens; count=False leaves their counting to count_pending (off the latency path)."""
+        self._index(request_id).extend(list(token_ids), count)
+
+    def count_pending(self, request_id: object) -> None:
+        self._index(request_id).count_pending()
+
+    def propose(self, request_id: object, max_tokens: int) -> list[int]:
+        match = self.match(request_id, max_tokens)
+        return match.continuation if match else []
+
+    def match(self, request_id: object, max_tokens: int) -> SuffixMatch | None:
+        """The better (by score) of the request's and the global proposal."""
+        index = self._index(request_id)
+        own = index.lookup(max_tokens)
+        other = self.global_index.lookup(index, max_tokens) if self.global_index is not None else None
+        if other is not None and (own is None or other.score > own.score):
+            return other
+        return own
+
+    def finish(self, request_id: object) -> None:
+        index, prompt_length = self._requests.pop(request_id)
+        if self.global_index is not None:
+            self.global_index.add(index.tokens[prompt_length:])
+
+    def _index(self, request_id: object) -> SuffixIndex:
+        try:
+            return self._requests[request_id][0]
+        except KeyError:
+            raise ValueError(f"request {request_id!r} is not active") from None

@@ -61,11 +61,21 @@ async def test_suffix_lookup_accepts_a_repeated_passage(pair, demo_model):
     assert len(suffix_rounds) >= 10
     assert by_source["SUFFIX"] > 0.6
     assert final.stats.mean_accepted_length > 2.3
+    # the finished output joins the cross-session index (on the drafter's worker, soon after)
+    service = pair.drafter.service
+    for _ in range(100):
+        if service.drafter.global_index:
+            break
+        await asyncio.sleep(0.02)
+    assert len(service.drafter.global_index) > 0
+    assert service.metrics.registry.get_sample_value("tandem_drafter_suffix_global_contexts") == len(
+        service.drafter.global_index)
 
 
 async def test_mtp_accepts_on_held_out_code(pair, demo_model):
     tokenizer = load_tokenizer(resolve_model(None))
-    stub = await pair.start(demo_model, tokenizer=tokenizer)
+    # MTP drafts only: on code the suffix proposer would draft many of these rounds itself
+    stub = await pair.start(demo_model, tokenizer=tokenizer, drafter_settings={"planner": "mtp"})
     source = (Path(sysconfig.get_paths()["stdlib"]) / "json" / "encoder.py").read_text()
     accepted = retained = 0
     for start in (2000, 4000, 6000):

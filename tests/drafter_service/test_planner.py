@@ -63,6 +63,8 @@ def run_choose(estimates, limit=STEPS, mtp=True, suffix_length=None, suffix_toke
 @pytest.mark.parametrize(
     "length, bucket",
     [
+        (1, 4),
+        (2, 4),
         (3, 0),
         (4, 1),
         (7, 1),
@@ -80,10 +82,12 @@ def test_suffix_bucket_boundaries(length, bucket):
 
 
 def test_buckets_cover_match_lengths_without_gaps():
-    assert BUCKETS[0][0] == 3 and BUCKETS[-1][1] == 32
-    for (_, high), (low, _) in itertools.pairwise(BUCKETS):
+    ordered = sorted(BUCKETS)  # the short-match bucket comes last by index, first by length
+    assert ordered[0][0] == 1 and ordered[-1][1] == 32
+    for (_, high), (low, _) in itertools.pairwise(ordered):
         assert low == high + 1
     assert [suffix_bucket(n) for n in range(3, 33)] == sorted(suffix_bucket(n) for n in range(3, 33))
+    assert all(BUCKETS[suffix_bucket(n)][0] <= n <= BUCKETS[suffix_bucket(n)][1] for n in range(1, 33))
 
 
 # --- Estimates ---------------------------------------------------------------------------
