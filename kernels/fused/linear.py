@@ -21,11 +21,20 @@ MAX_FUSED_ROWS = 64  # above this (prefill chunks) cuBLAS is faster than re-read
 BLOCK_M = 16  # tl.dot's smallest M; rows past the input are masked
 
 
-def linear_config(num_out: int, num_in: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight [num_out, num_in].
+SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipelined tiles of a program may take
 
-    A function of the weight shape only (never of the row count): that is what keeps rows
-    batch-invariant. Small N gets narrow column blocks so enough programs fill the GPU.
+
+def pipeline_stages(wanted: int, tile_bytes: int) -> int:
+    """At most `wanted` stages whose buffered tiles (stages - 1 of tile_bytes) fit SMEM_BUDGET
+    (fp32 tiles are twice bf16's: the H200 refuses 240 KiB)."""
+    return max(2, min(wanted, 1 + SMEM_BUDGET // tile_bytes))
+
+
+def linear_config(num_out: int, num_in: int, element_size: int = 2) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight [num_out, num_in] of element_size bytes.
+
+    A function of the weight (shape and dtype) only, never of the row count: that is what keeps
+    rows batch-invariant. Small N gets narrow column blocks so enough programs fill the GPU.
     """
     # Measured on the H200 (docs/PERFORMANCE.md; bench/config_sweep.py times the whole captured
     # step): BK 256, BN 64 and 4 stages from 2,048 outputs (qkv, o_proj; o_proj then takes 4 K
@@ -33,7 +42,7 @@ def linear_config(num_out: int, num_in: int) -> tuple[int, int, int, int]:
     # splits instead of 8, so twice the programs).
     block_k = min(128 if num_out <= 256 else 256, max(16, next_power_of_2(num_in)))
     block_n = 64 if num_out >= 2048 else 32
-    stages = 4 if 2048 <= num_out < 65536 else 3
+    stages = pipeline_stages(4 if 2048 <= num_out < 65536 else 3, (BLOCK_M + block_n) * block_k * element_size)
     return block_n, block_k, 4, stages
 
 
@@ -142,7 +151,7 @@ def linear_partials(
 def _launch(x: Tensor, weight: Tensor, out: Tensor, splits: int, pdl: bool) -> None:
     num_rows, num_in = x.shape
     num_out = weight.shape[0]
-    block_n, block_k, warps, stages = linear_config(num_out, num_in)
+    block_n, block_k, warps, stages = linear_config(num_out, num_in, x.element_size())
     k_per_split = _k_per_split(num_out, num_in, splits)
     grid = (cdiv(num_out, block_n), cdiv(num_rows, BLOCK_M), splits)
     stride_ym = out.stride(0)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.fused import cdiv, launch_options, next_power_of_2, use_triton
+from kernels.fused.linear import pipeline_stages
 from kernels.fused.norm import add_rmsnorm_reference
 
 BLOCK_M = 16  # routes of one expert per program (tl.dot's smallest M)
@@ -28,13 +29,14 @@ MAX_FUSED_TOKENS = 64  # above this, the grouped (prefill) path is used
 COMBINE_WARPS = 8  # the combine kernel's, per row (H200: 8 and 16 beat 4 and 2 by ~3% of the step)
 
 
-def moe_config(num_out: int, num_in: int) -> tuple[int, int, int, int]:
+def moe_config(num_out: int, num_in: int, element_size: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an expert matrix [num_out, num_in]: shape only.
 
     Measured on the H200 (bench/config_sweep.py): BN 64 for the down matrix (more outputs than
     inputs), 32 for gate_up; BK 128, 4 warps, 4 stages (flat within 1% around them)."""
     block_n = 64 if num_out > num_in else 32
-    return block_n, min(128, max(16, next_power_of_2(num_in))), 4, 4
+    block_k = min(128, max(16, next_power_of_2(num_in)))
+    return block_n, block_k, 4, pipeline_stages(4, (BLOCK_M + 2 * block_n) * block_k * element_size)
 
 
 def experts_reference(
@@ -98,14 +100,14 @@ def fused_experts(
     r_pad = max(16, next_power_of_2(num_routes))
     ieee = x.dtype == torch.float32
     act = torch.empty((num_routes, inter), dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = moe_config(2 * inter, hidden)
+    block_n, block_k, warps, stages = moe_config(2 * inter, hidden, x.element_size())
     gate_up_kernel[(num_routes, cdiv(inter, block_n))](
         x.contiguous(), ids, gate_up, act, num_routes, inter, hidden,
         TOP_K=top_k, R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, PDL=pdl,
         num_warps=warps, num_stages=stages, **launch_options(pdl),
     )
     out = torch.empty((num_routes, hidden), dtype=torch.float32, device=x.device)
-    block_n, block_k, warps, stages = moe_config(hidden, inter)
+    block_n, block_k, warps, stages = moe_config(hidden, inter, x.element_size())
     down_kernel[(num_routes, cdiv(hidden, block_n))](
         act, ids, down, out, num_routes, inter, hidden,
         # down follows gate_up, a bandwidth-bound kernel: a dependent launch there measured slower

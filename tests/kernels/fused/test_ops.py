@@ -210,3 +210,22 @@ def test_padding_rows_route_to_no_expert(device, dtype):
     torch.testing.assert_close(out[live == 1], full[live == 1], rtol=tol, atol=tol)
     reference = experts_reference(x, masked_ids, gate_up, down).view(5, 4, 32)
     assert (reference[live == 0] == 0).all()  # the kernels leave padding routes unwritten instead
+
+
+@pytest.mark.parametrize("element_size", [2, 4])
+def test_launch_settings_fit_the_gpus_shared_memory(element_size):
+    """The pipelined tiles of every GEMV and expert kernel fit an H100/H200's 227 KiB of shared
+    memory in bf16 and in fp32 (the embedded model runs fp32 on the GPU): (stages - 1)
+    buffered tiles of x and the weights. The 30B-A3B shapes and small ones."""
+    from kernels.fused.linear import BLOCK_M as LINEAR_M
+    from kernels.fused.linear import linear_config
+    from kernels.fused.moe import BLOCK_M as MOE_M
+    from kernels.fused.moe import moe_config
+
+    limit = 232448
+    for num_out, num_in in [(5120, 2048), (2048, 4096), (128, 2048), (151936, 2048), (97, 32), (1024, 256)]:
+        block_n, block_k, _, stages = linear_config(num_out, num_in, element_size)
+        assert (stages - 1) * (LINEAR_M + block_n) * block_k * element_size <= limit, (num_out, num_in)
+    for num_out, num_in in [(1536, 2048), (2048, 768), (32, 64), (64, 16)]:
+        block_n, block_k, _, stages = moe_config(num_out, num_in, element_size)
+        assert (stages - 1) * (MOE_M + 2 * block_n) * block_k * element_size <= limit, (num_out, num_in)
