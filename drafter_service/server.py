@@ -18,7 +18,7 @@ from drafter_service.planner import Estimates, Planner, choose
 from drafter_service.proposers import Proposal
 from drafter_service.messages import check_commit, check_open
 from drafter_service.proposers.mtp import MTPProposer, MTPState
-from drafter_service.proposers.suffix import GlobalIndex, SuffixIndex
+from drafter_service.proposers.suffix import COUNT_CHUNK, GlobalIndex, SuffixIndex
 from drafter_service.session import DraftSession, SessionStore, session_params
 from drafter_service.settings import DrafterSettings
 from kernels.speculative import Mode
@@ -77,7 +77,8 @@ class Drafter:
         if not tokens:
             raise ValueError("open.token_ids is empty")
         suffix = SuffixIndex()
-        suffix.extend(tokens)
+        suffix.extend(tokens, count=False)
+        suffix.count_pending(COUNT_CHUNK)  # a longer prompt: the rest after the first chain (Draft)
         max_drafts = max(0, min(message.max_draft_tokens, MAX_DRAFTS))
         mtp_state = None
         if self.mtp is not None:
@@ -244,9 +245,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
                     self._observe(span, session, chain, kind)
                 yield drafter_pb2.DraftDown(protocol_version=PROTOCOL_VERSION, chain=chain)
-                if session.suffix.counted < len(session.suffix.tokens):
-                    # The suffix counts of the tokens just committed, while the verifier verifies.
-                    await self.worker.run(session.suffix.count_pending)
+                # The suffix counts of the tokens just committed (or of a long prompt, a chunk a
+                # job), while the verifier verifies.
+                while session.suffix.counted < len(session.suffix.tokens):
+                    await self.worker.run(session.suffix.count_pending, COUNT_CHUNK)
         finally:
             self.metrics.active.dec()
             self.streams_by_peer[peer] -= 1

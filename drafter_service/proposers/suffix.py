@@ -31,6 +31,7 @@ for _ in range(MAX_MATCH):
     POW.append(POW[-1] * BASE % MOD)
 del _
 
+COUNT_CHUNK = 4096  # tokens counted per job (about 50 ms on a slow CPU)
 MIN_TOKEN_PROB = 0.1  # stop a chain when its estimated probability drops below this
 # A chain holds at most factor × (matched context tokens) + offset drafts. Chosen on a replay
 # of real code (bench/suffix_replay.py, docs/PERFORMANCE.md): one more than the match for the
@@ -115,10 +116,12 @@ def _hash_tokens(prefix: list[int], token_ids: list[int]) -> None:
         prefix.append(h)
 
 
-def _count_stream(counts: ContextCounts, token_ids: list[int], prefix: list[int], start: int) -> None:
-    """Count the contexts before each token token_ids[start:] (prefix: hashes of token_ids[:i], i <= len)."""
+def _count_stream(counts: ContextCounts, token_ids: list[int], prefix: list[int], start: int,
+                  stop: int | None = None) -> None:
+    """Count the contexts before each token token_ids[start:stop] (prefix: hashes of token_ids[:i])."""
+    stop = len(token_ids) if stop is None else stop
     if counts.max_contexts is not None:
-        for n in range(start, len(token_ids)):
+        for n in range(start, stop):
             token, hn = token_ids[n], prefix[n]
             for oi, order in enumerate(ORDERS):
                 if order > n:
@@ -128,7 +131,7 @@ def _count_stream(counts: ContextCounts, token_ids: list[int], prefix: list[int]
     # Unbounded (a request's own index, on every round's path): ContextCounts.count inlined.
     levels = counts.levels
     added = 0
-    for n in range(start, len(token_ids)):
+    for n in range(start, stop):
         token, hn = token_ids[n], prefix[n]
         for table, order, power in levels:
             if order > n:
@@ -212,7 +215,8 @@ class SuffixIndex:
     extend(..., count=False) only appends the tokens (and their hashes: a lookup matches
     the current end at once); their contexts are counted by count_pending(), which the
     drafter runs after sending a chain, off the round's latency path. A lookup then misses
-    only repeats inside the tokens of the last commit."""
+    only repeats inside the tokens of the last commit. A long prompt is counted the same
+    way, COUNT_CHUNK tokens a job, so that it cannot stall other sessions' drafting."""
 
     def __init__(self, min_prob: float = MIN_TOKEN_PROB, factor: float = REQUEST_FACTOR,
                  offset: float = REQUEST_OFFSET) -> None:
@@ -228,9 +232,13 @@ class SuffixIndex:
         if count:
             self.count_pending()
 
-    def count_pending(self) -> None:
-        _count_stream(self.counts, self.tokens, self.prefix, self.counted)
-        self.counted = len(self.tokens)
+    def count_pending(self, max_tokens: int | None = None) -> int:
+        """Count the contexts of up to max_tokens pending tokens (all: None), in order; returns
+        how many stay pending."""
+        stop = len(self.tokens) if max_tokens is None else min(len(self.tokens), self.counted + max_tokens)
+        _count_stream(self.counts, self.tokens, self.prefix, self.counted, stop)
+        self.counted = stop
+        return len(self.tokens) - stop
 
     def lookup(self, k: int) -> SuffixMatch | None:
         """The request's own proposal of at most k tokens (None: no context matches)."""

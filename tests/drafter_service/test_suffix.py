@@ -117,8 +117,12 @@ def test_counting_later_only_hides_repeats_inside_the_uncounted_tokens():
     assert index.lookup(4).continuation == [4]  # the match is in counted tokens; 9 is not counted yet
     index.extend([7, 8, 7], count=False)  # the earlier 7 lies in uncounted tokens
     assert index.lookup(1) is None
-    index.count_pending()
+    assert index.count_pending(1) == 6  # one more counted (9), six pending
+    assert index.lookup(1) is None
+    assert index.count_pending() == 0
     assert index.lookup(1).continuation == [8] and index.counted == len(index.tokens)
+    whole = index_of(index.tokens)
+    assert whole.counts.current == index.counts.current  # counting in pieces counts the same
 
 
 def test_nothing_to_propose():
