@@ -238,3 +238,30 @@ async def test_metrics_count_requests_by_status_and_time_them(edge, embedded):
     assert 'tandem_gateway_requests_total{endpoint="completions",status="400"} 1.0' in text
     assert 'tandem_gateway_request_seconds_count{endpoint="completions"} 3.0' in text
     assert "tandem_gateway_active_requests 0.0" in text
+
+
+async def test_a_client_gone_before_the_body_cancels_the_verifier_call(edge, embedded):
+    """A streamed completion whose client hangs up right after sending it: the verifier's call
+    is cancelled (not left generating 2,000 tokens) and the gateway's request is settled."""
+    await edge.start(embedded)
+    verifier_registry = edge.verifier.service.metrics.registry
+    host, port = edge.base_url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "tandem-demo-moe", "prompt": PROMPT, "max_tokens": 2000, "stream": True}).encode()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    await writer.drain()
+    writer.close()  # gone before reading a byte
+    await writer.wait_closed()
+
+    def cancelled():
+        return verifier_registry.get_sample_value("tandem_verifier_requests_total", {"finish_reason": "cancelled"})
+
+    for _ in range(300):  # up to 15 s on a loaded machine; the generation alone would take far longer
+        if cancelled() == 1 and edge.verifier.service.active == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert cancelled() == 1 and edge.verifier.service.active == 0
+    url = f"{edge.base_url}/metrics"
+    text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read().decode())
+    assert "tandem_gateway_active_requests 0.0" in text
