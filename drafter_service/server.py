@@ -119,7 +119,7 @@ class Drafter:
         if session.mode == Mode.EXACT:
             # Other sessions' outputs only in exact mode: a same-seed session's tokens encode
             # its accept draws, which would bias probabilistic acceptance here.
-            other = self.global_index.lookup(session.suffix, limit)
+            other = self.global_index.lookup(session.suffix, limit, match)
             if other is not None and (match is None or other.score > match.score):
                 match = other
         mtp_ready = session.mtp is not None and session.mtp.next_logits is not None

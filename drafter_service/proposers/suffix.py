@@ -149,8 +149,9 @@ def _count_stream(counts: ContextCounts, token_ids: list[int], prefix: list[int]
 
 
 def _propose(counts: ContextCounts, prefix: list[int], max_tokens: int, min_prob: float, factor: float,
-             offset: float, source: str) -> SuffixMatch | None:
-    """The chain from the longest context of `counts` matching the end of the hashed tokens."""
+             offset: float, source: str, beat: float = 0.0) -> SuffixMatch | None:
+    """The chain from the longest context of `counts` matching the end of the hashed tokens;
+    None also when it could not score above `beat` (a chain of n drafts scores at most n)."""
     n = len(prefix) - 1
     hn = prefix[n]
     current = counts.current  # (ContextCounts.get inlined: this runs on every round's path)
@@ -174,6 +175,8 @@ def _propose(counts: ContextCounts, prefix: list[int], max_tokens: int, min_prob
         return None
     matched = ORDERS[oi]
     limit = min(max_tokens, int(matched * factor + offset + 1e-6))
+    if limit <= beat:
+        return None
     draft: list[int] = []
     hashes = prefix  # extended privately below once a token is drafted
     prob, score = 1.0, 0.0
@@ -262,11 +265,14 @@ class GlobalIndex:
         _hash_tokens(prefix, token_ids)
         _count_stream(self.counts, token_ids, prefix, 0)
 
-    def lookup(self, index: SuffixIndex, k: int) -> SuffixMatch | None:
-        """The global proposal of at most k tokens after the request's committed tokens."""
+    def lookup(self, index: SuffixIndex, k: int, beat: SuffixMatch | None = None) -> SuffixMatch | None:
+        """The global proposal of at most k tokens after the request's committed tokens; None
+        when there is none or it cannot score above `beat` (the request's own proposal), whose
+        walk is then skipped."""
         if k < 1:
             return None
-        return _propose(self.counts, index.prefix, k, self.min_prob, self.factor, self.offset, "global")
+        return _propose(self.counts, index.prefix, k, self.min_prob, self.factor, self.offset, "global",
+                        beat.score if beat is not None else 0.0)
 
     def __len__(self) -> int:
         return len(self.counts)
@@ -305,7 +311,7 @@ class SuffixDrafter:
         """The better (by score) of the request's and the global proposal."""
         index = self._index(request_id)
         own = index.lookup(max_tokens)
-        other = self.global_index.lookup(index, max_tokens) if self.global_index is not None else None
+        other = self.global_index.lookup(index, max_tokens, own) if self.global_index is not None else None
         if other is not None and (own is None or other.score > own.score):
             return other
         return own

@@ -172,6 +172,9 @@ def test_the_global_index_proposes_other_requests_outputs_within_its_bound():
     assert match.continuation == output[6:14] and match.source == "global"  # 6 matched: up to 12 drafts
     reference = reference_propose([output], asking.tokens, 8, factor=GLOBAL_FACTOR, offset=GLOBAL_OFFSET)
     assert (match.length, match.continuation, match.score) == (reference.length, reference.continuation, reference.score)
+    sure = SuffixMatch(6, [0] * 8, 8.0)  # a proposal of 8 sure drafts: nothing of at most 8 beats it
+    assert index.lookup(asking, 8, beat=sure) is None
+    assert index.lookup(asking, 8, beat=SuffixMatch(6, [0] * 7, 7.5)) == match
     small = GlobalIndex(max_contexts=50)
     for start in range(0, 400, 20):
         small.add(list(range(start, start + 20)))
