@@ -110,7 +110,13 @@ class Drafter:
             hidden = decode_hidden(message.hidden)
             if hidden.shape[0] != len(emitted):
                 raise ValueError(f"commit.hidden has {hidden.shape[0]} rows for {len(emitted)} emitted tokens")
-            self.mtp.catch_up(session.mtp, hidden, emitted)
+            self.mtp.defer(session.mtp, hidden, emitted)  # run when MTP drafts, or after the chain is sent
+
+    def settle(self, session: DraftSession) -> None:
+        """Work a commit left for after its chain was sent: the MTP rows, then suffix counts."""
+        if session.mtp is not None:
+            self.mtp.settle(session.mtp)
+        session.suffix.count_pending(COUNT_CHUNK)
 
     def propose(self, session: DraftSession) -> drafter_pb2.DraftChain:
         started = time.perf_counter()
@@ -122,7 +128,7 @@ class Drafter:
             other = self.global_index.lookup(session.suffix, limit, match)
             if other is not None and (match is None or other.score > match.score):
                 match = other
-        mtp_ready = session.mtp is not None and session.mtp.next_logits is not None
+        mtp_ready = session.mtp is not None and (session.mtp.next_logits is not None or bool(session.mtp.pending))
         plan = choose(session.snapshot, limit=limit, mtp_available=mtp_ready,
                       suffix_length=match.length if match else None,
                       suffix_tokens=len(match.continuation) if match else 0, round_id=session.round_id,
@@ -131,6 +137,7 @@ class Drafter:
         store = self._mtp_store()
         misses = store.counters.misses if store is not None else 0
         if plan.source == "MTP":
+            self.mtp.settle(session.mtp)
             proposal = self.mtp.draft(
                 session.mtp, plan.num_drafts, sampling=session.sampling, seed=session.seed,
                 base_position=len(session.tokens), mode=session.mode, gate=session.gate, coupled=session.coupled,
@@ -245,10 +252,11 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
                     self._observe(span, session, chain, kind)
                 yield drafter_pb2.DraftDown(protocol_version=PROTOCOL_VERSION, chain=chain)
-                # The suffix counts of the tokens just committed (or of a long prompt, a chunk a
-                # job), while the verifier verifies.
-                while session.suffix.counted < len(session.suffix.tokens):
-                    await self.worker.run(session.suffix.count_pending, COUNT_CHUNK)
+                # What the commit left (its MTP rows, the suffix counts of its tokens or of a
+                # long prompt, a chunk a job), while the verifier verifies.
+                while session.suffix.counted < len(session.suffix.tokens) or (
+                        session.mtp is not None and session.mtp.pending):
+                    await self.worker.run(self.drafter.settle, session)
         finally:
             self.metrics.active.dec()
             self.streams_by_peer[peer] -= 1

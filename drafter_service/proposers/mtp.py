@@ -32,6 +32,9 @@ class MTPState:
         self.cache: KVCache = model.new_mtp_cache(max_length)
         self.next_logits: Tensor | None = None  # [vocab]: q_0 of the next chain
         self.last_out: Tensor | None = None  # [hidden]: MTP output of the last committed row
+        # Committed rows not yet run through the MTP layer (MTPProposer.settle): a commit's rows
+        # wait until a chain needs MTP or until the chain is sent, off the round's latency path.
+        self.pending: list[tuple[Tensor, list[int]]] = []
 
 
 class MTPProposer:
@@ -65,6 +68,17 @@ class MTPProposer:
         tokens = torch.tensor(next_token_ids, dtype=torch.int64, device=self.model.device)
         logits, out = self._forward(hidden.to(self.model.device), tokens, state.cache)
         state.next_logits, state.last_out = logits[-1], out[-1]
+
+    def defer(self, state: MTPState, hidden: Tensor, next_token_ids: list[int]) -> None:
+        """catch_up later (settle): the rows of one commit, kept apart so each runs as before."""
+        if next_token_ids:
+            state.pending.append((hidden, list(next_token_ids)))
+
+    def settle(self, state: MTPState) -> None:
+        """Run the deferred commits' rows, one catch_up per commit (the same forwards as eager)."""
+        while state.pending:
+            hidden, next_token_ids = state.pending.pop(0)
+            self.catch_up(state, hidden, next_token_ids)
 
     def draft(
         self,

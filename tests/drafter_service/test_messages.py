@@ -83,9 +83,9 @@ async def test_bad_messages_are_invalid_argument_and_cost_nothing(drafter, tiny_
         await exchange(drafter, messages)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert fragment in error.value.details()
-    # one job per good message before it, none for it (a commit's suffix counting runs later,
+    # one job per good message before it, none for it (what a commit leaves for later, settle,
     # after the chain went out)
-    assert len([fn for fn in jobs if fn.__name__ != "count_pending"]) == len(messages) - 1
+    assert len([fn for fn in jobs if fn.__name__ != "settle"]) == len(messages) - 1
     # and the drafter serves a good session as before
     replies = await exchange(drafter, [open_up(tiny_mtp_model, [1, 2, 3, 4]), commit_up(tiny_mtp_model)])
     assert all(r.HasField("chain") for r in replies) and replies[1].chain.round_id == 1
