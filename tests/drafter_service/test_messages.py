@@ -83,7 +83,7 @@ async def test_bad_messages_are_invalid_argument_and_cost_nothing(drafter, tiny_
         await exchange(drafter, messages)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert fragment in error.value.details()
-    # one job per good message before it, none for it (what a commit leaves for later, settle,
+    # one job per good message before it, none for it (what a commit leaves for later, `settle`,
     # after the chain went out)
     assert len([fn for fn in jobs if fn.__name__ != "settle"]) == len(messages) - 1
     # and the drafter serves a good session as before
