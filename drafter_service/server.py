@@ -112,6 +112,11 @@ class Drafter:
                 raise ValueError(f"commit.hidden has {hidden.shape[0]} rows for {len(emitted)} emitted tokens")
             self.mtp.defer(session.mtp, hidden, emitted)  # run when MTP drafts, or after the chain is sent
 
+    @staticmethod
+    def unsettled(session: DraftSession) -> bool:
+        """Whether work is left for after the chain went out (settle)."""
+        return session.suffix.counted < len(session.tokens) or (session.mtp is not None and bool(session.mtp.pending))
+
     def settle(self, session: DraftSession) -> None:
         """Work a commit left for after its chain was sent: the MTP rows, then suffix counts."""
         if session.mtp is not None:
@@ -254,8 +259,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 yield drafter_pb2.DraftDown(protocol_version=PROTOCOL_VERSION, chain=chain)
                 # What the commit left (its MTP rows, the suffix counts of its tokens or of a
                 # long prompt, a chunk a job), while the verifier verifies.
-                while session.suffix.counted < len(session.suffix.tokens) or (
-                        session.mtp is not None and session.mtp.pending):
+                while self.drafter.unsettled(session):
                     await self.worker.run(self.drafter.settle, session)
         finally:
             self.metrics.active.dec()

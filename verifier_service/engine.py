@@ -38,11 +38,11 @@ class Session:
     token_ids: list[int]  # committed: prompt + completion
     hidden_rows: list[Tensor] = field(default_factory=list)  # final-norm rows of token_ids[:-1], CPU bf16
     slot: int | None = None  # KV pool slot (fused path)
-    prefilled: int = 0  # prompt tokens in the cache (the prompt but its last token, once prefill is done)
 
     @property
     def prefill_left(self) -> int:
-        return len(self.spec.prompt_ids) - 1 - self.prefilled
+        """Prompt tokens still to prefill (the cache holds the prompt but its last token once done)."""
+        return len(self.spec.prompt_ids) - 1 - self.cache.length
 
     @property
     def capacity_left(self) -> int:
@@ -188,12 +188,11 @@ class Engine:
         run between the chunks of a long prompt instead of waiting for all of it."""
         count = min(self.prefill_chunk, session.prefill_left)
         if count > 0:
-            start = session.prefilled
+            start = session.cache.length
             chunk = torch.tensor(session.spec.prompt_ids[start : start + count], dtype=torch.int64,
                                  device=self.model.device)
             _, hidden = self.model(chunk, session.cache)
             session.hidden_rows.append(hidden.to("cpu", torch.bfloat16))
-            session.prefilled += count
         return session.prefill_left <= 0
 
     def close(self, session: Session) -> None:
