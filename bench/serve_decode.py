@@ -57,6 +57,7 @@ def client_decode(address: str, prompt: list[int], config: GenerationConfig) -> 
     first, last = arrivals[0][0], arrivals[-1][0]
     return {
         "tokens": tokens, "ttft_ms": (first - sent) * 1e3, "e2e_s": last - sent,
+        "server_ttft_ms": stats.ttft_ms if stats else float("nan"),
         "decode_tokens_per_s": (tokens - arrivals[0][1]) / (last - first) if last > first else float("nan"),
         "server_tokens_per_s": stats.tokens_per_s if stats else float("nan"), "token_ids": token_ids,
     }
@@ -240,16 +241,17 @@ def compare_flags(start_service, children, prompts, contexts, greedy, args, resu
 
 
 def report(results: dict, args) -> None:
-    print(f"\n| context | service decode tokens/s (client) | TTFT ms | raw graph step tokens/s | engine loop tokens/s "
-          f"| service / raw (median of {args.blocks} paired blocks) |")
+    print(f"\n| context | service decode tokens/s (client) | TTFT ms (client / server) | raw graph step tokens/s "
+          f"| engine loop tokens/s | service / raw (median of {args.blocks} paired blocks) |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for context, rows in results["contexts"].items():
         service = statistics.median(r["service"]["decode_tokens_per_s"] for r in rows)
         ttft = statistics.median(r["service"]["ttft_ms"] for r in rows)
+        server_ttft = statistics.median(r["service"].get("server_ttft_ms", float("nan")) for r in rows)
         raw = statistics.median(r["raw"] for r in rows)
         loop = statistics.median(r["engine"] for r in rows)
         ratio = statistics.median(r["service"]["decode_tokens_per_s"] / r["raw"] for r in rows)
-        print(f"| {context} | {service:.1f} | {ttft:.0f} | {raw:.1f} | {loop:.1f} | {ratio:.3f} |")
+        print(f"| {context} | {service:.1f} | {ttft:.0f} / {server_ttft:.0f} | {raw:.1f} | {loop:.1f} | {ratio:.3f} |")
     if "sampled" in results:
         s = results["sampled"]
         print(f"\nsampled (temperature 0.8, top-p 0.95), context {next(iter(results['contexts']))}: "

@@ -191,7 +191,11 @@ class Engine:
             start = session.cache.length
             chunk = torch.tensor(session.spec.prompt_ids[start : start + count], dtype=torch.int64,
                                  device=self.model.device)
-            _, hidden = self.model(chunk, session.cache)
+            if self.windows is not None:
+                session.cache.reserve(count)
+                hidden = self.windows.fused.prefill(chunk, start, session.slot, self.windows.kv)
+            else:
+                hidden = self.model.prefill(chunk, session.cache)
             session.hidden_rows.append(hidden.to("cpu", torch.bfloat16))
         return session.prefill_left <= 0
 

@@ -75,7 +75,20 @@ def _kernels():
     """Triton is imported on first use, so CPU-only installs never need it."""
     from kernels.fused import moe_kernels
 
-    return moe_kernels.gate_up_kernel, moe_kernels.down_kernel, moe_kernels.combine_kernel
+    return moe_kernels.gate_up_kernel, moe_kernels.down_kernel, moe_kernels.combine_kernel, moe_kernels.silu_mul_kernel
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:  # [R, 2I] (gate columns, then up) -> [R, I]
+    """silu(gate) * up per row: one kernel instead of three elementwise passes (prefill's grouped experts)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if not use_triton(gate_up):
+        return F.silu(gate) * up
+    num_rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((num_rows, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if num_rows:
+        block = min(1024, next_power_of_2(inter))
+        _kernels()[3][(num_rows, cdiv(inter, block))](gate_up.contiguous(), out, inter, BLOCK=block, num_warps=4)
+    return out
 
 
 def fused_experts(
@@ -95,7 +108,7 @@ def fused_experts(
     num_routes = num_tokens * top_k
     if not (gate_up.is_contiguous() and down.is_contiguous()):
         raise ValueError("fused_experts: expert weights must be contiguous")
-    gate_up_kernel, down_kernel, _ = _kernels()
+    gate_up_kernel, down_kernel, _, _ = _kernels()
     ids = expert_ids.contiguous()
     r_pad = max(16, next_power_of_2(num_routes))
     ieee = x.dtype == torch.float32
@@ -118,23 +131,28 @@ def fused_experts(
 
 
 def combine_add_rmsnorm(
-    route_out: Tensor,  # [T*k, H] float32
+    route_out: Tensor,  # [T*k, H] float32 (or the model dtype)
     weights: Tensor,  # [T, k] float32
     residual: Tensor,  # [T, H]
     norm_weight: Tensor,  # [H]
     eps: float,
     *,
+    route_rows: Tensor | None = None,  # [T*k] int64: row of route t*k + rank in route_out (None: that row)
     pdl: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(normed, new_residual): new_residual = residual + Σ_rank w·out (float32, rank order)."""
     if not use_triton(residual):
-        return combine_reference(route_out, weights, residual, norm_weight, eps)
+        if route_rows is not None:
+            route_out = route_out[route_rows]
+        return combine_reference(route_out.float(), weights, residual, norm_weight, eps)
     num_tokens, top_k = weights.shape
     hidden = residual.shape[1]
     normed = torch.empty_like(residual)
     new_residual = torch.empty_like(residual)
     _kernels()[2][(num_tokens,)](
-        route_out, weights.contiguous(), residual.contiguous(), norm_weight, normed, new_residual, hidden, eps,
-        TOP_K=top_k, BLOCK=next_power_of_2(hidden), PDL=pdl, num_warps=COMBINE_WARPS, **launch_options(pdl),
+        route_out, weights.contiguous(), residual.contiguous(), norm_weight, normed, new_residual,
+        route_rows if route_rows is not None else weights, hidden, eps,
+        TOP_K=top_k, BLOCK=next_power_of_2(hidden), HAS_ROWS=route_rows is not None, PDL=pdl,
+        num_warps=COMBINE_WARPS, **launch_options(pdl),
     )
     return normed, new_residual

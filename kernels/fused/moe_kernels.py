@@ -87,8 +87,8 @@ def down_kernel(
 
 @triton.jit
 def combine_kernel(
-    route_ptr, weights_ptr, res_ptr, norm_ptr, normed_ptr, res_out_ptr, H, eps,
-    TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    route_ptr, weights_ptr, res_ptr, norm_ptr, normed_ptr, res_out_ptr, rows_ptr, H, eps,
+    TOP_K: tl.constexpr, BLOCK: tl.constexpr, HAS_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # wait for the predecessor kernel before touching anything it may write or read
         tl.extra.cuda.gdc_wait()
@@ -99,7 +99,11 @@ def combine_kernel(
     mixed = tl.zeros((BLOCK,), tl.float32)
     for rank in tl.static_range(TOP_K):
         w = tl.load(weights_ptr + t * TOP_K + rank)
-        mixed += w * tl.load(route_ptr + (t * TOP_K + rank) * H + cols, mask=ok, other=0.0)
+        if HAS_ROWS:  # route outputs in another order (grouped by expert): rows_ptr says where
+            row = tl.load(rows_ptr + t * TOP_K + rank).to(tl.int64)
+        else:
+            row = t * TOP_K + rank
+        mixed += w * tl.load(route_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32)
     res = tl.load(res_ptr + t * H + cols, mask=ok, other=0.0)
     dtype = res.dtype
     h = (mixed.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
@@ -109,3 +113,15 @@ def combine_kernel(
     y = (y * tl.rsqrt(var + eps)).to(dtype)
     g = tl.load(norm_ptr + cols, mask=ok, other=0.0)
     tl.store(normed_ptr + t * H + cols, (g.to(tl.float32) * y.to(tl.float32)).to(dtype), mask=ok)
+
+
+@triton.jit
+def silu_mul_kernel(gate_up_ptr, out_ptr, I, BLOCK: tl.constexpr):
+    """out[r] = silu(gate) * up of one row [gate | up] of 2*I columns (float32 math, one rounding)."""
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < I
+    gate = tl.load(gate_up_ptr + r * 2 * I + c, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + r * 2 * I + I + c, mask=ok, other=0.0).to(tl.float32)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + r * I + c, act.to(out_ptr.dtype.element_ty), mask=ok)

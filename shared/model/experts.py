@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.fused.moe import silu_mul
 from kernels.moe import moe_forward
 
 
@@ -173,7 +174,20 @@ class ExpertStore:
 
     def _forward_grouped(self, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         num_tokens, top_k = expert_ids.shape
+        per_route = self.grouped_routes(hidden, expert_ids).view(num_tokens, top_k, -1)
+        return (per_route * weights.unsqueeze(-1).to(per_route.dtype)).sum(dim=1)
+
+    def grouped_routes(self, hidden: Tensor, expert_ids: Tensor) -> Tensor:
+        """Each route's expert output [T*k, hidden], unweighted, in (token, rank) order."""
+        out, rows = self.grouped_sorted(hidden, expert_ids)
+        return out[rows]
+
+    def grouped_sorted(self, hidden: Tensor, expert_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """(route outputs [T*k, hidden] grouped by expert, rows [T*k]: where route t*k + rank's
+        output lies) by torch._grouped_mm over the routes sorted by expert (every expert resident).
+        Consumers read through `rows` rather than un-permuting T*k hidden-sized rows."""
         flat = expert_ids.reshape(-1)  # [T*k]
+        top_k = expert_ids.shape[1]
         order = torch.argsort(flat, stable=True)
         rows = hidden[order // top_k]  # [T*k, hidden], grouped by expert
         # Counts by scatter_add, not bincount: bincount sizes its output on the host (a sync).
@@ -181,11 +195,10 @@ class ExpertStore:
             0, flat, torch.ones_like(flat)
         )
         ends = torch.cumsum(counts, dim=0).to(torch.int32)
-        gate, up = torch._grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-        out = torch._grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=ends)  # [T*k, hidden]
-        per_route = torch.empty_like(out).index_copy_(0, order, out)
-        per_route = per_route.view(num_tokens, top_k, -1) * weights.unsqueeze(-1).to(out.dtype)
-        return per_route.sum(dim=1)
+        act = silu_mul(torch._grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends))
+        out = torch._grouped_mm(act, self.down.transpose(1, 2), offs=ends)  # [T*k, hidden]
+        position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return out, position
 
     def _forward_gather(self, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         num_tokens, top_k = expert_ids.shape

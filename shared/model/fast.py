@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.bias import causal_lower_right
 
 from kernels.fused import pdl_supported
 from kernels.fused.attention import AttentionWorkspace, decode_attention
@@ -25,6 +26,7 @@ from kernels.fused.linear import linear, linear_partials, split_k
 from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, fused_experts
 from kernels.fused.norm import add_rmsnorm, qk_norm_rope_store
 from kernels.fused.router import MoceTables, route
+from shared.model.experts import grouped_mm_available
 from shared.model.kv_cache import KVCache
 from shared.model.layers import DecoderLayer, MoeBlock, RoutingOptions
 from shared.model.model import Qwen3MoeModel
@@ -187,6 +189,50 @@ class FusedModel:
         for layer, next_norm, (keys, values) in zip(self.layers, norms, kv):
             normed, residual = self._layer(layer, normed, residual, next_norm, rows, keys, values, routing)
         return linear(normed, model.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl), normed
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: Tensor, start: int, slot: int, kv: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """A prompt chunk of one sequence at positions start.. of `slot`: final-norm hidden [T, hidden].
+
+        Prefill chunks are compute-bound GEMMs: cuBLAS, grouped expert GEMMs and flash attention
+        (causal, bottom-right aligned over the slot's first start + T positions), with the fused
+        kernels doing every per-row step between them. No logits: prompt rows need none."""
+        model = self.model
+        num_rows = token_ids.shape[0]
+        visible = start + num_rows
+        positions = torch.arange(start, visible, device=model.device)
+        slots = torch.full((num_rows,), slot, dtype=torch.int64, device=model.device)
+        grouped = grouped_mm_available(model.dtype) and model.device.type == "cuda"
+        norms = [layer.input_norm for layer in self.layers[1:]] + [model.norm.weight]
+        normed, residual = add_rmsnorm(model.embed_tokens(token_ids), None, self.layers[0].input_norm,
+                                       self.layers[0].eps)
+        for layer, next_norm, (keys, values) in zip(self.layers, norms, kv):
+            qkv = F.linear(normed, layer.qkv)
+            q = qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, positions, slots,
+                                   keys, values, layer.num_heads, layer.num_kv_heads, layer.eps)
+            attn = F.scaled_dot_product_attention(
+                q.transpose(0, 1).unsqueeze(0),  # [1, heads, T, head_dim]
+                keys[slot, :visible].transpose(0, 1).unsqueeze(0),
+                values[slot, :visible].transpose(0, 1).unsqueeze(0),
+                attn_mask=causal_lower_right(num_rows, visible),
+                enable_gqa=layer.num_heads != layer.num_kv_heads,
+            )
+            out = F.linear(attn.squeeze(0).transpose(0, 1).reshape(num_rows, -1), layer.o)
+            normed, residual = add_rmsnorm(out, residual, layer.post_norm, layer.eps)
+            if not layer.moe:
+                gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)
+                out = F.linear(F.silu(gate) * up, layer.down)
+                normed, residual = add_rmsnorm(out, residual, next_norm, layer.eps)
+                continue
+            expert_ids, weights = route(F.linear(normed, layer.router), layer.top_k, normalize=layer.normalize)
+            if grouped:
+                route_out, route_rows = layer.store.grouped_sorted(normed, expert_ids)  # [T*k, hidden], [T*k]
+                normed, residual = combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps,
+                                                       route_rows=route_rows)
+            else:
+                out = layer.store.forward(normed, expert_ids, weights.to(normed.dtype))
+                normed, residual = add_rmsnorm(out, residual, next_norm, layer.eps)
+        return normed
 
     @torch.inference_mode()
     def forward_mtp(self, hidden: Tensor, next_token_ids: Tensor, rows: Rows, kv: tuple[Tensor, Tensor],

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.bias import causal_lower_right
 
 from kernels.routing import route_prompt_topk, route_topk
 from shared.model.config import ModelConfig
@@ -87,10 +88,15 @@ class Attention(nn.Module):
         q, k = rotary(q, positions), rotary(k, positions)
         cache_keys.index_copy_(0, positions, k)
         cache_values.index_copy_(0, positions, v)
-        keys = cache_keys if visible is None else cache_keys[:visible]
-        values = cache_values if visible is None else cache_values[:visible]
-        key_positions = torch.arange(keys.shape[0], device=x.device)
-        mask = key_positions.unsqueeze(0) <= positions.unsqueeze(1)  # [T, keys]: causal
+        if visible is None:
+            keys, values = cache_keys, cache_values
+            key_positions = torch.arange(keys.shape[0], device=x.device)
+            mask = key_positions.unsqueeze(0) <= positions.unsqueeze(1)  # [T, keys]: causal
+        else:
+            # Eager windows are the rows just before `visible`: causal aligned to the bottom right,
+            # which flash attention runs without a materialised mask (prefill chunks).
+            keys, values = cache_keys[:visible], cache_values[:visible]
+            mask = causal_lower_right(num_rows, visible)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, heads, T, head_dim]
             keys.transpose(0, 1).unsqueeze(0),

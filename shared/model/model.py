@@ -96,13 +96,23 @@ class Qwen3MoeModel(nn.Module):
         positions: Tensor | None = None,  # [T]; given = static-shape path (CUDA graphs)
     ) -> tuple[Tensor, Tensor]:
         """Run a window; returns logits [T, vocab] (float32) and final-norm hidden [T, hidden]."""
+        hidden = self._trunk(token_ids, cache, routing, positions)
+        return self.lm_head(hidden).float(), hidden
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: Tensor, cache: KVCache, *, routing: RoutingOptions | None = None) -> Tensor:
+        """A prompt chunk into the cache: final-norm hidden [T, hidden] only (prompt rows need no
+        logits, and a chunk's [T, vocab] float32 logits would be its largest tensor)."""
+        return self._trunk(token_ids, cache, routing, None)
+
+    def _trunk(self, token_ids: Tensor, cache: KVCache, routing: RoutingOptions | None,
+               positions: Tensor | None) -> Tensor:
         positions, visible = self._window(cache, token_ids.shape[0], positions)
         x = self.embed_tokens(token_ids)
         for index, layer in enumerate(self.layers):
             keys, values = cache.layer(index)
             x = layer(x, positions, keys, values, self.rotary, visible, routing)
-        hidden = self.norm(x)
-        return self.lm_head(hidden).float(), hidden
+        return self.norm(x)
 
     @torch.inference_mode()
     def forward_mtp(

@@ -3,10 +3,11 @@ depend on the other rows of its launch)."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels.fused.attention import AttentionWorkspace, attention_reference, decode_attention
 from kernels.fused.linear import linear
-from kernels.fused.moe import combine_add_rmsnorm, combine_reference, experts_reference, fused_experts
+from kernels.fused.moe import combine_add_rmsnorm, combine_reference, experts_reference, fused_experts, silu_mul
 from kernels.fused.norm import add_rmsnorm, add_rmsnorm_reference, qk_norm_rope_reference, qk_norm_rope_store
 from kernels.fused.router import MoceTables, route
 from kernels.routing import route_topk
@@ -161,6 +162,32 @@ def test_combine_add_rmsnorm_matches_reference(device, dtype):
     ref_normed, ref_residual = combine_reference(route_out, weights, residual, norm, 1e-6)
     assert rel_err(normed, ref_normed) < tolerance(dtype)
     assert rel_err(new_residual, ref_residual) < tolerance(dtype)
+
+
+@devices_and_dtypes()
+def test_combine_reads_routes_through_their_rows(device, dtype):
+    # Prefill's grouped experts leave route outputs sorted by expert: reading them through
+    # route_rows must give exactly what un-permuting them first gives.
+    g = torch.Generator().manual_seed(13)
+    route_out = torch.randn(12, 64, generator=g).to(device, dtype)
+    route_rows = torch.randperm(12, generator=g).to(device)
+    weights = torch.rand(4, 3, generator=g).to(device)
+    residual = torch.randn(4, 64, generator=g).to(device, dtype)
+    norm = (1 + 0.2 * torch.randn(64, generator=g)).to(device, dtype)
+    through_rows = combine_add_rmsnorm(route_out, weights, residual, norm, 1e-6, route_rows=route_rows)
+    unpermuted = combine_add_rmsnorm(route_out[route_rows], weights, residual, norm, 1e-6)
+    for a, b in zip(through_rows, unpermuted):
+        assert torch.equal(a, b)
+    ref_normed, _ = combine_reference(route_out[route_rows].float(), weights, residual, norm, 1e-6)
+    assert rel_err(through_rows[0], ref_normed) < tolerance(dtype)
+
+
+@devices_and_dtypes()
+@pytest.mark.parametrize("rows", [1, 37])
+def test_silu_mul_matches_reference(device, dtype, rows):
+    gate_up = torch.randn(rows, 2 * 48, generator=torch.Generator().manual_seed(rows)).to(device, dtype)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    assert rel_err(silu_mul(gate_up), F.silu(gate) * up) < tolerance(dtype)
 
 
 @devices_and_dtypes()

@@ -54,6 +54,24 @@ def test_fused_window_matches_reference(model, fused, window):
     assert torch.equal(logits.argmax(-1), ref_logits[20:].argmax(-1))
 
 
+@pytest.mark.parametrize("chunk", [5, 19])
+def test_fused_prefill_in_chunks_matches_the_whole_prompt(model, fused, chunk):
+    # Chunks into slot 1 of a pool: hidden rows and KV rows as the reference forward of the
+    # whole prompt at once, and slot 0 untouched.
+    ids = torch.randint(0, 97, (19,), generator=torch.Generator().manual_seed(chunk))
+    cache = model.new_cache(32)
+    _, ref_hidden = model(ids, cache)
+    c = model.config
+    pool = KVPool(num_layers=c.num_hidden_layers, num_slots=2, max_length=32, num_kv_heads=c.num_key_value_heads,
+                  head_dim=c.head_dim, dtype=model.dtype, device="cpu")
+    hidden = torch.cat([fused.prefill(ids[start : start + chunk], start, 1, pool.layers())
+                        for start in range(0, 19, chunk)])
+    torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pool.keys[:, 1, :19], cache.keys[:, :19], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(pool.values[:, 1, :19], cache.values[:, :19], rtol=1e-4, atol=1e-4)
+    assert not pool.keys[:, 0].any() and not pool.keys[:, 1, 19:].any()
+
+
 @pytest.mark.parametrize("moce", [False, True])
 def test_fused_mtp_matches_reference(model, fused, moce):
     ids = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(1))

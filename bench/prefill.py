@@ -1,0 +1,177 @@
+"""Prefill of a long prompt on the GPU (issues 10 and 11): tokens/s by chunk size, against the
+compute and weight-read floors, with the earlier path side by side.
+
+Random bf16 weights at Qwen3-30B-A3B shapes (or --small). Three paths over the same weights,
+interleaved in rotating order (median of paired ratios against the first):
+- `logits+mask`: the path before this change: the reference modules' eager window forward
+  with a materialised [T, keys] causal mask and [T, vocab] float32 logits;
+- `modules`: `Qwen3MoeModel.prefill`: the same modules with flash attention (bottom-right
+  causal alignment) and no logits (prompt rows need only their hidden state);
+- `fused`: `FusedModel.prefill`, what the verifier runs on CUDA: cuBLAS, grouped expert GEMMs
+  and flash attention, with the fused per-row kernels (norms, RoPE + KV write, routing,
+  combine) between them.
+Each chunk of T tokens reads every expert's weights once (T * top_k routes over all experts),
+so the floor of a chunk is the larger of its FLOPs at the dense bf16 peak and its weight bytes
+at the copy bandwidth. `--profile` prints the top device kernels of one prompt per path.
+
+Usage: python bench/prefill.py [--small] [--length 4096] [--chunks 512,2048,4096] [--pairs 5] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import shared.model.layers as layers
+from bench.model_baseline import QWEN3_30B_A3B, SMALL, copy_bandwidth
+from shared.model import ModelConfig, load_model
+from shared.model.fast import FusedModel
+from shared.model.kv_cache import KVPool
+
+PEAK_BF16_FLOPS = 989e12  # H200 dense bf16 (the data sheet's figure without sparsity)
+
+
+def log(*parts: object) -> None:
+    print(*parts, file=sys.stderr, flush=True)
+
+
+def masked_causal(num_rows: int, visible: int):
+    """The earlier eager mask: key position <= row position, materialised."""
+    rows = torch.arange(visible - num_rows, visible, device="cuda").unsqueeze(1)
+    return torch.arange(visible, device="cuda").unsqueeze(0) <= rows
+
+
+PATHS = ("logits+mask", "modules", "fused")
+
+
+def run_prompt(model, prompt, chunk: int, path: str, fused: FusedModel, pool: KVPool) -> torch.Tensor:
+    cache = model.new_cache(prompt.shape[0]) if path != "fused" else None
+    hidden = []
+    for start in range(0, prompt.shape[0], chunk):
+        ids = prompt[start : start + chunk]
+        if path == "fused":
+            hidden.append(fused.prefill(ids, start, 0, pool.layers()))
+        elif path == "modules":
+            hidden.append(model.prefill(ids, cache))
+        else:
+            original = layers.causal_lower_right
+            layers.causal_lower_right = masked_causal
+            try:
+                hidden.append(model(ids, cache)[1])
+            finally:
+                layers.causal_lower_right = original
+    return torch.cat(hidden)
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def distinct_experts(model, run) -> float:
+    """Mean distinct experts per layer and chunk in one run() of the fused path (a counting pass)."""
+    counts = []
+    for layer in model.layers:
+        store = layer.mlp.experts
+        store.grouped_sorted = (lambda original: lambda hidden, ids: (
+            counts.append(torch.unique(ids).numel()), original(hidden, ids))[1])(store.grouped_sorted)
+    try:
+        run()
+    finally:
+        for layer in model.layers:
+            del layer.mlp.experts.grouped_sorted  # back to the class's method
+    return sum(counts) / len(counts)
+
+
+def floors(model, length: int, chunk: int, bandwidth: float, experts: float) -> tuple[float, float]:
+    """(compute floor s, weight-read floor s) of a `length`-token prompt in chunks of `chunk`,
+    each chunk reading `experts` distinct experts per layer."""
+    c = model.config
+    layer = model.layers[0]
+    attn = sum(p.numel() for p in layer.self_attn.parameters())
+    active = c.num_hidden_layers * (attn + c.num_experts * c.hidden_size
+                                    + c.num_experts_per_tok * layer.mlp.experts.expert_bytes // 2)
+    attention_flops = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * (length * length / 2)
+    compute = (2 * active * length + attention_flops) / PEAK_BF16_FLOPS
+    num_chunks = -(-length // chunk)
+    per_chunk = sum(p.numel() * p.element_size() for p in model.layers.parameters())
+    per_chunk += c.num_hidden_layers * experts * layer.mlp.experts.expert_bytes
+    return compute, num_chunks * per_chunk / bandwidth
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--chunks", default="512,2048,4096")
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    chunks = [int(c) for c in args.chunks.split(",")]
+    shapes = (SMALL if args.small else QWEN3_30B_A3B) | dict(max_position_embeddings=max(args.length + 64, 4096))
+    t0 = time.perf_counter()
+    model = load_model(config=ModelConfig.from_dict(shapes), random_weights=True, dtype=torch.bfloat16,
+                       device="cuda", seed=0)
+    torch.cuda.synchronize()
+    log(f"model built in {time.perf_counter() - t0:.1f}s")
+    bandwidth = copy_bandwidth()
+    prompt = torch.randint(0, model.config.vocab_size, (args.length,), device="cuda",
+                           generator=torch.Generator(device="cuda").manual_seed(1))
+    c = model.config
+    pool = KVPool(num_layers=c.num_hidden_layers, num_slots=1, max_length=args.length, num_kv_heads=c.num_key_value_heads,
+                  head_dim=c.head_dim, dtype=torch.bfloat16, device="cuda")
+    fused = FusedModel(model, max_rows=1, max_length=args.length)
+
+    def run(chunk: int, path: str) -> torch.Tensor:
+        return run_prompt(model, prompt, chunk, path, fused, pool)
+
+    # Hidden rows against the earlier path, next to that path's own spread between chunk sizes
+    # (the bf16 noise floor of these random 48-layer weights).
+    def rel(a, b):
+        return ((a.float() - b.float()).norm(dim=-1) / a.float().norm(dim=-1)).max().item()
+
+    base = run(chunks[0], "logits+mask")
+    log(f"hidden rows, max relative difference to logits+mask at chunk {chunks[0]}: "
+        f"logits+mask at chunk {chunks[-1]} {rel(base, run(chunks[-1], 'logits+mask')):.2e}, "
+        + ", ".join(f"{path} {rel(base, run(chunks[0], path)):.2e}" for path in PATHS[1:]))
+
+    print(f"\n| {args.length}-token prompt, chunk | " + " | ".join(f"{p} s" for p in PATHS)
+          + " | fused tokens/s | " + " | ".join(f"logits+mask / {p}" for p in PATHS[1:])
+          + " | distinct experts/layer | compute floor s | weight-read floor s | fused of max(floors) |")
+    print("| ---: " * (2 * len(PATHS) + 5) + "|")
+    for chunk in chunks:
+        for path in PATHS:  # warm-up
+            run(chunk, path)
+        times = {path: [] for path in PATHS}
+        for i in range(args.pairs):
+            for path in PATHS[i % len(PATHS):] + PATHS[: i % len(PATHS)]:
+                times[path].append(timed(lambda: run(chunk, path)))
+            log(f"  chunk {chunk} round {i + 1}/{args.pairs}: " + " / ".join(f"{times[p][-1]:.3f}" for p in PATHS))
+        ratios = [statistics.median(o / n for o, n in zip(times[PATHS[0]], times[p])) for p in PATHS[1:]]
+        experts = distinct_experts(model, lambda: run(chunk, "fused"))
+        compute, weights = floors(model, args.length, chunk, bandwidth, experts)
+        fused_s = statistics.median(times["fused"])
+        print(f"| {chunk} | " + " | ".join(f"{statistics.median(times[p]):.3f}" for p in PATHS)
+              + f" | {args.length / fused_s:,.0f} | " + " | ".join(f"{r:.3f}" for r in ratios)
+              + f" | {experts:.1f} | {compute:.4f} | {weights:.4f} | {max(compute, weights) / fused_s:.2f} |")
+
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for chunk in chunks:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run(chunk, "fused")
+                torch.cuda.synchronize()
+            print(f"\nfused, chunk {chunk}: top device time")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
