@@ -14,7 +14,11 @@ Each chunk of T tokens reads every expert's weights once (T * top_k routes over 
 so the floor of a chunk is the larger of its FLOPs at the dense bf16 peak and its weight bytes
 at the copy bandwidth. `--profile` prints the top device kernels of one prompt per path.
 
+A second table: N prompts arriving together (the verifier's PrefillBatcher), one forward per
+prompt against shared forwards under a token budget, paired.
+
 Usage: python bench/prefill.py [--small] [--length 4096] [--chunks 512,2048,4096] [--pairs 5] [--profile]
+       [--sessions 8,32] [--session-length 512] [--budgets 2048,4096]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from bench.model_baseline import QWEN3_30B_A3B, SMALL, copy_bandwidth
 from shared.model import ModelConfig, load_model
 from shared.model.fast import FusedModel
 from shared.model.kv_cache import KVPool
+from verifier_service.prefill import plan_chunks
 
 PEAK_BF16_FLOPS = 989e12  # H200 dense bf16 (the data sheet's figure without sparsity)
 
@@ -54,7 +59,7 @@ def run_prompt(model, prompt, chunk: int, path: str, fused: FusedModel, pool: KV
     for start in range(0, prompt.shape[0], chunk):
         ids = prompt[start : start + chunk]
         if path == "fused":
-            hidden.append(fused.prefill(ids, start, 0, pool.layers()))
+            hidden.append(fused.prefill(ids, [(start, ids.shape[0], 0)], pool.layers()))
         elif path == "modules":
             hidden.append(model.prefill(ids, cache))
         else:
@@ -106,6 +111,53 @@ def floors(model, length: int, chunk: int, bandwidth: float, experts: float) -> 
     return compute, num_chunks * per_chunk / bandwidth
 
 
+def prefill_sessions(fused, prompts, pool, budget: int | None) -> None:
+    """Each prompt (all but its last token) into its own slot: one forward per prompt and chunk
+    (budget None), or shared forwards planned as the verifier's PrefillBatcher plans them."""
+    lefts = [p.shape[0] - 1 for p in prompts]
+    done = [0] * len(prompts)
+    while any(d < n for d, n in zip(done, lefts)):
+        if budget is None:
+            i = next(i for i, (d, n) in enumerate(zip(done, lefts)) if d < n)
+            counts = [0] * len(prompts)
+            counts[i] = lefts[i] - done[i]
+        else:
+            counts = plan_chunks([n - d for d, n in zip(done, lefts)], budget)
+        ids = torch.cat([prompts[i][done[i] : done[i] + c] for i, c in enumerate(counts) if c])
+        fused.prefill(ids, [(done[i], c, i) for i, c in enumerate(counts) if c], pool.layers())
+        done = [d + c for d, c in zip(done, counts)]
+
+
+def sessions_table(model, args) -> None:
+    """Prompts arriving together: one forward each (before) against shared forwards (paired)."""
+    c = model.config
+    budgets = [int(b) for b in args.budgets.split(",")]
+    print(f"\n| prompts of {args.session_length} tokens arriving together | one forward each s | "
+          + " | ".join(f"shared, budget {b} s | one each / shared {b}" for b in budgets) + " |")
+    print("| ---: " * (2 + 2 * len(budgets)) + "|")
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for num in (int(n) for n in args.sessions.split(",")):
+        prompts = [torch.randint(0, c.vocab_size, (args.session_length,), device="cuda", generator=gen)
+                   for _ in range(num)]
+        pool = KVPool(num_layers=c.num_hidden_layers, num_slots=num, max_length=args.session_length,
+                      num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=torch.bfloat16, device="cuda")
+        fused = FusedModel(model, max_rows=1, max_length=args.session_length)
+        arms = [None, *budgets]
+        for arm in arms:  # warm-up
+            prefill_sessions(fused, prompts, pool, arm)
+        times = {arm: [] for arm in arms}
+        for i in range(args.pairs):
+            for arm in arms[i % len(arms):] + arms[: i % len(arms)]:
+                times[arm].append(timed(lambda: prefill_sessions(fused, prompts, pool, arm)))
+            log(f"  {num} prompts round {i + 1}/{args.pairs}: " + " / ".join(f"{times[a][-1]:.3f}" for a in arms))
+        cells = [f"{statistics.median(times[None]):.3f}"]
+        for b in budgets:
+            ratio = statistics.median(o / n for o, n in zip(times[None], times[b]))
+            cells += [f"{statistics.median(times[b]):.3f}", f"{ratio:.2f}"]
+        print(f"| {num} | " + " | ".join(cells) + " |")
+        del pool
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true")
@@ -113,6 +165,9 @@ def main() -> None:
     parser.add_argument("--chunks", default="512,2048,4096")
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--sessions", default="8,32", help="prompts arriving together (the batched-prefill table)")
+    parser.add_argument("--session-length", type=int, default=512)
+    parser.add_argument("--budgets", default="2048,4096", help="token budgets of the batched-prefill table")
     args = parser.parse_args()
     chunks = [int(c) for c in args.chunks.split(",")]
     shapes = (SMALL if args.small else QWEN3_30B_A3B) | dict(max_position_embeddings=max(args.length + 64, 4096))
@@ -161,6 +216,8 @@ def main() -> None:
         print(f"| {chunk} | " + " | ".join(f"{statistics.median(times[p]):.3f}" for p in PATHS)
               + f" | {args.length / fused_s:,.0f} | " + " | ".join(f"{r:.3f}" for r in ratios)
               + f" | {experts:.1f} | {compute:.4f} | {weights:.4f} | {max(compute, weights) / fused_s:.2f} |")
+
+    sessions_table(model, args)
 
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

@@ -30,6 +30,9 @@ class VerifierMetrics:
         self.slot_hit_rate = Gauge("tandem_verifier_expert_slot_hit_rate", "Expert slot hit rate of the target model", registry=r)
         self.batch_rounds = Histogram("tandem_verifier_batch_rounds", "Sessions' rounds per batched forward",
                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.prefill_sessions = Histogram("tandem_verifier_prefill_sessions", "Sessions' prompt chunks per prefill forward",
+                                          buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.prefill_tokens = Counter("tandem_verifier_prefill_tokens", "Prompt tokens prefilled", registry=r)
         self.drafter_reachable = Gauge(
             "tandem_verifier_drafter_reachable",
             "1 while the drafter answers (start-up probe, streams, chains), 0 after it failed; -1 without a drafter",

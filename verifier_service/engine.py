@@ -8,8 +8,9 @@ Two forward paths share this flow. On CUDA (by default) a round is one replay of
 fused-kernel window (shared.model.graphs) over a KV pool slot, and the only host
 synchronisation is reading the verdict's inputs: the greedy ids, or the processed sparse
 rows, plus the hidden rows for the drafter, copied in the same stream. Elsewhere the
-reference modules run the window eagerly on a per-request cache. Prefill chunks always run
-the reference modules (long chunks are compute-bound; per-kernel host work is amortised).
+reference modules run the window eagerly on a per-request cache. Prefill chunks run eagerly
+(long chunks are compute-bound; per-kernel host work is amortised): on CUDA the fused model's
+prefill, with the chunks of several sessions in one forward.
 """
 
 from __future__ import annotations
@@ -182,22 +183,37 @@ class Engine:
         return Session(spec=spec, cache=cache, token_ids=list(spec.prompt_ids), slot=slot)
 
     def prefill_step(self, session: Session) -> bool:
-        """Prefill the next chunk (at most prefill_chunk tokens) of the prompt; True once it is all in.
-
-        The server runs each chunk as its own job on the model worker, so other sessions' rounds
-        run between the chunks of a long prompt instead of waiting for all of it."""
-        count = min(self.prefill_chunk, session.prefill_left)
-        if count > 0:
-            start = session.cache.length
-            chunk = torch.tensor(session.spec.prompt_ids[start : start + count], dtype=torch.int64,
-                                 device=self.model.device)
-            if self.windows is not None:
-                session.cache.reserve(count)
-                hidden = self.windows.fused.prefill(chunk, start, session.slot, self.windows.kv)
-            else:
-                hidden = self.model.prefill(chunk, session.cache)
-            session.hidden_rows.append(hidden.to("cpu", torch.bfloat16))
+        """Prefill the next chunk (at most prefill_chunk tokens) of the prompt; True once it is all in."""
+        self.prefill([(session, min(self.prefill_chunk, session.prefill_left))])
         return session.prefill_left <= 0
+
+    def prefill(self, chunks: list[tuple[Session, int]]) -> None:
+        """Prefill the next `count` prompt tokens of each session; on the fused path all chunks run
+        as one forward (their GEMMs share every weight read). The server's PrefillBatcher plans
+        the chunks under a token budget, a job each, so rounds of decoding sessions run between."""
+        chunks = [(session, count) for session, count in chunks if count > 0]
+        if not chunks:
+            return
+        token_ids, spans = [], []
+        for session, count in chunks:
+            if count > session.prefill_left:
+                raise ValueError(f"a chunk of {count} tokens exceeds the {session.prefill_left} left to prefill")
+            start = session.cache.length
+            token_ids.extend(session.spec.prompt_ids[start : start + count])
+            spans.append((start, count, session.slot))
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.model.device)
+        if self.windows is not None:
+            for session, count in chunks:
+                session.cache.reserve(count)
+            hidden = self.windows.fused.prefill(ids, spans, self.windows.kv)
+        else:
+            parts, row = [], 0
+            for session, count in chunks:
+                parts.append(self.model.prefill(ids[row : row + count], session.cache))
+                row += count
+            hidden = torch.cat(parts)
+        for (session, _), rows in zip(chunks, hidden.to("cpu", torch.bfloat16).split([c for _, c in chunks])):
+            session.hidden_rows.append(rows)
 
     def close(self, session: Session) -> None:
         """Give the session's KV slot back (idempotent)."""

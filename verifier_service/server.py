@@ -42,6 +42,7 @@ from verifier_service.audit import HonestyAudit, accept_key
 from verifier_service.chains import ChainFault, retain, validate_chain
 from verifier_service.drafter_link import DeadlineTracker, DrafterHealth, DrafterLink
 from verifier_service.batcher import BatchSettings, RoundBatcher
+from verifier_service.prefill import PrefillBatcher
 from verifier_service.engine import Engine, RoundRequest, Session
 from verifier_service.requests import RequestError, RequestSpec, parse_request
 from verifier_service.settings import VerifierSettings
@@ -69,6 +70,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.tokenizer = tokenizer
         self.engine: Engine | None = None
         self.batcher: RoundBatcher | None = None
+        self.prefiller: PrefillBatcher | None = None
         self.admission = Admission(AdmissionLimits(settings.max_sessions, settings.max_queued, settings.queue_timeout_s))
         self.draining = False
         self.finish_by: float | None = None  # draining: requests end by then (time.monotonic())
@@ -121,10 +123,15 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.batcher = RoundBatcher(self.worker, self.engine.run_rounds,
                                     BatchSettings(max_rounds=s.max_sessions, gather_s=s.batch_gather_ms / 1e3),
                                     on_batch=self.metrics.batch_rounds.observe)
+        self.prefiller = PrefillBatcher(self.worker, self.engine.prefill, s.prefill_chunk, on_job=self._prefill_job)
         log.info("verifier ready", address=s.address, drafter=s.drafter, vocab=self.model.config.vocab_size,
                  path=self.engine.path)
         if self.channel is not None:
             await self.probe_drafter()
+
+    def _prefill_job(self, num_sessions: int, num_tokens: int) -> None:
+        self.metrics.prefill_sessions.observe(num_sessions)
+        self.metrics.prefill_tokens.inc(num_tokens)
 
     def _open_message(self, session: Session, round_id: int) -> drafter_pb2.DraftOpen:
         spec = session.spec
@@ -202,11 +209,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 with tracer.start_as_current_span("prefill", attributes={"tandem.prompt_tokens": len(spec.prompt_ids)}) \
                         as prefill_span:
                     session = opened = await self.worker.run(self.engine.begin, spec)
-                    # A job per chunk: other sessions' rounds run between the chunks of a long prompt.
-                    chunks = 1
-                    while not await self.worker.run(self.engine.prefill_step, session):
-                        chunks += 1
-                    prefill_span.set_attribute("tandem.prefill_chunks", chunks)
+                    # Chunked and batched with other prompts: a job per chunk, rounds run between.
+                    prefill_span.set_attribute("tandem.prefill_chunks", await self.prefiller.prefill(session))
                 if self.drafter is not None and spec.speculate and self._may_draft(spec):
                     link = DrafterLink(self.drafter, self.deadlines, security.bearer_metadata(self.settings.drafter_token),
                                        self.drafter_health)
@@ -435,6 +439,8 @@ class VerifierServer(ServiceServer):
     async def close(self) -> None:
         if self.service.batcher is not None:
             await self.service.batcher.close()
+        if self.service.prefiller is not None:
+            await self.service.prefiller.close()
         if self.service.channel is not None:
             await self.service.channel.close()
         self.service.worker.shutdown()

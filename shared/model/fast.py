@@ -191,17 +191,20 @@ class FusedModel:
         return linear(normed, model.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl), normed
 
     @torch.inference_mode()
-    def prefill(self, token_ids: Tensor, start: int, slot: int, kv: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """A prompt chunk of one sequence at positions start.. of `slot`: final-norm hidden [T, hidden].
+    def prefill(self, token_ids: Tensor, spans: list[tuple[int, int, int]], kv: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """Prompt chunks of one or more sequences in one forward: final-norm hidden [T, hidden].
 
-        Prefill chunks are compute-bound GEMMs: cuBLAS, grouped expert GEMMs and flash attention
-        (causal, bottom-right aligned over the slot's first start + T positions), with the fused
-        kernels doing every per-row step between them. No logits: prompt rows need none."""
+        token_ids [T] holds the chunks back to back; spans[i] = (start, count, slot): chunk i sits
+        at positions start..start+count-1 of `slot`. Prefill is compute-bound GEMMs: cuBLAS and
+        grouped expert GEMMs over every row at once, flash attention per chunk (causal, bottom-right
+        aligned over its slot's first start + count positions), the fused kernels doing the per-row
+        steps between them. No logits: prompt rows need none."""
         model = self.model
         num_rows = token_ids.shape[0]
-        visible = start + num_rows
-        positions = torch.arange(start, visible, device=model.device)
-        slots = torch.full((num_rows,), slot, dtype=torch.int64, device=model.device)
+        if sum(count for _, count, _ in spans) != num_rows:
+            raise ValueError(f"spans cover {sum(c for _, c, _ in spans)} rows, token_ids has {num_rows}")
+        positions = torch.cat([torch.arange(start, start + count) for start, count, _ in spans]).to(model.device)
+        slots = torch.tensor([slot for _, count, slot in spans for _ in range(count)], device=model.device)
         grouped = grouped_mm_available(model.dtype) and model.device.type == "cuda"
         norms = [layer.input_norm for layer in self.layers[1:]] + [model.norm.weight]
         normed, residual = add_rmsnorm(model.embed_tokens(token_ids), None, self.layers[0].input_norm,
@@ -210,14 +213,19 @@ class FusedModel:
             qkv = F.linear(normed, layer.qkv)
             q = qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, positions, slots,
                                    keys, values, layer.num_heads, layer.num_kv_heads, layer.eps)
-            attn = F.scaled_dot_product_attention(
-                q.transpose(0, 1).unsqueeze(0),  # [1, heads, T, head_dim]
-                keys[slot, :visible].transpose(0, 1).unsqueeze(0),
-                values[slot, :visible].transpose(0, 1).unsqueeze(0),
-                attn_mask=causal_lower_right(num_rows, visible),
-                enable_gqa=layer.num_heads != layer.num_kv_heads,
-            )
-            out = F.linear(attn.squeeze(0).transpose(0, 1).reshape(num_rows, -1), layer.o)
+            parts, row = [], 0
+            for start, count, slot in spans:
+                visible = start + count
+                parts.append(F.scaled_dot_product_attention(
+                    q[row : row + count].transpose(0, 1).unsqueeze(0),  # [1, heads, count, head_dim]
+                    keys[slot, :visible].transpose(0, 1).unsqueeze(0),
+                    values[slot, :visible].transpose(0, 1).unsqueeze(0),
+                    attn_mask=causal_lower_right(count, visible),
+                    enable_gqa=layer.num_heads != layer.num_kv_heads,
+                ).squeeze(0).transpose(0, 1))  # [count, heads, head_dim]
+                row += count
+            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+            out = F.linear(attn.reshape(num_rows, -1), layer.o)
             normed, residual = add_rmsnorm(out, residual, layer.post_norm, layer.eps)
             if not layer.moe:
                 gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)

@@ -125,22 +125,22 @@ async def test_a_long_prompt_prefills_in_chunks_between_other_sessions_rounds(se
     whole prompt), and the long request's tokens are what it produces alone."""
     stub = await servers.start(tiny_model, fused="on", max_sessions=2, prefill_chunk=4)
     service = servers.verifier.service
-    engine, batcher = service.engine, service.batcher
+    prefiller, batcher = service.prefiller, service.batcher
     long_prompt = [(7 * i) % 97 for i in range(80)]  # 79 tokens to prefill: 20 chunks of <= 4
     alone = (await generate(stub, request(long_prompt, 6)))[0]
 
     jobs = []  # the worker's jobs in the order they ran
-    prefill_step, run_rounds = engine.prefill_step, batcher.run_rounds
+    run_prefill, run_rounds = prefiller.run_prefill, batcher.run_rounds
 
-    def logged_prefill_step(session):
-        jobs.append(("prefill", session.spec.request_id))
-        return prefill_step(session)
+    def logged_prefill(chunks):
+        jobs.append(("prefill", tuple(session.spec.request_id for session, _ in chunks)))
+        return run_prefill(chunks)
 
     def logged_run_rounds(rounds):
         jobs.append(("rounds", tuple(r.session.spec.request_id for r in rounds)))
         return run_rounds(rounds)
 
-    engine.prefill_step, batcher.run_rounds = logged_prefill_step, logged_run_rounds
+    prefiller.run_prefill, batcher.run_rounds = logged_prefill, logged_run_rounds
     decoding = stub.Generate(request([5, 17, 42], 60))
     await anext(aiter(decoding))  # the short request decodes before the long one arrives
     long_tokens, final, _ = await generate(stub, request(long_prompt, 6))
@@ -151,3 +151,27 @@ async def test_a_long_prompt_prefills_in_chunks_between_other_sessions_rounds(se
     rounds_between = [job for job in jobs[prefills[0] : prefills[-1]] if job[0] == "rounds"]
     assert len(rounds_between) >= 5, jobs  # the decoding session ran on during the long prefill
     assert long_tokens == alone and final.finish_reason == "length"
+
+
+async def test_prompts_arriving_together_prefill_in_shared_forwards(servers, tiny_model):
+    """Batched prefill: requests that arrive together share prefill jobs under the token budget
+    (oldest first, a long prompt chunked), and each request's tokens are what it produces alone."""
+    stub = await servers.start(tiny_model, fused="on", max_sessions=4, prefill_chunk=16)
+    prefiller = servers.verifier.service.prefiller
+    prompts = [[(5 * i + k) % 97 for i in range(n)] for k, n in enumerate((10, 30, 7, 18))]
+    alone = [(await generate(stub, request(prompt, 5)))[0] for prompt in prompts]
+
+    jobs = []  # (request ids, tokens) of each prefill job
+    run_prefill = prefiller.run_prefill
+
+    def logged_prefill(chunks):
+        jobs.append(([session.spec.request_id for session, _ in chunks], sum(count for _, count in chunks)))
+        return run_prefill(chunks)
+
+    prefiller.run_prefill = logged_prefill
+    together = await asyncio.gather(*(generate(stub, request(prompt, 5)) for prompt in prompts))
+    assert [tokens for tokens, _, _ in together] == alone
+    assert sum(tokens for _, tokens in jobs) == sum(len(p) - 1 for p in prompts)
+    assert all(tokens <= 16 for _, tokens in jobs), jobs
+    assert max(len(ids) for ids, _ in jobs) >= 2, jobs  # prompts shared a forward
+    assert len(jobs) <= 5, jobs  # 61 tokens at 16 a job, not a job per chunk per prompt (7)

@@ -64,12 +64,41 @@ def test_fused_prefill_in_chunks_matches_the_whole_prompt(model, fused, chunk):
     c = model.config
     pool = KVPool(num_layers=c.num_hidden_layers, num_slots=2, max_length=32, num_kv_heads=c.num_key_value_heads,
                   head_dim=c.head_dim, dtype=model.dtype, device="cpu")
-    hidden = torch.cat([fused.prefill(ids[start : start + chunk], start, 1, pool.layers())
-                        for start in range(0, 19, chunk)])
+    hidden = torch.cat([fused.prefill(ids[start : start + chunk], [(start, len(ids[start : start + chunk]), 1)],
+                                      pool.layers()) for start in range(0, 19, chunk)])
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pool.keys[:, 1, :19], cache.keys[:, :19], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(pool.values[:, 1, :19], cache.values[:, :19], rtol=1e-4, atol=1e-4)
     assert not pool.keys[:, 0].any() and not pool.keys[:, 1, 19:].any()
+
+
+def test_fused_prefill_of_several_sequences_in_one_forward(model, fused):
+    # Chunks of three sequences (different starts and lengths) in one forward: each sequence's
+    # hidden rows and KV rows as when it is prefilled alone.
+    c = model.config
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 97, (n,), generator=gen) for n in (9, 14, 5)]
+
+    def pool():
+        return KVPool(num_layers=c.num_hidden_layers, num_slots=3, max_length=32, num_kv_heads=c.num_key_value_heads,
+                      head_dim=c.head_dim, dtype=model.dtype, device="cpu")
+
+    alone, together = pool(), pool()
+    firsts = (4, 6, 0)  # rows each sequence had prefilled before the shared forward
+    expected = []
+    for slot, (prompt, first) in enumerate(zip(prompts, firsts)):
+        if first:
+            fused.prefill(prompt[:first], [(0, first, slot)], alone.layers())
+            fused.prefill(prompt[:first], [(0, first, slot)], together.layers())
+        expected.append(fused.prefill(prompt[first:], [(first, len(prompt) - first, slot)], alone.layers()))
+    ids = torch.cat([prompt[first:] for prompt, first in zip(prompts, firsts)])
+    spans = [(first, len(prompt) - first, slot) for slot, (prompt, first) in enumerate(zip(prompts, firsts))]
+    hidden = fused.prefill(ids, spans, together.layers())
+    torch.testing.assert_close(hidden, torch.cat(expected), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(together.keys, alone.keys, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(together.values, alone.values, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="spans cover"):
+        fused.prefill(ids, spans[:2], together.layers())
 
 
 @pytest.mark.parametrize("moce", [False, True])
