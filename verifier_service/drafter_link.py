@@ -83,7 +83,6 @@ class DrafterLink:
         self.reader: asyncio.Task | None = None
         self.broken: str | None = "not opened"
         self.after_open = False
-        self.skipped: set[int] = set()  # rounds run without waiting for a chain (theirs arrive stale)
         self.next_round = 0  # chains for earlier rounds are useless
         self.backoff_s = RESYNC_BACKOFF_S[0]
         self.retry_at = 0.0  # monotonic time before which no re-sync is attempted
@@ -127,7 +126,7 @@ class DrafterLink:
         if self.health is not None:
             self.health.ok()
         if chain.round_id < self.next_round:
-            self._drop_stale(chain)
+            self.fault("stale_chain")
             return
         if self.chains.full():
             self.chains.get_nowait()
@@ -183,31 +182,12 @@ class DrafterLink:
                 self.fault("deadline")
                 return None, waited
             if chain.round_id < round_id:
-                self._drop_stale(chain)  # a late chain for an earlier round
+                self.fault("stale_chain")  # a late chain for an earlier round
                 continue
             waited = (time.perf_counter() - started) * 1e3
             if not first:
                 self.deadlines.record(waited)
             return chain, waited
-
-    def skip(self, round_id: int) -> None:
-        """Run round `round_id` without its chain (the verifier caps it at no drafts): its chain,
-        queued or still to come, is dropped without counting a fault."""
-        self.skipped = {r for r in self.skipped if r > round_id - 64}  # bounded: old ones never come
-        self.skipped.add(round_id)
-        self.next_round = max(self.next_round, round_id + 1)
-        queued = [self.chains.get_nowait() for _ in range(self.chains.qsize())]
-        for chain in queued:
-            if chain.round_id < self.next_round:
-                self._drop_stale(chain)
-            else:  # a chain for a later round: keep it
-                self.chains.put_nowait(chain)
-
-    def _drop_stale(self, chain: drafter_pb2.DraftChain) -> None:
-        if chain.round_id in self.skipped:
-            self.skipped.discard(chain.round_id)  # not waited for: no fault
-        else:
-            self.fault("stale_chain")
 
     async def close(self) -> None:
         if self.call is not None:

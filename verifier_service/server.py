@@ -301,13 +301,12 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 self.metrics.faults.labels("audit_rejected").inc()
         return chain
 
-    def _draft_cap(self, spec: RequestSpec, stats: RequestStats, round_id: int) -> int:
-        """The most drafts a round verifies: fewer where they cost more than they save (a large
-        batch, a slow drafter), exact mode only (window_cap)."""
-        if not self.settings.draft_cap or spec.mode != Mode.EXACT:
+    def _draft_cap(self, spec: RequestSpec, stats: RequestStats) -> int:
+        """The most drafts a round verifies: fewer in a large batch, exact mode only (window_cap)."""
+        if not self.settings.batch_draft_cap or spec.mode != Mode.EXACT:
             return spec.max_draft_tokens
         return chain_cap(Acceptance(stats.accepted, stats.rejected).rate, self.batcher.last_size,
-                         spec.max_draft_tokens, self.engine.step_costs, round_id)
+                         spec.max_draft_tokens, self.engine.step_costs)
 
     @staticmethod
     def _trace_context() -> dict[str, str]:
@@ -321,18 +320,14 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         spec = session.spec
         started = time.perf_counter()
         chain, raw, wait_ms, bytes_up = None, None, 0.0, 0
-        draft_cap = self._draft_cap(spec, stats, round_id)
-        if link is not None and draft_cap == 0 and link.usable:
-            link.skip(round_id)  # no drafts will be verified: a plain round, not a wait for the drafter
-        elif link is not None:
+        if link is not None:
             if not link.usable:
                 bytes_up += await link.resync(self._open_message(session, round_id), self._trace_context())
             raw, wait_ms = await link.next_chain(round_id)
-            if self.engine.step_costs is not None and round_id > 0:  # (the first waits for the open)
-                self.engine.step_costs.observe_wait(wait_ms)
             if raw is not None:
                 chain = self._checked(raw, session, round_id, link)
         proposed = chain.proposed if chain else 0
+        draft_cap = self._draft_cap(spec, stats)
         if chain is not None:
             limit = min(draft_cap, session.capacity_left)
             chain = retain(chain, mode=spec.mode, gate=spec.gate, policy=spec.retention, limit=limit)
@@ -340,7 +335,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         drafts = chain.token_ids if chain else []
         # Without a drafter every round is one plain token: let the engine enqueue the next one
         # before this one is read, unless this round may be the last.
-        ahead = (link is None or draft_cap == 0) and spec.max_new_tokens - len(completion.token_ids) > 1
+        ahead = link is None and spec.max_new_tokens - len(completion.token_ids) > 1
         outcome = await self.batcher.submit(RoundRequest(session, drafts, chain.q_rows if chain else None, ahead))
         source = chain.source if chain else "NONE"
         tokens, delta = completion.extend(outcome.emitted)
@@ -353,7 +348,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             bytes_up += await link.commit(drafter_pb2.DraftCommit(
                 round_id=round_id, num_accepted=outcome.num_accepted, emitted_token_ids=outcome.emitted,
                 hidden=encode_hidden(outcome.hidden_rows), num_verified=len(drafts),
-                verify_ms=outcome.forward_ms + outcome.verify_ms, next_max_drafts=self._draft_cap(spec, stats, round_id + 1),
+                verify_ms=outcome.forward_ms + outcome.verify_ms, next_max_drafts=self._draft_cap(spec, stats),
             ), self._trace_context())
         verify_ms = outcome.forward_ms + outcome.verify_ms
         draft_ms = raw.costs.draft_ms if raw is not None else 0.0

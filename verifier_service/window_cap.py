@@ -1,4 +1,4 @@
-"""How many drafts a round may verify at the current batch size (issues 11 and 13).
+"""How many drafts a round may verify at the current batch size (issue 11).
 
 Alone, a verify window of k + 1 rows costs little more than one row (decode is bound by
 weight reads). In a batch of B sessions the step is B·(k + 1) rows, and past a few dozen
@@ -6,17 +6,14 @@ rows the step grows with every row (more experts read, then compute): long chain
 alone slow every stream down in a large batch. So before a round the verifier caps its
 chain at the k that maximises the committed tokens per unit of step time,
 
-    k* = argmax_k  R_k(a) / (T(B · (k + 1)) + [k > 0] · W),    R_k(a) = 1 + a + a² + … + a^k,
+    k* = argmax_k  R_k(a) / T(B · (k + 1)),    R_k(a) = 1 + a + a² + … + a^k,
 
-with a the session's measured per-draft acceptance, T the step cost by total rows (the
-engine's forwards as measured: an exponential average per row count; a forward holds at most
-`max_rows`, larger batches split) and W the measured wait for a drafter's chain: a round
-capped at no drafts does not wait for one. Every session applies the same rule, which is
-what the B·(k + 1) assumes. Until T is known at two row counts there is no cap.
+with a the session's measured per-draft acceptance and T the step cost by total rows: the
+engine's forwards as measured (an exponential average per row count; a forward holds at most
+`max_rows`, larger batches split). Every session applies the same rule, which is what the
+B·(k + 1) assumes. Until T is known at two row counts there is no cap.
 
-Alone (B = 1) the rule weighs a chain against the drafter's wait, so speculation that costs
-more than it saves (a drafter slower than the verifier) turns itself off, probing now and
-then. Verifying a prefix of a chain is lossless. The cap applies to exact mode only: there the
+Verifying a prefix of a chain is lossless. The cap applies to exact mode only: there the
 tokens do not depend on the drafts at all, while in probabilistic mode a seed's tokens are
 reproducible given the drafts verified, which must not depend on the load.
 """
@@ -39,7 +36,6 @@ class StepCosts:
         self.max_rows = max_rows
         self.smoothing = smoothing
         self._ms: dict[int, float] = {}
-        self.draft_wait_ms = 0.0  # exponential average of a round's wait for its chain
         self._lock = threading.Lock()  # observed on the model worker, read on the event loop
 
     def observe(self, rows: int, ms: float) -> None:
@@ -48,11 +44,6 @@ class StepCosts:
         with self._lock:
             old = self._ms.get(rows)
             self._ms[rows] = ms if old is None else old + self.smoothing * (ms - old)
-
-    def observe_wait(self, ms: float) -> None:
-        """A round's wait for its drafter's chain (the cost a round without drafts avoids)."""
-        if ms >= 0:
-            self.draft_wait_ms += self.smoothing * (ms - self.draft_wait_ms)
 
     def known(self) -> dict[int, float]:
         with self._lock:
@@ -116,23 +107,17 @@ def best_drafts(acceptance: float, batch_sessions: int, max_drafts: int, costs: 
         ms = costs.cost(batch_sessions * (k + 1))
         if ms is None:
             return None
-        rate = expected_tokens(acceptance, k) / (ms + (costs.draft_wait_ms if k else 0.0))
+        rate = expected_tokens(acceptance, k) / ms
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = k, rate
     return best
 
 
-PROBE_EVERY = 16  # a session capped at no drafts still verifies a full chain every 16th round
-
-
-def chain_cap(acceptance: float, batch_sessions: int, max_drafts: int, costs: StepCosts | None,
-              round_id: int) -> int:
-    """The most drafts round `round_id` verifies: k*, or max_drafts before costs are known.
-    A session capped at none probes with a full chain every PROBE_EVERY rounds (a function of
-    the round number only), so its acceptance and the drafter's wait stay measured."""
-    if costs is None:
+def chain_cap(acceptance: float, batch_sessions: int, max_drafts: int, costs: StepCosts | None) -> int:
+    """The most drafts a round verifies: k* in batches of two or more sessions, else (alone, or
+    before costs are known) max_drafts. Alone, the drafter's planner already weighs its chain
+    against the window's measured cost."""
+    if costs is None or batch_sessions < 2:
         return max_drafts
-    best = best_drafts(acceptance, max(batch_sessions, 1), max_drafts, costs)
-    if best is None or (best == 0 and round_id % PROBE_EVERY == PROBE_EVERY - 1):
-        return max_drafts
-    return best
+    best = best_drafts(acceptance, batch_sessions, max_drafts, costs)
+    return max_drafts if best is None else best
