@@ -105,7 +105,6 @@ class Drafter:
         elif message.verify_ms > 0:
             self.planner.learn("MTP", 0, 0, 0, message.verify_ms, 1)
         session.suffix.extend(emitted, count=False)  # counted after the chain is sent (Draft)
-        session.cap = message.next_max_drafts if message.HasField("next_max_drafts") else None
         session.round_id = message.round_id + 1
         if session.mtp is not None:
             hidden = decode_hidden(message.hidden)
@@ -126,9 +125,9 @@ class Drafter:
 
     def propose(self, session: DraftSession) -> drafter_pb2.DraftChain:
         started = time.perf_counter()
-        limit = session.max_drafts if session.cap is None else min(session.max_drafts, session.cap)
-        match = session.suffix.lookup(limit) if limit else None
-        if session.mode == Mode.EXACT and limit:
+        limit = session.max_drafts
+        match = session.suffix.lookup(limit)
+        if session.mode == Mode.EXACT:
             # Other sessions' outputs only in exact mode: a same-seed session's tokens encode
             # its accept draws, which would bias probabilistic acceptance here.
             other = self.global_index.lookup(session.suffix, limit, match)

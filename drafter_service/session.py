@@ -31,7 +31,6 @@ class DraftSession:
     round_id: int
     in_flight: Plan | None = None  # the plan of the last chain sent (learned from at commit)
     opened_with: int = 0  # committed tokens at open (the prompt): the rest is this session's output
-    cap: int | None = None  # the verifier's cap on the next chain (its batch size), from the last commit
 
     @property
     def tokens(self) -> list[int]:

@@ -44,7 +44,6 @@ class RoundBatcher:
         self._expected: set[int] = set()  # ids of the last batch's sessions that have not come back
         self._wake: asyncio.Event | None = None
         self._runner: asyncio.Task | None = None
-        self.last_size = 0  # sessions in the last batch (window_cap sizes chains by it)
 
     async def submit(self, request: RoundRequest) -> RoundOutcome:
         """Run one round of request.session in the next batch; returns its outcome."""
@@ -98,7 +97,6 @@ class RoundBatcher:
             if not batch:
                 continue
             self._expected = {id(r.session) for r, _ in batch}
-            self.last_size = len(batch)
             if self.on_batch is not None:
                 self.on_batch(len(batch))
             try:

@@ -30,7 +30,6 @@ from shared.model.graphs import WindowGraphs
 from shared.model.kv_cache import KVPool
 from verifier_service.audit import accept_key
 from verifier_service.requests import RequestSpec
-from verifier_service.window_cap import StepCosts
 
 
 @dataclass
@@ -128,7 +127,6 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.stores = [layer.mlp.experts for layer in model.layers if hasattr(layer.mlp, "experts")]
         self.windows: WindowGraphs | None = None
-        self.step_costs: StepCosts | None = None  # fused path only: elsewhere a batch's rounds run one by one
         if fused_wanted(model, fused):
             c = model.config
             # One slot per session, and a scratch slot for the padded rows of decode-batch graphs.
@@ -144,7 +142,6 @@ class Engine:
                 progress(f"KV pool: {max_sessions} slots x {max_context} positions ({pool.bytes / 2**30:.2f} GiB)")
             self.windows.capture(progress=None if progress is None else
                                  lambda what, s: progress(f"captured {what} in {s:.2f}s"))
-            self.step_costs = StepCosts(batch_rows)  # what a forward of n rows costs (window_cap)
             # Results reach the host through two (pinned) slots, copied in the compute stream: the
             # window in hand, and (decode-ahead) the step enqueued behind it.
             pinned = model.device.type == "cuda"
@@ -266,7 +263,6 @@ class Engine:
         host_hidden, ids = self._to_host(hidden, greedy_ids)
         target = None if target is None else target.to("cpu")
         forwarded = time.perf_counter()
-        self._observe(len(drafts) + 1, forwarded - started)
         return self._commit(session, drafts, q_rows, host_hidden, ids, target, forwarded - started,
                             self.slot_misses() - misses)
 
@@ -330,7 +326,6 @@ class Engine:
         host_hidden, ids = self._to_host(out.hidden[:num_rows], out.greedy_ids[:num_rows])
         targets = [None if t is None else t.to("cpu") for t in targets]
         forward_s = time.perf_counter() - started
-        self._observe(num_rows, forward_s)
         outcomes = []
         row = 0
         for r, (_, window, _), target in zip(rounds, windows, targets):
@@ -362,7 +357,6 @@ class Engine:
                                self._ring_copy(out.hidden[: len(rounds)], out.greedy_ids[: len(rounds)]))
         host_hidden, ids = self._ring_read(ring, len(rounds))
         forward_s = time.perf_counter() - started
-        self._observe(len(rounds), forward_s)
         return [self._commit(r.session, [], None, host_hidden[row : row + 1], ids[row : row + 1], None, forward_s, 0)
                 for r, row in zip(rounds, order)]
 
@@ -401,14 +395,9 @@ class Engine:
         token = ids[0]
         rows = hidden.to(torch.bfloat16, copy=True)
         forwarded = time.perf_counter()
-        self._observe(1, forwarded - started)
         session.hidden_rows.append(rows)
         session.token_ids.append(token)
         return RoundOutcome([token], 0, rows, (forwarded - started) * 1e3, 0.0, 0)
-
-    def _observe(self, rows: int, seconds: float) -> None:
-        if self.step_costs is not None:
-            self.step_costs.observe(rows, seconds * 1e3)
 
     def slot_misses(self) -> int:
         return sum(store.counters.misses for store in self.stores)

@@ -43,7 +43,6 @@ from verifier_service.chains import ChainFault, retain, validate_chain
 from verifier_service.drafter_link import DeadlineTracker, DrafterHealth, DrafterLink
 from verifier_service.batcher import BatchSettings, RoundBatcher
 from verifier_service.prefill import PrefillBatcher
-from verifier_service.window_cap import Acceptance, chain_cap
 from verifier_service.engine import Engine, RoundRequest, Session
 from verifier_service.requests import RequestError, RequestSpec, parse_request
 from verifier_service.settings import VerifierSettings
@@ -124,12 +123,15 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.batcher = RoundBatcher(self.worker, self.engine.run_rounds,
                                     BatchSettings(max_rounds=s.max_sessions, gather_s=s.batch_gather_ms / 1e3),
                                     on_batch=self.metrics.batch_rounds.observe)
-        self.prefiller = PrefillBatcher(self.worker, self.engine.prefill, s.prefill_chunk, on_job=lambda n, tokens: (
-            self.metrics.prefill_sessions.observe(n), self.metrics.prefill_tokens.inc(tokens)))
+        self.prefiller = PrefillBatcher(self.worker, self.engine.prefill, s.prefill_chunk, on_job=self._prefill_job)
         log.info("verifier ready", address=s.address, drafter=s.drafter, vocab=self.model.config.vocab_size,
                  path=self.engine.path)
         if self.channel is not None:
             await self.probe_drafter()
+
+    def _prefill_job(self, num_sessions: int, num_tokens: int) -> None:
+        self.metrics.prefill_sessions.observe(num_sessions)
+        self.metrics.prefill_tokens.inc(num_tokens)
 
     def _open_message(self, session: Session, round_id: int) -> drafter_pb2.DraftOpen:
         spec = session.spec
@@ -301,13 +303,6 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 self.metrics.faults.labels("audit_rejected").inc()
         return chain
 
-    def _draft_cap(self, spec: RequestSpec, stats: RequestStats) -> int:
-        """The most drafts a round verifies: fewer in a large batch, exact mode only (window_cap)."""
-        if not self.settings.batch_draft_cap or spec.mode != Mode.EXACT:
-            return spec.max_draft_tokens
-        return chain_cap(Acceptance(stats.accepted, stats.rejected).rate, self.batcher.last_size,
-                         spec.max_draft_tokens, self.engine.step_costs)
-
     @staticmethod
     def _trace_context() -> dict[str, str]:
         carrier: dict[str, str] = {}
@@ -327,9 +322,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             if raw is not None:
                 chain = self._checked(raw, session, round_id, link)
         proposed = chain.proposed if chain else 0
-        draft_cap = self._draft_cap(spec, stats)
         if chain is not None:
-            limit = min(draft_cap, session.capacity_left)
+            limit = min(spec.max_draft_tokens, session.capacity_left)
             chain = retain(chain, mode=spec.mode, gate=spec.gate, policy=spec.retention, limit=limit)
             chain = self._audited(chain, session, link)
         drafts = chain.token_ids if chain else []
@@ -348,7 +342,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             bytes_up += await link.commit(drafter_pb2.DraftCommit(
                 round_id=round_id, num_accepted=outcome.num_accepted, emitted_token_ids=outcome.emitted,
                 hidden=encode_hidden(outcome.hidden_rows), num_verified=len(drafts),
-                verify_ms=outcome.forward_ms + outcome.verify_ms, next_max_drafts=self._draft_cap(spec, stats),
+                verify_ms=outcome.forward_ms + outcome.verify_ms,
             ), self._trace_context())
         verify_ms = outcome.forward_ms + outcome.verify_ms
         draft_ms = raw.costs.draft_ms if raw is not None else 0.0
@@ -362,7 +356,6 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             m.drafts.labels(source, "accepted").inc(outcome.num_accepted)
         span.set_attributes({
             "tandem.source": source, "tandem.proposed": proposed, "tandem.retained": len(drafts),
-            "tandem.draft_cap": draft_cap,
             "tandem.accepted": outcome.num_accepted, "tandem.emitted": len(outcome.emitted),
             "tandem.confidences": list(raw.confidences) if raw is not None else [],
             "tandem.draft_ms": draft_ms, "tandem.rpc_ms": max(wait_ms - draft_ms, 0.0), "tandem.wait_ms": wait_ms,

@@ -14,7 +14,6 @@ class RequestStats:
         self.first_token_at: float | None = None
         self.prompt_tokens = prompt_tokens
         self.rounds = self.proposed = self.retained = self.accepted = 0
-        self.rejected = 0  # rounds whose chain a rejected draft cut short
         self.committed = 0  # tokens delivered, plus the eos or stop token that ended the request
         self.by_source: dict[str, list[int]] = {}  # source -> [retained, accepted]
 
@@ -24,7 +23,6 @@ class RequestStats:
         self.proposed += proposed
         self.retained += retained
         self.accepted += accepted
-        self.rejected += accepted < retained
         if retained:
             counts = self.by_source.setdefault(source, [0, 0])
             counts[0] += retained

@@ -318,22 +318,3 @@ def test_resync_of_the_same_request_keeps_the_request_initial_snapshot():
         next_round_id=session.round_id,
     )
     assert drafter.open(resync).snapshot == initial
-
-
-def test_the_verifiers_cap_on_the_next_chain_bounds_the_drafts():
-    # A repeating context gives long suffix drafts; a commit capping the next chain (the
-    # verifier's batch is large) bounds it, and a commit without a cap (an older verifier) or
-    # with the full limit lifts it again.
-    drafter = suffix_only_drafter()
-    session = drafter.open(drafter_pb2.DraftOpen(session_id="req", token_ids=[1, 2, 3, 4, 5] * 6, max_draft_tokens=4))
-    uncapped = len(drafter.propose(session).token_ids)
-    assert uncapped >= 2
-    lengths = []
-    for cap in (1, 0, None, 4):
-        commit = drafter_pb2.DraftCommit(round_id=session.round_id, num_accepted=0, num_verified=0,
-                                         emitted_token_ids=[session.tokens[-5]])  # the cycle continues
-        if cap is not None:
-            commit.next_max_drafts = cap
-        drafter.commit(session, commit)
-        lengths.append(len(drafter.propose(session).token_ids))
-    assert lengths == [1, 0, uncapped, uncapped]
