@@ -29,7 +29,9 @@ import sys
 import time
 
 import torch
+from torch.nn.attention import SDPBackend
 
+import shared.model.fast as fast
 import shared.model.layers as layers
 from bench.model_baseline import QWEN3_30B_A3B, SMALL, copy_bandwidth
 from shared.model import ModelConfig, load_model
@@ -128,6 +130,47 @@ def prefill_sessions(fused, prompts, pool, budget: int | None) -> None:
         done = [d + c for d, c in zip(done, counts)]
 
 
+def fresh_lengths_table(model, args) -> None:
+    """The first prompt of a new length against the same prompt again, with cuDNN's attention
+    allowed (it builds a plan per shape) and without (the default), then the two paired on
+    repeated lengths. Prompts shorter than the 2,048-token budget are one chunk whose query and
+    key lengths are the prompt's (use --length below 2,048 to see the per-shape cost)."""
+    c = model.config
+    pool = KVPool(num_layers=c.num_hidden_layers, num_slots=1, max_length=args.length, num_kv_heads=c.num_key_value_heads,
+                  head_dim=c.head_dim, dtype=torch.bfloat16, device="cuda")
+    fused = FusedModel(model, max_rows=1, max_length=args.length)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    with_cudnn = (SDPBackend.CUDNN_ATTENTION, *fast.PREFILL_ATTENTION)
+    default = fast.PREFILL_ATTENTION
+
+    def prefill(length, backends):
+        prompt = torch.randint(0, c.vocab_size, (length,), device="cuda", generator=gen)
+        fast.PREFILL_ATTENTION = backends
+        try:
+            return timed(lambda: prefill_sessions(fused, [prompt], pool, 2048))
+        finally:
+            fast.PREFILL_ATTENTION = default
+
+    print("\n| prompt tokens | attention backends | first prompt of this length ms | same length again ms |")
+    print("| ---: | --- | ---: | ---: |")
+    lengths = iter(range(args.length - 101, 0, -7))  # never seen before in this process
+    prefill(next(lengths), default)  # the process's first prefill: kernels compile, libraries load
+    for name, backends in (("with cuDNN", with_cudnn), ("without cuDNN (default)", default)):
+        for _ in range(2):
+            length = next(lengths)
+            first, again = prefill(length, backends), prefill(length, backends)
+            print(f"| {length} | {name} | {first * 1e3:.0f} | {again * 1e3:.0f} |")
+    length = next(lengths)
+    prefill(length, with_cudnn), prefill(length, default)
+    times = {name: [] for name in ("with", "without")}
+    for i in range(args.pairs):
+        for name in (("with", "without") if i % 2 == 0 else ("without", "with")):
+            times[name].append(prefill(length, with_cudnn if name == "with" else default))
+    ratio = statistics.median(a / b for a, b in zip(times["with"], times["without"]))
+    print(f"\nrepeated {length}-token prompt, with cuDNN / without (median of {args.pairs} pairs): {ratio:.3f} "
+          f"({statistics.median(times['with']) * 1e3:.1f} / {statistics.median(times['without']) * 1e3:.1f} ms)")
+
+
 def sessions_table(model, args) -> None:
     """Prompts arriving together: one forward each (before) against shared forwards (paired)."""
     c = model.config
@@ -168,6 +211,8 @@ def main() -> None:
     parser.add_argument("--sessions", default="8,32", help="prompts arriving together (the batched-prefill table)")
     parser.add_argument("--session-length", type=int, default=512)
     parser.add_argument("--budgets", default="2048,4096", help="token budgets of the batched-prefill table")
+    parser.add_argument("--skip-chunks", action="store_true", help="skip the chunk-size table")
+    parser.add_argument("--skip-sessions", action="store_true", help="skip the batched-prefill table")
     args = parser.parse_args()
     chunks = [int(c) for c in args.chunks.split(",")]
     shapes = (SMALL if args.small else QWEN3_30B_A3B) | dict(max_position_embeddings=max(args.length + 64, 4096))
@@ -187,37 +232,40 @@ def main() -> None:
     def run(chunk: int, path: str) -> torch.Tensor:
         return run_prompt(model, prompt, chunk, path, fused, pool)
 
-    # Hidden rows against the earlier path, next to that path's own spread between chunk sizes
-    # (the bf16 noise floor of these random 48-layer weights).
-    def rel(a, b):
-        return ((a.float() - b.float()).norm(dim=-1) / a.float().norm(dim=-1)).max().item()
+    if not args.skip_chunks:
+        # Hidden rows against the earlier path, next to that path's own spread between chunk sizes
+        # (the bf16 noise floor of these random 48-layer weights).
+        def rel(a, b):
+            return ((a.float() - b.float()).norm(dim=-1) / a.float().norm(dim=-1)).max().item()
 
-    base = run(chunks[0], "logits+mask")
-    log(f"hidden rows, max relative difference to logits+mask at chunk {chunks[0]}: "
-        f"logits+mask at chunk {chunks[-1]} {rel(base, run(chunks[-1], 'logits+mask')):.2e}, "
-        + ", ".join(f"{path} {rel(base, run(chunks[0], path)):.2e}" for path in PATHS[1:]))
+        base = run(chunks[0], "logits+mask")
+        log(f"hidden rows, max relative difference to logits+mask at chunk {chunks[0]}: "
+            f"logits+mask at chunk {chunks[-1]} {rel(base, run(chunks[-1], 'logits+mask')):.2e}, "
+            + ", ".join(f"{path} {rel(base, run(chunks[0], path)):.2e}" for path in PATHS[1:]))
 
-    print(f"\n| {args.length}-token prompt, chunk | " + " | ".join(f"{p} s" for p in PATHS)
-          + " | fused tokens/s | " + " | ".join(f"logits+mask / {p}" for p in PATHS[1:])
-          + " | distinct experts/layer | compute floor s | weight-read floor s | fused of max(floors) |")
-    print("| ---: " * (2 * len(PATHS) + 5) + "|")
-    for chunk in chunks:
-        for path in PATHS:  # warm-up
-            run(chunk, path)
-        times = {path: [] for path in PATHS}
-        for i in range(args.pairs):
-            for path in PATHS[i % len(PATHS):] + PATHS[: i % len(PATHS)]:
-                times[path].append(timed(lambda: run(chunk, path)))
-            log(f"  chunk {chunk} round {i + 1}/{args.pairs}: " + " / ".join(f"{times[p][-1]:.3f}" for p in PATHS))
-        ratios = [statistics.median(o / n for o, n in zip(times[PATHS[0]], times[p])) for p in PATHS[1:]]
-        experts = distinct_experts(model, lambda: run(chunk, "fused"))
-        compute, weights = floors(model, args.length, chunk, bandwidth, experts)
-        fused_s = statistics.median(times["fused"])
-        print(f"| {chunk} | " + " | ".join(f"{statistics.median(times[p]):.3f}" for p in PATHS)
-              + f" | {args.length / fused_s:,.0f} | " + " | ".join(f"{r:.3f}" for r in ratios)
-              + f" | {experts:.1f} | {compute:.4f} | {weights:.4f} | {max(compute, weights) / fused_s:.2f} |")
+        print(f"\n| {args.length}-token prompt, chunk | " + " | ".join(f"{p} s" for p in PATHS)
+              + " | fused tokens/s | " + " | ".join(f"logits+mask / {p}" for p in PATHS[1:])
+              + " | distinct experts/layer | compute floor s | weight-read floor s | fused of max(floors) |")
+        print("| ---: " * (2 * len(PATHS) + 5) + "|")
+        for chunk in chunks:
+            for path in PATHS:  # warm-up
+                run(chunk, path)
+            times = {path: [] for path in PATHS}
+            for i in range(args.pairs):
+                for path in PATHS[i % len(PATHS):] + PATHS[: i % len(PATHS)]:
+                    times[path].append(timed(lambda: run(chunk, path)))
+                log(f"  chunk {chunk} round {i + 1}/{args.pairs}: " + " / ".join(f"{times[p][-1]:.3f}" for p in PATHS))
+            ratios = [statistics.median(o / n for o, n in zip(times[PATHS[0]], times[p])) for p in PATHS[1:]]
+            experts = distinct_experts(model, lambda: run(chunk, "fused"))
+            compute, weights = floors(model, args.length, chunk, bandwidth, experts)
+            fused_s = statistics.median(times["fused"])
+            print(f"| {chunk} | " + " | ".join(f"{statistics.median(times[p]):.3f}" for p in PATHS)
+                  + f" | {args.length / fused_s:,.0f} | " + " | ".join(f"{r:.3f}" for r in ratios)
+                  + f" | {experts:.1f} | {compute:.4f} | {weights:.4f} | {max(compute, weights) / fused_s:.2f} |")
 
-    sessions_table(model, args)
+    if not args.skip_sessions:
+        sessions_table(model, args)
+    fresh_lengths_table(model, args)
 
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

@@ -76,16 +76,20 @@ def raw_step_tokens_per_s(runner, context: int, steps: int) -> float:
     return steps / (start.elapsed_time(end) / 1e3)
 
 
-def engine_loop_tokens_per_s(engine, spec) -> float:
-    """The engine's plain rounds in this process (host loop, one sync per token, no gRPC)."""
+def engine_loop(engine, spec) -> tuple[float, float]:
+    """The engine's plain rounds in this process (host loop, one sync per token, no gRPC):
+    (tokens/s after the first, ms to the first token: prefill + first round)."""
+    torch.cuda.synchronize()
+    started = time.perf_counter()
     session = engine.open(spec)
     try:
         engine.run_round(session, [], None)
+        first_ms = (time.perf_counter() - started) * 1e3
         torch.cuda.synchronize()
         t = time.perf_counter()
         for _ in range(spec.max_new_tokens - 1):
             engine.run_round(session, [], None)
-        return (spec.max_new_tokens - 1) / (time.perf_counter() - t)
+        return (spec.max_new_tokens - 1) / (time.perf_counter() - t), first_ms
     finally:
         engine.close(session)
 
@@ -170,10 +174,12 @@ def main() -> None:
                         row["service"] = client_decode(address, prompt, greedy)
                     else:
                         row["raw"] = raw_step_tokens_per_s(engine.windows, context, args.new_tokens)
-                row["engine"] = engine_loop_tokens_per_s(engine, make_spec(prompt, min(args.new_tokens, 64)))
+                row["engine"], row["engine_ttft_ms"] = engine_loop(engine, make_spec(prompt, min(args.new_tokens, 64)))
                 rows.append(row)
                 log(f"  context {context} block {block}: service {row['service']['decode_tokens_per_s']:.1f} tok/s, "
-                    f"raw step {row['raw']:.1f}, engine loop {row['engine']:.1f}")
+                    f"raw step {row['raw']:.1f}, engine loop {row['engine']:.1f}; TTFT ms client "
+                    f"{row['service']['ttft_ms']:.0f}, server {row['service']['server_ttft_ms']:.0f}, "
+                    f"engine {row['engine_ttft_ms']:.0f}")
             results["contexts"][context] = rows
         sampled = GenerationConfig(max_new_tokens=args.new_tokens, temperature=0.8, top_p=0.95, seed=1, speculation=False)
         results["sampled"] = client_decode(address, prompts[contexts[0]], sampled)
@@ -241,17 +247,18 @@ def compare_flags(start_service, children, prompts, contexts, greedy, args, resu
 
 
 def report(results: dict, args) -> None:
-    print(f"\n| context | service decode tokens/s (client) | TTFT ms (client / server) | raw graph step tokens/s "
+    print(f"\n| context | service decode tokens/s (client) | TTFT ms (client / server / engine in-process) | raw graph step tokens/s "
           f"| engine loop tokens/s | service / raw (median of {args.blocks} paired blocks) |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for context, rows in results["contexts"].items():
         service = statistics.median(r["service"]["decode_tokens_per_s"] for r in rows)
         ttft = statistics.median(r["service"]["ttft_ms"] for r in rows)
         server_ttft = statistics.median(r["service"].get("server_ttft_ms", float("nan")) for r in rows)
+        engine_ttft = statistics.median(r.get("engine_ttft_ms", float("nan")) for r in rows)
         raw = statistics.median(r["raw"] for r in rows)
         loop = statistics.median(r["engine"] for r in rows)
         ratio = statistics.median(r["service"]["decode_tokens_per_s"] / r["raw"] for r in rows)
-        print(f"| {context} | {service:.1f} | {ttft:.0f} / {server_ttft:.0f} | {raw:.1f} | {loop:.1f} | {ratio:.3f} |")
+        print(f"| {context} | {service:.1f} | {ttft:.0f} / {server_ttft:.0f} / {engine_ttft:.0f} | {raw:.1f} | {loop:.1f} | {ratio:.3f} |")
     if "sampled" in results:
         s = results["sampled"]
         print(f"\nsampled (temperature 0.8, top-p 0.95), context {next(iter(results['contexts']))}: "

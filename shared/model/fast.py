@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels.fused import pdl_supported
@@ -30,6 +31,12 @@ from shared.model.experts import grouped_mm_available
 from shared.model.kv_cache import KVCache
 from shared.model.layers import DecoderLayer, MoeBlock, RoutingOptions
 from shared.model.model import Qwen3MoeModel
+
+
+# Prefill attention backends. cuDNN's is left out: it builds an execution plan for every new
+# (query, key) length, which cost 0.4-1 s on the first prompt of each length (H200), and prompt
+# lengths rarely repeat; flash attention has no per-shape setup.
+PREFILL_ATTENTION = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
 @dataclass(frozen=True)
@@ -213,18 +220,7 @@ class FusedModel:
             qkv = F.linear(normed, layer.qkv)
             q = qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, positions, slots,
                                    keys, values, layer.num_heads, layer.num_kv_heads, layer.eps)
-            parts, row = [], 0
-            for start, count, slot in spans:
-                visible = start + count
-                parts.append(F.scaled_dot_product_attention(
-                    q[row : row + count].transpose(0, 1).unsqueeze(0),  # [1, heads, count, head_dim]
-                    keys[slot, :visible].transpose(0, 1).unsqueeze(0),
-                    values[slot, :visible].transpose(0, 1).unsqueeze(0),
-                    attn_mask=causal_lower_right(count, visible),
-                    enable_gqa=layer.num_heads != layer.num_kv_heads,
-                ).squeeze(0).transpose(0, 1))  # [count, heads, head_dim]
-                row += count
-            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+            attn = self._prefill_attention(layer, q, keys, values, spans)
             out = F.linear(attn.reshape(num_rows, -1), layer.o)
             normed, residual = add_rmsnorm(out, residual, layer.post_norm, layer.eps)
             if not layer.moe:
@@ -241,6 +237,25 @@ class FusedModel:
                 out = layer.store.forward(normed, expert_ids, weights.to(normed.dtype))
                 normed, residual = add_rmsnorm(out, residual, next_norm, layer.eps)
         return normed
+
+    @staticmethod
+    def _prefill_attention(layer: FusedLayer, q: Tensor, keys: Tensor, values: Tensor,
+                           spans: list[tuple[int, int, int]]) -> Tensor:
+        """Causal attention of each chunk's rows [count, heads, head_dim] over its slot's first
+        start + count positions (bottom-right aligned), chunks back to back."""
+        parts, row = [], 0
+        with sdpa_kernel(list(PREFILL_ATTENTION)):
+            for start, count, slot in spans:
+                visible = start + count
+                parts.append(F.scaled_dot_product_attention(
+                    q[row : row + count].transpose(0, 1).unsqueeze(0),  # [1, heads, count, head_dim]
+                    keys[slot, :visible].transpose(0, 1).unsqueeze(0),
+                    values[slot, :visible].transpose(0, 1).unsqueeze(0),
+                    attn_mask=causal_lower_right(count, visible),
+                    enable_gqa=layer.num_heads != layer.num_kv_heads,
+                ).squeeze(0).transpose(0, 1))  # [count, heads, head_dim]
+                row += count
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @torch.inference_mode()
     def forward_mtp(self, hidden: Tensor, next_token_ids: Tensor, rows: Rows, kv: tuple[Tensor, Tensor],
