@@ -17,7 +17,8 @@ from collections import deque
 
 import grpc
 
-from shared.protocol import PROTOCOL_VERSION, drafter_pb2, drafter_pb2_grpc
+from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, drafter_pb2_grpc, encode_hidden
+from verifier_service.engine import Session
 from verifier_service.settings import VerifierSettings
 
 RESYNC_BACKOFF_S = (0.05, 5.0)  # first wait after a failed (re)open, and the cap it doubles up to
@@ -204,3 +205,29 @@ class DrafterLink:
             except (asyncio.CancelledError, Exception):
                 pass
             self.reader = None
+
+
+def open_message(session: Session, round_id: int) -> drafter_pb2.DraftOpen:
+    """The DraftOpen of a session: its committed tokens and hidden rows, sampling and speculation
+    settings (opening a stream, or a re-sync)."""
+    spec = session.spec
+    s = spec.sampling
+    return drafter_pb2.DraftOpen(
+        session_id=spec.request_id,
+        token_ids=session.token_ids,
+        sampling=common_pb2.SamplingParams(
+            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=spec.seed,
+            max_support=s.max_support,
+        ),
+        speculation=common_pb2.SpeculationParams(
+            mode=common_pb2.MODE_PROBABILISTIC if spec.mode.value == "probabilistic" else common_pb2.MODE_EXACT,
+            gate=common_pb2.GATE_PICK if spec.gate.value == "pick" else common_pb2.GATE_TOP,
+            max_draft_tokens=spec.max_draft_tokens,
+            retention=common_pb2.RetentionParams(schedule=spec.retention_schedule, min_cum=spec.retention_min_cum),
+            coupled=spec.coupled,
+        ),
+        max_new_tokens=spec.max_new_tokens,
+        hidden=encode_hidden(session.hidden()) if session.hidden_rows else drafter_pb2.HiddenRows(),
+        max_draft_tokens=spec.max_draft_tokens,
+        next_round_id=round_id,
+    )

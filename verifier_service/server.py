@@ -40,7 +40,7 @@ from shared.worker import ModelWorker
 from verifier_service.admission import Admission, AdmissionLimits, AdmissionRefused
 from verifier_service.audit import HonestyAudit, accept_key
 from verifier_service.chains import ChainFault, retain, validate_chain
-from verifier_service.drafter_link import DeadlineTracker, DrafterHealth, DrafterLink
+from verifier_service.drafter_link import DeadlineTracker, DrafterHealth, DrafterLink, open_message
 from verifier_service.batcher import BatchSettings, RoundBatcher
 from verifier_service.prefill import PrefillBatcher
 from verifier_service.engine import Engine, RoundRequest, Session
@@ -133,29 +133,6 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.metrics.prefill_sessions.observe(num_sessions)
         self.metrics.prefill_tokens.inc(num_tokens)
 
-    def _open_message(self, session: Session, round_id: int) -> drafter_pb2.DraftOpen:
-        spec = session.spec
-        s = spec.sampling
-        return drafter_pb2.DraftOpen(
-            session_id=spec.request_id,
-            token_ids=session.token_ids,
-            sampling=common_pb2.SamplingParams(
-                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p, seed=spec.seed,
-                max_support=s.max_support,
-            ),
-            speculation=common_pb2.SpeculationParams(
-                mode=common_pb2.MODE_PROBABILISTIC if spec.mode.value == "probabilistic" else common_pb2.MODE_EXACT,
-                gate=common_pb2.GATE_PICK if spec.gate.value == "pick" else common_pb2.GATE_TOP,
-                max_draft_tokens=spec.max_draft_tokens,
-                retention=common_pb2.RetentionParams(schedule=spec.retention_schedule, min_cum=spec.retention_min_cum),
-                coupled=spec.coupled,
-            ),
-            max_new_tokens=spec.max_new_tokens,
-            hidden=encode_hidden(session.hidden()) if session.hidden_rows else drafter_pb2.HiddenRows(),
-            max_draft_tokens=spec.max_draft_tokens,
-            next_round_id=round_id,
-        )
-
     def _parse(self, request: verifier_pb2.GenerateRequest) -> RequestSpec:
         config = self.model.config
         return parse_request(
@@ -214,7 +191,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 if self.drafter is not None and spec.speculate and self._may_draft(spec):
                     link = DrafterLink(self.drafter, self.deadlines, security.bearer_metadata(self.settings.drafter_token),
                                        self.drafter_health)
-                    await link.open(self._open_message(session, 0), self._trace_context())
+                    await link.open(open_message(session, 0), self._trace_context())
                 completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences, self.tokenizer)
             round_id = 0
             while completion.finish_reason is None:
@@ -317,7 +294,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         chain, raw, wait_ms, bytes_up = None, None, 0.0, 0
         if link is not None:
             if not link.usable:
-                bytes_up += await link.resync(self._open_message(session, round_id), self._trace_context())
+                bytes_up += await link.resync(open_message(session, round_id), self._trace_context())
             raw, wait_ms = await link.next_chain(round_id)
             if raw is not None:
                 chain = self._checked(raw, session, round_id, link)
