@@ -18,10 +18,12 @@ outputs), never on a draw, so they are the same on a replay.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 ORDERS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32)  # context lengths counted
 MAX_MATCH = ORDERS[-1]
+NUM_ORDERS = len(ORDERS)
+NO_ORDER = 1 << 30  # past the longest order
 # Hashes stay below 2**31 so CPython's arithmetic on them stays fast; a collision (a few per
 # hundred thousand contexts) can only cost a wrong draft, which verification rejects.
 MOD = (1 << 31) - 1
@@ -40,8 +42,7 @@ REQUEST_FACTOR, REQUEST_OFFSET = 1.0, 1.0
 GLOBAL_FACTOR, GLOBAL_OFFSET = 2.0, 0.0
 
 
-@dataclass(frozen=True)
-class SuffixMatch:
+class SuffixMatch(NamedTuple):  # (a tuple: built on every round's path, cheaper than a dataclass)
     length: int  # tokens of the current suffix matched (1..MAX_MATCH)
     continuation: list[int]  # the proposed tokens
     score: float = 0.0  # expected accepted tokens under the counts (sum of prefix probabilities)
@@ -152,13 +153,15 @@ def _propose(counts: ContextCounts, prefix: list[int], max_tokens: int, min_prob
              offset: float, source: str, beat: float = 0.0) -> SuffixMatch | None:
     """The chain from the longest context of `counts` matching the end of the hashed tokens;
     None also when it could not score above `beat` (a chain of n drafts scores at most n)."""
+    if beat >= max_tokens:
+        return None
     n = len(prefix) - 1
     hn = prefix[n]
     current = counts.current  # (ContextCounts.get inlined: this runs on every round's path)
     old = counts.old if counts.max_contexts is not None else None
     # A context is counted with all its suffixes, so the orders that match form a prefix of
     # ORDERS: binary search for the last one.
-    low, high = 0, len(ORDERS)  # ORDERS[:low] match, ORDERS[high:] do not
+    low, high = 0, NUM_ORDERS  # ORDERS[:low] match, ORDERS[high:] do not
     while low < high:
         mid = (low + high) // 2
         order = ORDERS[mid]
@@ -178,35 +181,44 @@ def _propose(counts: ContextCounts, prefix: list[int], max_tokens: int, min_prob
     if limit <= beat:
         return None
     draft: list[int] = []
-    hashes = prefix  # extended privately below once a token is drafted
+    hashes = prefix[-MAX_MATCH - 1 :]  # the last hashes, extended as tokens are drafted
+    end = len(hashes) - 1
     prob, score = 1.0, 0.0
-    while len(draft) < limit:
-        length = matched + len(draft)  # the match grows with every drafted token
-        while oi + 1 < len(ORDERS) and ORDERS[oi + 1] <= length:
+    length = matched  # the match grows with every drafted token
+    next_order = ORDERS[oi + 1] if oi + 1 < NUM_ORDERS else NO_ORDER
+    while length < matched + limit:
+        while length >= next_order:  # into longer contexts
             oi += 1
-        end = len(hashes) - 1
+            next_order = ORDERS[oi + 1] if oi + 1 < NUM_ORDERS else NO_ORDER
+        h = hashes[end]
         value = None
         while oi >= 0:
             order = ORDERS[oi]
             if order <= end:
-                key = (hashes[end] - hashes[end - order] * POW[order]) % MOD
+                key = (h - hashes[end - order] * POW[order]) % MOD
                 value = current[oi].get(key)
                 if value is None and old is not None:
                     value = old[oi].get(key)
                 if value is not None:
                     break
             oi -= 1
+            next_order = ORDERS[oi + 1]
         if value is None:
             break
-        token, p = _best(value)
-        prob *= p
-        if prob < min_prob:
-            break
+        if type(value) is int:  # seen once: certain under the counts
+            token = value
+        else:
+            token, p = _best(value)
+            prob *= p
+            if prob < min_prob:
+                break
         draft.append(token)
         score += prob
-        if hashes is prefix:
-            hashes = prefix[-MAX_MATCH - 1 :]
-        hashes.append((hashes[-1] * BASE + token + 1) % MOD)
+        length += 1
+        if beat and score + (matched + limit - length) * prob <= beat:
+            return None  # even certain drafts from here on would not beat it
+        hashes.append((h * BASE + token + 1) % MOD)
+        end += 1
     if not draft:
         return None
     return SuffixMatch(matched, draft, score, source)
