@@ -4,7 +4,8 @@ compute and weight-read floors, with the earlier path side by side.
 Random bf16 weights at Qwen3-30B-A3B shapes (or --small). Three paths over the same weights,
 interleaved in rotating order (median of paired ratios against the first):
 - `logits+mask`: the path before this change: the reference modules' eager window forward
-  with a materialised [T, keys] causal mask and [T, vocab] float32 logits;
+  with a materialised [T, keys] causal mask and [T, vocab] float32 logits (its grouped experts
+  share the current `ExpertStore`, so they use the `silu_mul` kernel too);
 - `modules`: `Qwen3MoeModel.prefill`: the same modules with flash attention (bottom-right
   causal alignment) and no logits (prompt rows need only their hidden state);
 - `fused`: `FusedModel.prefill`, what the verifier runs on CUDA: cuBLAS, grouped expert GEMMs
