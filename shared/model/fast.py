@@ -24,7 +24,7 @@ from torch.nn.attention.bias import causal_lower_right
 from kernels.fused import pdl_supported
 from kernels.fused.attention import AttentionWorkspace, decode_attention
 from kernels.fused.linear import linear, linear_partials, split_k
-from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, fused_experts
+from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, fused_experts, silu_mul
 from kernels.fused.norm import add_rmsnorm, qk_norm_rope_store
 from kernels.fused.router import MoceTables, route
 from shared.model.experts import grouped_mm_available
@@ -224,8 +224,7 @@ class FusedModel:
             out = F.linear(attn.reshape(num_rows, -1), layer.o)
             normed, residual = add_rmsnorm(out, residual, layer.post_norm, layer.eps)
             if not layer.moe:
-                gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)
-                out = F.linear(F.silu(gate) * up, layer.down)
+                out = F.linear(silu_mul(F.linear(normed, layer.gate_up)), layer.down)
                 normed, residual = add_rmsnorm(out, residual, next_norm, layer.eps)
                 continue
             expert_ids, weights = route(F.linear(normed, layer.router), layer.top_k, normalize=layer.normalize)
