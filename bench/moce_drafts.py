@@ -41,7 +41,8 @@ async def run_config(target, model_dir: Path, slots: int, scale: float, prompts,
                             model=drafter_model)
     d_port = await drafter.start()
     await drafter.wait_loaded()
-    verifier = VerifierServer(VerifierSettings(port=0, drafter=f"127.0.0.1:{d_port}", drafter_deadline_ms=5000.0),
+    verifier = VerifierServer(VerifierSettings(port=0, drafter=f"127.0.0.1:{d_port}", drafter_deadline_ms=5000.0,
+                                               governor=False),
                               model=target)
     v_port = await verifier.start()
     await verifier.wait_loaded()

@@ -24,15 +24,22 @@ def check_open(message: drafter_pb2.DraftOpen, config: ModelConfig) -> None:
 
 def check_commit(message: drafter_pb2.DraftCommit, *, max_drafts: int, committed: int, round_id: int,
                  config: ModelConfig) -> None:
-    """Raise ValueError naming the bad field of a commit for a session with `committed` tokens."""
+    """Raise ValueError naming the bad field of a commit for a session with `committed` tokens
+    that expects round `round_id` next."""
     emitted = len(message.emitted_token_ids)
-    if message.round_id != round_id:
-        raise ValueError(f"commit.round_id {message.round_id} is not the session's round {round_id}")
+    rounds = max(message.num_rounds, 1)
+    if message.round_id - (rounds - 1) != round_id:
+        span = f"rounds {message.round_id - rounds + 1}..{message.round_id}" if rounds > 1 else f"round_id {message.round_id}"
+        raise ValueError(f"commit.{span} does not start at the session's round {round_id}")
     if not 0 <= message.num_verified <= max_drafts:
         raise ValueError(f"commit.num_verified {message.num_verified} must lie in [0, {max_drafts}]")
     if not 0 <= message.num_accepted <= message.num_verified:
         raise ValueError(f"commit.num_accepted {message.num_accepted} must lie in [0, num_verified = {message.num_verified}]")
-    if emitted != message.num_accepted + 1:
+    if rounds > 1:  # a resume: every token since the last commit, nothing verified
+        if message.num_verified or not rounds <= emitted:
+            raise ValueError(f"commit.num_rounds {rounds}: num_verified must be 0 and emitted_token_ids hold at least "
+                             f"one token a round; got {message.num_verified} and {emitted}")
+    elif emitted != message.num_accepted + 1:
         raise ValueError(f"commit.emitted_token_ids has {emitted} tokens; num_accepted + 1 = {message.num_accepted + 1}")
     if committed + emitted > config.max_position_embeddings:
         raise ValueError(f"the session would hold {committed + emitted} tokens; the model takes {config.max_position_embeddings}")

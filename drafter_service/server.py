@@ -98,7 +98,9 @@ class Drafter:
 
     def commit(self, session: DraftSession, message: drafter_pb2.DraftCommit) -> None:
         emitted = list(message.emitted_token_ids)
-        if session.in_flight is not None and session.in_flight.source != "NONE":
+        if message.num_rounds > 1:  # a resume: the verifier decoded without this drafter, nothing verified
+            session.in_flight = None
+        elif session.in_flight is not None and session.in_flight.source != "NONE":
             plan = session.in_flight
             self.planner.learn(plan.source, plan.bucket, message.num_verified, message.num_accepted,
                                message.verify_ms, message.num_verified + 1)

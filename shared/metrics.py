@@ -33,6 +33,11 @@ class VerifierMetrics:
         self.prefill_sessions = Histogram("tandem_verifier_prefill_sessions", "Sessions' prompt chunks per prefill forward",
                                           buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self.prefill_tokens = Counter("tandem_verifier_prefill_tokens", "Prompt tokens prefilled", registry=r)
+        self.rounds = Counter("tandem_verifier_rounds",
+                              "Rounds by kind: speculative (waited for a chain) or plain (no drafter asked)",
+                              ["kind"], registry=r)
+        self.detaches = Counter("tandem_verifier_drafter_detaches",
+                                "Times a request stopped asking its drafter because speculation did not pay", registry=r)
         self.drafter_reachable = Gauge(
             "tandem_verifier_drafter_reachable",
             "1 while the drafter answers (start-up probe, streams, chains), 0 after it failed; -1 without a drafter",

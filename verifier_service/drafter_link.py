@@ -16,6 +16,8 @@ import time
 from collections import deque
 
 import grpc
+import torch
+from torch import Tensor
 
 from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, drafter_pb2_grpc, encode_hidden
 from verifier_service.engine import Session
@@ -88,6 +90,9 @@ class DrafterLink:
         self.backoff_s = RESYNC_BACKOFF_S[0]
         self.retry_at = 0.0  # monotonic time before which no re-sync is attempted
         self.faults: dict[str, int] = {}
+        # Rounds decoded without the drafter since its last commit (the governor detached it):
+        # (round_id, emitted tokens, hidden rows), sent as one commit when it is asked again.
+        self.held: list[tuple[int, list[int], Tensor]] = []
 
     def fault(self, kind: str) -> None:
         self.faults[kind] = self.faults.get(kind, 0) + 1
@@ -100,6 +105,7 @@ class DrafterLink:
         """(Re)open the stream and send the full context; returns the bytes sent."""
         await self.close()
         self.chains = asyncio.Queue(MAX_QUEUED_CHAINS)
+        self.held = []  # the open carries the whole context
         self.broken = None
         self.after_open = True
         self.call = self.stub.Draft(metadata=self.metadata)
@@ -163,6 +169,24 @@ class DrafterLink:
         up = drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, commit=message, trace_context=trace_context or {})
         await self._write(up)
         return up.ByteSize()
+
+    def hold(self, round_id: int, emitted: list[int], hidden_rows: Tensor) -> None:
+        """A round the drafter is not told about now (the next round decodes without it)."""
+        if self.usable:
+            self.held.append((round_id, list(emitted), hidden_rows))
+
+    async def resume(self, trace_context: dict[str, str] | None = None) -> int:
+        """Tell the drafter every round it missed, as one commit; returns the bytes sent. Its
+        next chain pays for catching up on them, so it gets the first chain's deadline."""
+        if not self.held:
+            return 0
+        held, self.held = self.held, []
+        emitted = [token for _, tokens, _ in held for token in tokens]
+        hidden = torch.cat([rows for _, _, rows in held])
+        self.after_open = True
+        return await self.commit(drafter_pb2.DraftCommit(
+            round_id=held[-1][0], num_rounds=len(held), emitted_token_ids=emitted, hidden=encode_hidden(hidden),
+        ), trace_context)
 
     async def next_chain(self, round_id: int) -> tuple[drafter_pb2.DraftChain | None, float]:
         """The chain for `round_id`, or None at the deadline; stale chains are dropped."""

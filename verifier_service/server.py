@@ -41,6 +41,7 @@ from verifier_service.admission import Admission, AdmissionLimits, AdmissionRefu
 from verifier_service.audit import HonestyAudit, accept_key
 from verifier_service.chains import ChainFault, retain, validate_chain
 from verifier_service.drafter_link import DeadlineTracker, DrafterHealth, DrafterLink, open_message
+from verifier_service.governor import Governor, GovernorSettings, Ledger
 from verifier_service.batcher import BatchSettings, RoundBatcher
 from verifier_service.prefill import PrefillBatcher
 from verifier_service.engine import Engine, RoundRequest, Session
@@ -77,6 +78,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.deadlines = DeadlineTracker(settings)
         self.draw_secret = settings.draw_secret.encode() if settings.draw_secret else secrets.token_bytes(32)
         self.audit = HonestyAudit()  # the drafter address's honesty in probabilistic mode
+        self.governor_settings = GovernorSettings(min_hold=settings.governor_hold, max_hold=32 * settings.governor_hold)
+        self.ledger = Ledger(self.governor_settings)  # what speculation realises lately, all requests
         self.channel = drafter_channel(settings) if settings.drafter else None
         self.drafter = drafter_pb2_grpc.DrafterStub(self.channel) if self.channel else None
         self.metrics = VerifierMetrics()
@@ -191,7 +194,10 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 if self.drafter is not None and spec.speculate and self._may_draft(spec):
                     link = DrafterLink(self.drafter, self.deadlines, security.bearer_metadata(self.settings.drafter_token),
                                        self.drafter_health)
-                    await link.open(open_message(session, 0), self._trace_context())
+                governor = Governor(self.governor_settings, self.ledger, drafting=link is not None) \
+                    if self.settings.governor else None
+                if link is not None and (governor is None or governor.next_speculates):
+                    await link.open(open_message(session, 0), self._trace_context())  # else at its first probe
                 completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences, self.tokenizer)
             round_id = 0
             while completion.finish_reason is None:
@@ -203,11 +209,14 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     break
                 with telemetry.use_span(span), \
                         tracer.start_as_current_span("round", attributes={"tandem.round_id": round_id}) as round_span:
-                    event = await self._round(session, link, completion, stats, round_id, round_span)
+                    event = await self._round(session, link, governor, completion, stats, round_id, round_span)
                 yield event
                 round_id += 1
             faults = sum(v for k, v in (link.faults if link else {}).items() if k != "resync")
             message = stats.message(len(completion.token_ids), faults)
+            if governor is not None:
+                message.drafter_detaches = governor.detaches
+                self.metrics.detaches.inc(governor.detaches)
             self._finish_span(span, message, completion.finish_reason)
             self.metrics.requests.labels(completion.finish_reason).inc()
             yield verifier_pb2.GenerateEvent(
@@ -286,15 +295,21 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         telemetry.inject_context(carrier)
         return carrier
 
-    async def _round(self, session: Session, link: DrafterLink | None, completion: Completion, stats: RequestStats,
-                     round_id: int, span) -> verifier_pb2.GenerateEvent:
+    async def _round(self, session: Session, link: DrafterLink | None, governor: Governor | None, completion: Completion,
+                     stats: RequestStats, round_id: int, span) -> verifier_pb2.GenerateEvent:
         """One round: chain (bounded wait) → validate → retain → verify → commit."""
         spec = session.spec
         started = time.perf_counter()
+        # (a request without a drafter still runs the governor: its rounds teach the server the plain cost)
+        speculate = (governor.begin(started) if governor is not None else True) and link is not None
         chain, raw, wait_ms, bytes_up = None, None, 0.0, 0
-        if link is not None:
-            if not link.usable:
+        if speculate:
+            if link.call is None:
+                bytes_up += await link.open(open_message(session, round_id), self._trace_context())  # the first probe
+            elif not link.usable:
                 bytes_up += await link.resync(open_message(session, round_id), self._trace_context())
+            else:
+                bytes_up += await link.resume(self._trace_context())
             raw, wait_ms = await link.next_chain(round_id)
             if raw is not None:
                 chain = self._checked(raw, session, round_id, link)
@@ -304,18 +319,26 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             chain = retain(chain, mode=spec.mode, gate=spec.gate, policy=spec.retention, limit=limit)
             chain = self._audited(chain, session, link)
         drafts = chain.token_ids if chain else []
-        # Without a drafter every round is one plain token: let the engine enqueue the next one
-        # before this one is read, unless this round may be the last.
-        ahead = link is None and spec.max_new_tokens - len(completion.token_ids) > 1
+        # A plain round followed by another: let the engine enqueue the next one before this one
+        # is read, unless this round may be the last.
+        next_plain = link is None or (governor is not None and not governor.next_speculates)
+        ahead = not drafts and next_plain and spec.max_new_tokens - len(completion.token_ids) > 1
         outcome = await self.batcher.submit(RoundRequest(session, drafts, chain.q_rows if chain else None, ahead))
         source = chain.source if chain else "NONE"
         tokens, delta = completion.extend(outcome.emitted)
         # committed: the tokens delivered, and the eos or stop token that ended the request
-        stats.round(source, proposed, len(drafts), outcome.num_accepted, len(tokens) + (completion.finish_reason == "stop"))
+        stats.round(source, proposed, len(drafts), outcome.num_accepted, len(tokens) + (completion.finish_reason == "stop"),
+                    speculative=speculate)
         if tokens and stats.first_token_at is None:
             stats.first_token_at = time.perf_counter()
             self.metrics.ttft_seconds.observe(stats.first_token_at - stats.started)
-        if link is not None and completion.finish_reason is None:
+        if governor is not None:
+            governor.end(len(outcome.emitted))
+        if link is not None and completion.finish_reason is None and (next_plain or link.held):
+            link.hold(round_id, outcome.emitted, outcome.hidden_rows)  # told when it is asked again
+            if not next_plain:
+                bytes_up += await link.resume(self._trace_context())  # every round it missed, as one commit
+        elif link is not None and completion.finish_reason is None:
             bytes_up += await link.commit(drafter_pb2.DraftCommit(
                 round_id=round_id, num_accepted=outcome.num_accepted, emitted_token_ids=outcome.emitted,
                 hidden=encode_hidden(outcome.hidden_rows), num_verified=len(drafts),
@@ -327,12 +350,13 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         m.tokens.inc(len(tokens))
         m.accepted_length.observe(len(outcome.emitted))
         m.round_seconds.observe(time.perf_counter() - started)
+        m.rounds.labels("speculative" if speculate else "plain").inc()
         m.slot_hit_rate.set(self.engine.slot_hit_rate())
         if drafts:
             m.drafts.labels(source, "retained").inc(len(drafts))
             m.drafts.labels(source, "accepted").inc(outcome.num_accepted)
         span.set_attributes({
-            "tandem.source": source, "tandem.proposed": proposed, "tandem.retained": len(drafts),
+            "tandem.speculative": speculate, "tandem.source": source, "tandem.proposed": proposed, "tandem.retained": len(drafts),
             "tandem.accepted": outcome.num_accepted, "tandem.emitted": len(outcome.emitted),
             "tandem.confidences": list(raw.confidences) if raw is not None else [],
             "tandem.draft_ms": draft_ms, "tandem.rpc_ms": max(wait_ms - draft_ms, 0.0), "tandem.wait_ms": wait_ms,
@@ -346,7 +370,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             text_delta=delta if self.tokenizer is not None else None,  # set: the client knows text is streamed
             round=verifier_pb2.RoundInfo(
                 round_id=round_id, source=SOURCE_ENUM[source], proposed=proposed, retained=len(drafts),
-                accepted=outcome.num_accepted, verify_ms=verify_ms, draft_wait_ms=wait_ms,
+                accepted=outcome.num_accepted, verify_ms=verify_ms, draft_wait_ms=wait_ms, speculative=speculate,
             ),
         )
 
@@ -359,6 +383,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             "tandem.tokens_per_s": message.tokens_per_s,
             "tandem.mean_accepted_length_with_bonus": message.mean_accepted_length,
             "tandem.drafter_faults": message.drafter_faults, "tandem.finish_reason": finish_reason,
+            "tandem.speculative_rounds": message.speculative_rounds, "tandem.drafter_detaches": message.drafter_detaches,
             **{f"tandem.acceptance.{source}": rate for source, rate in message.acceptance_by_source.items()},
         })
 

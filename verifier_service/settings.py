@@ -37,6 +37,8 @@ class VerifierSettings:
     drafter_deadline_ms: float = field(default=0.0, metadata={"help": "fixed per-round wait for a chain (0 = adaptive: recent p95 + margin)"})
     drafter_deadline_margin_ms: float = field(default=5.0, metadata={"help": "adaptive deadline: margin above the recent p95"})
     drafter_deadline_max_ms: float = field(default=1000.0, metadata={"help": "adaptive deadline: upper bound (also the first round's wait)"})
+    governor: bool = field(default=True, metadata={"help": "measure what rounds with drafts realise against plain rounds, per request, and decode plainly (probing now and then) while speculation does not pay"})
+    governor_hold: int = field(default=16, metadata={"help": "plain rounds after speculation stopped paying before a probe (doubles per failed probe, up to 32x)"})
     metrics_port: int = field(default=0, metadata={"help": "port of the Prometheus /metrics endpoint (0 = off)"})
     tls_cert: str | None = field(default=None, metadata={"help": "PEM server certificate: serve TLS (with tls_key)"})
     tls_key: str | None = field(default=None, metadata={"help": "PEM private key of tls_cert"})
@@ -53,7 +55,7 @@ class VerifierSettings:
 
     def __post_init__(self) -> None:
         base.validate_service(self)
-        positive = ("max_sessions", "max_new_tokens_limit", "prefill_chunk", "max_draft_tokens_limit", "max_batch_rows")
+        positive = ("governor_hold", "max_sessions", "max_new_tokens_limit", "prefill_chunk", "max_draft_tokens_limit", "max_batch_rows")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")

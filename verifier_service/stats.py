@@ -13,12 +13,14 @@ class RequestStats:
         self.queued_s = queued_s
         self.first_token_at: float | None = None
         self.prompt_tokens = prompt_tokens
-        self.rounds = self.proposed = self.retained = self.accepted = 0
+        self.rounds = self.proposed = self.retained = self.accepted = self.speculative_rounds = 0
         self.committed = 0  # tokens delivered, plus the eos or stop token that ended the request
         self.by_source: dict[str, list[int]] = {}  # source -> [retained, accepted]
 
-    def round(self, source: str, proposed: int, retained: int, accepted: int, committed: int) -> None:
+    def round(self, source: str, proposed: int, retained: int, accepted: int, committed: int,
+              speculative: bool = False) -> None:
         self.rounds += 1
+        self.speculative_rounds += speculative
         self.committed += committed
         self.proposed += proposed
         self.retained += retained
@@ -44,4 +46,5 @@ class RequestStats:
             acceptance_by_source={s: a / r for s, (r, a) in self.by_source.items() if r},
             drafter_faults=faults,
             queue_ms=self.queued_s * 1e3,
+            speculative_rounds=self.speculative_rounds,
         )

@@ -30,6 +30,9 @@ class Pair:
         # A fixed generous deadline: the adaptive one (recent p95 + 5 ms) turns a slow CPU
         # moment into a plain round, which is correct but makes "every round drafted" flaky.
         verifier_settings.setdefault("drafter_deadline_ms", 2000.0)
+        # Every round asks the drafter unless a test turns the governor on: whether speculation
+        # pays on this machine at this moment must not decide what these tests see.
+        verifier_settings.setdefault("governor", False)
         settings = VerifierSettings(port=0, drafter=f"127.0.0.1:{port}", **verifier_settings)
         self.verifier = VerifierServer(settings, model=model, tokenizer=tokenizer)
         vport = await self.verifier.start()

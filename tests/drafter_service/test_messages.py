@@ -22,9 +22,10 @@ def open_up(model, tokens, *, session_id="s", hidden=None, max_draft_tokens=2):
         max_new_tokens=8))
 
 
-def commit_up(model, *, round_id=0, emitted=(5,), num_accepted=0, num_verified=0):
+def commit_up(model, *, round_id=0, emitted=(5,), num_accepted=0, num_verified=0, num_rounds=0):
     return drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, commit=drafter_pb2.DraftCommit(
         round_id=round_id, num_accepted=num_accepted, num_verified=num_verified, emitted_token_ids=list(emitted),
+        num_rounds=num_rounds,
         hidden=encode_hidden(torch.zeros(len(emitted), model.config.hidden_size))))
 
 
@@ -62,7 +63,23 @@ BAD = {
     "emitted count off": (lambda m: [open_up(m, [1, 2, 3]), commit_up(m, emitted=[5, 6], num_accepted=0)],
                           "commit.emitted_token_ids has 2 tokens"),
     "wrong round": (lambda m: [open_up(m, [1, 2, 3]), commit_up(m, round_id=9)], "commit.round_id 9"),
+    "a resume from the wrong round": (lambda m: [open_up(m, [1, 2, 3]), commit_up(m, round_id=5, emitted=[5] * 3, num_rounds=3)],
+                                      "commit.rounds 3..5"),
+    "a resume that verified drafts": (lambda m: [open_up(m, [1, 2, 3]),
+                                                 commit_up(m, round_id=2, emitted=[5] * 3, num_rounds=3, num_verified=1)],
+                                      "commit.num_rounds 3"),
+    "a resume with fewer tokens than rounds": (lambda m: [open_up(m, [1, 2, 3]),
+                                                          commit_up(m, round_id=3, emitted=[5, 6], num_rounds=4)],
+                                               "commit.num_rounds 4"),
 }
+
+
+async def test_a_resume_commit_covers_the_rounds_the_drafter_missed(drafter, tiny_mtp_model):
+    """The verifier decoded rounds 0-2 without the drafter: one commit brings every token."""
+    replies = await exchange(drafter, [open_up(tiny_mtp_model, [1, 2, 3]),
+                                       commit_up(tiny_mtp_model, round_id=2, emitted=[5, 6, 7, 8], num_rounds=3),
+                                       commit_up(tiny_mtp_model, round_id=3, emitted=[9])])
+    assert [(r.chain.round_id, r.chain.base_length) for r in replies] == [(0, 3), (3, 7), (4, 8)]
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

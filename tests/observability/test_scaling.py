@@ -50,7 +50,7 @@ async def test_load_spreads_over_replicas_and_one_can_die(drafters, tiny_mtp_mod
     for process, port, _ in drafters:
         await asyncio.to_thread(wait_serving, f"127.0.0.1:{port}", timeout=60, process=process, name="drafter")
     target = "ipv4:" + ",".join(f"127.0.0.1:{port}" for _, port, _ in drafters)
-    verifier = VerifierServer(VerifierSettings(port=0, drafter=target, drafter_deadline_ms=2000.0), model=tiny_mtp_model)
+    verifier = VerifierServer(VerifierSettings(port=0, drafter=target, drafter_deadline_ms=2000.0, governor=False), model=tiny_mtp_model)
     port = await verifier.start()
     await verifier.wait_loaded()
     try:

@@ -42,10 +42,12 @@ class DrafterState:
 
 
 class ScriptedDrafter(drafter_pb2_grpc.DrafterServicer):
-    """A real Drafter servicer whose chains come from `propose(state)` (a chain, None, STALL or CLOSE)."""
+    """A real Drafter servicer whose chains come from `propose(state)` (a chain, None, STALL or CLOSE),
+    each sent `delay_s` after the message it answers (a slow drafter)."""
 
-    def __init__(self, propose):
+    def __init__(self, propose, delay_s: float = 0.0):
         self.propose = propose
+        self.delay_s = delay_s
         self.sessions: list[DrafterState] = []
 
     async def Draft(self, request_iterator, context):
@@ -66,6 +68,8 @@ class ScriptedDrafter(drafter_pb2_grpc.DrafterServicer):
             if action == CLOSE:
                 return
             if action is not None:
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
                 yield drafter_pb2.DraftDown(protocol_version=PROTOCOL_VERSION, chain=action)
 
 
@@ -111,6 +115,9 @@ class Servers:
         # + 5 ms) turns a slow CPU moment into a plain round — correct, but it makes "no
         # faults" assertions flaky on a loaded 2-core machine.
         settings.setdefault("drafter_deadline_ms", 2000.0)
+        # Every round asks the drafter unless a test turns the governor on: whether speculation
+        # pays on this machine at this moment must not decide what these tests see.
+        settings.setdefault("governor", False)
         self.verifier = VerifierServer(VerifierSettings(port=0, drafter=target, **settings), model=model, tokenizer=tokenizer)
         port = await self.verifier.start()
         await self.verifier.wait_loaded()

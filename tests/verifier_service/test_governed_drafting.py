@@ -1,0 +1,60 @@
+"""The governor through the service (DESIGN §9): a drafter that does not pay is detached and
+probed again, the rounds it missed reach it as one commit, and the tokens never change."""
+
+from __future__ import annotations
+
+from shared.protocol import common_pb2
+
+from .conftest import ScriptedDrafter, chain, generate, request
+from .test_speculation import PROMPT, greedy_continuation
+
+
+async def test_a_slow_drafter_is_detached_then_resumed_and_tokens_stay_the_same(servers, tiny_model):
+    # Every chain is right (2 greedy drafts) but comes 60 ms late: a plain round here takes a
+    # few ms, so speculation cannot pay. Hold 4 rounds after a detach.
+    drafter = ScriptedDrafter(lambda s: chain(s, greedy_continuation(tiny_model, s.tokens, 2)), delay_s=0.06)
+    stub = await servers.start(tiny_model, drafter=drafter, governor=True, governor_hold=4, max_draft_tokens=2)
+    req = request(PROMPT, 60, temperature=0.0, seed=0)
+    req.speculation.disable = True
+    plain, _, _ = await generate(stub, req)  # also teaches the server the plain cost
+    req.speculation.disable = False
+    tokens, final, rounds = await generate(stub, req)
+    assert tokens == plain
+    stats = final.stats
+    assert stats.drafter_detaches >= 1
+    assert 0 < stats.speculative_rounds < stats.rounds
+    assert stats.speculative_rounds == sum(r.speculative for r in rounds)
+    assert all(r.retained == 0 for r in rounds if not r.speculative)  # a plain round asks for nothing
+    (session,) = drafter.sessions
+    # The drafter heard of every committed token once, in order: the rounds it missed arrived
+    # as one commit (num_rounds > 1) just before it was asked again. Rounds after the last
+    # commit it got: held for a probe that never came (all plain), or the request's last.
+    assert session.tokens == (PROMPT + tokens)[: len(session.tokens)]
+    resumes = [c for c in session.commits if c.num_rounds > 1]
+    assert resumes and all(c.num_verified == 0 for c in resumes)
+    told = sum(max(c.num_rounds, 1) for c in session.commits)
+    assert len(session.tokens) == len(PROMPT) + sum(len(c.emitted_token_ids) for c in session.commits)
+    assert told < stats.rounds and not any(r.speculative for r in rounds[told + 1:])
+    assert all(c.hidden.num_rows == len(c.emitted_token_ids) for c in session.commits)
+
+
+async def test_with_the_governor_off_every_round_asks_the_drafter(servers, tiny_model):
+    drafter = ScriptedDrafter(lambda s: chain(s, greedy_continuation(tiny_model, s.tokens, 2)), delay_s=0.03)
+    stub = await servers.start(tiny_model, drafter=drafter, governor=False, max_draft_tokens=2)
+    _, final, rounds = await generate(stub, request(PROMPT, 24, temperature=0.0, seed=0))
+    assert final.stats.speculative_rounds == final.stats.rounds == len(rounds)
+    assert final.stats.drafter_detaches == 0
+
+
+async def test_a_server_that_learnt_speculation_does_not_pay_opens_the_drafter_at_the_first_probe(servers, tiny_model):
+    drafter = ScriptedDrafter(lambda s: chain(s, greedy_continuation(tiny_model, s.tokens, 2)), delay_s=0.06)
+    stub = await servers.start(tiny_model, drafter=drafter, governor=True, governor_hold=4, max_draft_tokens=2)
+    for _ in range(3):
+        await generate(stub, request(PROMPT, 60, temperature=0.0, seed=0))
+    assert servers.verifier.service.ledger.pays() is False
+    opened_before = len(drafter.sessions)
+    tokens, final, rounds = await generate(stub, request(PROMPT, 12, temperature=0.0, seed=0))
+    assert not rounds[0].speculative and rounds[4].speculative  # plain for the hold, then a probe
+    assert len(drafter.sessions) == opened_before + 1
+    # opened at the probe with the whole context so far
+    assert len(drafter.sessions[-1].tokens) >= len(PROMPT) + 4
