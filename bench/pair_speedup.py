@@ -154,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-tap", action="store_true", help="embedded setups: skip the tap pass (no bytes/compute)")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds a service gets to become SERVING")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="deadline of one request, seconds")
+    parser.add_argument("--verifier-arg", action="append", default=[],
+                        help="extra flag for the verifier(s), e.g. --verifier-arg=--no-governor (repeatable)")
+    parser.add_argument("--drafter-delay-ms", type=float, default=0.0,
+                        help="synthetic setups: the replay drafter sends each chain this late (a slow drafter)")
     parser.add_argument("--out", default=None, help="write the raw per-request records (JSON) here")
     args = parser.parse_args(argv)
     if args.threads is None:

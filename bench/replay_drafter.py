@@ -8,7 +8,7 @@ reference), so the per-step acceptance is alpha by construction. Nothing it prod
 real draft: label every number measured with it "synthetic".
 
     python bench/replay_drafter.py --port P --reference FILE --alpha A --seed S [--max-drafts K]
-        [--vocab-size V] [--stats FILE.jsonl]
+        [--vocab-size V] [--stats FILE.jsonl] [--delay-ms D]
 
 Reference file (JSON): {"prompt_ids": [...], "token_ids": [...]} for one prompt, or
 {"references": [{"prompt_ids": ..., "token_ids": ...}, ...], "vocab_size": V} for several
@@ -207,9 +207,10 @@ class ReplayDrafter:
 
 
 class ReplayDrafterService(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, drafter: ReplayDrafter, stats_path: str | None = None) -> None:
+    def __init__(self, drafter: ReplayDrafter, stats_path: str | None = None, delay_s: float = 0.0) -> None:
         self.drafter = drafter
         self.stats_path = stats_path
+        self.delay_s = delay_s  # a slow drafter: each chain leaves this long after its message came
         self.sessions = 0
 
     def _write_stats(self, session: ReplaySession) -> None:
@@ -243,6 +244,8 @@ class ReplayDrafterService(drafter_pb2_grpc.DrafterServicer):
                 session.stats["up"].append([kind, up.ByteSize()])
                 session.stats["down"].append(down.ByteSize())
                 session.stats["compute_ms"].append((time.perf_counter() - started) * 1e3)
+                if self.delay_s:
+                    await asyncio.sleep(self.delay_s)
                 yield down
         finally:
             if session is not None:
@@ -255,7 +258,7 @@ async def serve(args: argparse.Namespace) -> None:
                             vocab_size=args.vocab_size or file_vocab)
     health_servicer = health.aio.HealthServicer()
     server = grpc.aio.server(options=OPTIONS)
-    drafter_pb2_grpc.add_DrafterServicer_to_server(ReplayDrafterService(drafter, args.stats), server)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(ReplayDrafterService(drafter, args.stats, args.delay_ms / 1e3), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     if port == 0:
@@ -285,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-drafts", type=int, default=MAX_DRAFTS, help="most drafts per chain (also capped by the verifier's max_draft_tokens)")
     parser.add_argument("--vocab-size", type=int, default=0, help="0 = the reference file's vocab_size, else corrupt t to t-1")
     parser.add_argument("--stats", default=None, help="append one JSON line per finished stream to this file")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="a slow drafter: send each chain this long after the message it answers")
     args = parser.parse_args(argv)
     if not 0.0 <= args.alpha <= 1.0:
         parser.error(f"--alpha {args.alpha} must lie in [0, 1]")

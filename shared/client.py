@@ -202,6 +202,7 @@ def round_to_dict(info: verifier_pb2.RoundInfo) -> dict:
         "accepted": info.accepted,
         "verify_ms": info.verify_ms,
         "draft_wait_ms": info.draft_wait_ms,
+        "speculative": info.speculative,
     }
 
 
@@ -217,6 +218,8 @@ def stats_to_dict(stats: verifier_pb2.RequestStats) -> dict:
         "tokens_per_s": stats.tokens_per_s,
         "acceptance_by_source": {name: stats.acceptance_by_source[name] for name in sorted(stats.acceptance_by_source)},
         "drafter_faults": stats.drafter_faults,
+        "speculative_rounds": stats.speculative_rounds,
+        "drafter_detaches": stats.drafter_detaches,
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,
     }

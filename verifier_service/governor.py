@@ -7,44 +7,53 @@ round's start (wait, verify, streaming: everything) per committed token. Specula
 are compared with plain ones:
 
 - a request starts speculating, unless the server's recent rounds say speculation does not
-  pay (then it starts plain and probes after a hold);
+  pay (then it starts plain, detached);
 - after `judge_rounds` speculative rounds it judges; if the plain cost is unknown (no plain
   round here or on the server yet), `judge_rounds` plain rounds calibrate it first;
-- speculation slower than plain: the request detaches (plain rounds, the drafter hears
-  nothing) for `hold` rounds, then probes `judge_rounds` speculative rounds again; the hold
-  doubles per failed probe up to `max_hold` and falls back to `min_hold` when a probe pays;
+- speculation slower than plain (by more than `margin`, against noise): the request detaches (plain rounds; the drafter hears
+  nothing) and later probes `judge_rounds` speculative rounds again;
+- probes are paid from a server-wide budget (`Ledger`): every plain round earns
+  `probe_share` of its time, a probe may start (after at least `min_hold` plain rounds of the
+  request) once the budget holds its expected loss, and is charged what it really lost
+  against plain decoding. So a drafter that never pays costs at most `probe_share` of the
+  plain decoding time (plus one probe), however long it fails;
 - the first round of each phase stays out of the estimates (a probe's first chain pays the
   drafter's catch-up of the rounds it missed; a first plain round may lose a compute-ahead).
 
 Estimates: seconds per committed token over the last `window` rounds of a kind, the
-request's own, else the server's (`Ledger`, fed by every request, the plain rounds of
-requests without drafting included). The decision changes only whether a round has drafts:
-in exact mode the committed tokens are the same either way; in probabilistic mode the law
-is the same (as for any round whose chain came late).
+request's own, else the server's (fed by every request, the plain rounds of requests
+without drafting included). The decision changes only whether a round has drafts: in exact
+mode the committed tokens are the same either way; in probabilistic mode the law is the
+same (as for any round whose chain came late).
 """
 
 from __future__ import annotations
 
+import math
+import threading
 from collections import deque
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class GovernorSettings:
-    judge_rounds: int = 5  # rounds of a phase before judging (the first one is not measured)
-    min_hold: int = 16  # plain rounds after a detach
-    max_hold: int = 512  # the hold doubles per failed probe up to this
+    judge_rounds: int = 8  # rounds of a phase before judging (the first one is not measured)
+    margin: float = 0.05  # detach only when rounds with drafts cost this much more per token (noise)
+    min_hold: int = 16  # plain rounds of a request between a detach and its next probe, at least
+    probe_share: float = 0.05  # of the plain decoding time, what probes of a drafter that does not pay may cost
     window: int = 8  # a request's estimate: its last rounds of a kind
     server_window: int = 64  # the server's estimate: the last rounds of a kind, all requests
 
     def __post_init__(self) -> None:
-        for name in ("judge_rounds", "min_hold", "window", "server_window"):
+        for name in ("min_hold", "window", "server_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"governor {name} {getattr(self, name)} must be >= 1")
         if self.judge_rounds < 2:
             raise ValueError(f"governor judge_rounds {self.judge_rounds} must be >= 2 (the first round is not measured)")
-        if self.max_hold < self.min_hold:
-            raise ValueError(f"governor max_hold {self.max_hold} must be >= min_hold {self.min_hold}")
+        if not (math.isfinite(self.margin) and 0 <= self.margin < 1):
+            raise ValueError(f"governor margin {self.margin!r} must lie in [0, 1)")
+        if not (math.isfinite(self.probe_share) and 0 < self.probe_share <= 1):
+            raise ValueError(f"governor probe_share {self.probe_share!r} must lie in (0, 1]")
 
 
 class CostWindow:
@@ -66,14 +75,24 @@ class CostWindow:
         tokens = sum(t for _, t in self.rounds)
         return sum(s for s, _ in self.rounds) / tokens if tokens else None
 
+    def excess(self, plain_per_token: float) -> float | None:
+        """Mean seconds a round of this window lost against plain decoding of its tokens."""
+        if not self.rounds:
+            return None
+        return sum(s - t * plain_per_token for s, t in self.rounds) / len(self.rounds)
+
 
 class Ledger:
-    """The server's view over all requests: the prior of a request that has not measured a kind."""
+    """The server's view over all requests (the prior of a request that has not measured a
+    kind) and the probe budget. Requests run on one event loop; the lock keeps it right
+    should they not."""
 
     def __init__(self, settings: GovernorSettings) -> None:
         self.settings = settings
         self.speculative = CostWindow(settings.server_window)
         self.plain = CostWindow(settings.server_window)
+        self.credit_s = 0.0  # what probes may still lose
+        self._lock = threading.Lock()
 
     def pays(self) -> bool | None:
         """Whether speculation has paid lately (None: too few rounds of either kind to say)."""
@@ -81,6 +100,22 @@ class Ledger:
         if len(self.speculative) < enough or len(self.plain) < enough:
             return None
         return self.speculative.per_token() <= self.plain.per_token()
+
+    def earn(self, plain_seconds: float) -> None:
+        with self._lock:
+            self.credit_s += self.settings.probe_share * plain_seconds
+
+    def charge(self, seconds: float) -> None:
+        with self._lock:
+            self.credit_s -= seconds
+
+    def reserve(self, expected_loss_s: float) -> bool:
+        """Take a probe's expected loss from the budget if it holds it."""
+        with self._lock:
+            if self.credit_s < expected_loss_s:
+                return False
+            self.credit_s -= expected_loss_s
+            return True
 
 
 class Governor:
@@ -95,14 +130,16 @@ class Governor:
         self.drafting = drafting  # False: the request never drafts; its plain rounds still teach the ledger
         self.speculative = CostWindow(settings.window)
         self.plain = CostWindow(settings.window)
-        self.hold = settings.min_hold
         self.speculating = drafting and ledger.pays() is not False  # the kind of the next round
-        self.phase_length = settings.judge_rounds if self.speculating else self.hold
+        self.phase_length = settings.judge_rounds if self.speculating else settings.min_hold
         self.calibrating = False  # this plain phase measures the plain cost, then judges at once
+        self.probing = False  # this speculative phase is a probe (charged to the ledger's budget)
+        self.reserved_s = 0.0  # per probe round, the share of the probe's reservation
         self.phase_rounds = 0  # rounds since the phase began (or since the last judgement)
         self.new_phase = True  # the next round is the first of its phase
         self.started: float | None = None
-        self.round_speculated = self.round_first = False  # the current round's kind, and whether it opened a phase
+        # the current round: its kind, whether it opened its phase, whether it belongs to a probe
+        self.round_speculated = self.round_first = self.round_probe = False
         self.tokens = 0
         self.rounds = self.speculative_rounds = self.detaches = self.probes = 0
 
@@ -115,7 +152,7 @@ class Governor:
         if self.started is not None:
             self._record(now - self.started, self.tokens)
         self.started, self.tokens = now, 0
-        self.round_speculated = self.speculating
+        self.round_speculated, self.round_probe = self.speculating, self.probing
         self.round_first, self.new_phase = self.new_phase, False
         self.rounds += 1
         self.speculative_rounds += self.round_speculated
@@ -129,6 +166,11 @@ class Governor:
         self.tokens = tokens
 
     def _record(self, seconds: float, tokens: int) -> None:
+        if not self.round_speculated:
+            self.ledger.earn(seconds)
+        elif self.round_probe:  # what the round lost against plain decoding, less its share of the reservation
+            plain = self.estimate(False)
+            self.ledger.charge(seconds - tokens * plain - self.reserved_s if plain is not None else -self.reserved_s)
         if self.round_first or tokens <= 0:
             return
         own, server = (self.speculative, self.ledger.speculative) if self.round_speculated else (self.plain, self.ledger.plain)
@@ -140,30 +182,44 @@ class Governor:
         own, server = (self.speculative, self.ledger.speculative) if speculative else (self.plain, self.ledger.plain)
         return own.per_token() if len(own) else server.per_token()
 
+    def _expected_probe_loss(self) -> float:
+        plain = self.estimate(False)
+        if plain is None:
+            return 0.0
+        window = self.speculative if len(self.speculative) else self.ledger.speculative
+        excess = window.excess(plain)
+        return max(excess or 0.0, 0.0) * self.settings.judge_rounds
+
     def _decide(self) -> None:
         speculative, plain = self.estimate(True), self.estimate(False)
         if self.speculating:
             if plain is None:
                 self._switch(False, self.settings.judge_rounds, calibrating=True)
-            elif speculative is not None and speculative > plain:
+            elif speculative is not None and speculative > plain * (1 + self.settings.margin):
                 self._detach()
             else:  # it pays (or nothing measured yet): judge again after another stretch
-                self.hold = self.settings.min_hold
+                self.probing = False
                 self.phase_rounds = 0
-        elif self.calibrating and speculative is not None and plain is not None and speculative > plain:
-            self._detach()
-        else:  # a calibration that says it pays, or a hold that ran out (a probe)
-            self.probes += not self.calibrating
-            self._switch(True, self.settings.judge_rounds)
+        elif self.calibrating:
+            if speculative is not None and plain is not None and speculative > plain * (1 + self.settings.margin):
+                self._detach()
+            else:
+                self._switch(True, self.settings.judge_rounds)
+        else:  # detached: probe when the budget holds what a probe is expected to lose
+            expected = self._expected_probe_loss()
+            if self.ledger.reserve(expected):
+                self.probes += 1
+                self._switch(True, self.settings.judge_rounds)
+                self.probing, self.reserved_s = True, expected / self.settings.judge_rounds
 
     def _detach(self) -> None:
         self.detaches += 1
-        self._switch(False, self.hold)
-        self.hold = min(2 * self.hold, self.settings.max_hold)
+        self._switch(False, self.settings.min_hold)
 
     def _switch(self, speculating: bool, length: int, calibrating: bool = False) -> None:
         self.speculating = speculating
         self.calibrating = calibrating
+        self.probing = False
         self.phase_length = length
         self.phase_rounds = 0
         # a phase measures its kind afresh: conditions (context, load) may have changed since

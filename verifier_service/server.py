@@ -78,7 +78,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.deadlines = DeadlineTracker(settings)
         self.draw_secret = settings.draw_secret.encode() if settings.draw_secret else secrets.token_bytes(32)
         self.audit = HonestyAudit()  # the drafter address's honesty in probabilistic mode
-        self.governor_settings = GovernorSettings(min_hold=settings.governor_hold, max_hold=32 * settings.governor_hold)
+        self.governor_settings = GovernorSettings(min_hold=settings.governor_hold,
+                                                  probe_share=settings.governor_probe_share)
         self.ledger = Ledger(self.governor_settings)  # what speculation realises lately, all requests
         self.channel = drafter_channel(settings) if settings.drafter else None
         self.drafter = drafter_pb2_grpc.DrafterStub(self.channel) if self.channel else None

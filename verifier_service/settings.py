@@ -38,7 +38,8 @@ class VerifierSettings:
     drafter_deadline_margin_ms: float = field(default=5.0, metadata={"help": "adaptive deadline: margin above the recent p95"})
     drafter_deadline_max_ms: float = field(default=1000.0, metadata={"help": "adaptive deadline: upper bound (also the first round's wait)"})
     governor: bool = field(default=True, metadata={"help": "measure what rounds with drafts realise against plain rounds, per request, and decode plainly (probing now and then) while speculation does not pay"})
-    governor_hold: int = field(default=16, metadata={"help": "plain rounds after speculation stopped paying before a probe (doubles per failed probe, up to 32x)"})
+    governor_hold: int = field(default=16, metadata={"help": "plain rounds of a request after speculation stopped paying before it may probe again"})
+    governor_probe_share: float = field(default=0.05, metadata={"help": "of the time spent decoding plainly, what probing a drafter that does not pay may cost (0.05: a useless drafter slows requests by at most 5%)"})
     metrics_port: int = field(default=0, metadata={"help": "port of the Prometheus /metrics endpoint (0 = off)"})
     tls_cert: str | None = field(default=None, metadata={"help": "PEM server certificate: serve TLS (with tls_key)"})
     tls_key: str | None = field(default=None, metadata={"help": "PEM private key of tls_cert"})
@@ -76,6 +77,8 @@ class VerifierSettings:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} {value!r} must be finite and >= 0")
+        if not (math.isfinite(self.governor_probe_share) and 0 < self.governor_probe_share <= 1):
+            raise ValueError(f"governor_probe_share {self.governor_probe_share!r} must lie in (0, 1]")
         if not self.batch_gather_ms < 1000:
             raise ValueError(f"batch_gather_ms {self.batch_gather_ms!r} must be below 1000")
         if not (math.isfinite(self.queue_timeout_s) and self.queue_timeout_s > 0):

@@ -88,8 +88,11 @@ def analyse(records: list[dict], spec: Arm, plain: Arm, blocks: int, k_max: int)
         "faults": sum(r["stats"]["drafter_faults"] for r in s_recs),
         "spec_wall_ms_per_round": 1e3 * sum(r["wall_s"] for r in s_recs) / rounds if rounds else None,
         "spec_verify_ms": mean(x["verify_ms"] for x in s_rounds),
-        "draft_wait_ms": mean(x["draft_wait_ms"] for x in s_rounds if x["round_id"] >= 1),
-        "draft_wait_median_ms": median(x["draft_wait_ms"] for x in s_rounds if x["round_id"] >= 1),
+        # waits of the rounds that asked the drafter (the governor may have decoded the rest plainly)
+        "draft_wait_ms": mean(x["draft_wait_ms"] for x in s_rounds if x["round_id"] >= 1 and x.get("speculative", True)),
+        "draft_wait_median_ms": median(x["draft_wait_ms"] for x in s_rounds if x["round_id"] >= 1 and x.get("speculative", True)),
+        "waited_share": sum(1 for x in s_rounds if x.get("speculative", True)) / rounds if rounds else None,
+        "detaches": sum(r["stats"].get("drafter_detaches", 0) for r in s_recs),
         "open_wait_ms": mean(x["draft_wait_ms"] for x in s_rounds if x["round_id"] == 0),
         "plain_wall_ms_per_round": 1e3 * sum(r["wall_s"] for r in p_recs) / len(p_rounds) if p_rounds else None,
         "c1_ms": c1, "curve": curve, "ideal": ideal,
@@ -117,8 +120,9 @@ def report(setup: str, header: dict, summaries: list[dict], costs: dict[str, dic
     out.append("")
     out.append("| arm | median of paired ratios [min, max] | same, server tokens/s | mean accepted length (bonus incl.) "
                "| acceptance by source | per-step acceptance a_1..a_k | drafts retained/round | rounds/request "
-               "| faults | spec = plain outputs | ideal (verify-only) | fraction realised |")
-    out.append("| --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+               "| faults | rounds that waited for a chain | drafter detaches | spec = plain outputs | ideal (verify-only) "
+               "| fraction realised |")
+    out.append("| --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for s in summaries:
         sources = ", ".join(f"{k} {v:.2f}" for k, v in s["acceptance_by_source"].items()) or "-"
         steps = " ".join(fmt(a, ".2f", "-") for a in s["per_step_acceptance"])
@@ -126,7 +130,7 @@ def report(setup: str, header: dict, summaries: list[dict], costs: dict[str, dic
             f"| {s['name']} | **{fmt(s['median_ratio'], '.3f')}** [{fmt(s['min_ratio'], '.3f')}, {fmt(s['max_ratio'], '.3f')}] "
             f"| {fmt(s['median_server_ratio'], '.3f')} | {fmt(s['mean_accepted_length'])} | {sources} | {steps} "
             f"| {fmt(s['drafts_retained_per_round'])} | {s['rounds'] / max(s['requests'], 1):.1f} | {s['faults']} "
-            f"| {s['identical_outputs']} | {fmt(s['ideal'], '.3f')} | {fmt(s['fraction_realised'], '.2f')} |")
+            f"| {fmt(s['waited_share'], '.2f')} | {s['detaches']} | {s['identical_outputs']} | {fmt(s['ideal'], '.3f')} | {fmt(s['fraction_realised'], '.2f')} |")
     out.append("")
     out.append("Per round (ms; means over all timed rounds unless 'median'; 'draft wait' = RoundInfo.draft_wait_ms of "
                "rounds >= 1, round 0's wait includes the drafter's open; hop + service overhead = median draft wait - "

@@ -72,7 +72,7 @@ async def run_embedded(args, children: Children, workdir: Path) -> tuple[list[di
     drafter_args = [*common, "--port", str(d_port)]
     if not args.global_index:
         drafter_args += ["--global-index-contexts", "0"]
-    verifier_args = [*common, "--max-draft-tokens", str(args.max_draft_tokens), "--grace-s", "2"]
+    verifier_args = [*common, "--max-draft-tokens", str(args.max_draft_tokens), "--grace-s", "2", *args.verifier_arg]
     log("starting services ...")
     children.start("drafter", [sys.executable, "-m", "shared.cli", "drafter", *drafter_args])
     children.start("verifier", [sys.executable, "-m", "shared.cli", "verifier", *verifier_args, "--port", str(v_port),
@@ -123,7 +123,7 @@ async def run_embedded(args, children: Children, workdir: Path) -> tuple[list[di
     finally:
         if tap is not None:
             await tap.stop()
-    header = {"model": model_dir.name, "device": device, "dtype": args.dtype,
+    header = {"model": model_dir.name, "device": device, "dtype": args.dtype, "verifier flags": " ".join(args.verifier_arg) or "defaults",
               "drafter": "tandem drafter (MTP + suffix)" + ("" if args.global_index else ", cross-session index off")}
     if tap_records:
         header["tap-pass outputs equal to the timed spec arm"] = (
@@ -158,7 +158,7 @@ async def run_synthetic(args, children: Children, workdir: Path) -> tuple[list[d
     log("starting the verifier ...")
     children.start("verifier", [sys.executable, "-m", "shared.cli", "verifier", *model_args, "--device", device,
                                 "--dtype", dtype, "--port", str(v_port), "--drafter", f"127.0.0.1:{r_port}",
-                                "--max-draft-tokens", str(args.max_draft_tokens), "--grace-s", "2"])
+                                "--max-draft-tokens", str(args.max_draft_tokens), "--grace-s", "2", *args.verifier_arg])
     await children.wait_serving("verifier", f"127.0.0.1:{v_port}", args.startup_timeout)
     plain = Arm("plain", False)
     spec_arms = [Arm(f"synthetic alpha={a:g}", True, a) for a in args.alpha]
@@ -176,7 +176,7 @@ async def run_synthetic(args, children: Children, workdir: Path) -> tuple[list[d
         children.start("replay-drafter", [sys.executable, str(REPO / "bench" / "replay_drafter.py"), "--port", str(r_port),
                                           "--reference", str(reference_path), "--alpha", str(args.alpha[0]),
                                           "--seed", str(args.seed), "--max-drafts", str(args.max_draft_tokens),
-                                          "--stats", str(stats_path)])
+                                          "--stats", str(stats_path), "--delay-ms", str(args.drafter_delay_ms)])
         await children.wait_serving("replay-drafter", f"127.0.0.1:{r_port}", args.startup_timeout)
         log(f"warm-up ({len(arms)} requests) ...")
         seconds = await run.warm_up(client, arms)
@@ -191,6 +191,8 @@ async def run_synthetic(args, children: Children, workdir: Path) -> tuple[list[d
         c["method"] = "replay drafter, timed runs: ByteSize per message, compute = received -> chain built"
         costs[arm.name] = c
     reference_ok = sum(1 for r in run.records if r["speculation"] and r["token_ids"] == references[r["prompt"]]["token_ids"])
-    header = {"model": model_name, "device": device, "dtype": dtype, "drafter": "bench/replay_drafter.py (synthetic)",
+    header = {"model": model_name, "device": device, "dtype": dtype, "drafter": "bench/replay_drafter.py (synthetic)"
+              + (f", chains {args.drafter_delay_ms:g} ms late" if args.drafter_delay_ms else ""),
+              "verifier flags": " ".join(args.verifier_arg) or "defaults",
               "spec outputs equal to the reference": f"{reference_ok}/{sum(1 for r in run.records if r['speculation'])}"}
     return run.records, header, arms, plain, {"costs": costs, "extra": {"replay_stats": stats, "references": references}}

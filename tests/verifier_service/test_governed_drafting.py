@@ -17,6 +17,7 @@ async def test_a_slow_drafter_is_detached_then_resumed_and_tokens_stay_the_same(
     req = request(PROMPT, 60, temperature=0.0, seed=0)
     req.speculation.disable = True
     plain, _, _ = await generate(stub, req)  # also teaches the server the plain cost
+    servers.verifier.service.ledger.credit_s = 100.0  # a probe budget for many probes (it is earned slowly)
     req.speculation.disable = False
     tokens, final, rounds = await generate(stub, req)
     assert tokens == plain
@@ -49,9 +50,11 @@ async def test_with_the_governor_off_every_round_asks_the_drafter(servers, tiny_
 async def test_a_server_that_learnt_speculation_does_not_pay_opens_the_drafter_at_the_first_probe(servers, tiny_model):
     drafter = ScriptedDrafter(lambda s: chain(s, greedy_continuation(tiny_model, s.tokens, 2)), delay_s=0.06)
     stub = await servers.start(tiny_model, drafter=drafter, governor=True, governor_hold=4, max_draft_tokens=2)
-    for _ in range(3):
+    for _ in range(6):  # 3 measured speculative rounds each: the server's verdict needs 16
         await generate(stub, request(PROMPT, 60, temperature=0.0, seed=0))
-    assert servers.verifier.service.ledger.pays() is False
+    ledger = servers.verifier.service.ledger
+    assert ledger.pays() is False
+    ledger.credit_s = 100.0
     opened_before = len(drafter.sessions)
     tokens, final, rounds = await generate(stub, request(PROMPT, 12, temperature=0.0, seed=0))
     assert not rounds[0].speculative and rounds[4].speculative  # plain for the hold, then a probe
