@@ -126,6 +126,8 @@ class ReplaySession:
     round_id: int
     diverged_at: int | None = None  # committed length where the session left its reference
     stats: dict = field(default_factory=dict)
+    draft_ahead: bool = False
+    ahead: drafter_pb2.DraftChain | None = None  # the chain drafted ahead and sent, not yet judged
 
     @property
     def on_reference(self) -> bool:
@@ -162,17 +164,25 @@ class ReplayDrafter:
         session = ReplaySession(
             session_id=message.session_id, alpha=self.session_alpha(message.session_id),
             max_drafts=max(0, min(self.max_drafts, message.max_draft_tokens)), reference=reference,
-            tokens=tokens, round_id=message.next_round_id,
+            tokens=tokens, round_id=message.next_round_id, draft_ahead=message.draft_ahead,
         )
         session.stats = {
             "label": LABEL, "session_id": session.session_id, "alpha": session.alpha, "seed": self.seed,
             "reference": reference.index if reference else None, "prompt_tokens": len(tokens),
             "up": [], "down": [], "compute_ms": [], "drafted": 0, "corrupted": 0, "diverged_at": None,
+            "ahead_sent": 0, "ahead_hits": 0,
         }
         return session
 
-    def commit(self, session: ReplaySession, message: drafter_pb2.DraftCommit) -> None:
+    def commit(self, session: ReplaySession, message: drafter_pb2.DraftCommit) -> bool:
+        """Apply a commit; True when it emitted what the chain drafted ahead assumed (a hit)."""
         emitted = list(message.emitted_token_ids)
+        ahead, session.ahead = session.ahead, None
+        hit = (ahead is not None and message.num_rounds <= 1 and ahead.round_id == message.round_id + 1
+               and emitted == list(ahead.assumed_token_ids))
+        if hit:
+            session.ahead = ahead
+            session.stats["ahead_hits"] += 1
         start = len(session.tokens)
         session.tokens.extend(emitted)
         session.round_id = message.round_id + 1
@@ -184,12 +194,13 @@ class ReplayDrafter:
                 same = next((i for i, (a, b) in enumerate(zip(emitted, expected)) if a != b), min(len(emitted), len(expected)))
                 session.diverged_at = start + same
                 session.stats["diverged_at"] = session.diverged_at
+        return hit
 
-    def propose(self, session: ReplaySession) -> drafter_pb2.DraftChain:
+    def _drafts_at(self, session: ReplaySession, base: int) -> list[int]:
+        """The (possibly corrupted) reference tokens from absolute position `base` on."""
         drafts: list[int] = []
         if session.on_reference and session.max_drafts:
             ref = session.reference
-            base = len(session.tokens)
             offset = base - len(ref.prompt_ids)
             for j, token in enumerate(ref.token_ids[offset : offset + session.max_drafts]):
                 if uniform(self.seed, ref.key, base + j) >= session.alpha:
@@ -197,6 +208,10 @@ class ReplayDrafter:
                     session.stats["corrupted"] += 1
                 drafts.append(token)
             session.stats["drafted"] += len(drafts)
+        return drafts
+
+    def propose(self, session: ReplaySession) -> drafter_pb2.DraftChain:
+        drafts = self._drafts_at(session, len(session.tokens))
         return drafter_pb2.DraftChain(
             round_id=session.round_id,
             base_length=len(session.tokens),
@@ -204,6 +219,27 @@ class ReplayDrafter:
             token_ids=drafts,
             confidences=[1.0] * len(drafts),
         )
+
+    def propose_ahead(self, session: ReplaySession, sent: drafter_pb2.DraftChain | None) -> drafter_pb2.DraftChain | None:
+        """Draft-ahead, as tandem's drafter does it: the next round's chain assuming every draft of
+        `sent` accepted and then the bonus it expects (here: the reference's next token)."""
+        session.ahead = None
+        if not session.draft_ahead or sent is None or not sent.token_ids or not session.on_reference:
+            return None
+        ref = session.reference
+        after = sent.base_length + len(sent.token_ids)
+        offset = after - len(ref.prompt_ids)
+        if offset >= len(ref.token_ids):
+            return None
+        assumed = [*sent.token_ids, ref.token_ids[offset]]
+        drafts = self._drafts_at(session, after + 1)
+        if not drafts:
+            return None
+        session.ahead = drafter_pb2.DraftChain(
+            round_id=sent.round_id + 1, base_length=sent.base_length + len(assumed), source=common_pb2.DRAFT_SOURCE_SUFFIX,
+            token_ids=drafts, confidences=[1.0] * len(drafts), assumed_token_ids=assumed)
+        session.stats["ahead_sent"] += 1
+        return session.ahead
 
 
 class ReplayDrafterService(drafter_pb2_grpc.DrafterServicer):
@@ -232,8 +268,16 @@ class ReplayDrafterService(drafter_pb2_grpc.DrafterServicer):
                     elif kind == "commit":
                         if session is None:
                             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "commit before open: re-open the stream")
-                        self.drafter.commit(session, up.commit)
+                        hit = self.drafter.commit(session, up.commit)
                     else:
+                        continue
+                    if kind == "commit" and hit:  # the verifier holds the chain drafted ahead: the next one ahead
+                        ahead = self.drafter.propose_ahead(session, session.ahead)
+                        session.stats["up"].append([kind, up.ByteSize()])
+                        if ahead is not None:
+                            if self.delay_s:
+                                await asyncio.sleep(self.delay_s)
+                            yield drafter_pb2.DraftDown(protocol_version=PROTOCOL_VERSION, chain=ahead)
                         continue
                     chain = self.drafter.propose(session)
                 except ValueError as error:
@@ -247,6 +291,9 @@ class ReplayDrafterService(drafter_pb2_grpc.DrafterServicer):
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 yield down
+                ahead = self.drafter.propose_ahead(session, chain)
+                if ahead is not None:
+                    yield drafter_pb2.DraftDown(protocol_version=PROTOCOL_VERSION, chain=ahead)
         finally:
             if session is not None:
                 self._write_stats(session)

@@ -93,10 +93,12 @@ class Drafter:
             session_id=message.session_id, sampling=sampling, seed=message.sampling.seed, mode=mode, gate=gate,
             coupled=message.speculation.coupled, policy=policy, max_drafts=max_drafts,
             snapshot=self.snapshot_for(message.session_id), suffix=suffix, mtp=mtp_state, round_id=message.next_round_id,
-            opened_with=len(tokens),
+            opened_with=len(tokens), draft_ahead=message.draft_ahead and self.settings.draft_ahead,
         )
 
-    def commit(self, session: DraftSession, message: drafter_pb2.DraftCommit) -> None:
+    def commit(self, session: DraftSession, message: drafter_pb2.DraftCommit) -> bool:
+        """Apply a round's outcome; True when it is what the chain drafted ahead assumed (the
+        verifier then has its next chain already)."""
         emitted = list(message.emitted_token_ids)
         if message.num_rounds > 1:  # a resume: the verifier decoded without this drafter, nothing verified
             session.in_flight = None
@@ -106,6 +108,12 @@ class Drafter:
                                message.verify_ms, message.num_verified + 1)
         elif message.verify_ms > 0:
             self.planner.learn("MTP", 0, 0, 0, message.verify_ms, 1)
+        ahead, session.ahead = session.ahead, None
+        hit = (ahead is not None and message.num_rounds <= 1 and ahead.round_id == message.round_id + 1
+               and emitted == list(ahead.assumed_token_ids))
+        session.in_flight = session.ahead_plan if hit else None
+        if hit:
+            session.ahead = ahead  # the chain the verifier verifies next: the basis of the next one ahead
         session.suffix.extend(emitted, count=False)  # counted after the chain is sent (Draft)
         session.round_id = message.round_id + 1
         if session.mtp is not None:
@@ -113,6 +121,7 @@ class Drafter:
             if hidden.shape[0] != len(emitted):
                 raise ValueError(f"commit.hidden has {hidden.shape[0]} rows for {len(emitted)} emitted tokens")
             self.mtp.defer(session.mtp, hidden, emitted)  # run when MTP drafts, or after the chain is sent
+        return hit
 
     @staticmethod
     def unsettled(session: DraftSession) -> bool:
@@ -125,9 +134,7 @@ class Drafter:
             self.mtp.settle(session.mtp)
         session.suffix.count_pending(COUNT_CHUNK)
 
-    def propose(self, session: DraftSession) -> drafter_pb2.DraftChain:
-        started = time.perf_counter()
-        limit = session.max_drafts
+    def _suffix_match(self, session: DraftSession, limit: int):
         match = session.suffix.lookup(limit)
         if session.mode == Mode.EXACT:
             # Other sessions' outputs only in exact mode: a same-seed session's tokens encode
@@ -135,6 +142,43 @@ class Drafter:
             other = self.global_index.lookup(session.suffix, limit, match)
             if other is not None and (match is None or other.score > match.score):
                 match = other
+        return match
+
+    def propose_ahead(self, session: DraftSession, sent: drafter_pb2.DraftChain | None) -> drafter_pb2.DraftChain | None:
+        """Draft-ahead (DESIGN §9): the chain for the round after `sent`, assuming all of its drafts
+        accepted and then the bonus the suffix index expects. Only after suffix chains: their
+        continuation costs a lookup (an MTP chain would need the target's hidden rows of its
+        drafts). None when there is nothing to assume or to draft."""
+        session.ahead = None
+        if not session.draft_ahead or sent is None or sent.source != common_pb2.DRAFT_SOURCE_SUFFIX or not sent.token_ids:
+            return None
+        started = time.perf_counter()
+        drafts = list(sent.token_ids)
+        with session.suffix.assuming(drafts):
+            bonus = self._suffix_match(session, 1)
+        if bonus is None:
+            return None
+        assumed = drafts + bonus.continuation[:1]
+        with session.suffix.assuming(assumed):
+            match = self._suffix_match(session, session.max_drafts)
+        if match is None:
+            return None
+        plan = choose(session.snapshot, limit=session.max_drafts, mtp_available=False, suffix_length=match.length,
+                      suffix_tokens=len(match.continuation), round_id=sent.round_id + 1, policy=self.settings.planner)
+        if plan.source != "SUFFIX" or not plan.num_drafts:
+            return None
+        tokens = match.continuation[: plan.num_drafts]
+        session.ahead, session.ahead_plan = drafter_pb2.DraftChain(
+            round_id=sent.round_id + 1, base_length=sent.base_length + len(assumed), source=SOURCES["SUFFIX"],
+            token_ids=tokens, confidences=[1.0] * len(tokens), assumed_token_ids=assumed,
+            costs=drafter_pb2.DrafterCosts(draft_ms=(time.perf_counter() - started) * 1e3),
+        ), plan
+        return session.ahead
+
+    def propose(self, session: DraftSession) -> drafter_pb2.DraftChain:
+        started = time.perf_counter()
+        limit = session.max_drafts
+        match = self._suffix_match(session, limit)
         mtp_ready = session.mtp is not None and (session.mtp.next_logits is not None or bool(session.mtp.pending))
         plan = choose(session.snapshot, limit=limit, mtp_available=mtp_ready,
                       suffix_length=match.length if match else None,
@@ -204,7 +248,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         return session, self.drafter.propose(session)
 
     def _commit_and_propose(self, session, message):
-        self.drafter.commit(session, message)
+        """The chain answering a commit; None when the chain drafted ahead was right (already sent)."""
+        if self.drafter.commit(session, message):
+            return None
         return self.drafter.propose(session)
 
     async def Draft(self, request_iterator, context: grpc.aio.ServicerContext):
@@ -257,8 +303,19 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                         # collection: it must not keep the refused (possibly huge) message too.
                         del up
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
-                    self._observe(span, session, chain, kind)
-                yield drafter_pb2.DraftDown(protocol_version=PROTOCOL_VERSION, chain=chain)
+                    if chain is not None:
+                        self._observe(span, session, chain, kind)
+                    else:
+                        span.set_attribute("tandem.ahead_hit", True)
+                        self.metrics.ahead.labels("hit").inc()
+                if chain is not None:
+                    yield drafter_pb2.DraftDown(protocol_version=PROTOCOL_VERSION, chain=chain)
+                # The next round's chain drafted ahead (on the chain just sent, or on the one the
+                # verifier holds after a hit), while the verifier verifies.
+                ahead = await self.worker.run(self.drafter.propose_ahead, session, chain if chain is not None else session.ahead)
+                if ahead is not None:
+                    self.metrics.ahead.labels("sent").inc()
+                    yield drafter_pb2.DraftDown(protocol_version=PROTOCOL_VERSION, chain=ahead)
                 # What the commit left (its MTP rows, the suffix counts of its tokens or of a
                 # long prompt, a chunk a job), while the verifier verifies.
                 while self.drafter.unsettled(session):

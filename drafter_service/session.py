@@ -31,6 +31,9 @@ class DraftSession:
     round_id: int
     in_flight: Plan | None = None  # the plan of the last chain sent (learned from at commit)
     opened_with: int = 0  # committed tokens at open (the prompt): the rest is this session's output
+    draft_ahead: bool = False  # the verifier takes chains drafted ahead, and this drafter sends them
+    ahead: drafter_pb2.DraftChain | None = None  # the chain drafted ahead and sent, not yet judged
+    ahead_plan: Plan | None = None
 
     @property
     def tokens(self) -> list[int]:

@@ -24,6 +24,7 @@ class DrafterSettings:
     moce_scale: float = field(default=1.0, metadata={"help": "MoCE base scale b for the MTP layer's draft rows (m = b*b; 1 = plain routing); with --expert-slots at 25%/50% of the experts, 3/2 halve the misses (docs/PERFORMANCE.md)"})
     expert_slots: int = field(default=0, metadata={"help": "device expert slots per MoE layer (0 = all resident)"})
     global_index_contexts: int = field(default=1_000_000, metadata={"help": "contexts kept in the cross-session suffix index (about 15 per output token; oldest dropped first)"})
+    draft_ahead: bool = field(default=True, metadata={"help": "after a suffix chain, send the next round's chain at once, assuming every draft accepted and the bonus the suffix index expects (used by the verifier only if that is what it commits)"})
     planner: str = field(default="adaptive", metadata={"help": "source choice: adaptive (learned estimates), mtp or suffix (fixed, for ablations)"})
     metrics_port: int = field(default=0, metadata={"help": "port of the Prometheus /metrics endpoint (0 = off)"})
     tls_cert: str | None = field(default=None, metadata={"help": "PEM server certificate: serve TLS (with tls_key)"})

@@ -220,6 +220,8 @@ def stats_to_dict(stats: verifier_pb2.RequestStats) -> dict:
         "drafter_faults": stats.drafter_faults,
         "speculative_rounds": stats.speculative_rounds,
         "drafter_detaches": stats.drafter_detaches,
+        "ahead_hits": stats.ahead_hits,
+        "ahead_misses": stats.ahead_misses,
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.completion_tokens,
     }

@@ -38,6 +38,8 @@ class VerifierMetrics:
                               ["kind"], registry=r)
         self.detaches = Counter("tandem_verifier_drafter_detaches",
                                 "Times a request stopped asking its drafter because speculation did not pay", registry=r)
+        self.ahead = Counter("tandem_verifier_ahead_chains",
+                             "Chains drafted ahead of a commit: hit (used) or miss (dropped)", ["outcome"], registry=r)
         self.drafter_reachable = Gauge(
             "tandem_verifier_drafter_reachable",
             "1 while the drafter answers (start-up probe, streams, chains), 0 after it failed; -1 without a drafter",
@@ -54,6 +56,8 @@ class DrafterMetrics:
         self.evictions = Counter("tandem_drafter_session_evictions", "Sessions evicted (their verifier re-syncs)", registry=r)
         self.slot_misses = Counter("tandem_drafter_expert_slot_misses", "Expert slot misses on draft rows", registry=r)
         self.slot_hit_rate = Gauge("tandem_drafter_expert_slot_hit_rate", "Expert slot hit rate of the MTP layer", registry=r)
+        self.ahead = Counter("tandem_drafter_ahead_chains",
+                             "Chains drafted ahead: sent, and hit (the round emitted what they assumed)", ["outcome"], registry=r)
         self.global_contexts = Gauge("tandem_drafter_suffix_global_contexts",
                                      "Contexts in the cross-session suffix index (bounded by --global-index-contexts)",
                                      registry=r)

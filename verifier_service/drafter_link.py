@@ -7,6 +7,11 @@ address — which may resolve to another replica — with an exponential backoff
 attempts (so an outage costs a few opens, and drafting resumes when the drafter is back).
 The drafter is untrusted: at most MAX_QUEUED_CHAINS chains wait for the verifier; chains
 for rounds already past are dropped on arrival and a flood pushes out the oldest (counted).
+
+Draft-ahead (DESIGN §9): a chain may arrive before the commit it depends on, naming the
+tokens it assumes the round emits. It is taken only if the committed tokens end with exactly
+those (and its base length is the committed length); otherwise it is dropped and the chain
+answering the commit is awaited. Hits and misses are counted (`ahead`), not as faults.
 """
 
 from __future__ import annotations
@@ -82,7 +87,9 @@ class DrafterLink:
         self.deadlines = deadlines
         self.metadata = tuple(metadata)
         self.call = None
-        self.chains: asyncio.Queue[drafter_pb2.DraftChain] = asyncio.Queue(MAX_QUEUED_CHAINS)
+        self.chains: deque[drafter_pb2.DraftChain] = deque()
+        self.arrived = asyncio.Event()
+        self.ahead = {"hit": 0, "miss": 0}  # chains drafted ahead: taken, dropped for a wrong assumption
         self.reader: asyncio.Task | None = None
         self.broken: str | None = "not opened"
         self.after_open = False
@@ -104,7 +111,7 @@ class DrafterLink:
     async def open(self, message: drafter_pb2.DraftOpen, trace_context: dict[str, str] | None = None) -> int:
         """(Re)open the stream and send the full context; returns the bytes sent."""
         await self.close()
-        self.chains = asyncio.Queue(MAX_QUEUED_CHAINS)
+        self.chains = deque()
         self.held = []  # the open carries the whole context
         self.broken = None
         self.after_open = True
@@ -133,12 +140,42 @@ class DrafterLink:
         if self.health is not None:
             self.health.ok()
         if chain.round_id < self.next_round:
-            self.fault("stale_chain")
+            self._drop(chain)
             return
-        if self.chains.full():
-            self.chains.get_nowait()
+        if len(self.chains) >= MAX_QUEUED_CHAINS:
+            self.chains.popleft()
             self.fault("chain_overflow")
-        self.chains.put_nowait(chain)
+        self.chains.append(chain)
+        self.arrived.set()
+
+    def _drop(self, chain: drafter_pb2.DraftChain) -> None:
+        """A chain for a round already past: late (a fault), or drafted ahead for a round that
+        did not wait for it (a miss)."""
+        if chain.assumed_token_ids:
+            self.ahead["miss"] += 1
+        else:
+            self.fault("stale_chain")
+
+    def _take(self, round_id: int, token_ids: list[int]) -> drafter_pb2.DraftChain | None:
+        """The first usable queued chain for `round_id` after the committed `token_ids`; drops
+        the stale ones and those drafted ahead on a wrong assumption, keeps later rounds'."""
+        kept: deque[drafter_pb2.DraftChain] = deque()
+        found = None
+        while self.chains:
+            chain = self.chains.popleft()
+            if found is not None or chain.round_id > round_id:
+                kept.append(chain)
+            elif chain.round_id < round_id:
+                self._drop(chain)
+            elif not chain.assumed_token_ids:
+                found = chain
+            elif chain.base_length == len(token_ids) and _ends_with(token_ids, chain.assumed_token_ids):
+                self.ahead["hit"] += 1
+                found = chain
+            else:
+                self.ahead["miss"] += 1
+        self.chains = kept
+        return found
 
     async def _read(self, call) -> None:
         try:
@@ -188,31 +225,29 @@ class DrafterLink:
             round_id=held[-1][0], num_rounds=len(held), emitted_token_ids=emitted, hidden=encode_hidden(hidden),
         ), trace_context)
 
-    async def next_chain(self, round_id: int) -> tuple[drafter_pb2.DraftChain | None, float]:
-        """The chain for `round_id`, or None at the deadline; stale chains are dropped."""
+    async def next_chain(self, round_id: int, token_ids: list[int]) -> tuple[drafter_pb2.DraftChain | None, float]:
+        """The chain for `round_id` after the committed `token_ids`, or None at the deadline."""
         if not self.usable:
             return None, 0.0
         self.next_round = round_id
         started = time.perf_counter()
         first, self.after_open = self.after_open, False
         deadline = started + self.deadlines.deadline_s(after_open=first)
-        while True:
+        while (chain := self._take(round_id, token_ids)) is None:
             remaining = deadline - time.perf_counter()
+            self.arrived.clear()
             try:
-                chain = await asyncio.wait_for(self.chains.get(), timeout=max(remaining, 0.0))
+                await asyncio.wait_for(self.arrived.wait(), timeout=max(remaining, 0.0))
             except TimeoutError:
                 waited = (time.perf_counter() - started) * 1e3
                 if not first:
                     self.deadlines.record(waited)
                 self.fault("deadline")
                 return None, waited
-            if chain.round_id < round_id:
-                self.fault("stale_chain")  # a late chain for an earlier round
-                continue
-            waited = (time.perf_counter() - started) * 1e3
-            if not first:
-                self.deadlines.record(waited)
-            return chain, waited
+        waited = (time.perf_counter() - started) * 1e3
+        if not first:
+            self.deadlines.record(waited)
+        return chain, waited
 
     async def close(self) -> None:
         if self.call is not None:
@@ -231,7 +266,11 @@ class DrafterLink:
             self.reader = None
 
 
-def open_message(session: Session, round_id: int) -> drafter_pb2.DraftOpen:
+def _ends_with(token_ids: list[int], tail) -> bool:
+    return len(tail) <= len(token_ids) and token_ids[len(token_ids) - len(tail):] == list(tail)
+
+
+def open_message(session: Session, round_id: int, draft_ahead: bool = True) -> drafter_pb2.DraftOpen:
     """The DraftOpen of a session: its committed tokens and hidden rows, sampling and speculation
     settings (opening a stream, or a re-sync)."""
     spec = session.spec
@@ -254,4 +293,5 @@ def open_message(session: Session, round_id: int) -> drafter_pb2.DraftOpen:
         hidden=encode_hidden(session.hidden()) if session.hidden_rows else drafter_pb2.HiddenRows(),
         max_draft_tokens=spec.max_draft_tokens,
         next_round_id=round_id,
+        draft_ahead=draft_ahead,
     )

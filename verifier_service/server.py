@@ -198,7 +198,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 governor = Governor(self.governor_settings, self.ledger, drafting=link is not None) \
                     if self.settings.governor else None
                 if link is not None and (governor is None or governor.next_speculates):
-                    await link.open(open_message(session, 0), self._trace_context())  # else at its first probe
+                    await link.open(open_message(session, 0, self.settings.draft_ahead), self._trace_context())  # else at its first probe
                 completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences, self.tokenizer)
             round_id = 0
             while completion.finish_reason is None:
@@ -215,6 +215,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 round_id += 1
             faults = sum(v for k, v in (link.faults if link else {}).items() if k != "resync")
             message = stats.message(len(completion.token_ids), faults)
+            if link is not None:
+                message.ahead_hits, message.ahead_misses = link.ahead["hit"], link.ahead["miss"]
             if governor is not None:
                 message.drafter_detaches = governor.detaches
                 self.metrics.detaches.inc(governor.detaches)
@@ -239,6 +241,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             if link is not None:
                 for kind, count in link.faults.items():
                     self.metrics.faults.labels(kind).inc(count)
+                for outcome, count in link.ahead.items():
+                    self.metrics.ahead.labels(outcome).inc(count)
                 await link.close()
             structlog.contextvars.unbind_contextvars("request_id")
 
@@ -306,12 +310,12 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         chain, raw, wait_ms, bytes_up = None, None, 0.0, 0
         if speculate:
             if link.call is None:
-                bytes_up += await link.open(open_message(session, round_id), self._trace_context())  # the first probe
+                bytes_up += await link.open(open_message(session, round_id, self.settings.draft_ahead), self._trace_context())  # the first probe
             elif not link.usable:
-                bytes_up += await link.resync(open_message(session, round_id), self._trace_context())
+                bytes_up += await link.resync(open_message(session, round_id, self.settings.draft_ahead), self._trace_context())
             else:
                 bytes_up += await link.resume(self._trace_context())
-            raw, wait_ms = await link.next_chain(round_id)
+            raw, wait_ms = await link.next_chain(round_id, session.token_ids)
             if raw is not None:
                 chain = self._checked(raw, session, round_id, link)
         proposed = chain.proposed if chain else 0
@@ -385,6 +389,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             "tandem.mean_accepted_length_with_bonus": message.mean_accepted_length,
             "tandem.drafter_faults": message.drafter_faults, "tandem.finish_reason": finish_reason,
             "tandem.speculative_rounds": message.speculative_rounds, "tandem.drafter_detaches": message.drafter_detaches,
+            "tandem.ahead_hits": message.ahead_hits, "tandem.ahead_misses": message.ahead_misses,
             **{f"tandem.acceptance.{source}": rate for source, rate in message.acceptance_by_source.items()},
         })
 

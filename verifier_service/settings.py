@@ -37,6 +37,7 @@ class VerifierSettings:
     drafter_deadline_ms: float = field(default=0.0, metadata={"help": "fixed per-round wait for a chain (0 = adaptive: recent p95 + margin)"})
     drafter_deadline_margin_ms: float = field(default=5.0, metadata={"help": "adaptive deadline: margin above the recent p95"})
     drafter_deadline_max_ms: float = field(default=1000.0, metadata={"help": "adaptive deadline: upper bound (also the first round's wait)"})
+    draft_ahead: bool = field(default=True, metadata={"help": "take chains the drafter sends before a round's commit, when the committed tokens are what they assume (hides the hop)"})
     governor: bool = field(default=True, metadata={"help": "measure what rounds with drafts realise against plain rounds, per request, and decode plainly (probing now and then) while speculation does not pay"})
     governor_hold: int = field(default=16, metadata={"help": "plain rounds of a request after speculation stopped paying before it may probe again"})
     governor_probe_share: float = field(default=0.05, metadata={"help": "of the time spent decoding plainly, what probing a drafter that does not pay may cost (0.05: a useless drafter slows requests by at most 5%)"})

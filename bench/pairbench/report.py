@@ -93,6 +93,8 @@ def analyse(records: list[dict], spec: Arm, plain: Arm, blocks: int, k_max: int)
         "draft_wait_median_ms": median(x["draft_wait_ms"] for x in s_rounds if x["round_id"] >= 1 and x.get("speculative", True)),
         "waited_share": sum(1 for x in s_rounds if x.get("speculative", True)) / rounds if rounds else None,
         "detaches": sum(r["stats"].get("drafter_detaches", 0) for r in s_recs),
+        # rounds whose chain had been drafted ahead of the previous commit and came true
+        "ahead_hit_share": sum(r["stats"].get("ahead_hits", 0) for r in s_recs) / rounds if rounds else None,
         "open_wait_ms": mean(x["draft_wait_ms"] for x in s_rounds if x["round_id"] == 0),
         "plain_wall_ms_per_round": 1e3 * sum(r["wall_s"] for r in p_recs) / len(p_rounds) if p_rounds else None,
         "c1_ms": c1, "curve": curve, "ideal": ideal,
@@ -120,9 +122,9 @@ def report(setup: str, header: dict, summaries: list[dict], costs: dict[str, dic
     out.append("")
     out.append("| arm | median of paired ratios [min, max] | same, server tokens/s | mean accepted length (bonus incl.) "
                "| acceptance by source | per-step acceptance a_1..a_k | drafts retained/round | rounds/request "
-               "| faults | rounds that waited for a chain | drafter detaches | spec = plain outputs | ideal (verify-only) "
-               "| fraction realised |")
-    out.append("| --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+               "| faults | rounds that waited for a chain | rounds on a chain drafted ahead | drafter detaches "
+               "| spec = plain outputs | ideal (verify-only) | fraction realised |")
+    out.append("| --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for s in summaries:
         sources = ", ".join(f"{k} {v:.2f}" for k, v in s["acceptance_by_source"].items()) or "-"
         steps = " ".join(fmt(a, ".2f", "-") for a in s["per_step_acceptance"])
@@ -130,7 +132,7 @@ def report(setup: str, header: dict, summaries: list[dict], costs: dict[str, dic
             f"| {s['name']} | **{fmt(s['median_ratio'], '.3f')}** [{fmt(s['min_ratio'], '.3f')}, {fmt(s['max_ratio'], '.3f')}] "
             f"| {fmt(s['median_server_ratio'], '.3f')} | {fmt(s['mean_accepted_length'])} | {sources} | {steps} "
             f"| {fmt(s['drafts_retained_per_round'])} | {s['rounds'] / max(s['requests'], 1):.1f} | {s['faults']} "
-            f"| {fmt(s['waited_share'], '.2f')} | {s['detaches']} | {s['identical_outputs']} | {fmt(s['ideal'], '.3f')} | {fmt(s['fraction_realised'], '.2f')} |")
+            f"| {fmt(s['waited_share'], '.2f')} | {fmt(s['ahead_hit_share'], '.2f')} | {s['detaches']} | {s['identical_outputs']} | {fmt(s['ideal'], '.3f')} | {fmt(s['fraction_realised'], '.2f')} |")
     out.append("")
     out.append("Per round (ms; means over all timed rounds unless 'median'; 'draft wait' = RoundInfo.draft_wait_ms of "
                "rounds >= 1, round 0's wait includes the drafter's open; hop + service overhead = median draft wait - "

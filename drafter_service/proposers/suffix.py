@@ -18,6 +18,9 @@ outputs), never on a draw, so they are the same on a replay.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from typing import NamedTuple
 
 ORDERS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32)  # context lengths counted
@@ -254,6 +257,19 @@ class SuffixIndex:
         _count_stream(self.counts, self.tokens, self.prefix, self.counted, stop)
         self.counted = stop
         return len(self.tokens) - stop
+
+    @contextmanager
+    def assuming(self, token_ids: list[int]) -> Iterator[None]:
+        """Within the block the index ends with `token_ids` too (draft-ahead: lookups after tokens
+        not committed yet); counts are untouched and the tokens leave on exit."""
+        length = len(self.tokens)
+        self.tokens.extend(token_ids)
+        _hash_tokens(self.prefix, token_ids)
+        try:
+            yield
+        finally:
+            del self.tokens[length:]
+            del self.prefix[length + 1:]
 
     def lookup(self, k: int) -> SuffixMatch | None:
         """The request's own proposal of at most k tokens (None: no context matches)."""
