@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="extra flag for the verifier(s), e.g. --verifier-arg=--no-governor (repeatable)")
     parser.add_argument("--drafter-delay-ms", type=float, default=0.0,
                         help="synthetic setups: the replay drafter sends each chain this late (a slow drafter)")
+    parser.add_argument("--ahead-ab", action="store_true",
+                        help="synthetic setups: also each alpha without chains drafted ahead (interleaved arms)")
     parser.add_argument("--out", default=None, help="write the raw per-request records (JSON) here")
     args = parser.parse_args(argv)
     if args.threads is None:

@@ -26,7 +26,9 @@ source SUFFIX, confidences 1.0.
 
 A session id containing "@alpha=A" (the verifier forwards the request's request_id as the
 session id) overrides --alpha for that session, so one replay drafter and one verifier can
-serve several alpha values in one interleaved run.
+serve several alpha values in one interleaved run; one containing "@no-ahead" gets no chains
+drafted ahead (otherwise, like tandem's drafter, after each chain it sends the next round's
+chain assuming every draft accepted and the reference's next token as the bonus).
 
 --stats FILE appends one JSON line per finished Draft stream (label "synthetic"): the
 session id, alpha, the bytes of every message each way (protobuf ByteSize: payload bytes,
@@ -62,6 +64,7 @@ MAX_DRAFTS = 16
 MAX_MESSAGE_BYTES = 64 << 20
 OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 ALPHA_IN_SESSION = re.compile(r"@alpha=([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)")
+NO_AHEAD_IN_SESSION = "@no-ahead"  # a session id with it gets no chains drafted ahead (an A/B arm)
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,8 @@ class ReplayDrafter:
         session = ReplaySession(
             session_id=message.session_id, alpha=self.session_alpha(message.session_id),
             max_drafts=max(0, min(self.max_drafts, message.max_draft_tokens)), reference=reference,
-            tokens=tokens, round_id=message.next_round_id, draft_ahead=message.draft_ahead,
+            tokens=tokens, round_id=message.next_round_id,
+            draft_ahead=message.draft_ahead and NO_AHEAD_IN_SESSION not in message.session_id,
         )
         session.stats = {
             "label": LABEL, "session_id": session.session_id, "alpha": session.alpha, "seed": self.seed,

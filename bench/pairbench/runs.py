@@ -19,6 +19,7 @@ class Arm:
     name: str  # "plain", "spec", "spec@alpha=0.8"
     speculation: bool
     alpha: float | None = None
+    tag: str = ""  # appended to the request id (the replay drafter reads "@no-ahead")
 
 
 @dataclass
@@ -37,7 +38,7 @@ class Run:
     @staticmethod
     def request_id(arm: Arm, tag: str, index: int) -> str:
         rid = f"{'spec' if arm.speculation else 'plain'}-{tag}-p{index}"
-        return rid + (f"@alpha={arm.alpha:g}" if arm.alpha is not None else "")
+        return rid + (f"@alpha={arm.alpha:g}" if arm.alpha is not None else "") + arm.tag
 
     async def request(self, client: AsyncVerifierClient, arm: Arm, index: int, tag: str) -> dict:
         rid = self.request_id(arm, tag, index)

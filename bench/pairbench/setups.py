@@ -162,6 +162,8 @@ async def run_synthetic(args, children: Children, workdir: Path) -> tuple[list[d
     await children.wait_serving("verifier", f"127.0.0.1:{v_port}", args.startup_timeout)
     plain = Arm("plain", False)
     spec_arms = [Arm(f"synthetic alpha={a:g}", True, a) for a in args.alpha]
+    if args.ahead_ab:  # the same alphas without chains drafted ahead, interleaved in the same blocks
+        spec_arms += [Arm(f"synthetic alpha={a:g}, no draft-ahead", True, a, "@no-ahead") for a in args.alpha]
     arms = [plain, *spec_arms]
     stats_path = workdir / "replay_stats.jsonl"
     async with AsyncVerifierClient(f"127.0.0.1:{v_port}", timeout=args.request_timeout) as client:
@@ -186,7 +188,8 @@ async def run_synthetic(args, children: Children, workdir: Path) -> tuple[list[d
     stats = replay_stats(stats_path)
     costs = {}
     for arm in spec_arms:
-        timed = [s for s in stats if s["session_id"].startswith("spec-b") and s["alpha"] == arm.alpha]
+        timed = [s for s in stats if s["session_id"].startswith("spec-b") and s["alpha"] == arm.alpha
+                 and s["session_id"].endswith(arm.tag or f"@alpha={arm.alpha:g}")]
         c = synthetic_costs(timed)
         c["method"] = "replay drafter, timed runs: ByteSize per message, compute = received -> chain built"
         costs[arm.name] = c
