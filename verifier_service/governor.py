@@ -12,11 +12,12 @@ are compared with plain ones:
   round here or on the server yet), `judge_rounds` plain rounds calibrate it first;
 - speculation slower than plain (by more than `margin`, against noise): the request detaches (plain rounds; the drafter hears
   nothing) and later probes `judge_rounds` speculative rounds again;
-- probes are paid from a server-wide budget (`Ledger`): every plain round earns
-  `probe_share` of its time, a probe may start (after at least `min_hold` plain rounds of the
+- probes are paid from a server-wide budget (`Ledger`): every plain round of a request that
+  may speculate earns `probe_share` of its time, a probe may start (after at least `min_hold` plain rounds of the
   request) once the budget holds its expected loss, and is charged what it really lost
-  against plain decoding. So a drafter that never pays costs at most `probe_share` of the
-  plain decoding time (plus one probe), however long it fails;
+  against plain decoding (its first round, which pays the drafter's (re)open or catch-up,
+  included). So a drafter that never pays costs at most `probe_share` of the plain decoding
+  time (plus one probe), however long it fails;
 - the first round of each phase stays out of the estimates (a probe's first chain pays the
   drafter's catch-up of the rounds it missed; a first plain round may lose a compute-ahead).
 
@@ -56,6 +57,9 @@ class GovernorSettings:
             raise ValueError(f"governor probe_share {self.probe_share!r} must lie in (0, 1]")
 
 
+OPENING_EMA = 0.25
+
+
 class CostWindow:
     """Seconds per committed token over the last rounds of one kind."""
 
@@ -92,6 +96,9 @@ class Ledger:
         self.speculative = CostWindow(settings.server_window)
         self.plain = CostWindow(settings.server_window)
         self.credit_s = 0.0  # what probes may still lose
+        # what the first round of a speculative phase loses against plain: the drafter's (re)open
+        # or catch-up on the rounds it missed, kept out of the estimates but not out of a probe's cost
+        self.opening_excess_s = 0.0
         self._lock = threading.Lock()
 
     def pays(self) -> bool | None:
@@ -108,6 +115,10 @@ class Ledger:
     def charge(self, seconds: float) -> None:
         with self._lock:
             self.credit_s -= seconds
+
+    def note_opening(self, excess_s: float) -> None:
+        with self._lock:
+            self.opening_excess_s += OPENING_EMA * (excess_s - self.opening_excess_s)
 
     def reserve(self, expected_loss_s: float) -> bool:
         """Take a probe's expected loss from the budget if it holds it."""
@@ -167,10 +178,15 @@ class Governor:
 
     def _record(self, seconds: float, tokens: int) -> None:
         if not self.round_speculated:
-            self.ledger.earn(seconds)
-        elif self.round_probe:  # what the round lost against plain decoding, less its share of the reservation
+            if self.drafting:  # (the budget is a share of what requests that may speculate decode plainly)
+                self.ledger.earn(seconds)
+        else:
             plain = self.estimate(False)
-            self.ledger.charge(seconds - tokens * plain - self.reserved_s if plain is not None else -self.reserved_s)
+            excess = seconds - tokens * plain if plain is not None else 0.0
+            if self.round_first and plain is not None:
+                self.ledger.note_opening(excess)
+            if self.round_probe:  # what the round lost against plain decoding, less its share of the reservation
+                self.ledger.charge(excess - self.reserved_s)
         if self.round_first or tokens <= 0:
             return
         own, server = (self.speculative, self.ledger.speculative) if self.round_speculated else (self.plain, self.ledger.plain)
@@ -188,7 +204,8 @@ class Governor:
             return 0.0
         window = self.speculative if len(self.speculative) else self.ledger.speculative
         excess = window.excess(plain)
-        return max(excess or 0.0, 0.0) * self.settings.judge_rounds
+        opening = max(self.ledger.opening_excess_s, 0.0)
+        return max(excess or 0.0, 0.0) * (self.settings.judge_rounds - 1) + opening
 
     def _decide(self) -> None:
         speculative, plain = self.estimate(True), self.estimate(False)

@@ -155,3 +155,23 @@ def test_the_estimates_are_per_token_over_a_window():
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError, match="governor"):
         GovernorSettings(**kwargs)
+
+
+def test_requests_that_never_draft_do_not_fund_probes_and_openings_count_in_a_probe_s_cost():
+    ledger = Ledger(SETTINGS)
+    run(Governor(SETTINGS, ledger, drafting=False), 50, slow_drafter)
+    assert ledger.credit_s == 0.0 and len(ledger.plain) == 8
+    governor = Governor(SETTINGS, ledger)
+    first = [True]
+
+    def cost(speculative: bool) -> tuple[float, int]:
+        if speculative and first[0]:  # opening the drafter: 100 ms for one token
+            first[0] = False
+            return 0.100, 1
+        return slow_drafter(speculative)
+
+    run(governor, 10, cost)
+    assert governor.detaches == 1
+    assert ledger.opening_excess_s == pytest.approx(0.25 * 0.095)  # one opening seen, EMA 0.25
+    # (judge_rounds - 1) rounds of 25 ms, plus the opening
+    assert governor._expected_probe_loss() == pytest.approx(4 * 0.025 + 0.25 * 0.095)
