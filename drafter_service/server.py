@@ -312,7 +312,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                     yield drafter_pb2.DraftDown(protocol_version=PROTOCOL_VERSION, chain=chain)
                 # The next round's chain drafted ahead (on the chain just sent, or on the one the
                 # verifier holds after a hit), while the verifier verifies.
-                ahead = await self.worker.run(self.drafter.propose_ahead, session, chain if chain is not None else session.ahead)
+                basis = chain if chain is not None else session.ahead
+                ahead = None
+                if session.draft_ahead and basis is not None and basis.source == common_pb2.DRAFT_SOURCE_SUFFIX:
+                    ahead = await self.worker.run(self.drafter.propose_ahead, session, basis)
                 if ahead is not None:
                     self.metrics.ahead.labels("sent").inc()
                     yield drafter_pb2.DraftDown(protocol_version=PROTOCOL_VERSION, chain=ahead)

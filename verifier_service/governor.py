@@ -41,7 +41,7 @@ class GovernorSettings:
     judge_rounds: int = 8  # rounds of a phase before judging (the first one is not measured)
     margin: float = 0.05  # detach only when rounds with drafts cost this much more per token (noise)
     min_hold: int = 16  # plain rounds of a request between a detach and its next probe, at least
-    probe_share: float = 0.05  # of the plain decoding time, what probes of a drafter that does not pay may cost
+    probe_share: float = 0.03  # of the plain decoding time, what probes of a drafter that does not pay may cost
     window: int = 8  # a request's estimate: its last rounds of a kind
     server_window: int = 64  # the server's estimate: the last rounds of a kind, all requests
 

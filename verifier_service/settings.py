@@ -40,7 +40,7 @@ class VerifierSettings:
     draft_ahead: bool = field(default=True, metadata={"help": "take chains the drafter sends before a round's commit, when the committed tokens are what they assume (hides the hop)"})
     governor: bool = field(default=True, metadata={"help": "measure what rounds with drafts realise against plain rounds, per request, and decode plainly (probing now and then) while speculation does not pay"})
     governor_hold: int = field(default=16, metadata={"help": "plain rounds of a request after speculation stopped paying before it may probe again"})
-    governor_probe_share: float = field(default=0.05, metadata={"help": "of the time spent decoding plainly, what probing a drafter that does not pay may cost (0.05: a useless drafter slows requests by at most 5%)"})
+    governor_probe_share: float = field(default=0.03, metadata={"help": "of the time spent decoding plainly, what probing a drafter that does not pay may cost (0.03: a useless drafter slows requests by at most 3%, plus one probe)"})
     metrics_port: int = field(default=0, metadata={"help": "port of the Prometheus /metrics endpoint (0 = off)"})
     tls_cert: str | None = field(default=None, metadata={"help": "PEM server certificate: serve TLS (with tls_key)"})
     tls_key: str | None = field(default=None, metadata={"help": "PEM private key of tls_cert"})

@@ -9,6 +9,14 @@ from .common import fmt, mean, median
 from .runs import Arm
 
 
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (nearest rank) of values, None when there are none."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
+
+
 def block_ratios(records: list[dict], spec: Arm, plain: Arm, blocks: int) -> list[dict]:
     rows = []
     for block in range(blocks):
@@ -91,6 +99,7 @@ def analyse(records: list[dict], spec: Arm, plain: Arm, blocks: int, k_max: int)
         # waits of the rounds that asked the drafter (the governor may have decoded the rest plainly)
         "draft_wait_ms": mean(x["draft_wait_ms"] for x in s_rounds if x["round_id"] >= 1 and x.get("speculative", True)),
         "draft_wait_median_ms": median(x["draft_wait_ms"] for x in s_rounds if x["round_id"] >= 1 and x.get("speculative", True)),
+        "draft_wait_p95_ms": percentile([x["draft_wait_ms"] for x in s_rounds if x["round_id"] >= 1 and x.get("speculative", True)], 95),
         "waited_share": sum(1 for x in s_rounds if x.get("speculative", True)) / rounds if rounds else None,
         "detaches": sum(r["stats"].get("drafter_detaches", 0) for r in s_recs),
         # rounds whose chain had been drafted ahead of the previous commit and came true
@@ -138,7 +147,7 @@ def report(setup: str, header: dict, summaries: list[dict], costs: dict[str, dic
                "rounds >= 1, round 0's wait includes the drafter's open; hop + service overhead = median draft wait - "
                "median drafter compute):")
     out.append("")
-    out.append("| arm | spec wall/round | spec verify | draft wait (mean / median) | round-0 wait "
+    out.append("| arm | spec wall/round | spec verify | draft wait (mean / median / p95) | round-0 wait "
                "| drafter compute (median) | hop + service overhead "
                "| plain wall/round | plain verify (C1) | bytes up/commit | bytes down/chain | bytes up/open | cost method |")
     out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
@@ -149,7 +158,7 @@ def report(setup: str, header: dict, summaries: list[dict], costs: dict[str, dic
         hop = wait - compute if wait is not None and compute is not None else None
         out.append(
             f"| {s['name']} | {fmt(s['spec_wall_ms_per_round'])} | {fmt(s['spec_verify_ms'])} "
-            f"| {fmt(s['draft_wait_ms'])} / {fmt(wait)} "
+            f"| {fmt(s['draft_wait_ms'])} / {fmt(wait)} / {fmt(s['draft_wait_p95_ms'])} "
             f"| {fmt(s['open_wait_ms'])} | {fmt(compute, '.3f')} | {fmt(hop)} | {fmt(s['plain_wall_ms_per_round'])} "
             f"| {fmt(s['c1_ms'])} | {fmt(c.get('commit_bytes'), '.0f')} | {fmt(c.get('chain_bytes'), '.0f')} "
             f"| {fmt(c.get('open_bytes'), '.0f')} | {c.get('method', 'n/a')} |")
