@@ -61,29 +61,38 @@ OPENING_EMA = 0.25
 
 
 class CostWindow:
-    """Seconds per committed token over the last rounds of one kind."""
+    """Seconds per committed token over the last rounds of one kind (running sums: every round
+    of every request reads these, so a read costs O(1))."""
 
     def __init__(self, size: int) -> None:
         self.rounds: deque[tuple[float, int]] = deque(maxlen=size)
+        self.seconds = 0.0
+        self.tokens = 0
 
     def add(self, seconds: float, tokens: int) -> None:
+        if len(self.rounds) == self.rounds.maxlen:
+            old_seconds, old_tokens = self.rounds[0]
+            self.seconds -= old_seconds
+            self.tokens -= old_tokens
         self.rounds.append((seconds, tokens))
+        self.seconds += seconds
+        self.tokens += tokens
 
     def clear(self) -> None:
         self.rounds.clear()
+        self.seconds, self.tokens = 0.0, 0
 
     def __len__(self) -> int:
         return len(self.rounds)
 
     def per_token(self) -> float | None:
-        tokens = sum(t for _, t in self.rounds)
-        return sum(s for s, _ in self.rounds) / tokens if tokens else None
+        return self.seconds / self.tokens if self.tokens else None
 
     def excess(self, plain_per_token: float) -> float | None:
         """Mean seconds a round of this window lost against plain decoding of its tokens."""
         if not self.rounds:
             return None
-        return sum(s - t * plain_per_token for s, t in self.rounds) / len(self.rounds)
+        return (self.seconds - self.tokens * plain_per_token) / len(self.rounds)
 
 
 class Ledger:
@@ -224,7 +233,7 @@ class Governor:
                 self._switch(True, self.settings.judge_rounds)
         else:  # detached: probe when the budget holds what a probe is expected to lose
             expected = self._expected_probe_loss()
-            if self.ledger.reserve(expected):
+            if self.ledger.credit_s >= expected and self.ledger.reserve(expected):
                 self.probes += 1
                 self._switch(True, self.settings.judge_rounds)
                 self.probing, self.reserved_s = True, expected / self.settings.judge_rounds
