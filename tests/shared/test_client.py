@@ -65,6 +65,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                     accepted=max(len(chunk) - 1, 0),
                     verify_ms=1.5,
                     draft_wait_ms=0.25,
+                    speculative=True,
                 ),
             )
         yield verifier_pb2.GenerateEvent(
@@ -83,6 +84,9 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                     tokens_per_s=100.0,
                     acceptance_by_source={"MTP": 0.5, "SUFFIX": 0.25},
                     drafter_faults=1,
+                    speculative_rounds=1,
+                    drafter_detaches=1,
+                    ahead_hits=1,
                 ),
             )
         )
@@ -136,6 +140,10 @@ EXPECTED_STATS = {
     "drafter_faults": 1,
     "prompt_tokens": 4,
     "completion_tokens": 4,
+    "speculative_rounds": 1,
+    "drafter_detaches": 1,
+    "ahead_hits": 1,
+    "ahead_misses": 0,
 }
 
 
@@ -243,8 +251,10 @@ async def test_async_generate_by_ids(aio_verifier):
     assert result.finish_reason == "length"
     assert result.stats == EXPECTED_STATS
     assert result.rounds == [
-        {"round_id": 0, "source": "MTP", "proposed": 3, "retained": 2, "accepted": 1, "verify_ms": 1.5, "draft_wait_ms": 0.25},
-        {"round_id": 1, "source": "SUFFIX", "proposed": 3, "retained": 2, "accepted": 1, "verify_ms": 1.5, "draft_wait_ms": 0.25},
+        {"round_id": 0, "source": "MTP", "proposed": 3, "retained": 2, "accepted": 1, "verify_ms": 1.5, "draft_wait_ms": 0.25,
+         "speculative": True},
+        {"round_id": 1, "source": "SUFFIX", "proposed": 3, "retained": 2, "accepted": 1, "verify_ms": 1.5, "draft_wait_ms": 0.25,
+         "speculative": True},
     ]
     assert servicer.requests[-1].sampling.seed == 9
 
