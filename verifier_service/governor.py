@@ -10,11 +10,14 @@ are compared with plain ones:
   pay (then it starts plain, detached);
 - after `judge_rounds` speculative rounds it judges; if the plain cost is unknown (no plain
   round here or on the server yet), `judge_rounds` plain rounds calibrate it first;
-- speculation slower than plain (by more than `margin`, against noise): the request detaches (plain rounds; the drafter hears
-  nothing) and later probes `judge_rounds` speculative rounds again;
+- speculation slower than plain (by more than `margin`, and beyond `confidence_z` standard
+  errors of the per-round loss: a round's tokens vary from 1 to k + 1): the request
+  detaches (plain rounds; the drafter hears nothing) and later probes `judge_rounds`
+  speculative rounds again;
 - probes are paid from a server-wide budget (`Ledger`): every plain round of a request that
-  may speculate earns `probe_share` of its time, a probe may start (after at least `min_hold` plain rounds of the
-  request) once the budget holds its expected loss, and is charged what it really lost
+  may speculate earns `probe_share` of its time, a probe may start (after at least
+  `min_hold` plain rounds of the request) once the budget holds its expected loss (priced on
+  the server's rounds), and is charged what it really lost
   against plain decoding (its first round, which pays the drafter's (re)open or catch-up,
   included). So a drafter that never pays costs at most `probe_share` of the plain decoding
   time (plus one probe), however long it fails;
@@ -42,7 +45,8 @@ class GovernorSettings:
     margin: float = 0.05  # detach only when rounds with drafts cost this much more per token (noise)
     min_hold: int = 16  # plain rounds of a request between a detach and its next probe, at least
     probe_share: float = 0.03  # of the plain decoding time, what probes of a drafter that does not pay may cost
-    window: int = 8  # a request's estimate: its last rounds of a kind
+    window: int = 16  # a request's estimate: its last rounds of a kind
+    confidence_z: float = 0.5  # detach only when slower by this many standard errors (one round's luck is not a trend)
     server_window: int = 64  # the server's estimate: the last rounds of a kind, all requests
 
     def __post_init__(self) -> None:
@@ -51,6 +55,8 @@ class GovernorSettings:
                 raise ValueError(f"governor {name} {getattr(self, name)} must be >= 1")
         if self.judge_rounds < 2:
             raise ValueError(f"governor judge_rounds {self.judge_rounds} must be >= 2 (the first round is not measured)")
+        if not (math.isfinite(self.confidence_z) and self.confidence_z >= 0):
+            raise ValueError(f"governor confidence_z {self.confidence_z!r} must be finite and >= 0")
         if not (math.isfinite(self.margin) and 0 <= self.margin < 1):
             raise ValueError(f"governor margin {self.margin!r} must lie in [0, 1)")
         if not (math.isfinite(self.probe_share) and 0 < self.probe_share <= 1):
@@ -93,6 +99,19 @@ class CostWindow:
         if not self.rounds:
             return None
         return (self.seconds - self.tokens * plain_per_token) / len(self.rounds)
+
+    def slower(self, plain_per_token: float, z: float) -> bool:
+        """Whether these rounds lost against plain decoding at `plain_per_token` beyond noise: the
+        mean loss per round exceeds z standard errors (a round's tokens vary a lot: 1 to k + 1)."""
+        n = len(self.rounds)
+        if n == 0:
+            return False
+        losses = [s - t * plain_per_token for s, t in self.rounds]
+        mean = sum(losses) / n
+        if n == 1:
+            return mean > 0 and z == 0
+        variance = sum((x - mean) ** 2 for x in losses) / (n - 1)
+        return mean > z * math.sqrt(variance / n)
 
 
 class Ledger:
@@ -207,11 +226,17 @@ class Governor:
         own, server = (self.speculative, self.ledger.speculative) if speculative else (self.plain, self.ledger.plain)
         return own.per_token() if len(own) else server.per_token()
 
+    def _slower(self, plain: float) -> bool:
+        """Whether speculating is slower than plain decoding (by the margin, beyond noise)."""
+        window = self.speculative if len(self.speculative) else self.ledger.speculative
+        return window.slower(plain * (1 + self.settings.margin), self.settings.confidence_z)
+
     def _expected_probe_loss(self) -> float:
         plain = self.estimate(False)
         if plain is None:
             return 0.0
-        window = self.speculative if len(self.speculative) else self.ledger.speculative
+        # the server's window: many rounds, so one request's unlucky stretch does not price its probes
+        window = self.ledger.speculative if len(self.ledger.speculative) else self.speculative
         excess = window.excess(plain)
         opening = max(self.ledger.opening_excess_s, 0.0)
         return max(excess or 0.0, 0.0) * (self.settings.judge_rounds - 1) + opening
@@ -221,13 +246,13 @@ class Governor:
         if self.speculating:
             if plain is None:
                 self._switch(False, self.settings.judge_rounds, calibrating=True)
-            elif speculative is not None and speculative > plain * (1 + self.settings.margin):
+            elif speculative is not None and self._slower(plain):
                 self._detach()
             else:  # it pays (or nothing measured yet): judge again after another stretch
                 self.probing = False
                 self.phase_rounds = 0
         elif self.calibrating:
-            if speculative is not None and plain is not None and speculative > plain * (1 + self.settings.margin):
+            if speculative is not None and plain is not None and self._slower(plain):
                 self._detach()
             else:
                 self._switch(True, self.settings.judge_rounds)
