@@ -244,14 +244,21 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.metrics.global_contexts.set(len(self.drafter.global_index))
 
     def _open_and_propose(self, message):
+        started = time.perf_counter()
         session = self.drafter.open(message)
-        return session, self.drafter.propose(session)
+        chain = self.drafter.propose(session)
+        chain.costs.draft_ms = (time.perf_counter() - started) * 1e3  # the open's catch-up is compute too
+        return session, chain
 
     def _commit_and_propose(self, session, message):
-        """The chain answering a commit; None when the chain drafted ahead was right (already sent)."""
+        """The chain answering a commit; None when the chain drafted ahead was right (already sent).
+        Its draft_ms covers the commit's work too (what the verifier's trace counts as compute)."""
+        started = time.perf_counter()
         if self.drafter.commit(session, message):
             return None
-        return self.drafter.propose(session)
+        chain = self.drafter.propose(session)
+        chain.costs.draft_ms = (time.perf_counter() - started) * 1e3
+        return chain
 
     async def Draft(self, request_iterator, context: grpc.aio.ServicerContext):
         if self.drafter is None:
