@@ -28,6 +28,10 @@ from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, drafter_p
 from verifier_service.engine import Session
 from verifier_service.settings import VerifierSettings
 
+# Chains after a (re)open or a resume that get the deadline's upper bound and stay out of its
+# history: the first pays the drafter's catch-up (MTP over the rounds it missed, when its
+# chain needs MTP); the second may queue behind that catch-up when it ran after the chain.
+LENIENT_CHAINS = 2
 RESYNC_BACKOFF_S = (0.05, 5.0)  # first wait after a failed (re)open, and the cap it doubles up to
 MAX_QUEUED_CHAINS = 4  # chains kept waiting for their round (the current one, or ahead of it)
 HISTORY = 64
@@ -92,7 +96,7 @@ class DrafterLink:
         self.ahead = {"hit": 0, "miss": 0}  # chains drafted ahead: taken, dropped for a wrong assumption
         self.reader: asyncio.Task | None = None
         self.broken: str | None = "not opened"
-        self.after_open = False
+        self.after_open = 0  # chains still due the lenient deadline (LENIENT_CHAINS after an open or resume)
         self.next_round = 0  # chains for earlier rounds are useless
         self.backoff_s = RESYNC_BACKOFF_S[0]
         self.retry_at = 0.0  # monotonic time before which no re-sync is attempted
@@ -114,7 +118,7 @@ class DrafterLink:
         self.chains = deque()
         self.held = []  # the open carries the whole context
         self.broken = None
-        self.after_open = True
+        self.after_open = LENIENT_CHAINS
         self.call = self.stub.Draft(metadata=self.metadata)
         self.reader = asyncio.create_task(self._read(self.call))
         up = drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, open=message, trace_context=trace_context or {})
@@ -220,7 +224,7 @@ class DrafterLink:
         held, self.held = self.held, []
         emitted = [token for _, tokens, _ in held for token in tokens]
         hidden = torch.cat([rows for _, _, rows in held])
-        self.after_open = True
+        self.after_open = LENIENT_CHAINS
         return await self.commit(drafter_pb2.DraftCommit(
             round_id=held[-1][0], num_rounds=len(held), emitted_token_ids=emitted, hidden=encode_hidden(hidden),
         ), trace_context)
@@ -231,7 +235,8 @@ class DrafterLink:
             return None, 0.0
         self.next_round = round_id
         started = time.perf_counter()
-        first, self.after_open = self.after_open, False
+        first = self.after_open > 0
+        self.after_open = max(self.after_open - 1, 0)
         deadline = started + self.deadlines.deadline_s(after_open=first)
         while (chain := self._take(round_id, token_ids)) is None:
             remaining = deadline - time.perf_counter()

@@ -60,3 +60,27 @@ async def test_chains_ahead_for_rounds_that_did_not_wait_are_misses_not_faults()
     chain, _ = await link.next_chain(4, COMMITTED)
     assert chain is None  # (deadline: nothing for round 4)
     assert link.ahead["miss"] == 2 and link.faults == {"stale_chain": 1, "deadline": 1}
+
+
+class FakeCall:
+    def __init__(self):
+        self.sent = []
+
+    async def write(self, message):
+        self.sent.append(message)
+
+
+async def test_the_two_chains_after_a_resume_get_the_lenient_deadline_and_stay_out_of_its_history():
+    import torch
+
+    link = link_with()
+    link.call = FakeCall()
+    link.hold(3, [10], torch.zeros(1, 4))
+    link.hold(4, [11], torch.zeros(1, 4))
+    assert await link.resume() > 0
+    (message,) = link.call.sent
+    assert (message.commit.round_id, message.commit.num_rounds, list(message.commit.emitted_token_ids)) == (4, 2, [10, 11])
+    for round_id in (5, 6, 7):
+        link.deliver(regular(round_id, 5))
+        await link.next_chain(round_id, COMMITTED)
+    assert len(link.deadlines.waits_ms) == 1  # only the third wait is a sample of the drafter's pace
