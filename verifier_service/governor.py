@@ -16,8 +16,9 @@ are compared with plain ones:
   speculative rounds again;
 - probes are paid from a server-wide budget (`Ledger`): every plain round of a request that
   may speculate earns `probe_share` of its time, a probe may start (after at least
-  `min_hold` plain rounds of the request) once the budget holds its expected loss (priced on
-  the server's rounds), and is charged what it really lost
+  `min_hold` plain rounds of the request, a quarter of that when the server's rounds say
+  speculation pays, i.e. the detach was likely bad luck) once the budget holds its expected
+  loss (priced on the server's rounds), and is charged what it really lost
   against plain decoding (its first round, which pays the drafter's (re)open or catch-up,
   included). So a drafter that never pays costs at most `probe_share` of the plain decoding
   time (plus one probe), however long it fails;
@@ -258,6 +259,8 @@ class Governor:
                 self._switch(True, self.settings.judge_rounds)
         else:  # detached: probe when the budget holds what a probe is expected to lose
             expected = self._expected_probe_loss()
+            if expected > 0 and self.phase_rounds < self.settings.min_hold:
+                return  # (where the server's rounds say speculation pays, a detach was likely bad luck: probe early)
             if self.ledger.credit_s >= expected and self.ledger.reserve(expected):
                 self.probes += 1
                 self._switch(True, self.settings.judge_rounds)
@@ -265,7 +268,7 @@ class Governor:
 
     def _detach(self) -> None:
         self.detaches += 1
-        self._switch(False, self.settings.min_hold)
+        self._switch(False, max(1, self.settings.min_hold // 4))
 
     def _switch(self, speculating: bool, length: int, calibrating: bool = False) -> None:
         self.speculating = speculating

@@ -222,3 +222,16 @@ def test_throughput_stays_within_the_probe_budget_of_the_better_of_the_two(round
         run(governor, 3000, cost, clock)
         best = max(1 / 0.0033, 3.36 / (round_ms / 1e3))
         assert tokens[0] / clock[0] / best >= 0.94, seed
+
+
+def test_a_detach_against_the_server_s_evidence_probes_again_early():
+    settings = GovernorSettings(judge_rounds=5, min_hold=8, probe_share=0.05, window=8, server_window=64)
+    ledger = Ledger(settings)
+    for _ in range(3):
+        run(Governor(settings, ledger), 40, fast_drafter)  # the server's rounds: speculation pays
+    governor = Governor(settings, ledger)
+    luck = iter([(0.008, 3)] + [(0.040, 1)] * 4)  # this request's rounds 2-5 commit one token each
+    kinds = run(governor, 20, lambda s: next(luck, fast_drafter(s)) if s else fast_drafter(s))
+    # detached at the first judgement, probed again after min_hold // 4 = 2 plain rounds (not 8)
+    assert runs(kinds)[:3] == [(True, 5), (False, 2), (True, 13)]
+    assert governor.detaches == 1 and governor.probes == 1
