@@ -29,7 +29,8 @@ def check_commit(message: drafter_pb2.DraftCommit, *, max_drafts: int, committed
     emitted = len(message.emitted_token_ids)
     rounds = max(message.num_rounds, 1)
     if message.round_id - (rounds - 1) != round_id:
-        span = f"rounds {message.round_id - rounds + 1}..{message.round_id}" if rounds > 1 else f"round_id {message.round_id}"
+        first = message.round_id - rounds + 1
+        span = f"rounds {first}..{message.round_id}" if rounds > 1 else f"round_id {message.round_id}"
         raise ValueError(f"commit.{span} does not start at the session's round {round_id}")
     if not 0 <= message.num_verified <= max_drafts:
         raise ValueError(f"commit.num_verified {message.num_verified} must lie in [0, {max_drafts}]")

@@ -135,7 +135,8 @@ class Ledger:
         enough = max(1, self.settings.server_window // 4)
         if len(self.speculative) < enough or len(self.plain) < enough:
             return None
-        return self.speculative.per_token() <= self.plain.per_token()
+        s = self.settings  # the same rule as a request's detach: slower by the margin, beyond noise
+        return not self.speculative.slower(self.plain.per_token() * (1 + s.margin), s.confidence_z)
 
     def earn(self, plain_seconds: float) -> None:
         with self._lock:

@@ -176,6 +176,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         structlog.contextvars.bind_contextvars(request_id=spec.request_id)
         self.metrics.active.inc()
         link: DrafterLink | None = None
+        governor: Governor | None = None
         opened: Session | None = None
         completion: Completion | None = None
         tracer = telemetry.tracer("tandem.verifier")
@@ -197,8 +198,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                                        self.drafter_health)
                 governor = Governor(self.governor_settings, self.ledger, drafting=link is not None) \
                     if self.settings.governor else None
-                if link is not None and (governor is None or governor.next_speculates):
-                    await link.open(open_message(session, 0, self.settings.draft_ahead), self._trace_context())  # else at its first probe
+                if link is not None and (governor is None or governor.next_speculates):  # else at its first probe
+                    await link.open(open_message(session, 0, self.settings.draft_ahead), self._trace_context())
                 completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences, self.tokenizer)
             round_id = 0
             while completion.finish_reason is None:
@@ -219,7 +220,6 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 message.ahead_hits, message.ahead_misses = link.ahead["hit"], link.ahead["miss"]
             if governor is not None:
                 message.drafter_detaches = governor.detaches
-                self.metrics.detaches.inc(governor.detaches)
             self._finish_span(span, message, completion.finish_reason)
             self.metrics.requests.labels(completion.finish_reason).inc()
             yield verifier_pb2.GenerateEvent(
@@ -238,6 +238,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 self.engine.close(opened)
             self.admission.release()
             self.metrics.active.dec()
+            if governor is not None:  # (cancelled requests too)
+                self.metrics.detaches.inc(governor.detaches)
             if link is not None:
                 for kind, count in link.faults.items():
                     self.metrics.faults.labels(kind).inc(count)
@@ -309,8 +311,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         speculate = (governor.begin(started) if governor is not None else True) and link is not None
         chain, raw, wait_ms, bytes_up = None, None, 0.0, 0
         if speculate:
-            if link.call is None:
-                bytes_up += await link.open(open_message(session, round_id, self.settings.draft_ahead), self._trace_context())  # the first probe
+            if link.call is None:  # the first probe of a request that started plain
+                bytes_up += await link.open(open_message(session, round_id, self.settings.draft_ahead), self._trace_context())
             elif not link.usable:
                 bytes_up += await link.resync(open_message(session, round_id, self.settings.draft_ahead), self._trace_context())
             else:

@@ -82,6 +82,8 @@ def analyse(records: list[dict], spec: Arm, plain: Arm, blocks: int, k_max: int)
     p_tokens = sum(r["tokens"] for r in p_recs)
     ideal = (tokens / s_verify) / (p_tokens / p_verify) if s_verify and p_verify and p_tokens else None
     mid = statistics.median(ratios) if ratios else None
+    # waits of the rounds that asked the drafter (the governor may have decoded the rest plainly)
+    waits = [x["draft_wait_ms"] for x in s_rounds if x["round_id"] >= 1 and x.get("speculative", True)]
     identical = sum(
         1 for r in s_recs for q in p_recs if q["block"] == r["block"] and q["prompt"] == r["prompt"] and q["token_ids"] == r["token_ids"])
     return {
@@ -96,10 +98,9 @@ def analyse(records: list[dict], spec: Arm, plain: Arm, blocks: int, k_max: int)
         "faults": sum(r["stats"]["drafter_faults"] for r in s_recs),
         "spec_wall_ms_per_round": 1e3 * sum(r["wall_s"] for r in s_recs) / rounds if rounds else None,
         "spec_verify_ms": mean(x["verify_ms"] for x in s_rounds),
-        # waits of the rounds that asked the drafter (the governor may have decoded the rest plainly)
-        "draft_wait_ms": mean(x["draft_wait_ms"] for x in s_rounds if x["round_id"] >= 1 and x.get("speculative", True)),
-        "draft_wait_median_ms": median(x["draft_wait_ms"] for x in s_rounds if x["round_id"] >= 1 and x.get("speculative", True)),
-        "draft_wait_p95_ms": percentile([x["draft_wait_ms"] for x in s_rounds if x["round_id"] >= 1 and x.get("speculative", True)], 95),
+        "draft_wait_ms": mean(waits),
+        "draft_wait_median_ms": median(waits),
+        "draft_wait_p95_ms": percentile(waits, 95),
         "waited_share": sum(1 for x in s_rounds if x.get("speculative", True)) / rounds if rounds else None,
         "detaches": sum(r["stats"].get("drafter_detaches", 0) for r in s_recs),
         # rounds whose chain had been drafted ahead of the previous commit and came true
@@ -141,7 +142,8 @@ def report(setup: str, header: dict, summaries: list[dict], costs: dict[str, dic
             f"| {s['name']} | **{fmt(s['median_ratio'], '.3f')}** [{fmt(s['min_ratio'], '.3f')}, {fmt(s['max_ratio'], '.3f')}] "
             f"| {fmt(s['median_server_ratio'], '.3f')} | {fmt(s['mean_accepted_length'])} | {sources} | {steps} "
             f"| {fmt(s['drafts_retained_per_round'])} | {s['rounds'] / max(s['requests'], 1):.1f} | {s['faults']} "
-            f"| {fmt(s['waited_share'], '.2f')} | {fmt(s['ahead_hit_share'], '.2f')} | {s['detaches']} | {s['identical_outputs']} | {fmt(s['ideal'], '.3f')} | {fmt(s['fraction_realised'], '.2f')} |")
+            f"| {fmt(s['waited_share'], '.2f')} | {fmt(s['ahead_hit_share'], '.2f')} | {s['detaches']} "
+            f"| {s['identical_outputs']} | {fmt(s['ideal'], '.3f')} | {fmt(s['fraction_realised'], '.2f')} |")
     out.append("")
     out.append("Per round (ms; means over all timed rounds unless 'median'; 'draft wait' = RoundInfo.draft_wait_ms of "
                "rounds >= 1, round 0's wait includes the drafter's open; hop + service overhead = median draft wait - "

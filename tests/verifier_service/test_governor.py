@@ -235,3 +235,17 @@ def test_a_detach_against_the_server_s_evidence_probes_again_early():
     # detached at the first judgement, probed again after min_hold // 4 = 2 plain rounds (not 8)
     assert runs(kinds)[:3] == [(True, 5), (False, 2), (True, 13)]
     assert governor.detaches == 1 and governor.probes == 1
+
+
+def test_the_server_s_verdict_follows_the_same_noise_rule():
+    """64 noisy rounds that pay on average (alpha 0.8, 6.1 ms a round: 1.8 ms a token against
+    3.3) never make the server start requests plain, on any of 20 seeds."""
+    import random
+    for seed in range(20):
+        rng = random.Random(seed)
+        settings = GovernorSettings()
+        ledger = Ledger(settings)
+        for _ in range(64):
+            ledger.speculative.add(0.0061, chain_tokens(rng))
+            ledger.plain.add(0.0033, 1)
+        assert ledger.pays() is True, seed
