@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 
 import grpc
 import torch
 from torch import Tensor
 
 from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, drafter_pb2_grpc, encode_hidden
-from verifier_service.engine import Session
+from verifier_service.engine import RoundOutcome, Session
 from verifier_service.settings import VerifierSettings
 
 # Chains after a (re)open or a resume that get the deadline's upper bound and stay out of its
@@ -210,6 +211,30 @@ class DrafterLink:
         up = drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, commit=message, trace_context=trace_context or {})
         await self._write(up)
         return up.ByteSize()
+
+    async def ask(self, message_for_open: Callable[[], drafter_pb2.DraftOpen],
+                  trace_context: Callable[[], dict[str, str]]) -> int:
+        """Before a round that waits for a chain: open the stream at the request's first probe (it
+        started plain), or re-open a broken one; returns the bytes sent. The open message (the
+        whole context) is built only when one is sent."""
+        if self.call is None:
+            return await self.open(message_for_open(), trace_context())
+        if not self.usable and time.monotonic() >= self.retry_at:
+            return await self.resync(message_for_open(), trace_context())
+        return 0
+
+    async def tell(self, round_id: int, outcome: RoundOutcome, num_verified: int, ask_next: bool,
+                   trace_context: Callable[[], dict[str, str]]) -> int:
+        """After a round: its commit when the next round asks for a chain, else held; held rounds
+        go out with it as one commit (`resume`). Returns the bytes sent."""
+        if not ask_next or self.held:
+            self.hold(round_id, outcome.emitted, outcome.hidden_rows)
+            return await self.resume(trace_context()) if ask_next else 0
+        return await self.commit(drafter_pb2.DraftCommit(
+            round_id=round_id, num_accepted=outcome.num_accepted, emitted_token_ids=outcome.emitted,
+            hidden=encode_hidden(outcome.hidden_rows), num_verified=num_verified,
+            verify_ms=outcome.forward_ms + outcome.verify_ms,
+        ), trace_context())
 
     def hold(self, round_id: int, emitted: list[int], hidden_rows: Tensor) -> None:
         """A round the drafter is not told about now (the next round decodes without it)."""

@@ -30,7 +30,6 @@ from shared.protocol import (
     common_pb2,
     drafter_pb2,
     drafter_pb2_grpc,
-    encode_hidden,
     verifier_pb2,
     verifier_pb2_grpc,
 )
@@ -311,12 +310,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         speculate = (governor.begin(started) if governor is not None else True) and link is not None
         chain, raw, wait_ms, bytes_up = None, None, 0.0, 0
         if speculate:
-            if link.call is None:  # the first probe of a request that started plain
-                bytes_up += await link.open(open_message(session, round_id, self.settings.draft_ahead), self._trace_context())
-            elif not link.usable:
-                bytes_up += await link.resync(open_message(session, round_id, self.settings.draft_ahead), self._trace_context())
-            else:
-                bytes_up += await link.resume(self._trace_context())
+            bytes_up += await link.ask(lambda: open_message(session, round_id, self.settings.draft_ahead), self._trace_context)
             raw, wait_ms = await link.next_chain(round_id, session.token_ids)
             if raw is not None:
                 chain = self._checked(raw, session, round_id, link)
@@ -341,16 +335,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             self.metrics.ttft_seconds.observe(stats.first_token_at - stats.started)
         if governor is not None:
             governor.end(len(outcome.emitted))
-        if link is not None and completion.finish_reason is None and (next_plain or link.held):
-            link.hold(round_id, outcome.emitted, outcome.hidden_rows)  # told when it is asked again
-            if not next_plain:
-                bytes_up += await link.resume(self._trace_context())  # every round it missed, as one commit
-        elif link is not None and completion.finish_reason is None:
-            bytes_up += await link.commit(drafter_pb2.DraftCommit(
-                round_id=round_id, num_accepted=outcome.num_accepted, emitted_token_ids=outcome.emitted,
-                hidden=encode_hidden(outcome.hidden_rows), num_verified=len(drafts),
-                verify_ms=outcome.forward_ms + outcome.verify_ms,
-            ), self._trace_context())
+        if link is not None and completion.finish_reason is None:  # (told when it is next asked, if not now)
+            bytes_up += await link.tell(round_id, outcome, len(drafts), not next_plain, self._trace_context)
         verify_ms = outcome.forward_ms + outcome.verify_ms
         draft_ms = raw.costs.draft_ms if raw is not None else 0.0
         m = self.metrics
