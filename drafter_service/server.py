@@ -100,8 +100,8 @@ class Drafter:
         """Apply a round's outcome; True when it is what the chain drafted ahead assumed (the
         verifier then has its next chain already)."""
         emitted = list(message.emitted_token_ids)
-        if message.num_rounds > 1:  # a resume: the verifier decoded without this drafter, nothing verified
-            session.in_flight = None
+        if message.num_rounds > 1:
+            pass  # a resume: the verifier decoded without this drafter, nothing was verified to learn from
         elif session.in_flight is not None and session.in_flight.source != "NONE":
             plan = session.in_flight
             self.planner.learn(plan.source, plan.bucket, message.num_verified, message.num_accepted,

@@ -126,8 +126,10 @@ class DrafterLink:
         await self._write(up)
         return up.ByteSize()
 
-    async def resync(self, message: drafter_pb2.DraftOpen, trace_context: dict[str, str] | None = None) -> int:
-        """Re-open a broken stream unless its backoff is still running; returns bytes sent.
+    async def resync(self, message_for_open: Callable[[], drafter_pb2.DraftOpen],
+                     trace_context: Callable[[], dict[str, str]]) -> int:
+        """Re-open a broken stream unless its backoff is still running; returns bytes sent. The
+        open message (the whole context) is built only when it is sent.
 
         Each attempt doubles the wait before the next (up to RESYNC_BACKOFF_S[1]); a chain
         received on the stream resets it."""
@@ -137,7 +139,7 @@ class DrafterLink:
         self.retry_at = now + self.backoff_s
         self.backoff_s = min(2 * self.backoff_s, RESYNC_BACKOFF_S[1])
         self.fault("resync")
-        return await self.open(message, trace_context)
+        return await self.open(message_for_open(), trace_context())
 
     def deliver(self, chain: drafter_pb2.DraftChain) -> None:
         """Queue a chain from the stream: stale ones are dropped, a full queue loses its oldest."""
@@ -215,13 +217,10 @@ class DrafterLink:
     async def ask(self, message_for_open: Callable[[], drafter_pb2.DraftOpen],
                   trace_context: Callable[[], dict[str, str]]) -> int:
         """Before a round that waits for a chain: open the stream at the request's first probe (it
-        started plain), or re-open a broken one; returns the bytes sent. The open message (the
-        whole context) is built only when one is sent."""
+        started plain), or re-open a broken one (`resync`); returns the bytes sent."""
         if self.call is None:
             return await self.open(message_for_open(), trace_context())
-        if not self.usable and time.monotonic() >= self.retry_at:
-            return await self.resync(message_for_open(), trace_context())
-        return 0
+        return await self.resync(message_for_open, trace_context)
 
     async def tell(self, round_id: int, outcome: RoundOutcome, num_verified: int, ask_next: bool,
                    trace_context: Callable[[], dict[str, str]]) -> int:
