@@ -43,7 +43,7 @@ def replay_real_drafter(streams: list[dict], model: str | None, device: str, dty
     (open + propose; commit + propose) on the last pass (earlier passes warm up)."""
     import torch
 
-    from drafter_service.server import Drafter
+    from drafter_service.drafter import Drafter
     from drafter_service.settings import DrafterSettings
     from shared.model import load_model
     from shared.model.registry import resolve_model

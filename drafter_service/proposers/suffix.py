@@ -288,10 +288,17 @@ class GlobalIndex:
 
     def add(self, token_ids: list[int]) -> None:
         """Count a finished output (contexts within it only, as the request's prompt is its own)."""
+        for _ in self.adding(token_ids, len(token_ids) or 1):
+            pass
+
+    def adding(self, token_ids: list[int], chunk: int) -> Iterator[None]:
+        """add() in steps of `chunk` tokens (a generator: the caller may do other work between)."""
         token_ids = list(token_ids)
         prefix = [0]
         _hash_tokens(prefix, token_ids)
-        _count_stream(self.counts, token_ids, prefix, 0)
+        for start in range(0, len(token_ids), chunk):
+            _count_stream(self.counts, token_ids, prefix, start, min(start + chunk, len(token_ids)))
+            yield
 
     def lookup(self, index: SuffixIndex, k: int, beat: SuffixMatch | None = None) -> SuffixMatch | None:
         """The global proposal of at most k tokens after the request's committed tokens; None

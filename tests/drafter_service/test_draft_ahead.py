@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from drafter_service.proposers.suffix import SuffixIndex
-from drafter_service.server import Drafter
+from drafter_service.drafter import Drafter
 from drafter_service.settings import DrafterSettings
 from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, encode_hidden
 

@@ -59,7 +59,7 @@ def test_deferred_commits_settle_to_the_eager_state(tiny_mtp_model):
 def test_a_suffix_round_leaves_the_mtp_rows_for_after_its_chain(tiny_mtp_model):
     """With suffix drafting (planner "suffix"), commit + propose run no MTP forward; the rows
     run in the job after the chain went out."""
-    from drafter_service.server import Drafter
+    from drafter_service.drafter import Drafter
     from drafter_service.settings import DrafterSettings
 
     from .test_messages import commit_up, open_up

@@ -150,7 +150,7 @@ def test_source_choice_does_not_move_with_the_sampled_mtp_token(tiny_mtp_model):
 
     import torch
 
-    from drafter_service.server import Drafter
+    from drafter_service.drafter import Drafter
     from drafter_service.settings import DrafterSettings
     from shared.protocol import drafter_pb2, encode_hidden
 

@@ -8,7 +8,7 @@ import pytest
 
 from drafter_service.planner import Estimates
 from drafter_service.proposers.suffix import SuffixIndex
-from drafter_service.server import Drafter
+from drafter_service.drafter import Drafter
 from drafter_service.session import DraftSession, SessionStore, session_params
 from drafter_service.settings import DrafterSettings
 from kernels.retention import RetentionPolicy

@@ -1,0 +1,105 @@
+"""The thin hop (issue 13): a round drafted by suffix lookup never leaves the event loop; model
+work (an open's catch-up, MTP drafts, deferred MTP rows) runs on the model worker."""
+
+import asyncio
+
+import grpc
+import pytest
+
+import drafter_service.drafter as drafter_module
+from drafter_service.proposers.suffix import GlobalIndex, SuffixIndex
+from drafter_service.server import DrafterServer
+from drafter_service.settings import DrafterSettings
+from shared.protocol import common_pb2, drafter_pb2_grpc
+from shared.worker import ModelWorker
+from tests.drafter_service.test_messages import commit_up, open_up
+
+REPEATING = [7, 8, 9, 10, 11] * 6  # a prompt whose suffix lookups find continuations
+
+
+@pytest.fixture
+def jobs(monkeypatch):
+    """The names of the functions run on the model worker, in order."""
+    names = []
+    run = ModelWorker.run
+
+    async def recorded(self, fn, *args, **kwargs):
+        names.append(getattr(fn, "__name__", repr(fn)))
+        return await run(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(ModelWorker, "run", recorded)
+    return names
+
+
+async def serve(model, planner):
+    server = DrafterServer(DrafterSettings(port=0, planner=planner, draft_ahead=False), model=model)
+    port = await server.start()
+    await server.wait_loaded()
+    return server, grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+
+
+async def rounds(channel, model, num_rounds):
+    """Open on REPEATING, then commit each chain's first draft (or 7) for `num_rounds` rounds:
+    (the chains, the tokens committed)."""
+    call = drafter_pb2_grpc.DrafterStub(channel).Draft()
+    await call.write(open_up(model, REPEATING, max_draft_tokens=4))
+    chains, emitted = [(await call.read()).chain], []
+    for round_id in range(num_rounds):
+        emitted.append(chains[-1].token_ids[0] if chains[-1].token_ids else 7)
+        await call.write(commit_up(model, round_id=round_id, emitted=emitted[-1:]))
+        chains.append((await call.read()).chain)
+    await call.done_writing()
+    return chains, emitted
+
+
+async def test_suffix_rounds_run_no_worker_job(tiny_mtp_model, jobs):
+    server, channel = await serve(tiny_mtp_model, "suffix")
+    try:
+        chains, _ = await rounds(channel, tiny_mtp_model, 6)
+    finally:
+        await channel.close()
+        await server.stop(0)
+    assert sum(c.source == common_pb2.DRAFT_SOURCE_SUFFIX for c in chains) >= 5  # the rounds drafted
+    # one job for the open (its MTP catch-up, timed); after that only the deferred MTP rows of
+    # each commit, run after its chain went out — no job between a commit and its chain
+    assert jobs[0] == "timed" and set(jobs[1:]) <= {"settle"}, jobs
+
+
+async def test_mtp_chains_draft_on_the_worker(tiny_mtp_model, jobs):
+    server, channel = await serve(tiny_mtp_model, "mtp")
+    try:
+        chains, _ = await rounds(channel, tiny_mtp_model, 4)
+    finally:
+        await channel.close()
+        await server.stop(0)
+    assert all(c.source == common_pb2.DRAFT_SOURCE_MTP and c.costs.draft_ms > 0 for c in chains)
+    assert jobs.count("draft_mtp") == len(chains)
+
+
+def test_the_global_index_counted_in_steps_equals_counted_at_once():
+    output = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4] * 3
+    at_once, in_steps = GlobalIndex(), GlobalIndex()
+    at_once.add(output)
+    assert sum(1 for _ in in_steps.adding(output, 7)) == -(-len(output) // 7)
+    assert len(in_steps) == len(at_once)
+    index = SuffixIndex()
+    index.extend([0, 3, 1, 4, 1, 5])
+    assert in_steps.lookup(index, 4) == at_once.lookup(index, 4) is not None
+
+
+async def test_a_long_output_joins_the_global_index_in_steps(tiny_mtp_model, monkeypatch):
+    monkeypatch.setattr(drafter_module, "LOOP_COUNT", 2)  # so the output takes several steps
+    server, channel = await serve(tiny_mtp_model, "suffix")
+    try:
+        _, emitted = await rounds(channel, tiny_mtp_model, 7)
+        index = server.service.drafter.global_index
+        for _ in range(200):  # the stream ends on the server after the client's last read
+            if len(index) and not server.service._background:
+                break
+            await asyncio.sleep(0.01)
+        expected = GlobalIndex()
+        expected.add(emitted)
+        assert len(index) == len(expected) > 0
+    finally:
+        await channel.close()
+        await server.stop(0)
