@@ -154,19 +154,19 @@ class Drafter:
                 match = other
         return match
 
-    def plan(self, session: DraftSession) -> tuple[Plan, SuffixMatch | None]:
-        """The next chain's source and length, and the suffix match it may use (loop: no model work)."""
+    def plan(self, session: DraftSession, mtp: bool = True) -> tuple[Plan, SuffixMatch | None]:
+        """The next chain's source and length, and the suffix match it may use (loop: no model
+        work); mtp=False: without MTP drafts (load shedding)."""
         match = self._suffix_match(session, session.max_drafts)
-        mtp_ready = session.mtp is not None and (session.mtp.next_logits is not None or bool(session.mtp.pending))
+        mtp_ready = mtp and session.mtp is not None and (session.mtp.next_logits is not None or bool(session.mtp.pending))
         plan = choose(session.snapshot, limit=session.max_drafts, mtp_available=mtp_ready,
                       suffix_length=match.length if match else None,
                       suffix_tokens=len(match.continuation) if match else 0, round_id=session.round_id,
                       policy=self.settings.planner)
         return plan, match
 
-    def draft_mtp(self, session: DraftSession, plan: Plan) -> tuple[Proposal, float]:
-        """An MTP plan's drafts (worker): (proposal with its expert-slot misses, milliseconds spent)."""
-        started = time.perf_counter()
+    def draft_mtp(self, session: DraftSession, plan: Plan) -> Proposal:
+        """An MTP plan's drafts, with their expert-slot misses (worker)."""
         store = self.mtp_store()
         misses = store.counters.misses
         self.mtp.settle(session.mtp)
@@ -175,7 +175,7 @@ class Drafter:
             base_position=len(session.tokens), mode=session.mode, gate=session.gate, coupled=session.coupled,
             policy=session.policy,
         )
-        return dataclasses.replace(proposal, slot_misses=store.counters.misses - misses), (time.perf_counter() - started) * 1e3
+        return dataclasses.replace(proposal, slot_misses=store.counters.misses - misses)
 
     def chain(self, session: DraftSession, plan: Plan, match: SuffixMatch | None, mtp: Proposal | None,
               draft_ms: float) -> drafter_pb2.DraftChain:
@@ -214,8 +214,9 @@ class Drafter:
         plan, match = self.plan(session)
         mtp = None
         if plan.source == "MTP":
-            mtp, mtp_ms = self.draft_mtp(session, plan)
-            self.learn_mtp_cost(plan, mtp_ms)
+            drafting = time.perf_counter()
+            mtp = self.draft_mtp(session, plan)
+            self.learn_mtp_cost(plan, (time.perf_counter() - drafting) * 1e3)
         return self.chain(session, plan, match, mtp, (time.perf_counter() - started) * 1e3)
 
     def propose_ahead(self, session: DraftSession, sent: drafter_pb2.DraftChain | None) -> drafter_pb2.DraftChain | None:

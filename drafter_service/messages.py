@@ -45,6 +45,10 @@ def check_commit(message: drafter_pb2.DraftCommit, *, max_drafts: int, committed
     if committed + emitted > config.max_position_embeddings:
         raise ValueError(f"the session would hold {committed + emitted} tokens; the model takes {config.max_position_embeddings}")
     _check_ids(message.emitted_token_ids, config.vocab_size, "commit.emitted_token_ids")
+    for name in ("verify_ms", "wait_ms"):  # (the planner learns from one, load shedding reads the other)
+        value = getattr(message, name)
+        if not 0 <= value < 3.6e6:  # also refuses NaN
+            raise ValueError(f"commit.{name} {value!r} must be a duration in [0, 3600000) ms")
     if message.HasField("hidden"):
         _check_hidden(message.hidden, emitted, config.hidden_size, "commit.hidden")
 

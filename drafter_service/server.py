@@ -18,6 +18,7 @@ import torch
 from opentelemetry.trace import Status, StatusCode
 
 from drafter_service.drafter import Drafter
+from drafter_service.load import WorkerLoad
 from drafter_service.messages import check_commit, check_open
 from drafter_service.session import DraftSession, SessionStore
 from drafter_service.settings import DrafterSettings
@@ -44,6 +45,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.streams_by_peer: dict[str, int] = {}
         self.metrics = DrafterMetrics()
         self._background: set[asyncio.Task] = set()  # global-index additions in progress
+        self.worker_load = WorkerLoad()
 
     async def load(self) -> None:
         if self.model is None:
@@ -71,25 +73,42 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             await asyncio.sleep(0)
         self.metrics.global_contexts.set(len(self.drafter.global_index))
 
-    async def _open(self, message: drafter_pb2.DraftOpen) -> tuple[DraftSession, drafter_pb2.DraftChain]:
-        session, open_ms = await self.worker.run(timed, self.drafter.open, message,
-                                                 self.drafter.snapshot_for(message.session_id))
-        return session, await self._chain(session, open_ms)  # the open's catch-up is compute too
+    async def _run(self, kind: str, fn: Callable, *args) -> tuple[object, float]:
+        """A model-worker job, counted in the worker's load by its kind: (its result, its own ms)."""
+        self.worker_load.begin(kind)
+        job_ms = None
+        try:
+            result, job_ms = await self.worker.run(timed, fn, *args)
+        finally:
+            self.worker_load.end(kind, job_ms)
+        return result, job_ms
 
-    async def _chain(self, session: DraftSession, spent_ms: float) -> drafter_pb2.DraftChain:
-        """The chain of the session's next round: planned on the loop, MTP drafts on the worker. Its
-        draft_ms is the compute it cost, `spent_ms` (its commit or open) included, hops not."""
+    async def _open(self, message: drafter_pb2.DraftOpen) -> tuple[DraftSession, drafter_pb2.DraftChain, bool]:
+        session, open_ms = await self._run("open", self.drafter.open, message, self.drafter.snapshot_for(message.session_id))
+        return session, *await self._chain(session, open_ms)  # the open's catch-up is compute too
+
+    async def _chain(self, session: DraftSession, spent_ms: float,
+                     wait_ms: float = 0.0) -> tuple[drafter_pb2.DraftChain, bool]:
+        """The chain of the session's next round, and whether MTP drafts were shed for it: planned
+        on the loop, MTP drafts on the worker unless they would miss the verifier's `wait_ms`
+        (drafter_service.load). Its draft_ms is the compute it cost, `spent_ms` (its commit or
+        open) included, hops and queueing not."""
         started = time.perf_counter()
         plan, match = self.drafter.plan(session)
+        shed = plan.source == "MTP" and self.settings.load_shedding and self.worker_load.sheds(plan.num_drafts, wait_ms)
+        if shed:
+            plan, match = self.drafter.plan(session, mtp=False)
+            self.metrics.shed.inc()
         mtp, mtp_ms = None, 0.0
         if plan.source == "MTP":
             planned = time.perf_counter()
-            mtp, mtp_ms = await self.worker.run(self.drafter.draft_mtp, session, plan)
+            mtp, mtp_ms = await self._run("mtp", self.drafter.draft_mtp, session, plan)
             self.drafter.learn_mtp_cost(plan, mtp_ms)
+            self.worker_load.learn_draft(plan.num_drafts, mtp_ms)
             started += time.perf_counter() - planned  # the loop's own time only
         chain = self.drafter.chain(session, plan, match, mtp, 0.0)
         chain.costs.draft_ms = spent_ms + mtp_ms + (time.perf_counter() - started) * 1e3
-        return chain
+        return chain, shed
 
     async def Draft(self, request_iterator, context: grpc.aio.ServicerContext):
         if self.drafter is None:
@@ -122,7 +141,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                         check_open(up.open, config)  # before any work: cheap and bounded
                         if session is not None:  # a re-open on the same stream replaces its session
                             self.sessions.remove(session)
-                        session, chain = await self._open(up.open)
+                        session, chain, shed = await self._open(up.open)
                         # counted here, not as a before/after difference: concurrent opens overlap
                         self.metrics.evictions.inc(self.sessions.put(session))
                         structlog.contextvars.bind_contextvars(request_id=session.session_id)
@@ -130,8 +149,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                         check_commit(up.commit, max_drafts=session.max_drafts, committed=len(session.tokens),
                                      round_id=session.round_id, config=config)
                         started = time.perf_counter()
-                        hit = self.drafter.commit(session, up.commit)
-                        chain = None if hit else await self._chain(session, (time.perf_counter() - started) * 1e3)
+                        chain, shed = None, False
+                        if not self.drafter.commit(session, up.commit):  # (else: the chain drafted ahead was right)
+                            chain, shed = await self._chain(session, (time.perf_counter() - started) * 1e3,
+                                                            up.commit.wait_ms)
                 except ValueError as error:
                     refusal = str(error)
                 if refusal is not None:
@@ -143,7 +164,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 if chain is not None:
                     yield drafter_pb2.DraftDown(protocol_version=PROTOCOL_VERSION, chain=chain)
                 # The span and metrics after the chain went out (the thin hop: off the round's path).
-                self._trace(up, kind, received_ns, session, chain)
+                self._trace(up, kind, received_ns, session, chain, shed=shed)
                 # The next round's chain drafted ahead (on the chain just sent, or on the one the
                 # verifier holds after a hit), while the verifier verifies.
                 basis = chain if chain is not None else session.ahead
@@ -156,7 +177,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                     if self.drafter.settles_on_loop(session):
                         self.drafter.settle(session)
                     else:
-                        await self.worker.run(self.drafter.settle, session)
+                        await self._run("settle", self.drafter.settle, session)
         finally:
             self.metrics.active.dec()
             self.streams_by_peer[peer] -= 1
@@ -169,7 +190,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             structlog.contextvars.unbind_contextvars("request_id")
 
     def _trace(self, up: drafter_pb2.DraftUp, kind: str, received_ns: int, session: DraftSession | None,
-               chain: drafter_pb2.DraftChain | None, refusal: str | None = None) -> None:
+               chain: drafter_pb2.DraftChain | None, refusal: str | None = None, shed: bool = False) -> None:
         """The message's `propose` span (from its arrival to now) and the chain's metrics. Each
         message carries the verifier span it belongs to: the drafter's span joins that trace
         even though the stream outlives it."""
@@ -182,6 +203,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             self.metrics.ahead.labels("hit").inc()
         else:
             self._observe(span, session, chain, kind)
+            span.set_attribute("tandem.shed", shed)
         span.end()
 
     def _observe(self, span, session: DraftSession, chain: drafter_pb2.DraftChain, kind: str) -> None:

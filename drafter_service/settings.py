@@ -25,6 +25,7 @@ class DrafterSettings:
     expert_slots: int = field(default=0, metadata={"help": "device expert slots per MoE layer (0 = all resident)"})
     global_index_contexts: int = field(default=1_000_000, metadata={"help": "contexts kept in the cross-session suffix index (about 15 per output token; oldest dropped first)"})
     draft_ahead: bool = field(default=True, metadata={"help": "after a suffix chain, send the next round's chain at once, assuming every draft accepted and the bonus the suffix index expects (used by the verifier only if that is what it commits)"})
+    load_shedding: bool = field(default=True, metadata={"help": "plan without MTP drafts when the model worker's backlog would make them miss the verifier's wait (the commit says it): a suffix or empty chain at once instead of a late one"})
     planner: str = field(default="adaptive", metadata={"help": "source choice: adaptive (learned estimates), mtp or suffix (fixed, for ablations)"})
     metrics_port: int = field(default=0, metadata={"help": "port of the Prometheus /metrics endpoint (0 = off)"})
     tls_cert: str | None = field(default=None, metadata={"help": "PEM server certificate: serve TLS (with tls_key)"})

@@ -58,6 +58,9 @@ class DrafterMetrics:
         self.slot_hit_rate = Gauge("tandem_drafter_expert_slot_hit_rate", "Expert slot hit rate of the MTP layer", registry=r)
         self.ahead = Counter("tandem_drafter_ahead_chains",
                              "Chains drafted ahead: sent, and hit (the round emitted what they assumed)", ["outcome"], registry=r)
+        self.shed = Counter("tandem_drafter_shed_chains",
+                            "Chains planned without MTP drafts because the model worker could not finish them "
+                            "within the verifier's wait (load shedding)", registry=r)
         self.global_contexts = Gauge("tandem_drafter_suffix_global_contexts",
                                      "Contexts in the cross-session suffix index (bounded by --global-index-contexts)",
                                      registry=r)

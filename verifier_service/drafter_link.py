@@ -210,6 +210,8 @@ class DrafterLink:
         """Send a round's outcome; returns the bytes sent (0 when the stream is down)."""
         if not self.usable:
             return 0
+        # how long the next chain will be waited for (what the drafter sheds MTP drafts by)
+        message.wait_ms = self.deadlines.deadline_s(after_open=self.after_open > 0) * 1e3
         up = drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, commit=message, trace_context=trace_context or {})
         await self._write(up)
         return up.ByteSize()

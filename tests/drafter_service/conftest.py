@@ -5,11 +5,12 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from drafter_service.server import DrafterServer
+from drafter_service.server import DrafterServer, timed
 from drafter_service.settings import DrafterSettings
 from shared.model import load_model
 from shared.protocol import verifier_pb2_grpc
 from verifier_service.server import VerifierServer
+from shared.worker import ModelWorker
 from verifier_service.settings import VerifierSettings
 
 @pytest.fixture(scope="session")
@@ -54,3 +55,19 @@ async def pair():
     p = Pair()
     yield p
     await p.stop()
+
+
+@pytest.fixture
+def worker_jobs(monkeypatch):
+    """The names of the functions the drafters run on their model workers, in order (a job
+    timed by the service is named by the function it times)."""
+    names = []
+    run = ModelWorker.run
+
+    async def recorded(self, fn, *args, **kwargs):
+        job = args[0] if fn is timed else fn
+        names.append(getattr(job, "__name__", repr(job)))
+        return await run(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(ModelWorker, "run", recorded)
+    return names

@@ -12,7 +12,6 @@ import torch
 from drafter_service.server import DrafterServer, DrafterService
 from drafter_service.settings import DrafterSettings
 from shared.protocol import PROTOCOL_VERSION, drafter_pb2, drafter_pb2_grpc, encode_hidden
-from shared.worker import ModelWorker
 
 
 def open_up(model, tokens, *, session_id="s", hidden=None, max_draft_tokens=2):
@@ -22,10 +21,10 @@ def open_up(model, tokens, *, session_id="s", hidden=None, max_draft_tokens=2):
         max_new_tokens=8))
 
 
-def commit_up(model, *, round_id=0, emitted=(5,), num_accepted=0, num_verified=0, num_rounds=0):
+def commit_up(model, *, round_id=0, emitted=(5,), num_accepted=0, num_verified=0, num_rounds=0, **fields):
     return drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, commit=drafter_pb2.DraftCommit(
         round_id=round_id, num_accepted=num_accepted, num_verified=num_verified, emitted_token_ids=list(emitted),
-        num_rounds=num_rounds,
+        num_rounds=num_rounds, **fields,
         hidden=encode_hidden(torch.zeros(len(emitted), model.config.hidden_size))))
 
 
@@ -63,6 +62,10 @@ BAD = {
     "emitted count off": (lambda m: [open_up(m, [1, 2, 3]), commit_up(m, emitted=[5, 6], num_accepted=0)],
                           "commit.emitted_token_ids has 2 tokens"),
     "wrong round": (lambda m: [open_up(m, [1, 2, 3]), commit_up(m, round_id=9)], "commit.round_id 9"),
+    "a wait that is no duration": (lambda m: [open_up(m, [1, 2, 3]), commit_up(m, wait_ms=float("nan"))],
+                                   "commit.wait_ms nan"),
+    "a negative verify time": (lambda m: [open_up(m, [1, 2, 3]), commit_up(m, verify_ms=-1.0)],
+                               "commit.verify_ms -1.0"),
     "a resume from the wrong round": (lambda m: [open_up(m, [1, 2, 3]), commit_up(m, round_id=5, emitted=[5] * 3, num_rounds=3)],
                                       "commit.rounds 3..5"),
     "a resume that verified drafts": (lambda m: [open_up(m, [1, 2, 3]),
@@ -83,29 +86,20 @@ async def test_a_resume_commit_covers_the_rounds_the_drafter_missed(drafter, tin
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
-async def test_bad_messages_are_invalid_argument_and_cost_nothing(drafter, tiny_mtp_model, case, monkeypatch):
+async def test_bad_messages_are_invalid_argument_and_cost_nothing(drafter, tiny_mtp_model, case, worker_jobs):
     """Refused before any model work: the bad message (the last one sent) runs no job on the
     model worker."""
-    jobs = []
-    run = ModelWorker.run
-
-    async def counted(self, fn, *args, **kwargs):
-        jobs.append(fn)
-        return await run(self, fn, *args, **kwargs)
-
-    monkeypatch.setattr(ModelWorker, "run", counted)
     make, fragment = BAD[case]
     messages = make(tiny_mtp_model)
     await exchange(drafter, messages[:-1])  # the good messages alone (no commit among them: nothing learned)
-    good_jobs, jobs[:] = list(jobs), []
+    good_jobs, worker_jobs[:] = list(worker_jobs), []
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await exchange(drafter, messages)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert fragment in error.value.details()
     # the jobs of the good messages before it, none for it (nor what a commit leaves for after
     # its chain went out, `settle`)
-    names = [getattr(fn, "__name__", "") for fn in jobs]
-    assert names == [getattr(fn, "__name__", "") for fn in good_jobs] and "settle" not in names
+    assert worker_jobs == good_jobs and "settle" not in worker_jobs
     # and the drafter serves a good session as before
     replies = await exchange(drafter, [open_up(tiny_mtp_model, [1, 2, 3, 4]), commit_up(tiny_mtp_model)])
     assert all(r.HasField("chain") for r in replies) and replies[1].chain.round_id == 1

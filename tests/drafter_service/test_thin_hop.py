@@ -4,31 +4,14 @@ work (an open's catch-up, MTP drafts, deferred MTP rows) runs on the model worke
 import asyncio
 
 import grpc
-import pytest
-
 import drafter_service.drafter as drafter_module
 from drafter_service.proposers.suffix import GlobalIndex, SuffixIndex
 from drafter_service.server import DrafterServer
 from drafter_service.settings import DrafterSettings
 from shared.protocol import common_pb2, drafter_pb2_grpc
-from shared.worker import ModelWorker
 from tests.drafter_service.test_messages import commit_up, open_up
 
 REPEATING = [7, 8, 9, 10, 11] * 6  # a prompt whose suffix lookups find continuations
-
-
-@pytest.fixture
-def jobs(monkeypatch):
-    """The names of the functions run on the model worker, in order."""
-    names = []
-    run = ModelWorker.run
-
-    async def recorded(self, fn, *args, **kwargs):
-        names.append(getattr(fn, "__name__", repr(fn)))
-        return await run(self, fn, *args, **kwargs)
-
-    monkeypatch.setattr(ModelWorker, "run", recorded)
-    return names
 
 
 async def serve(model, planner):
@@ -52,7 +35,7 @@ async def rounds(channel, model, num_rounds):
     return chains, emitted
 
 
-async def test_suffix_rounds_run_no_worker_job(tiny_mtp_model, jobs):
+async def test_suffix_rounds_run_no_worker_job(tiny_mtp_model, worker_jobs):
     server, channel = await serve(tiny_mtp_model, "suffix")
     try:
         chains, _ = await rounds(channel, tiny_mtp_model, 6)
@@ -62,10 +45,10 @@ async def test_suffix_rounds_run_no_worker_job(tiny_mtp_model, jobs):
     assert sum(c.source == common_pb2.DRAFT_SOURCE_SUFFIX for c in chains) >= 5  # the rounds drafted
     # one job for the open (its MTP catch-up, timed); after that only the deferred MTP rows of
     # each commit, run after its chain went out — no job between a commit and its chain
-    assert jobs[0] == "timed" and set(jobs[1:]) <= {"settle"}, jobs
+    assert worker_jobs[0] == "open" and set(worker_jobs[1:]) <= {"settle"}, worker_jobs
 
 
-async def test_mtp_chains_draft_on_the_worker(tiny_mtp_model, jobs):
+async def test_mtp_chains_draft_on_the_worker(tiny_mtp_model, worker_jobs):
     server, channel = await serve(tiny_mtp_model, "mtp")
     try:
         chains, _ = await rounds(channel, tiny_mtp_model, 4)
@@ -73,7 +56,7 @@ async def test_mtp_chains_draft_on_the_worker(tiny_mtp_model, jobs):
         await channel.close()
         await server.stop(0)
     assert all(c.source == common_pb2.DRAFT_SOURCE_MTP and c.costs.draft_ms > 0 for c in chains)
-    assert jobs.count("draft_mtp") == len(chains)
+    assert worker_jobs.count("draft_mtp") == len(chains)
 
 
 def test_the_global_index_counted_in_steps_equals_counted_at_once():

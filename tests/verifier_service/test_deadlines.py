@@ -28,3 +28,19 @@ def test_fixed_deadline_wins():
     for _ in range(20):
         tracker.record(1.0)
     assert tracker.deadline_s() == tracker.deadline_s(after_open=True) == 0.03
+
+
+async def test_each_commit_says_how_long_its_chain_is_waited_for(servers, tiny_model):
+    """DraftCommit.wait_ms carries the deadline the verifier applies to the chain answering it
+    (what the drafter sheds MTP drafts by): the upper bound while the stream is young, then
+    the recent p95 plus the margin."""
+    from tests.verifier_service.conftest import ScriptedDrafter, chain, generate, request
+
+    drafter = ScriptedDrafter(lambda s: chain(s, [1]))
+    stub = await servers.start(tiny_model, drafter=drafter, drafter_deadline_ms=0.0, drafter_deadline_max_ms=400.0,
+                               drafter_deadline_margin_ms=5.0)
+    await generate(stub, request([3, 4, 5], 24, max_draft_tokens=1))
+    waits = [c.wait_ms for c in drafter.sessions[0].commits]
+    assert len(waits) >= 12
+    assert waits[0] == 400.0  # the second chain after the open is still lenient (LENIENT_CHAINS)
+    assert all(5.0 < w < 400.0 for w in waits[10:])  # then p95 + 5 ms: a local drafter answers in ms
