@@ -69,7 +69,7 @@ async def main_async(args) -> None:
         d_port, v_port, m_port, vm_port = free_port(), free_port(), free_port(), free_port()
         drafter_args = [*common, "--port", str(d_port), "--planner", args.planner, "--global-index-contexts", "0",
                         "--metrics-port", str(m_port), "--max-sessions", str(4 * args.concurrency)]
-        if arm == "no shedding":
+        if arm == "no shedding" and not args.same:
             drafter_args.append("--no-load-shedding")
         verifier_args = [*common, "--port", str(v_port), "--drafter", f"127.0.0.1:{d_port}",
                          "--max-sessions", str(args.concurrency), "--max-draft-tokens", str(args.max_draft_tokens),
@@ -110,7 +110,7 @@ async def main_async(args) -> None:
         children.stop()
     print(f"### drafter_load: {time.strftime('%Y-%m-%d')}, device {args.device}, {args.dtype}, planner {args.planner}, "
           f"concurrency {args.concurrency}, {args.blocks} blocks, {args.max_new_tokens} tokens, k = {args.max_draft_tokens}, "
-          f"governor {'on' if args.governor else 'off'}\n")
+          f"governor {'on' if args.governor else 'off'}{', A/A: both drafters shed' if args.same else ''}\n")
     print("| arm | output tokens/s (median of blocks) | / plain (median of paired ratios) | rounds with drafts | "
           "deadline misses / round | stale chains / round | shed chains / round |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-draft-tokens", type=int, default=4)
     parser.add_argument("--planner", default="mtp", choices=("adaptive", "mtp", "suffix"))
     parser.add_argument("--governor", action="store_true", help="leave the verifiers' governor on")
+    parser.add_argument("--same", action="store_true", help="both drafters shed (an A/A run: the spread between pairs)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per service (0: torch's default)")
     asyncio.run(main_async(parser.parse_args(argv)))
     return 0
