@@ -2,6 +2,7 @@
 work (an open's catch-up, MTP drafts, deferred MTP rows) runs on the model worker."""
 
 import asyncio
+import contextlib
 
 import grpc
 import drafter_service.drafter as drafter_module
@@ -14,11 +15,18 @@ from tests.drafter_service.test_messages import commit_up, open_up
 REPEATING = [7, 8, 9, 10, 11] * 6  # a prompt whose suffix lookups find continuations
 
 
+@contextlib.asynccontextmanager
 async def serve(model, planner):
+    """A drafter (draft-ahead off) on port 0 and a channel to it."""
     server = DrafterServer(DrafterSettings(port=0, planner=planner, draft_ahead=False), model=model)
     port = await server.start()
     await server.wait_loaded()
-    return server, grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield server, channel
+    finally:
+        await channel.close()
+        await server.stop(0)
 
 
 async def rounds(channel, model, num_rounds):
@@ -36,12 +44,8 @@ async def rounds(channel, model, num_rounds):
 
 
 async def test_suffix_rounds_run_no_worker_job(tiny_mtp_model, worker_jobs):
-    server, channel = await serve(tiny_mtp_model, "suffix")
-    try:
+    async with serve(tiny_mtp_model, "suffix") as (_, channel):
         chains, _ = await rounds(channel, tiny_mtp_model, 6)
-    finally:
-        await channel.close()
-        await server.stop(0)
     assert sum(c.source == common_pb2.DRAFT_SOURCE_SUFFIX for c in chains) >= 5  # the rounds drafted
     # one job for the open (its MTP catch-up, timed); after that only the deferred MTP rows of
     # each commit, run after its chain went out — no job between a commit and its chain
@@ -49,12 +53,8 @@ async def test_suffix_rounds_run_no_worker_job(tiny_mtp_model, worker_jobs):
 
 
 async def test_mtp_chains_draft_on_the_worker(tiny_mtp_model, worker_jobs):
-    server, channel = await serve(tiny_mtp_model, "mtp")
-    try:
+    async with serve(tiny_mtp_model, "mtp") as (_, channel):
         chains, _ = await rounds(channel, tiny_mtp_model, 4)
-    finally:
-        await channel.close()
-        await server.stop(0)
     assert all(c.source == common_pb2.DRAFT_SOURCE_MTP and c.costs.draft_ms > 0 for c in chains)
     assert worker_jobs.count("draft_mtp") == len(chains)
 
@@ -72,8 +72,7 @@ def test_the_global_index_counted_in_steps_equals_counted_at_once():
 
 async def test_a_long_output_joins_the_global_index_in_steps(tiny_mtp_model, monkeypatch):
     monkeypatch.setattr(drafter_module, "LOOP_COUNT", 2)  # so the output takes several steps
-    server, channel = await serve(tiny_mtp_model, "suffix")
-    try:
+    async with serve(tiny_mtp_model, "suffix") as (server, channel):
         _, emitted = await rounds(channel, tiny_mtp_model, 7)
         index = server.service.drafter.global_index
         for _ in range(200):  # the stream ends on the server after the client's last read
@@ -83,6 +82,3 @@ async def test_a_long_output_joins_the_global_index_in_steps(tiny_mtp_model, mon
         expected = GlobalIndex()
         expected.add(emitted)
         assert len(index) == len(expected) > 0
-    finally:
-        await channel.close()
-        await server.stop(0)
