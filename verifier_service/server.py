@@ -39,7 +39,7 @@ from shared.worker import ModelWorker
 from verifier_service.admission import Admission, AdmissionLimits, AdmissionRefused
 from verifier_service.audit import HonestyAudit, accept_key
 from verifier_service.chains import ChainFault, retain, validate_chain
-from verifier_service.drafter_link import DeadlineTracker, DrafterHealth, DrafterLink, open_message
+from verifier_service.drafter_link import RESYNC_BACKOFF_S, DeadlineTracker, DrafterHealth, DrafterLink, open_message
 from verifier_service.governor import Governor, GovernorSettings, Ledger
 from verifier_service.batcher import BatchSettings, RoundBatcher
 from verifier_service.prefill import PrefillBatcher
@@ -50,7 +50,13 @@ from verifier_service.stats import RequestStats
 from verifier_service.stops import Completion
 
 log = structlog.get_logger("verifier")
-CHANNEL_OPTIONS = MESSAGE_OPTIONS
+# gRPC's own reconnect backoff grows to 120 s: a verifier started before its drafter (or left
+# without one for a minute) then ignored a drafter that had come up for up to two minutes
+# (bench/exact_identity.py on the H200: the first 38 of 64 requests ran without drafts). Capped
+# at the link's own re-sync backoff, a drafter that comes up is used within seconds.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                     ("grpc.max_reconnect_backoff_ms", round(RESYNC_BACKOFF_S[1] * 1000))]
+CHANNEL_OPTIONS = [*MESSAGE_OPTIONS, *RECONNECT_OPTIONS]
 SOURCE_ENUM = {"MTP": common_pb2.DRAFT_SOURCE_MTP, "SUFFIX": common_pb2.DRAFT_SOURCE_SUFFIX, "NONE": common_pb2.DRAFT_SOURCE_NONE}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
