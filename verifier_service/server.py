@@ -52,8 +52,9 @@ from verifier_service.stops import Completion
 log = structlog.get_logger("verifier")
 # gRPC's own reconnect backoff grows to 120 s: a verifier started before its drafter (or left
 # without one for a minute) then ignored a drafter that had come up for up to two minutes
-# (bench/exact_identity.py on the H200: the first 38 of 64 requests ran without drafts). Capped
-# at the link's own re-sync backoff, a drafter that comes up is used within seconds.
+# (bench/exact_identity.py on the H200: the first 38 of 64 requests, ~40 s, ran without
+# drafts). Capped at the link's own re-sync backoff, a drafter that comes up is used within
+# seconds.
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
                      ("grpc.max_reconnect_backoff_ms", round(RESYNC_BACKOFF_S[1] * 1000))]
 CHANNEL_OPTIONS = [*MESSAGE_OPTIONS, *RECONNECT_OPTIONS]
