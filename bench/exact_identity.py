@@ -99,6 +99,10 @@ async def main_async(args) -> None:
                                               "--alpha", str(args.alpha), "--seed", "0",
                                               "--max-drafts", str(args.max_draft_tokens)])
             await children.wait_serving("replay-drafter", f"127.0.0.1:{r_port}", timeout=120)
+            for _ in range(120):  # until the verifier reaches the drafter (its channel may be backing off)
+                if (await run(*jobs[0], True, "reach"))["drafted"]:
+                    break
+                await asyncio.sleep(0.5)
             log(f"speculative, alone: {len(jobs)} requests ...")
             started = time.perf_counter()
             results["speculative, alone"] = {"spec": [await run(k, i, True, "alone") for k, i in jobs]}
