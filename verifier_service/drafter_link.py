@@ -1,4 +1,4 @@
-"""The verifier's side of one request's Draft stream, and the per-round deadline.
+"""The verifier's side of one request's Draft stream, the per-round deadline, and the channel.
 
 Every wait on the drafter is bounded: a chain that does not arrive before the round's
 deadline costs one plain round. A stream that breaks (drafter killed, session evicted:
@@ -17,6 +17,7 @@ answering the commit is awaited. Hits and misses are counted (`ahead`), not as f
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,7 +26,9 @@ import grpc
 import torch
 from torch import Tensor
 
+from shared import security
 from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, drafter_pb2_grpc, encode_hidden
+from shared.service import MESSAGE_OPTIONS
 from verifier_service.engine import RoundOutcome, Session
 from verifier_service.settings import VerifierSettings
 
@@ -36,6 +39,21 @@ LENIENT_CHAINS = 2
 RESYNC_BACKOFF_S = (0.05, 5.0)  # first wait after a failed (re)open, and the cap it doubles up to
 MAX_QUEUED_CHAINS = 4  # chains kept waiting for their round (the current one, or ahead of it)
 HISTORY = 64
+# gRPC's own reconnect backoff grows to 120 s: a verifier started before its drafter (or left
+# without one for a minute) then ignored a drafter that had come up for up to two minutes
+# (bench/exact_identity.py on the H200: the first 38 of 64 requests, ~40 s, ran without
+# drafts). Capped at the link's own re-sync backoff, a drafter that comes up is used within
+# seconds.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                     ("grpc.max_reconnect_backoff_ms", round(RESYNC_BACKOFF_S[1] * 1000))]
+CHANNEL_OPTIONS = [*MESSAGE_OPTIONS, *RECONNECT_OPTIONS]
+
+
+def drafter_channel(settings: VerifierSettings) -> grpc.aio.Channel:
+    """One channel to the drafter address; round_robin spreads streams over resolved replicas."""
+    config = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+    credentials = security.channel_credentials(settings.drafter_tls_ca, settings.drafter_tls_cert, settings.drafter_tls_key)
+    return security.open_channel(settings.drafter, credentials, [*CHANNEL_OPTIONS, ("grpc.service_config", config)])
 
 
 class DeadlineTracker:

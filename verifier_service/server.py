@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import secrets
 import time
 import uuid
@@ -33,13 +32,13 @@ from shared.protocol import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
-from shared.service import MESSAGE_OPTIONS, ServiceServer, require_model, run_until_signalled
+from shared.service import ServiceServer, require_model, run_until_signalled
 from shared.tokenizer import load_tokenizer
 from shared.worker import ModelWorker
 from verifier_service.admission import Admission, AdmissionLimits, AdmissionRefused
 from verifier_service.audit import HonestyAudit, accept_key
 from verifier_service.chains import ChainFault, retain, validate_chain
-from verifier_service.drafter_link import RESYNC_BACKOFF_S, DeadlineTracker, DrafterHealth, DrafterLink, open_message
+from verifier_service.drafter_link import DeadlineTracker, DrafterHealth, DrafterLink, drafter_channel, open_message
 from verifier_service.governor import Governor, GovernorSettings, Ledger
 from verifier_service.batcher import BatchSettings, RoundBatcher
 from verifier_service.prefill import PrefillBatcher
@@ -50,23 +49,8 @@ from verifier_service.stats import RequestStats
 from verifier_service.stops import Completion
 
 log = structlog.get_logger("verifier")
-# gRPC's own reconnect backoff grows to 120 s: a verifier started before its drafter (or left
-# without one for a minute) then ignored a drafter that had come up for up to two minutes
-# (bench/exact_identity.py on the H200: the first 38 of 64 requests, ~40 s, ran without
-# drafts). Capped at the link's own re-sync backoff, a drafter that comes up is used within
-# seconds.
-RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
-                     ("grpc.max_reconnect_backoff_ms", round(RESYNC_BACKOFF_S[1] * 1000))]
-CHANNEL_OPTIONS = [*MESSAGE_OPTIONS, *RECONNECT_OPTIONS]
 SOURCE_ENUM = {"MTP": common_pb2.DRAFT_SOURCE_MTP, "SUFFIX": common_pb2.DRAFT_SOURCE_SUFFIX, "NONE": common_pb2.DRAFT_SOURCE_NONE}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def drafter_channel(settings: VerifierSettings) -> grpc.aio.Channel:
-    """One channel to the drafter address; round_robin spreads streams over resolved replicas."""
-    config = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
-    credentials = security.channel_credentials(settings.drafter_tls_ca, settings.drafter_tls_cert, settings.drafter_tls_key)
-    return security.open_channel(settings.drafter, credentials, [*CHANNEL_OPTIONS, ("grpc.service_config", config)])
 
 
 class VerifierService(verifier_pb2_grpc.VerifierServicer):

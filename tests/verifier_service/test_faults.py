@@ -101,8 +101,7 @@ def test_the_drafter_channel_reconnects_within_the_links_backoff():
     """gRPC's default reconnect backoff grows to 120 s, so a drafter that came up after the
     verifier went unused for up to two minutes; the drafter channel caps it at the link's own
     re-sync backoff."""
-    from verifier_service.drafter_link import RESYNC_BACKOFF_S
-    from verifier_service.server import CHANNEL_OPTIONS
+    from verifier_service.drafter_link import CHANNEL_OPTIONS, RESYNC_BACKOFF_S
 
     options = dict(CHANNEL_OPTIONS)
     assert options["grpc.max_reconnect_backoff_ms"] <= RESYNC_BACKOFF_S[1] * 1000
