@@ -224,8 +224,10 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             span.end()
             if opened is not None:
                 self.batcher.leave(opened)
-                # Safe off the worker: a later request's jobs queue behind any round of this one.
-                self.engine.close(opened)
+                # On the worker, behind any round of this session still running there: a request
+                # cancelled while its batch ran released its KV slot under that batch, which then
+                # failed for every request in it (tests/verifier_service/test_concurrency.py).
+                self.worker.submit(self.engine.close, opened)
             self.admission.release()
             self.metrics.active.dec()
             if governor is not None:  # (cancelled requests too)

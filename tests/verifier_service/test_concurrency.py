@@ -175,3 +175,34 @@ async def test_prompts_arriving_together_prefill_in_shared_forwards(servers, tin
     assert all(tokens <= 16 for _, tokens in jobs), jobs
     assert max(len(ids) for ids, _ in jobs) >= 2, jobs  # prompts shared a forward
     assert len(jobs) <= 5, jobs  # 61 tokens at 16 a job, not a job per chunk per prompt (7)
+
+
+async def test_a_request_cancelled_while_its_batch_runs_breaks_no_other(servers, tiny_model):
+    """The batch holding a cancelled request's round is on the model worker when the request's
+    handler ends: the batch must still find that session's KV slot, and the other request in
+    it must finish as it does alone."""
+    import threading
+
+    stub = await servers.start(tiny_model, fused="on", max_sessions=2, batch_gather_ms=50.0)
+    service = servers.verifier.service
+    other = MIXED[0]
+    alone = (await generate(stub, mixed_request(*other)))[0]
+    entered, release = threading.Event(), threading.Event()
+    run_rounds = service.batcher.run_rounds
+
+    def held(rounds):  # the first batch of two rounds waits on the worker until released
+        if len(rounds) == 2 and not release.is_set():
+            entered.set()
+            release.wait(10)
+        return run_rounds(rounds)
+
+    service.batcher.run_rounds = held
+    victim = stub.Generate(mixed_request([50, 51, 52, 53], 40, 0.0, 99, False))
+    others = asyncio.ensure_future(generate(stub, mixed_request(*other)))
+    assert await wait_until(lambda: entered.is_set())
+    victim.cancel()
+    assert await wait_until(lambda: service.active == 1)  # the cancelled handler has ended
+    release.set()
+    tokens, final, _ = await others
+    assert tokens == alone and final.finish_reason == "length"
+    assert await wait_until(lambda: service.engine.free_slots == 2)
