@@ -62,7 +62,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         """A finished request's output joins the global index (loop): its first LOOP_COUNT tokens
         at once (a request that follows finds them), the rest in steps between other work."""
         steps = self.drafter.add_output(token_ids)
-        if next(steps, StopIteration) is not StopIteration:
+        if next(steps, StopIteration) is not StopIteration:  # (the first step is done; more are left)
             task = asyncio.get_running_loop().create_task(self._finish_adding(steps))
             self._background.add(task)
             task.add_done_callback(self._background.discard)

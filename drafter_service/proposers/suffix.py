@@ -292,13 +292,15 @@ class GlobalIndex:
             pass
 
     def adding(self, token_ids: list[int], chunk: int) -> Iterator[None]:
-        """add() in steps of `chunk` tokens (a generator: the caller may do other work between)."""
+        """add() in steps of `chunk` tokens: a generator that yields between steps (the caller
+        may do other work there); the first step runs at the first next()."""
         token_ids = list(token_ids)
         prefix = [0]
         _hash_tokens(prefix, token_ids)
         for start in range(0, len(token_ids), chunk):
+            if start:
+                yield
             _count_stream(self.counts, token_ids, prefix, start, min(start + chunk, len(token_ids)))
-            yield
 
     def lookup(self, index: SuffixIndex, k: int, beat: SuffixMatch | None = None) -> SuffixMatch | None:
         """The global proposal of at most k tokens after the request's committed tokens; None
