@@ -1,8 +1,10 @@
 """Exact mode is token-identical to plain decoding, alone and batched (issue 16).
 
-One verifier (child process; random weights at Qwen3-30B-A3B shapes in bf16 on the GPU, or
-`--small`) and the synthetic replay drafter (`bench/replay_drafter.py`, α = `--alpha`). Two
-sets of `--prompts` random prompts: one decoded greedily, one sampled (temperature
+One verifier (child process) and a drafter: by default random weights at Qwen3-30B-A3B
+shapes in bf16 on the GPU (or `--small`) with the synthetic replay drafter
+(`bench/replay_drafter.py`, α = `--alpha`) on random prompts; with `--drafter real` the
+embedded model with tandem's drafter (MTP and suffix drafts) on the built-in code prompts.
+Two sets of `--prompts` prompts: one decoded greedily, one sampled (temperature
 `--temperature`, top-p 0.95, seed = the request's index). Phases:
 
 1. reference: every request alone, without speculation (plain decoding, the definition);
@@ -32,11 +34,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pairbench import REPO  # noqa: E402  (puts the repository and protocol modules on sys.path)
-from pairbench.common import SHAPES, free_port, log  # noqa: E402
+from pairbench.common import PROMPTS, SHAPES, free_port, log  # noqa: E402
 from pairbench.services import Children  # noqa: E402
 from pairbench.setups import random_prompts  # noqa: E402
 
 from shared.client import AsyncVerifierClient, GenerationConfig  # noqa: E402
+from shared.model.registry import resolve_model  # noqa: E402
 
 SETS = ("greedy", "sampled")
 
@@ -57,22 +60,43 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return min(len(a), len(b))
 
 
+def code_prompts(model_dir: Path, count: int, offset: int) -> list[list[int]]:
+    """The built-in code prompts, each made distinct by a numbered comment (the real drafter)."""
+    from shared.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    return [tokenizer.encode(f"# variant {offset + i}\n" + PROMPTS[i % len(PROMPTS)]).ids for i in range(count)]
+
+
 async def main_async(args) -> None:
-    shapes = "smoke" if args.small else "qwen3-30b-a3b"
     workdir = Path(tempfile.mkdtemp(prefix="exact-identity-"))
-    model_dir = workdir / f"{shapes}-shapes"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(SHAPES[shapes] | {"max_position_embeddings": 4096}, indent=1))
-    vocab = SHAPES[shapes]["vocab_size"]
-    prompts = {kind: random_prompts(vocab, args.prompts, args.prompt_length, seed)
-               for seed, kind in enumerate(SETS, start=1)}
-    dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    children = Children(workdir)
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     r_port, v_port = free_port(), free_port()
-    children.start("verifier", [sys.executable, "-m", "shared.cli", "verifier", "--model", str(model_dir),
-                                "--random-weights", "--device", args.device, "--dtype", dtype, "--port", str(v_port),
+    children = Children(workdir)
+    if args.drafter == "real":  # the embedded model (or --model), tandem's drafter on it, started first
+        model_dir = resolve_model(args.model)
+        shapes = model_dir.name
+        model_args = ["--model", str(model_dir)]
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        prompts = {kind: code_prompts(model_dir, args.prompts, offset) for offset, kind in enumerate(SETS)}
+        children.start("drafter", [sys.executable, "-m", "shared.cli", "drafter", *model_args, "--device", args.device,
+                                   "--dtype", dtype, "--port", str(r_port), "--global-index-contexts", "0"])
+        await children.wait_serving("drafter", f"127.0.0.1:{r_port}", timeout=900)
+    else:
+        shapes = "smoke shapes" if args.small else "qwen3-30b-a3b shapes (random weights)"
+        model_dir = workdir / "random-shapes"
+        model_dir.mkdir()
+        config_json = SHAPES["smoke" if args.small else "qwen3-30b-a3b"] | {"max_position_embeddings": 4096}
+        (model_dir / "config.json").write_text(json.dumps(config_json, indent=1))
+        model_args = ["--model", str(model_dir), "--random-weights"]
+        vocab = config_json["vocab_size"]
+        prompts = {kind: random_prompts(vocab, args.prompts, args.prompt_length, seed)
+                   for seed, kind in enumerate(SETS, start=1)}
+    max_prompt = max(len(p) for ps in prompts.values() for p in ps)
+    children.start("verifier", [sys.executable, "-m", "shared.cli", "verifier", *model_args,
+                                "--device", args.device, "--dtype", dtype, "--port", str(v_port),
                                 "--drafter", f"127.0.0.1:{r_port}", "--max-sessions", str(args.concurrency),
-                                "--max-context", str(args.prompt_length + args.new_tokens + 32),
+                                "--max-context", str(max_prompt + args.new_tokens + 32),
                                 "--max-draft-tokens", str(args.max_draft_tokens), "--no-governor", "--grace-s", "2"])
     results: dict[str, dict[str, list[dict]]] = {}
     walls: dict[str, float] = {}
@@ -91,14 +115,15 @@ async def main_async(args) -> None:
             started = time.perf_counter()
             reference = {(r["kind"], r["index"]): r for r in [await run(k, i, False, "ref") for k, i in jobs]}
             walls["reference"] = time.perf_counter() - started
-            reference_path = workdir / "reference.json"
-            reference_path.write_text(json.dumps({"label": "synthetic", "vocab_size": vocab, "references": [
-                {"prompt_ids": prompts[k][i], "token_ids": reference[(k, i)]["token_ids"]} for k, i in jobs]}))
-            children.start("replay-drafter", [sys.executable, str(REPO / "bench" / "replay_drafter.py"),
-                                              "--port", str(r_port), "--reference", str(reference_path),
-                                              "--alpha", str(args.alpha), "--seed", "0",
-                                              "--max-drafts", str(args.max_draft_tokens)])
-            await children.wait_serving("replay-drafter", f"127.0.0.1:{r_port}", timeout=120)
+            if args.drafter == "replay":  # it replays the reference: started now
+                reference_path = workdir / "reference.json"
+                reference_path.write_text(json.dumps({"label": "synthetic", "vocab_size": vocab, "references": [
+                    {"prompt_ids": prompts[k][i], "token_ids": reference[(k, i)]["token_ids"]} for k, i in jobs]}))
+                children.start("replay-drafter", [sys.executable, str(REPO / "bench" / "replay_drafter.py"),
+                                                  "--port", str(r_port), "--reference", str(reference_path),
+                                                  "--alpha", str(args.alpha), "--seed", "0",
+                                                  "--max-drafts", str(args.max_draft_tokens)])
+                await children.wait_serving("replay-drafter", f"127.0.0.1:{r_port}", timeout=120)
             for _ in range(120):  # until the verifier reaches the drafter (its channel may be backing off)
                 if (await run(*jobs[0], True, "reach"))["drafted"]:
                     break
@@ -125,10 +150,11 @@ async def main_async(args) -> None:
     if args.out is not None:
         args.out.write_text(json.dumps({"reference": list(reference.values()), "phases": results, "walls": walls}))
     ref_tokens = sum(len(r["token_ids"]) for r in reference.values())
-    print(f"### exact_identity: {time.strftime('%Y-%m-%d')}, device {args.device}, {dtype}, {shapes} shapes (random "
-          f"weights), {args.prompts} greedy + {args.prompts} sampled (T {args.temperature}, top-p 0.95) requests, "
-          f"{args.prompt_length}-token prompts, {args.new_tokens} new tokens, synthetic drafter alpha {args.alpha}, "
-          f"k = {args.max_draft_tokens}, governor off\n")
+    drafter = "tandem's drafter" if args.drafter == "real" else f"synthetic drafter alpha {args.alpha}"
+    prompt_kind = "code prompts" if args.drafter == "real" else f"{args.prompt_length}-token random prompts"
+    print(f"### exact_identity: {time.strftime('%Y-%m-%d')}, device {args.device}, {dtype}, {shapes}, "
+          f"{args.prompts} greedy + {args.prompts} sampled (T {args.temperature}, top-p 0.95) requests, "
+          f"{prompt_kind}, {args.new_tokens} new tokens, {drafter}, k = {args.max_draft_tokens}, governor off\n")
     print(f"reference (plain, alone): {ref_tokens / walls['reference']:.1f} tokens/s\n")
     print("| phase | requests | greedy identical | sampled identical | rounds that verified drafts | tokens/s | first mismatch (set, index, token) |")
     print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
@@ -152,6 +178,11 @@ async def main_async(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--drafter", default="replay", choices=("replay", "real"),
+                        help="replay: random 30B-shape weights and the synthetic drafter; real: the embedded model "
+                             "(or --model) with tandem's drafter, on code prompts")
+    parser.add_argument("--model", default=None, help="with --drafter real: the checkpoint (default: the embedded one)")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
     parser.add_argument("--small", action="store_true", help="a tiny random model of the same family (a smoke test)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--prompts", type=int, default=64, help="requests per set (greedy, sampled)")
