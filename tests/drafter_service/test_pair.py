@@ -173,3 +173,22 @@ def test_source_choice_does_not_move_with_the_sampled_mtp_token(tiny_mtp_model):
         drafts.add(tuple(chain.token_ids))
     assert plans == {("MTP", 4)}  # the choice did not move ...
     assert len(drafts) > 1  # ... while the sampled MTP tokens did
+
+
+async def test_concurrent_requests_through_the_pair_match_each_alone(pair, tiny_mtp_model):
+    """Several requests at once on one drafter (its event loop doing suffix rounds and commits
+    while its worker runs other sessions' MTP drafts and catch-ups) and one verifier (batched
+    rounds): each output equals the request's own plain output, greedy and sampled."""
+    stub = await pair.start(tiny_mtp_model, max_sessions=4)
+    prompts = [[3, 14, 15, 92, 65], [7, 8, 9, 7, 8, 9, 7, 8], [40, 41, 42, 43, 40, 41, 42], [11, 22, 33]]
+    requests = [request(p, 20, temperature=0.0 if i % 2 == 0 else 0.9, seed=i, max_draft_tokens=3)
+                for i, p in enumerate(prompts)]
+    plain = []
+    for r in requests:
+        r.speculation.disable = True
+        plain.append((await generate(stub, r))[0])
+        r.speculation.disable = False
+    together = await asyncio.gather(*(generate(stub, r) for r in requests))
+    assert [tokens for tokens, _, _ in together] == plain
+    assert sum(final.stats.accepted for _, final, _ in together) > 0  # drafts were used
+    assert all(final.stats.drafter_faults == 0 for _, final, _ in together)
