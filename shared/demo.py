@@ -77,8 +77,13 @@ def run_demo(args: argparse.Namespace) -> int:
         if final is not None:
             st = final.stats
             by_source = ", ".join(f"{k} {v:.0%}" for k, v in sorted(st.acceptance_by_source.items())) or "none"
+            # Say how many rounds asked the drafter: the verifier's governor decodes plainly where
+            # drafting does not pay on this machine, which a bare tokens/round figure leaves unexplained.
+            governed = f"drafted in {st.speculative_rounds} of {st.rounds} rounds"
+            if st.drafter_detaches:
+                governed += f" (the governor stopped drafting {st.drafter_detaches}x: it did not pay here)"
             print(f"--- {st.completion_tokens} tokens in {st.rounds} rounds: {st.mean_accepted_length:.2f} tokens/round "
-                  f"(bonus included), acceptance by source: {by_source}, {st.tokens_per_s:.1f} tokens/s, "
+                  f"(bonus included), acceptance by source: {by_source}, {governed}, {st.tokens_per_s:.1f} tokens/s, "
                   f"finish: {final.finish_reason} ---", file=sys.stderr)
         return 0
     finally:

@@ -19,6 +19,7 @@ def test_the_demo_streams_plain_text_into_a_pipe_and_marks_drafts_on_request():
     assert "[MTP" not in plain.stdout and "[SUFFIX" not in plain.stdout and "\033[" not in plain.stdout
     summary = plain.stderr.strip().splitlines()[-1]
     assert summary.startswith("--- 32 tokens in ") and "finish: length" in summary, plain.stderr
+    assert " rounds" in summary.split("drafted in ", 1)[1]  # how many rounds asked the drafter
     assert "Traceback" not in plain.stderr
     marked = run_demo("--markers", "brackets")
     assert marked.returncode == 0, marked.stderr
