@@ -6,7 +6,7 @@ chain; an MTP chain computed after its verifier's deadline is dropped there, and
 has waited the whole deadline for nothing. Each commit now says how long its verifier will
 wait (`DraftCommit.wait_ms`). Before queueing MTP drafts the drafter estimates when they
 would be done: the jobs ahead of them (the worker's backlog, at the measured mean job
-time of their kind) plus the drafts themselves (at the measured time per MTP draft). When that exceeds
+time of their kind) plus the drafts themselves (at the planner's measured time per MTP draft). When that exceeds
 SHED_SHARE of the wait — the rest is left for the hop back — it plans without MTP: a suffix
 chain, or an empty chain, both made on the event loop and sent at once, so the verifier
 runs a plain round without waiting. The state stays on the loop (no locks): `begin`/`end`
@@ -28,7 +28,6 @@ class WorkerLoad:
 
     pending: dict[str, int] = field(default_factory=dict)  # jobs submitted, not finished (running included)
     job_ms: dict[str, float] = field(default_factory=dict)  # EMA of a job's duration on the worker
-    draft_ms: float = 0.0  # EMA of one MTP draft step's duration, its settle included
 
     def begin(self, kind: str) -> None:
         self.pending[kind] = self.pending.get(kind, 0) + 1
@@ -43,20 +42,16 @@ class WorkerLoad:
     def jobs(self) -> int:
         return sum(self.pending.values())
 
-    def learn_draft(self, num_drafts: int, job_ms: float) -> None:
-        if num_drafts > 0:
-            self.draft_ms = _ema(self.draft_ms, job_ms / num_drafts)
-
     def backlog_ms(self) -> float:
         """Expected wait before a job submitted now starts."""
         return sum(count * self.job_ms.get(kind, 0.0) for kind, count in self.pending.items())
 
-    def sheds(self, num_drafts: int, wait_ms: float) -> bool:
-        """Whether `num_drafts` MTP drafts queued now would miss SHED_SHARE of `wait_ms` (0: no
-        deadline known, never shed)."""
+    def sheds(self, num_drafts: int, draft_ms: float, wait_ms: float) -> bool:
+        """Whether `num_drafts` MTP drafts of `draft_ms` each (the planner's measured cost per
+        draft), queued now, would miss SHED_SHARE of `wait_ms` (0: no deadline known, never shed)."""
         if wait_ms <= 0:
             return False
-        return self.backlog_ms() + num_drafts * self.draft_ms > SHED_SHARE * wait_ms
+        return self.backlog_ms() + num_drafts * draft_ms > SHED_SHARE * wait_ms
 
 
 def _ema(old: float, new: float) -> float:

@@ -95,7 +95,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         open) included, hops and queueing not."""
         started = time.perf_counter()
         plan, match = self.drafter.plan(session)
-        shed = plan.source == "MTP" and self.settings.load_shedding and self.worker_load.sheds(plan.num_drafts, wait_ms)
+        shed = plan.source == "MTP" and self.settings.load_shedding and self.worker_load.sheds(
+            plan.num_drafts, self.drafter.planner.live.mtp_step_ms, wait_ms)
         if shed:
             plan, match = self.drafter.plan(session, mtp=False)
             self.metrics.shed.inc()
@@ -104,7 +105,6 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             planned = time.perf_counter()
             mtp, mtp_ms = await self._run("mtp", self.drafter.draft_mtp, session, plan)
             self.drafter.learn_mtp_cost(plan, mtp_ms)
-            self.worker_load.learn_draft(plan.num_drafts, mtp_ms)
             started += time.perf_counter() - planned  # the loop's own time only
         chain = self.drafter.chain(session, plan, match, mtp, 0.0)
         chain.costs.draft_ms = spent_ms + mtp_ms + (time.perf_counter() - started) * 1e3

@@ -16,17 +16,16 @@ from tests.drafter_service.test_messages import commit_up, open_up
 
 def test_a_deadline_the_backlog_would_miss_sheds():
     load = WorkerLoad()
-    assert not load.sheds(4, 10.0)  # nothing measured, nothing queued
+    assert not load.sheds(4, 0.0, 10.0)  # nothing measured, nothing queued
     load.begin("open")
     load.end("open", 500.0)  # a long open, done: it no longer weighs
     for _ in range(3):
         load.begin("settle")
     load.end("settle", 10.0)  # 2 jobs left at 10 ms each
-    load.learn_draft(4, 8.0)  # 2 ms a draft
     assert load.backlog_ms() == 20.0 and load.jobs == 2
     assert SHED_SHARE == 0.8  # done in 20 + 4 × 2 = 28 ms: sheds below a 35 ms wait
-    assert load.sheds(4, 34.0) and not load.sheds(4, 36.0)
-    assert not load.sheds(4, 0.0)  # the verifier did not say: never shed
+    assert load.sheds(4, 2.0, 34.0) and not load.sheds(4, 2.0, 36.0)  # (2 ms a draft)
+    assert not load.sheds(4, 2.0, 0.0)  # the verifier did not say: never shed
     load.end("settle", None)  # a failed job leaves the mean as it was
     assert load.job_ms["settle"] == 10.0 and load.backlog_ms() == 10.0
     load.begin("open")  # a pending open weighs its own kind's time
