@@ -2,7 +2,7 @@
 
 A request's coroutine hands its session over and awaits the end of its prefill. One runner
 task plans a job from the waiting sessions — oldest first, each its next chunk, all under
-one token budget (`--prefill-chunk`) — and runs it as a single `Engine.prefill` job on the
+one token budget (`--prefill-chunk`), a prompt cut only at multiples of it — and runs it as a single `Engine.prefill` job on the
 model worker, then plans the next. Rounds of decoding sessions queue on the same worker
 between the jobs, so no stream stalls for longer than one budget's forward, and requests
 that arrive together prefill together (one weight read for all their rows, instead of a
@@ -20,15 +20,19 @@ from verifier_service.engine import Session
 
 
 def plan_chunks(lefts: list[int], budget: int) -> list[int]:
-    """Tokens each waiting session prefills in the next job, oldest first: the budget goes to
-    the first sessions whole (a long prompt takes it all and is chunked over several jobs)."""
+    """Tokens each waiting session prefills in the next job, oldest first: each its next whole
+    chunk (the budget's worth, or the rest of its prompt) while it fits in what is left of the
+    budget. A prompt is thus always cut at the same positions (multiples of the budget),
+    whatever shares its jobs: a chunk's rows depend on the chunk's shape (cuBLAS picks kernels
+    by the row count), so a cut that followed the other prompts would make a request's KV, and
+    so its output, depend on what else runs (DESIGN §10)."""
     if budget < 1:
         raise ValueError(f"prefill token budget {budget} must be >= 1")
     counts = []
     for left in lefts:
-        count = min(max(left, 0), budget)
-        counts.append(count)
-        budget -= count
+        chunk = min(max(left, 0), budget)
+        fits = chunk <= budget - sum(counts)
+        counts.append(chunk if fits else 0)
     return counts
 
 

@@ -8,10 +8,11 @@ from shared.worker import ModelWorker
 from verifier_service.prefill import PrefillBatcher, plan_chunks
 
 
-def test_plan_gives_the_budget_to_the_oldest_first():
-    assert plan_chunks([5, 30, 7], 16) == [5, 11, 0]
+def test_plan_gives_the_budget_to_the_oldest_first_in_whole_chunks():
+    assert plan_chunks([5, 30, 7], 16) == [5, 0, 7]  # 30's next chunk (16) does not fit in the 11 left
     assert plan_chunks([40, 3], 16) == [16, 0]
     assert plan_chunks([0, 3, 2], 16) == [0, 3, 2]
+    assert plan_chunks([20, 16], 16) == [16, 0]
     with pytest.raises(ValueError, match="budget"):
         plan_chunks([1], 0)
 
@@ -47,10 +48,38 @@ async def test_sessions_waiting_together_share_jobs_and_learn_their_job_count(wo
     sessions = [FakeSession(n) for n in (4, 12, 1, 6)]  # 3, 11, 0, 5 tokens to prefill
     counts = await asyncio.gather(*(batcher.prefill(s) for s in sessions))
     assert all(s.prefill_left == 0 for s in sessions)
-    # Oldest first under 8 tokens a job: [3, 5 of 11], [6 of 11, 2 of 5], [3 of 5].
-    assert jobs == [(2, 8), (2, 8), (1, 3)]
-    assert counts == [1, 2, 0, 2]
+    # Oldest first under 8 tokens a job, whole chunks: [3, 5], [8 of 11], [3 of 11].
+    assert jobs == [(2, 8), (1, 8), (1, 3)]
+    assert counts == [1, 2, 0, 1]
     await batcher.close()
+
+
+async def test_a_prompt_is_cut_at_the_same_positions_whatever_shares_its_jobs(worker):
+    """A chunk's rows depend on the chunk's shape, so a request's KV (and output) would depend
+    on the other prompts if they moved its cuts: they never do."""
+    def cuts_of(target):
+        cuts = []
+
+        def record(chunks):
+            for session, count in chunks:
+                if session is target:
+                    cuts.append((target.prompt_len - 1 - session.left, count))
+            run_prefill(chunks)
+        return cuts, record
+
+    async def run(others):
+        target = FakeSession(45)
+        target.prompt_len = 45
+        cuts, record = cuts_of(target)
+        batcher = PrefillBatcher(worker, record, 16)
+        await asyncio.gather(*(batcher.prefill(s) for s in [*others[:1], target, *others[1:]]))
+        await batcher.close()
+        return cuts
+
+    alone = await run([])
+    assert alone == [(0, 16), (16, 16), (32, 12)]
+    for others in ([FakeSession(10)], [FakeSession(30), FakeSession(5)], [FakeSession(3), FakeSession(60)]):
+        assert await run(others) == alone
 
 
 async def test_a_failed_job_fails_its_sessions_only(worker):
