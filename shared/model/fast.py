@@ -123,9 +123,13 @@ def _fuse_rows(linears: list[nn.Linear]) -> Tensor:
 class FusedModel:
     """Decode/verify forward of a loaded Qwen3MoeModel through the fused kernels."""
 
-    def __init__(self, model: Qwen3MoeModel, *, max_rows: int, max_length: int, pdl: bool | None = None) -> None:
+    def __init__(self, model: Qwen3MoeModel, *, max_rows: int, max_length: int, pdl: bool | None = None,
+                 invariant: bool = True) -> None:
         """pdl: launch each kernel as a programmatic dependent of the one before (default: where
-        the GPU supports it); kernels then overlap their start with their predecessor's end."""
+        the GPU supports it); kernels then overlap their start with their predecessor's end.
+        invariant=False: windows of several rows project through cuBLAS, which picks its kernel
+        by the row count, so a row's bits depend on its window (a yardstick for what row
+        invariance costs, bench/invariance.py; the services always run invariant)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the fused path cannot run this model: {reason}")
@@ -138,6 +142,7 @@ class FusedModel:
         self.cos, self.sin = model.rotary.cos, model.rotary.sin
         self._tables: dict[tuple[int, float, float, int], MoceTables] = {}
         self.pdl = pdl_supported(model.device) if pdl is None else pdl
+        self.invariant = invariant
 
     # -- layers -----------------------------------------------------------------------------
 
@@ -157,12 +162,16 @@ class FusedModel:
         """(normed for the next layer, residual) after one decoder layer."""
         num_rows = normed.shape[0]
         pdl = self.pdl
-        qkv = linear(normed, layer.qkv, pdl=pdl)
+        by_rows = not self.invariant and num_rows > 1  # cuBLAS, its kernel chosen by the row count
+        qkv = F.linear(normed, layer.qkv) if by_rows else linear(normed, layer.qkv, pdl=pdl)
         q = qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, rows.positions, rows.slots,
                                keys, values, layer.num_heads, layer.num_kv_heads, layer.eps, pdl=pdl)
         attn = decode_attention(q, keys, values, rows.positions, rows.slots, rows.seq_starts, rows.seq_slots,
                                 rows.max_rows_per_seq, self.workspace, pdl=pdl)
-        o_partials = linear_partials(attn.view(num_rows, -1), layer.o, layer.o_splits, pdl=pdl)
+        if by_rows:
+            o_partials = F.linear(attn.view(num_rows, -1), layer.o)
+        else:
+            o_partials = linear_partials(attn.view(num_rows, -1), layer.o, layer.o_splits, pdl=pdl)
         normed, residual = add_rmsnorm(o_partials, residual, layer.post_norm, layer.eps, pdl=pdl)
         if not layer.moe:
             gate, up = linear(normed, layer.gate_up, pdl=pdl).chunk(2, dim=-1)
@@ -170,7 +179,10 @@ class FusedModel:
             return add_rmsnorm(out, residual, next_norm, layer.eps, pdl=pdl)
         resident, tables = self._moce(layer, routing)
         draft_rows = routing.draft_rows if routing is not None and routing.moce else None
-        router_partials = linear_partials(normed, layer.router, layer.router_splits, pdl=pdl)
+        if by_rows:
+            router_partials = F.linear(normed, layer.router)
+        else:
+            router_partials = linear_partials(normed, layer.router, layer.router_splits, pdl=pdl)
         expert_ids, weights = route(router_partials, layer.top_k, round_to=normed.dtype, normalize=layer.normalize,
                                     resident=resident, draft_rows=draft_rows, tables=tables, pdl=pdl,
                                     live=rows.live if num_rows <= MAX_FUSED_TOKENS else None)
@@ -195,6 +207,8 @@ class FusedModel:
         normed, residual = add_rmsnorm(x, None, self.layers[0].input_norm, self.layers[0].eps, pdl=self.pdl)
         for layer, next_norm, (keys, values) in zip(self.layers, norms, kv):
             normed, residual = self._layer(layer, normed, residual, next_norm, rows, keys, values, routing)
+        if not self.invariant and normed.shape[0] > 1:
+            return F.linear(normed, model.lm_head.weight).float(), normed
         return linear(normed, model.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl), normed
 
     @torch.inference_mode()

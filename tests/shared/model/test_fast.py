@@ -54,6 +54,18 @@ def test_fused_window_matches_reference(model, fused, window):
     assert torch.equal(logits.argmax(-1), ref_logits[20:].argmax(-1))
 
 
+def test_the_non_invariant_yardstick_computes_the_same_window(model):
+    """invariant=False (cuBLAS projections for windows of several rows, bench/invariance.py's
+    yardstick) is the same function; only its rounding may follow the window."""
+    ids = torch.randint(0, 97, (25,), generator=torch.Generator().manual_seed(2))
+    ref_logits, _ = model(ids, model.new_cache(40))
+    yardstick = FusedModel(model, max_rows=8, max_length=64, invariant=False)
+    cache = model.new_cache(40)
+    model(ids[:20], cache)
+    logits, _ = yardstick.forward(ids[20:], Rows.window(20, 5, 0, "cpu"), cache_as_slots(cache))
+    torch.testing.assert_close(logits, ref_logits[20:], rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("chunk", [5, 19])
 def test_fused_prefill_in_chunks_matches_the_whole_prompt(model, fused, chunk):
     # Chunks into slot 1 of a pool: hidden rows and KV rows as the reference forward of the
