@@ -18,7 +18,12 @@ each window is stand-in values (the bits compared are the window's own).
    interleaved (median of paired ratios): single-stream windows, and batches of 8 sequences
    (decode, and verify windows of 3 and 5 rows: concurrency 8).
 
+5. `--cpu-cost`: the CPU path's price — the embedded model's reference forward, a window run
+   as its rows' one-row steps (row_invariant, the CPU verifier's default for exact mode)
+   against one batched forward.
+
     python bench/invariance.py [--small] [--pairs 9] [--trials 24]
+    python bench/invariance.py --cpu-cost
 """
 
 from __future__ import annotations
@@ -208,6 +213,36 @@ class Bench:
         return graphs[min(b for b in graphs if b >= rows)][0]
 
 
+def cpu_cost_table(pairs: int, repeats: int) -> None:
+    """The CPU path's price: the embedded model's reference forward (what a CPU verifier runs),
+    windows with row_invariant on and off, interleaved, after a 300-token prompt."""
+    model = load_model(None, dtype=torch.float32, device="cpu")
+    prompt = torch.randint(0, model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, model.config.vocab_size, (17,), generator=torch.Generator().manual_seed(2))
+    cache = model.new_cache(400)
+    model.prefill(prompt, cache)
+
+    def window_ms(rows: int, row_invariant: bool) -> float:
+        times = []
+        for _ in range(repeats):
+            cache.length = 300
+            started = time.perf_counter()
+            model(ids[:rows], cache, row_invariant=row_invariant)
+            times.append((time.perf_counter() - started) * 1e3)
+        return statistics.median(times)
+
+    print(f"\nCPU ({torch.get_num_threads()} threads), the embedded model in float32, reference path, context 300:")
+    print(f"\n| window rows | row-invariant ms | batched ms | row-invariant / batched (median of {pairs} paired ratios) |")
+    print("| ---: | ---: | ---: | ---: |")
+    for rows in (1, 2, 3, 5, 9, 17):
+        on, off = [], []
+        for _ in range(pairs):
+            on.append(window_ms(rows, True))
+            off.append(window_ms(rows, False))
+        ratio = statistics.median(a / b for a, b in zip(on, off))
+        print(f"| {rows} | {statistics.median(on):.2f} | {statistics.median(off):.2f} | {ratio:.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="4 layers at 30B-A3B widths")
@@ -216,7 +251,11 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=24, help="random batch compositions")
     parser.add_argument("--pairs", type=int, default=9)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--cpu-cost", action="store_true", help="only the CPU path's price (embedded model)")
     args = parser.parse_args()
+    if args.cpu_cost:
+        cpu_cost_table(args.pairs, args.repeats)
+        return
     bench = Bench(args)
     name = "tiny" if args.tiny else "4 layers at Qwen3-30B-A3B widths" if args.small else "Qwen3-30B-A3B shapes"
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

@@ -17,19 +17,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from kernels.sampling import SparseRows, process_logits
-from kernels.speculative import verify_chain
+from kernels.speculative import Mode, verify_chain
 from shared.model import KVCache, Qwen3MoeModel
 from shared.model.fast import FusedModel, fused_wanted
 from shared.model.graphs import WindowGraphs
 from shared.model.kv_cache import KVPool
 from verifier_service.audit import accept_key
 from verifier_service.requests import RequestSpec
+from verifier_service.window_sizing import Acceptance, RowCost, plan_drafts
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Session:
     token_ids: list[int]  # committed: prompt + completion
     hidden_rows: list[Tensor] = field(default_factory=list)  # final-norm rows of token_ids[:-1], CPU bf16
     slot: int | None = None  # KV pool slot (fused path)
+    acceptance: Acceptance = field(default_factory=Acceptance)  # of its verified drafts (window sizing)
 
     @property
     def prefill_left(self) -> int:
@@ -62,6 +64,7 @@ class RoundOutcome:
     forward_ms: float
     verify_ms: float
     slot_misses: int = 0  # expert slot misses of the target model in this round
+    num_verified: int = 0  # drafts verified: a prefix of those asked when a batch sized its windows
 
 
 def greedy_verdict(drafts: list[int], greedy_ids: list[int]) -> tuple[list[int], int]:
@@ -120,8 +123,15 @@ class Engine:
         verify_window: int = 0,
         progress: Callable[[str], None] | None = None,
         draw_secret: bytes = b"",
+        row_invariant: bool = True,
+        window_sizing: bool = False,
     ) -> None:
         self.model = model
+        self.window_sizing = window_sizing  # batches verify the draft prefixes that pay (window_sizing.py)
+        # CPU: an exact-mode window runs as its rows' one-row steps, so each row's bits are the
+        # decoded row's (Qwen3MoeModel.forward); the fused path on the CPU does it for every row.
+        # The GPU's fused kernels are row-invariant at no cost.
+        self.row_invariant = row_invariant
         self.draw_secret = draw_secret  # keys the accept/residual draws (verifier_service.audit)
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
@@ -134,7 +144,8 @@ class Engine:
                           num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=model.dtype, device=model.device)
             scratch, _ = pool.acquire(1)
             batch_rows = max(max_window, min(max_batch_rows, max_sessions * max_window))
-            fused_model = FusedModel(model, max_rows=batch_rows, max_length=max_context, pdl=None if pdl else False)
+            fused_model = FusedModel(model, max_rows=batch_rows, max_length=max_context, pdl=None if pdl else False,
+                                     invariant=row_invariant or model.device.type == "cuda")
             self.windows = WindowGraphs(fused_model, pool, max_window, max_batch_rows=batch_rows, scratch_slot=scratch,
                                         verify_window=verify_window,
                                         use_graphs=cuda_graphs and model.device.type == "cuda")
@@ -151,6 +162,7 @@ class Engine:
             self.ring_hidden = torch.zeros((2, batch_rows, c.hidden_size), dtype=model.dtype, pin_memory=pinned)
             self.ring_events = [torch.cuda.Event(), torch.cuda.Event()] if pinned else None
             self.ring_next = 0
+            self.row_cost = RowCost(max_rows=batch_rows)  # ms of the batched forwards by their rows
         self.ahead: Ahead | None = None
 
     @property
@@ -256,7 +268,8 @@ class Engine:
             out = self.windows.run(session.slot, window, start)
             return out.logits, out.hidden, out.greedy_ids
         ids = torch.tensor(window, dtype=torch.int64, device=self.model.device)
-        logits, hidden = self.model(ids, session.cache)
+        exact = session.spec.mode is Mode.EXACT
+        logits, hidden = self.model(ids, session.cache, row_invariant=self.row_invariant and exact)
         return logits, hidden, logits.argmax(dim=-1)
 
     def _to_host(self, hidden: Tensor, greedy_ids: Tensor) -> tuple[Tensor, list[int]]:
@@ -303,8 +316,10 @@ class Engine:
         rows = host_hidden[: accepted + 1].to(torch.bfloat16, copy=True)
         session.hidden_rows.append(rows)
         session.token_ids.extend(emitted)
+        if drafts:
+            session.acceptance.record(len(drafts), accepted)
         return RoundOutcome(emitted, accepted, rows, forward_s * 1e3, (time.perf_counter() - started) * 1e3,
-                            slot_misses)
+                            slot_misses, len(drafts))
 
     def run_rounds(self, rounds: list[RoundRequest]) -> list[RoundOutcome]:
         """One round of each session, as one batched forward where the fused path runs (else one
@@ -319,6 +334,8 @@ class Engine:
                 and len(rounds) <= self.windows.max_batch_rows:
             return self._decode_batch(rounds)
         self.ahead = None
+        if self.window_sizing and self.row_cost.known and any(r.drafts for r in rounds):
+            rounds = self.sized(rounds)
         outcomes: list[RoundOutcome] = []
         group: list[RoundRequest] = []
         for r in rounds:  # forwards of at most max_batch_rows rows
@@ -327,6 +344,14 @@ class Engine:
                 group = []
             group.append(r)
         return outcomes + self._batched_rounds(group)
+
+    def sized(self, rounds: list[RoundRequest]) -> list[RoundRequest]:
+        """The rounds with each session's drafts cut to the prefix that pays in this batch
+        (verifier_service.window_sizing): a shorter chain, verified as any chain is."""
+        keep = plan_drafts([r.session.acceptance.rate for r in rounds], [len(r.drafts) for r in rounds], self.row_cost)
+        return [r if k == len(r.drafts) else
+                replace(r, drafts=r.drafts[:k], q_rows=r.q_rows[:k] if r.q_rows is not None and k else None)
+                for r, k in zip(rounds, keep)]
 
     def _batched_rounds(self, rounds: list[RoundRequest]) -> list[RoundOutcome]:
         started = time.perf_counter()
@@ -345,6 +370,8 @@ class Engine:
         host_hidden, ids = self._to_host(out.hidden[:num_rows], out.greedy_ids[:num_rows])
         targets = [None if t is None else t.to("cpu") for t in targets]
         forward_s = time.perf_counter() - started
+        if len(rounds) > 1:  # a window alone costs less than the same rows spread over sessions
+            self.row_cost.record(num_rows, forward_s * 1e3)
         outcomes = []
         row = 0
         for r, (_, window, _), target in zip(rounds, windows, targets):
@@ -364,7 +391,8 @@ class Engine:
         ahead, self.ahead = self.ahead, None
         order = ahead.matches(sessions) if ahead is not None and len(ahead.sessions) > 1 else None
         positions = [s.cache.reserve(1) for s in sessions]
-        if order is not None:  # this step is already computed (or on its way)
+        fresh = order is None
+        if not fresh:  # this step is already computed (or on its way)
             ring, batch_sessions, batch_positions = ahead.ring, ahead.sessions, ahead.positions
         else:
             out = self.windows.run_batch([(s.slot, s.token_ids[-1:], p) for s, p in zip(sessions, positions)])
@@ -376,6 +404,8 @@ class Engine:
                                self._ring_copy(out.hidden[: len(rounds)], out.greedy_ids[: len(rounds)]))
         host_hidden, ids = self._ring_read(ring, len(rounds))
         forward_s = time.perf_counter() - started
+        if fresh:  # (the read waits for this step only: the chained one is enqueued behind it)
+            self.row_cost.record(len(rounds), forward_s * 1e3)
         return [self._commit(r.session, [], None, host_hidden[row : row + 1], ids[row : row + 1], None, forward_s, 0)
                 for r, row in zip(rounds, order)]
 

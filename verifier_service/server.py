@@ -112,7 +112,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             cuda_graphs=s.cuda_graphs, pdl=s.pdl != "off", max_sessions=s.max_sessions,
             max_window=s.max_draft_tokens_limit + 1, max_batch_rows=s.max_batch_rows,
             verify_window=s.max_draft_tokens + 1,
-            progress=lambda message: log.info(message), draw_secret=self.draw_secret,
+            progress=lambda message: log.info(message), draw_secret=self.draw_secret, row_invariant=s.row_invariant,
+            window_sizing=s.window_sizing,
         )
         self.batcher = RoundBatcher(self.worker, self.engine.run_rounds,
                                     BatchSettings(max_rounds=s.max_sessions, gather_s=s.batch_gather_ms / 1e3),
@@ -329,7 +330,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         if governor is not None:
             governor.end(len(outcome.emitted))
         if link is not None and completion.finish_reason is None:  # (told when it is next asked, if not now)
-            bytes_up += await link.tell(round_id, outcome, len(drafts), not next_plain, self._trace_context)
+            bytes_up += await link.tell(round_id, outcome, outcome.num_verified, not next_plain, self._trace_context)
         verify_ms = outcome.forward_ms + outcome.verify_ms
         draft_ms = raw.costs.draft_ms if raw is not None else 0.0
         m = self.metrics
@@ -343,7 +344,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             m.drafts.labels(source, "accepted").inc(outcome.num_accepted)
         span.set_attributes({
             "tandem.speculative": speculate, "tandem.source": source, "tandem.proposed": proposed, "tandem.retained": len(drafts),
-            "tandem.accepted": outcome.num_accepted, "tandem.emitted": len(outcome.emitted),
+            "tandem.verified": outcome.num_verified, "tandem.accepted": outcome.num_accepted,
+            "tandem.emitted": len(outcome.emitted),
             "tandem.confidences": list(raw.confidences) if raw is not None else [],
             "tandem.draft_ms": draft_ms, "tandem.rpc_ms": max(wait_ms - draft_ms, 0.0), "tandem.wait_ms": wait_ms,
             "tandem.verify_ms": verify_ms, "tandem.bytes_up": bytes_up,

@@ -127,9 +127,11 @@ class FusedModel:
                  invariant: bool = True) -> None:
         """pdl: launch each kernel as a programmatic dependent of the one before (default: where
         the GPU supports it); kernels then overlap their start with their predecessor's end.
-        invariant=False: windows of several rows project through cuBLAS, which picks its kernel
-        by the row count, so a row's bits depend on its window (a yardstick for what row
-        invariance costs, bench/invariance.py; the services always run invariant)."""
+        invariant: a row's bits are its one-row step's whatever shares its window or batch — on
+        the GPU by the kernels' launch configurations (at no cost), on the CPU by running the
+        rows as one-row forwards (see Qwen3MoeModel.forward). invariant=False: batched rows on
+        the CPU, and on the GPU windows of several rows project through cuBLAS, which picks its
+        kernel by the row count (bench/invariance.py's yardstick of what invariance costs)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the fused path cannot run this model: {reason}")
@@ -201,6 +203,9 @@ class FusedModel:
 
         token_ids [T]; kv[i] = (keys, values) of layer i, each [slots, max_length, kv_heads, head_dim].
         """
+        if self.invariant and token_ids.device.type == "cpu" and token_ids.shape[0] > 1:
+            outs = [self.forward(token_ids[i : i + 1], _one_row(rows, i), kv, routing) for i in range(token_ids.shape[0])]
+            return torch.cat([logits for logits, _ in outs]), torch.cat([hidden for _, hidden in outs])
         model = self.model
         x = model.embed_tokens(token_ids)
         norms = [layer.input_norm for layer in self.layers[1:]] + [model.norm.weight]
@@ -290,3 +295,11 @@ class FusedModel:
 def cache_as_slots(cache: KVCache) -> list[tuple[Tensor, Tensor]]:
     """A one-sequence KVCache as per-layer [1, max_length, kv_heads, head_dim] tensors (slot 0)."""
     return [(cache.keys[i].unsqueeze(0), cache.values[i].unsqueeze(0)) for i in range(cache.keys.shape[0])]
+
+
+def _one_row(rows: Rows, index: int) -> Rows:
+    """Row `index` of a window or batch as a one-row sequence (same position and slot)."""
+    slot = rows.slots[index : index + 1]
+    return Rows(positions=rows.positions[index : index + 1], slots=slot,
+                seq_starts=torch.tensor([0, 1], dtype=rows.seq_starts.dtype, device=slot.device), seq_slots=slot,
+                max_rows_per_seq=1, live=None if rows.live is None else rows.live[index : index + 1])

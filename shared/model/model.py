@@ -9,6 +9,8 @@ multi-step drafting feeds its own output hidden state back in.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor, nn
 
@@ -94,8 +96,19 @@ class Qwen3MoeModel(nn.Module):
         *,
         routing: RoutingOptions | None = None,
         positions: Tensor | None = None,  # [T]; given = static-shape path (CUDA graphs)
+        row_invariant: bool = False,
     ) -> tuple[Tensor, Tensor]:
-        """Run a window; returns logits [T, vocab] (float32) and final-norm hidden [T, hidden]."""
+        """Run a window; returns logits [T, vocab] (float32) and final-norm hidden [T, hidden].
+
+        row_invariant (CPU, eager): each row's bits are its one-row step's, whatever the window.
+        CPU kernels choose their code path by shape (MKL runs one row as a GEMV and several
+        through register tiles; reductions vectorise by shape), so a window's rows differ from
+        the same rows decoded one at a time; here the window runs as its rows' one-row steps,
+        one after another (exact mode's guarantee, DESIGN §11; it costs the window's batching)."""
+        if row_invariant and self.device.type == "cpu" and positions is None and token_ids.shape[0] > 1:
+            rows = [self.forward(token_ids[i : i + 1], cache, routing=_row_of(routing, i))
+                    for i in range(token_ids.shape[0])]
+            return torch.cat([logits for logits, _ in rows]), torch.cat([hidden for _, hidden in rows])
         hidden = self._trunk(token_ids, cache, routing, positions)
         return self.lm_head(hidden).float(), hidden
 
@@ -155,3 +168,10 @@ class Qwen3MoeModel(nn.Module):
             return torch.empty((0, self.config.vocab_size), device=self.device)
         logits, _ = self.forward_mtp(hidden[:n], token_ids[1:], self.new_mtp_cache(n))
         return logits
+
+
+def _row_of(routing: RoutingOptions | None, index: int) -> RoutingOptions | None:
+    """The routing options of row `index` alone (its draft-row flag, if any)."""
+    if routing is None or routing.draft_rows is None:
+        return routing
+    return replace(routing, draft_rows=routing.draft_rows[index : index + 1])

@@ -41,7 +41,8 @@ def decode(engine, request, drafts_of):
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_fused_engine_commits_the_reference_tokens(tiny_mtp_model, temperature):
     reference = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="off")
-    fused = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="on", max_sessions=2, max_window=5)
+    fused = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="on", max_sessions=2, max_window=5,
+                   row_invariant=False)  # batched windows (the CPU's one-row windows: test_exact_rounds_...)
     assert reference.path == "reference" and fused.path == "fused"
     rng = random.Random(0)
     prompt = [rng.randrange(97) for _ in range(13)]
@@ -119,3 +120,36 @@ def test_prefill_warm_up_touches_only_the_scratch_slot(tiny_mtp_model):
     reference = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="off")
     request = spec([3, 9, 27, 81, 17], temperature=0.0)
     assert decode(engine, request, lambda ids: []) == decode(reference, request, lambda ids: [])
+
+
+@pytest.mark.parametrize("fused", ["off", "on"])
+def test_exact_rounds_on_the_cpu_give_the_one_row_bits(tiny_mtp_model, fused):
+    """Exact mode on the CPU (--row-invariant, on by default): a verify round's hidden rows are
+    bit-identical to those of the plain one-row rounds that commit the same tokens."""
+    prompt = [3, 14, 15, 92, 65, 35, 8]
+    request = spec(prompt, temperature=0.0, max_new_tokens=5)
+
+    def rows_of(engine, drafts_of):
+        session = engine.open(request)
+        rows = []
+        try:
+            while len(session.token_ids) - len(prompt) < 5:
+                outcome = engine.run_round(session, drafts_of(session.token_ids)[: session.capacity_left], None)
+                rows.append(outcome.hidden_rows)
+        finally:
+            engine.close(session)
+        return torch.cat(rows)
+
+    def engine():
+        return Engine(tiny_mtp_model, max_context=64, prefill_chunk=16, fused=fused, max_sessions=1, max_window=5)
+
+    plain_rows = rows_of(engine(), lambda ids: [])
+    plain = decode(engine(), request, lambda ids: [])
+
+    def all_accepted(committed):  # the plain continuation: every draft accepted, one 5-row window
+        done = len(committed) - len(prompt)
+        return plain[done : done + 4]
+
+    spec_rows = rows_of(engine(), all_accepted)
+    assert len(spec_rows) == len(plain_rows) == 5  # row i: the position of committed token i
+    assert torch.equal(spec_rows, plain_rows)

@@ -275,3 +275,39 @@ def test_chained_decode_batch_feeds_each_rows_greedy_token(model, fused):
     runner.run(slots[0], [1], 6)
     with pytest.raises(ValueError, match="follows a decode batch"):
         runner.run_batch_chained()
+
+
+@pytest.mark.parametrize("path", ["reference", "fused"])
+def test_cpu_rows_are_bit_identical_to_their_one_row_steps(model, path):
+    """Exact mode's invariance on the CPU: a window's rows carry exactly the logits of the
+    one-row steps that decode the same tokens after the same prompt — the reference modules
+    (row_invariant) and the fused path (invariant, its default) alike."""
+    prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 97, (6,), generator=torch.Generator().manual_seed(4))
+    fused = FusedModel(model, max_rows=16, max_length=64)
+
+    def prefilled():
+        cache = model.new_cache(40)
+        model.prefill(prompt, cache)
+        return cache
+
+    def run(tokens, cache, start):
+        if path == "reference":
+            return model(tokens, cache, row_invariant=True)[0]
+        return fused.forward(tokens, Rows.window(start, len(tokens), 0, "cpu"), cache_as_slots(cache))[0]
+
+    cache = prefilled()
+    singles = torch.cat([run(ids[j : j + 1], cache, 20 + j) for j in range(len(ids))])
+    for rows in (2, 6):
+        assert torch.equal(run(ids[:rows], prefilled(), 20), singles[:rows]), rows
+
+
+def test_cpu_batches_give_each_row_its_one_row_bits(model, fused):
+    prompts = [[5, 17, 42, 8], [9, 1, 60, 33, 2, 70], [11, 12]]
+    pool, slots, scratch = _prefilled_pool(model, prompts, "cpu")
+    runner = WindowGraphs(fused, pool, max_rows=4, max_batch_rows=8, scratch_slot=scratch)
+    windows = [(slots[0], [3, 50], 4), (slots[1], [44, 45, 46], 6), (slots[2], [7], 2)]
+    batch = runner.run_batch(windows).logits[:6].clone()
+    singles = torch.cat([runner.run(slot, [token], start + j).logits.clone()
+                         for slot, ids, start in windows for j, token in enumerate(ids)])
+    assert torch.equal(batch, singles)
