@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -30,7 +30,7 @@ from shared.model.graphs import WindowGraphs
 from shared.model.kv_cache import KVPool
 from verifier_service.audit import accept_key
 from verifier_service.requests import RequestSpec
-from verifier_service.window_sizing import Acceptance, RowCost, plan_drafts
+from verifier_service.window_sizing import Acceptance, RowCost, cut_chains
 
 
 @dataclass
@@ -335,7 +335,7 @@ class Engine:
             return self._decode_batch(rounds)
         self.ahead = None
         if self.window_sizing and self.row_cost.known and any(r.drafts for r in rounds):
-            rounds = self.sized(rounds)
+            rounds = cut_chains(rounds, self.row_cost)
         outcomes: list[RoundOutcome] = []
         group: list[RoundRequest] = []
         for r in rounds:  # forwards of at most max_batch_rows rows
@@ -344,14 +344,6 @@ class Engine:
                 group = []
             group.append(r)
         return outcomes + self._batched_rounds(group)
-
-    def sized(self, rounds: list[RoundRequest]) -> list[RoundRequest]:
-        """The rounds with each session's drafts cut to the prefix that pays in this batch
-        (verifier_service.window_sizing): a shorter chain, verified as any chain is."""
-        keep = plan_drafts([r.session.acceptance.rate for r in rounds], [len(r.drafts) for r in rounds], self.row_cost)
-        return [r if k == len(r.drafts) else
-                replace(r, drafts=r.drafts[:k], q_rows=r.q_rows[:k] if r.q_rows is not None and k else None)
-                for r, k in zip(rounds, keep)]
 
     def _batched_rounds(self, rounds: list[RoundRequest]) -> list[RoundOutcome]:
         started = time.perf_counter()

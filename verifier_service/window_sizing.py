@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 EMA_WEIGHT = 0.2  # weight of a new forward time in its row count's average
 PRIOR_ACCEPTED, PRIOR_REJECTED = 1.0, 1.0  # a session's acceptance starts at 0.5 (Beta(1, 1) mean)
@@ -112,3 +113,12 @@ def plan_drafts(rates: list[float], max_drafts: list[int], cost: RowCost) -> lis
         if value > best:
             best, best_rows = value, list(num_drafts)
     return best_rows
+
+
+def cut_chains(rounds: list[Any], cost: RowCost) -> list[Any]:
+    """Engine RoundRequests with each session's drafts (and their q rows) cut to the prefix
+    that pays in this batch (`plan_drafts`): a shorter chain, verified as any chain is."""
+    keep = plan_drafts([r.session.acceptance.rate for r in rounds], [len(r.drafts) for r in rounds], cost)
+    return [r if k == len(r.drafts) else
+            replace(r, drafts=r.drafts[:k], q_rows=r.q_rows[:k] if r.q_rows is not None and k else None)
+            for r, k in zip(rounds, keep)]

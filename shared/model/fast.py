@@ -204,7 +204,8 @@ class FusedModel:
         token_ids [T]; kv[i] = (keys, values) of layer i, each [slots, max_length, kv_heads, head_dim].
         """
         if self.invariant and token_ids.device.type == "cpu" and token_ids.shape[0] > 1:
-            outs = [self.forward(token_ids[i : i + 1], _one_row(rows, i), kv, routing) for i in range(token_ids.shape[0])]
+            outs = [self.forward(token_ids[i : i + 1], _one_row(rows, i), kv, routing and routing.row(i))
+                    for i in range(token_ids.shape[0])]
             return torch.cat([logits for logits, _ in outs]), torch.cat([hidden for _, hidden in outs])
         model = self.model
         x = model.embed_tokens(token_ids)

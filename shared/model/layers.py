@@ -6,7 +6,7 @@ a state dict maps onto the modules one to one; routed experts live in an ExpertS
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -133,6 +133,12 @@ class RoutingOptions:
     protect: int = 0
     draft_rows: Tensor | None = None
     prompt_packed: float | None = None
+
+    def row(self, index: int) -> RoutingOptions:
+        """The options of row `index` alone (its draft-row flag, if any)."""
+        if self.draft_rows is None:
+            return self
+        return replace(self, draft_rows=self.draft_rows[index : index + 1])
 
 
 FULL_ROUTING = RoutingOptions()

@@ -9,8 +9,6 @@ multi-step drafting feeds its own output hidden state back in.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from torch import Tensor, nn
 
@@ -106,7 +104,7 @@ class Qwen3MoeModel(nn.Module):
         the same rows decoded one at a time; here the window runs as its rows' one-row steps,
         one after another (exact mode's guarantee, DESIGN §11; it costs the window's batching)."""
         if row_invariant and self.device.type == "cpu" and positions is None and token_ids.shape[0] > 1:
-            rows = [self.forward(token_ids[i : i + 1], cache, routing=_row_of(routing, i))
+            rows = [self.forward(token_ids[i : i + 1], cache, routing=routing and routing.row(i))
                     for i in range(token_ids.shape[0])]
             return torch.cat([logits for logits, _ in rows]), torch.cat([hidden for _, hidden in rows])
         hidden = self._trunk(token_ids, cache, routing, positions)
@@ -169,9 +167,3 @@ class Qwen3MoeModel(nn.Module):
         logits, _ = self.forward_mtp(hidden[:n], token_ids[1:], self.new_mtp_cache(n))
         return logits
 
-
-def _row_of(routing: RoutingOptions | None, index: int) -> RoutingOptions | None:
-    """The routing options of row `index` alone (its draft-row flag, if any)."""
-    if routing is None or routing.draft_rows is None:
-        return routing
-    return replace(routing, draft_rows=routing.draft_rows[index : index + 1])

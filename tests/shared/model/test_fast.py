@@ -311,3 +311,10 @@ def test_cpu_batches_give_each_row_its_one_row_bits(model, fused):
     singles = torch.cat([runner.run(slot, [token], start + j).logits.clone()
                          for slot, ids, start in windows for j, token in enumerate(ids)])
     assert torch.equal(batch, singles)
+
+
+def test_routing_options_of_one_row_keep_its_draft_flag():
+    routing = RoutingOptions(moce=True, scale=0.5, draft_rows=torch.tensor([False, True, True]))
+    one = routing.row(1)
+    assert one.moce and one.scale == 0.5 and one.draft_rows.tolist() == [True]
+    assert RoutingOptions().row(4) == RoutingOptions()
