@@ -2,11 +2,11 @@
 
 A request's coroutine hands its session over and awaits the end of its prefill. One runner
 task plans a job from the waiting sessions — oldest first, each its next chunk, all under
-one token budget (`--prefill-chunk`), a prompt cut only at multiples of it — and runs it as a single `Engine.prefill` job on the
-model worker, then plans the next. Rounds of decoding sessions queue on the same worker
-between the jobs, so no stream stalls for longer than one budget's forward, and requests
-that arrive together prefill together (one weight read for all their rows, instead of a
-forward each).
+one token budget (`--prefill-chunk`), a prompt cut only at multiples of it — and runs it as
+a single `Engine.prefill` job on the model worker, then plans the next. Rounds of decoding
+sessions queue on the same worker between the jobs, so no stream stalls for longer than one
+budget's forward, and requests that arrive together prefill together (one weight read for
+all their rows, instead of a forward each).
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ def plan_chunks(lefts: list[int], budget: int) -> list[int]:
     budget. A prompt is thus always cut at the same positions (multiples of the budget),
     whatever shares its jobs: a chunk's rows depend on the chunk's shape (cuBLAS picks kernels
     by the row count), so a cut that followed the other prompts would make a request's KV, and
-    so its output, depend on what else runs (DESIGN §10)."""
+    so its output, depend on what else runs (DESIGN §11)."""
     if budget < 1:
         raise ValueError(f"prefill token budget {budget} must be >= 1")
-    counts = []
+    counts, room = [], budget
     for left in lefts:
         chunk = min(max(left, 0), budget)
-        fits = chunk <= budget - sum(counts)
-        counts.append(chunk if fits else 0)
+        counts.append(chunk if chunk <= room else 0)
+        room -= counts[-1]
     return counts
 
 

@@ -8,7 +8,7 @@ reference is the CPU path and the definition the kernels are tested against.
 Batch invariance: each kernel's launch configuration depends only on the weight shapes
 (and, for attention, on the cache length), never on how many rows share a launch, and no
 kernel reduces across rows; so a row's result does not depend on the other rows of its
-window or batch (DESIGN §10).
+window or batch (DESIGN §11).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def tl_dtype(dtype: torch.dtype):
 
 def pdl_supported(device: torch.device | str) -> bool:
     """Programmatic dependent launch (compute capability 9.0+): a kernel's programs start while
-    its predecessor finishes and wait for it in-kernel, hiding the launch gap (DESIGN §10)."""
+    its predecessor finishes and wait for it in-kernel, hiding the launch gap (DESIGN §11)."""
     device = torch.device(device)
     return device.type == "cuda" and triton_available() and torch.cuda.get_device_capability(device)[0] >= 9
 

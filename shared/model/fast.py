@@ -1,4 +1,4 @@
-"""The trunk and MTP forward of decode/verify windows through kernels.fused (DESIGN §10).
+"""The trunk and MTP forward of decode/verify windows through kernels.fused (DESIGN §11).
 
 Per decoder layer: fused q/k/v projection → q/k norm + RoPE + KV write → split-KV
 attention → o projection → residual add + RMSNorm → router (softmax, top-k, renorm) →
