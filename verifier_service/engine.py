@@ -362,7 +362,7 @@ class Engine:
         host_hidden, ids = self._to_host(out.hidden[:num_rows], out.greedy_ids[:num_rows])
         targets = [None if t is None else t.to("cpu") for t in targets]
         forward_s = time.perf_counter() - started
-        if len(rounds) > 1:  # a window alone costs less than the same rows spread over sessions
+        if self.window_sizing and len(rounds) > 1:  # (one session's window costs less: not a batch)
             self.row_cost.record(num_rows, forward_s * 1e3)
         outcomes = []
         row = 0
@@ -396,7 +396,7 @@ class Engine:
                                self._ring_copy(out.hidden[: len(rounds)], out.greedy_ids[: len(rounds)]))
         host_hidden, ids = self._ring_read(ring, len(rounds))
         forward_s = time.perf_counter() - started
-        if fresh:  # (the read waits for this step only: the chained one is enqueued behind it)
+        if self.window_sizing and fresh:  # (the read waits for this step only: the chained one is behind it)
             self.row_cost.record(len(rounds), forward_s * 1e3)
         return [self._commit(r.session, [], None, host_hidden[row : row + 1], ids[row : row + 1], None, forward_s, 0)
                 for r, row in zip(rounds, order)]
