@@ -358,7 +358,8 @@ def kernel_table(model, fused, pool, contexts, sweep: bool) -> None:
     pos = torch.tensor([100], device="cuda")
     slot = torch.zeros(1, dtype=torch.int64, device="cuda")
     row("q/k norm + rope + kv write", lambda: qk_norm_rope_store(
-        qkv, layer.q_norm, layer.k_norm, fused.cos, fused.sin, pos, slot, keys, values, c.num_attention_heads,
+        qkv, layer.q_norm, layer.k_norm, fused.cos, fused.sin, pos, slot, keys, values, pool.block_tables,
+        c.num_attention_heads,
         c.num_key_value_heads, 1e-6), 0)
     q = torch.randn(5, c.num_attention_heads, c.head_dim, device="cuda", dtype=torch.bfloat16)
     for context in contexts:
@@ -367,7 +368,7 @@ def kernel_table(model, fused, pool, contexts, sweep: bool) -> None:
             slots = torch.zeros(rows, dtype=torch.int64, device="cuda")
             starts = torch.tensor([0, rows], dtype=torch.int32, device="cuda")
             row(f"attention, context {context}, {rows} rows", lambda: decode_attention(
-                q[:rows], keys, values, positions, slots, starts, slots[:1], rows, fused.workspace),
+                q[:rows], keys, values, pool.block_tables, positions, slots, starts, slots[:1], rows, fused.workspace),
                 2 * context * c.num_key_value_heads * c.head_dim * 2)
 
 

@@ -61,7 +61,8 @@ class Bench:
         log(f"model built in {time.perf_counter() - started:.1f}s")
         self.length = 1024 + 64
         self.pool = KVPool(num_layers=c.num_hidden_layers, num_slots=NUM_SEQS + 1, max_length=self.length,
-                           num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=dtype, device=args.device)
+                           num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=dtype, device=args.device,
+                           block_size=args.block_size or None)
         gen = torch.Generator(device=args.device).manual_seed(3)
         self.pool.keys.normal_(0, 1, generator=gen)  # stand-in context
         self.pool.values.normal_(0, 1, generator=gen)
@@ -143,8 +144,7 @@ class Bench:
 
     def prefill_table(self) -> None:
         runner = self.runners["invariant"]
-        fused, kv = runner.fused, self.pool.layers()
-        keys, values = self.pool.keys, self.pool.values  # [layers, slots, length, kv_heads, head_dim]
+        fused, kv = runner.fused, self.pool.paged()
         other, other2 = self.slots[6:8]
         big, small = self.random_tokens(1000), self.random_tokens(200)
 
@@ -172,11 +172,12 @@ class Bench:
             for j in range(body):
                 runner.run(e, [prompt[j]], j)
             first = {slot: runner.run(slot, [prompt[body]], body).logits[0].clone() for _, slot in arms}
+            keys, values = zip(*(self.pool.read(slot, body) for slot in self.slots[:5]))  # [layers, body, kv_heads, D]
             for label, slot in arms:
-                same_rows = sum(int(torch.equal(keys[:, slot, p], keys[:, a, p]) and torch.equal(values[:, slot, p], values[:, a, p]))
+                i, j = self.slots.index(slot), 0  # (a is self.slots[0])
+                same_rows = sum(int(torch.equal(keys[i][:, p], keys[j][:, p]) and torch.equal(values[i][:, p], values[j][:, p]))
                                 for p in range(body))
-                worst = max(float((keys[:, slot, :body] - keys[:, a, :body]).abs().max()),
-                            float((values[:, slot, :body] - values[:, a, :body]).abs().max()))
+                worst = max(float((keys[i] - keys[j]).abs().max()), float((values[i] - values[j]).abs().max()))
                 print(f"| {length} | {label} | {same_rows}/{body} | {worst:.3g} | {torch.equal(first[slot], first[a])} "
                       f"| {int(first[slot].argmax()) == int(first[a].argmax())} |")
 
@@ -251,6 +252,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=24, help="random batch compositions")
     parser.add_argument("--pairs", type=int, default=9)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--block-size", type=int, default=0, help="KV block size (0: one block per sequence)")
     parser.add_argument("--cpu-cost", action="store_true", help="only the CPU path's price (embedded model)")
     args = parser.parse_args()
     if args.cpu_cost:

@@ -62,7 +62,7 @@ def run_prompt(model, prompt, chunk: int, path: str, fused: FusedModel, pool: KV
     for start in range(0, prompt.shape[0], chunk):
         ids = prompt[start : start + chunk]
         if path == "fused":
-            hidden.append(fused.prefill(ids, [(start, ids.shape[0], 0)], pool.layers()))
+            hidden.append(fused.prefill(ids, [(start, ids.shape[0], 0)], pool.paged()))
         elif path == "modules":
             hidden.append(model.prefill(ids, cache))
         else:
@@ -127,7 +127,7 @@ def prefill_sessions(fused, prompts, pool, budget: int | None) -> None:
         else:
             counts = plan_chunks([n - d for d, n in zip(done, lefts)], budget)
         ids = torch.cat([prompts[i][done[i] : done[i] + c] for i, c in enumerate(counts) if c])
-        fused.prefill(ids, [(done[i], c, i) for i, c in enumerate(counts) if c], pool.layers())
+        fused.prefill(ids, [(done[i], c, i) for i, c in enumerate(counts) if c], pool.paged())
         done = [d + c for d, c in zip(done, counts)]
 
 
@@ -185,6 +185,8 @@ def sessions_table(model, args) -> None:
                    for _ in range(num)]
         pool = KVPool(num_layers=c.num_hidden_layers, num_slots=num, max_length=args.session_length,
                       num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=torch.bfloat16, device="cuda")
+        for _ in range(num):  # slot i holds block i: prompt i prefills into slot i
+            pool.acquire(args.session_length)
         fused = FusedModel(model, max_rows=1, max_length=args.session_length)
         arms = [None, *budgets]
         for arm in arms:  # warm-up
@@ -202,6 +204,39 @@ def sessions_table(model, args) -> None:
         del pool
 
 
+def layouts_table(model, args) -> None:
+    """Prompts arriving together into a contiguous pool (a block per sequence) against a paged
+    pool (blocks of --block-size), shared forwards at the first budget; paired."""
+    c = model.config
+    budget = int(args.budgets.split(",")[0])
+    print(f"\n| prompts of {args.session_length} tokens, budget {budget} | contiguous s | paged {args.block_size} s "
+          "| paged / contiguous |")
+    print("| ---: | ---: | ---: | ---: |")
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    for num in (int(n) for n in args.sessions.split(",")):
+        prompts = [torch.randint(0, c.vocab_size, (args.session_length,), device="cuda", generator=gen)
+                   for _ in range(num)]
+        pools = {}
+        for name, block_size in (("contiguous", None), ("paged", args.block_size)):
+            pool = KVPool(num_layers=c.num_hidden_layers, num_slots=num, max_length=args.session_length,
+                          num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=torch.bfloat16,
+                          device="cuda", block_size=block_size)
+            for _ in range(num):  # slot i: prompt i
+                pool.acquire(args.session_length)
+            pools[name] = pool
+        fused = FusedModel(model, max_rows=1, max_length=args.session_length)
+        for pool in pools.values():  # warm-up
+            prefill_sessions(fused, prompts, pool, budget)
+        times = {name: [] for name in pools}
+        for i in range(args.pairs):
+            for name in (list(pools) if i % 2 == 0 else list(pools)[::-1]):
+                times[name].append(timed(lambda: prefill_sessions(fused, prompts, pools[name], budget)))
+        ratio = statistics.median(p / q for p, q in zip(times["paged"], times["contiguous"]))
+        print(f"| {num} | {statistics.median(times['contiguous']):.4f} | {statistics.median(times['paged']):.4f} "
+              f"| {ratio:.3f} |")
+        del pools
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true")
@@ -214,6 +249,8 @@ def main() -> None:
     parser.add_argument("--budgets", default="2048,4096", help="token budgets of the batched-prefill table")
     parser.add_argument("--skip-chunks", action="store_true", help="skip the chunk-size table")
     parser.add_argument("--skip-sessions", action="store_true", help="skip the batched-prefill table")
+    parser.add_argument("--layouts", action="store_true", help="only the KV layout table (contiguous vs paged)")
+    parser.add_argument("--block-size", type=int, default=64, help="paged block size of the layout table")
     args = parser.parse_args()
     chunks = [int(c) for c in args.chunks.split(",")]
     shapes = (SMALL if args.small else QWEN3_30B_A3B) | dict(max_position_embeddings=max(args.length + 64, 4096))
@@ -222,6 +259,9 @@ def main() -> None:
                        device="cuda", seed=0)
     torch.cuda.synchronize()
     log(f"model built in {time.perf_counter() - t0:.1f}s")
+    if args.layouts:
+        layouts_table(model, args)
+        return
     bandwidth = copy_bandwidth()
     prompt = torch.randint(0, model.config.vocab_size, (args.length,), device="cuda",
                            generator=torch.Generator(device="cuda").manual_seed(1))

@@ -64,16 +64,21 @@ def client_decode(address: str, prompt: list[int], config: GenerationConfig) -> 
 
 
 def raw_step_tokens_per_s(runner, context: int, steps: int) -> float:
-    """Captured 1-row step replayed `steps` times back to back (device time, CUDA events)."""
-    runner.run(0, [1], context)
-    graph, _ = runner.graphs[1]
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return steps / (start.elapsed_time(end) / 1e3)
+    """Captured 1-row step replayed `steps` times back to back (device time, CUDA events), at
+    position `context` of a slot holding the blocks of that context (as a request's would)."""
+    slot, _ = runner.pool.acquire(context + 1)
+    try:
+        runner.run(slot, [1], context)
+        graph, _ = runner.graphs[1]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return steps / (start.elapsed_time(end) / 1e3)
+    finally:
+        runner.pool.release(slot)
 
 
 def engine_loop(engine, spec) -> tuple[float, float]:

@@ -149,13 +149,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--alpha", type=float, default=None, help="add a synthetic replay drafter at this acceptance")
     parser.add_argument("--blocks", type=int, default=1, help="repeats of the whole concurrency sweep")
+    parser.add_argument("--max-position-embeddings", type=int, default=0,
+                        help="the random model's context (0: 4,096 or what the requests need)")
     parser.add_argument("--verifier-arg", action="append", default=[], help="extra verifier flag (repeatable)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     rates = [float(r) for r in args.rates.split(",") if r]
     shapes = (SMALL if args.small else QWEN3_30B_A3B) | dict(
-        max_position_embeddings=max(4096, args.prompt_tokens + args.new_tokens + 64))
+        max_position_embeddings=args.max_position_embeddings or max(4096, args.prompt_tokens + args.new_tokens + 64))
     workdir = Path(tempfile.mkdtemp(prefix="serve-load-"))
     (workdir / "model").mkdir()
     (workdir / "model" / "config.json").write_text(json.dumps(shapes))

@@ -26,6 +26,10 @@ class VerifierMetrics:
         self.ttft_seconds = Histogram("tandem_verifier_ttft_seconds", "Time to first token", registry=r)
         self.active = Gauge("tandem_verifier_active_sessions", "Requests in flight", registry=r)
         self.queued = Gauge("tandem_verifier_queued_requests", "Requests waiting for a session", registry=r)
+        self.kv_blocks = Gauge("tandem_verifier_kv_blocks", "Blocks of the KV pool", registry=r)
+        self.kv_blocks_held = Gauge("tandem_verifier_kv_blocks_held",
+                                    "KV blocks held by requests (each holds its prompt + max_new_tokens + a window)",
+                                    registry=r)
         self.faults = Counter("tandem_verifier_drafter_faults", "Drafter faults seen by the verifier", ["kind"], registry=r)
         self.slot_hit_rate = Gauge("tandem_verifier_expert_slot_hit_rate", "Expert slot hit rate of the target model", registry=r)
         self.batch_rounds = Histogram("tandem_verifier_batch_rounds", "Sessions' rounds per batched forward",

@@ -5,7 +5,7 @@ a round runs the window [head, d0..dk-1], verifies the drafts, and truncates the
 the rows that stay committed (head + accepted drafts).
 
 Two forward paths share this flow. On CUDA (by default) a round is one replay of a captured
-fused-kernel window (shared.model.graphs) over a KV pool slot, and the only host
+fused-kernel window (shared.model.graphs) over a slot of the paged KV pool, and the only host
 synchronisation is reading the verdict's inputs: the greedy ids, or the processed sparse
 rows, plus the hidden rows for the drafter, copied in the same stream. Elsewhere the
 reference modules run the window eagerly on a per-request cache. Prefill chunks run eagerly
@@ -27,8 +27,9 @@ from kernels.speculative import Mode, verify_chain
 from shared.model import KVCache, Qwen3MoeModel
 from shared.model.fast import FusedModel, fused_wanted
 from shared.model.graphs import WindowGraphs
-from shared.model.kv_cache import KVPool
+from shared.model.kv_cache import KVPool, cdiv
 from verifier_service.audit import accept_key
+from verifier_service.kv_memory import KVPlan, plan_kv
 from verifier_service.requests import RequestSpec
 from verifier_service.window_sizing import Acceptance, RowCost, cut_chains
 
@@ -125,6 +126,9 @@ class Engine:
         draw_secret: bytes = b"",
         row_invariant: bool = True,
         window_sizing: bool = False,
+        kv_block_size: int = 64,
+        kv_cache_tokens: int = 0,
+        kv_memory_fraction: float = 0.9,
     ) -> None:
         self.model = model
         self.window_sizing = window_sizing  # batches verify the draft prefixes that pay (window_sizing.py)
@@ -137,11 +141,21 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.stores = [layer.mlp.experts for layer in model.layers if hasattr(layer.mlp, "experts")]
         self.windows: WindowGraphs | None = None
+        c = model.config
+        bytes_per_token = KVPool.bytes_per_token(num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
+                                                 head_dim=c.head_dim, dtype=model.dtype)
+        # The reference path allocates each session's cache itself: the plan only counts.
+        self.kv_plan: KVPlan = plan_kv(requested_tokens=kv_cache_tokens, memory_fraction=kv_memory_fraction,
+                                       block_size=kv_block_size, bytes_per_token=bytes_per_token, device=model.device,
+                                       max_sessions=max_sessions, max_context=max_context)
+        if progress is not None:
+            progress(self.kv_plan.describe())
         if fused_wanted(model, fused):
-            c = model.config
-            # One slot per session, and a scratch slot for the padded rows of decode-batch graphs.
+            # A slot (block table) per session, and a scratch slot of one block for the padded
+            # rows of batch graphs.
             pool = KVPool(num_layers=c.num_hidden_layers, num_slots=max_sessions + 1, max_length=max_context,
-                          num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=model.dtype, device=model.device)
+                          num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=model.dtype,
+                          device=model.device, block_size=kv_block_size, num_blocks=self.kv_plan.num_blocks + 1)
             scratch, _ = pool.acquire(1)
             batch_rows = max(max_window, min(max_batch_rows, max_sessions * max_window))
             fused_model = FusedModel(model, max_rows=batch_rows, max_length=max_context, pdl=None if pdl else False,
@@ -149,12 +163,10 @@ class Engine:
             self.windows = WindowGraphs(fused_model, pool, max_window, max_batch_rows=batch_rows, scratch_slot=scratch,
                                         verify_window=verify_window,
                                         use_graphs=cuda_graphs and model.device.type == "cuda")
-            if progress is not None:
-                progress(f"KV pool: {max_sessions} slots x {max_context} positions ({pool.bytes / 2**30:.2f} GiB)")
             self.windows.capture(progress=None if progress is None else
                                  lambda what, s: progress(f"captured {what} in {s:.2f}s"))
             if self.windows.use_graphs:
-                self._warm_prefill(scratch, progress)
+                self._warm_prefill(progress)
             # Results reach the host through two (pinned) slots, copied in the compute stream: the
             # window in hand, and (decode-ahead) the step enqueued behind it.
             pinned = model.device.type == "cuda"
@@ -186,9 +198,17 @@ class Engine:
             raise
         return session
 
+    def cache_length(self, spec: RequestSpec) -> int:
+        """KV positions a request holds: its prompt, its completion and one window of drafts."""
+        return min(self.max_context, len(spec.prompt_ids) + spec.max_new_tokens + spec.max_draft_tokens + 1)
+
+    def kv_blocks(self, spec: RequestSpec) -> int:
+        """KV blocks a request holds while it runs (what admission counts)."""
+        return cdiv(self.cache_length(spec), self.kv_plan.block_size)
+
     def begin(self, spec: RequestSpec) -> Session:
         """Allocate the session's cache; its prompt is then prefilled by prefill_step calls."""
-        length = min(self.max_context, len(spec.prompt_ids) + spec.max_new_tokens + spec.max_draft_tokens + 1)
+        length = self.cache_length(spec)
         slot = None
         if self.windows is not None:
             slot, cache = self.windows.pool.acquire(length)
@@ -229,18 +249,23 @@ class Engine:
         for (session, _), rows in zip(chunks, hidden.to("cpu", torch.bfloat16).split([c for _, c in chunks])):
             session.hidden_rows.append(rows)
 
-    def _warm_prefill(self, slot: int, progress: Callable[[str], None] | None) -> None:
-        """Prefill a short and a full chunk into the scratch slot, the second after a prefix, so
-        that prefill's kernels compile and its libraries load at start rather than on the first
-        requests (on the H200 the first 4,096-token prompt of a fresh service waited 1.1 s for
-        its first token, later ones 0.13 s; this warm-up's effect is not measured yet)."""
+    def _warm_prefill(self, progress: Callable[[str], None] | None) -> None:
+        """Prefill a short and a full chunk into a slot taken for it, the second after a prefix,
+        so that prefill's kernels compile and its libraries load at start rather than on the
+        first requests (on the H200 the first 4,096-token prompt of a fresh service waited 1.1 s
+        for its first token, later ones 0.13 s; this warm-up's effect is not measured yet)."""
         started = time.perf_counter()
-        full = min(self.prefill_chunk, self.max_context - 16)
-        for start, count in ((0, min(16, self.max_context)), (16, full)):
-            if count < 1:
-                continue
-            ids = torch.zeros(count, dtype=torch.int64, device=self.model.device)
-            self.windows.fused.prefill(ids, [(start, count, slot)], self.windows.kv)
+        pool = self.windows.pool
+        length = min(self.max_context, 16 + self.prefill_chunk, pool.num_free_blocks * pool.block_size)
+        slot, _ = pool.acquire(length)
+        try:
+            for start, count in ((0, min(16, length)), (16, length - 16)):
+                if count < 1:
+                    continue
+                ids = torch.zeros(count, dtype=torch.int64, device=self.model.device)
+                self.windows.fused.prefill(ids, [(start, count, slot)], self.windows.kv)
+        finally:
+            pool.release(slot)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
         if progress is not None:
@@ -260,6 +285,11 @@ class Engine:
     @property
     def free_slots(self) -> int | None:
         return self.windows.pool.num_free if self.windows is not None else None
+
+    @property
+    def free_kv_blocks(self) -> int | None:
+        """Blocks of the pool no session holds (the scratch slot's excepted); None off the fused path."""
+        return self.windows.pool.num_free_blocks if self.windows is not None else None
 
     def _forward(self, session: Session, window: list[int]) -> tuple[Tensor, Tensor, Tensor]:
         """(logits [T, vocab], hidden [T, H], greedy ids [T]) of the window, on the device."""

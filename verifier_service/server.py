@@ -12,6 +12,7 @@ import contextlib
 import secrets
 import time
 import uuid
+from dataclasses import replace
 from collections.abc import AsyncIterator
 
 import grpc
@@ -75,6 +76,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.drafter = drafter_pb2_grpc.DrafterStub(self.channel) if self.channel else None
         self.metrics = VerifierMetrics()
         self.metrics.queued.set_function(lambda: self.admission.queued)
+        self.metrics.kv_blocks.set_function(lambda: self.admission.limits.kv_blocks)
+        self.metrics.kv_blocks_held.set_function(lambda: self.admission.blocks_held)
         self.drafter_health = DrafterHealth(settings.drafter or "", self.metrics.drafter_reachable, log)
         self.metrics.drafter_reachable.set(-1 if self.channel is None else 0)
 
@@ -113,8 +116,11 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             max_window=s.max_draft_tokens_limit + 1, max_batch_rows=s.max_batch_rows,
             verify_window=s.max_draft_tokens + 1,
             progress=lambda message: log.info(message), draw_secret=self.draw_secret, row_invariant=s.row_invariant,
-            window_sizing=s.window_sizing,
+            window_sizing=s.window_sizing, kv_block_size=s.kv_block_size, kv_cache_tokens=s.kv_cache_tokens,
+            kv_memory_fraction=s.kv_memory_fraction,
         )
+        plan = self.engine.kv_plan  # admission counts the pool's blocks from now on (no request ran yet)
+        self.admission.limits = replace(self.admission.limits, kv_blocks=plan.num_blocks, kv_block_size=plan.block_size)
         self.batcher = RoundBatcher(self.worker, self.engine.run_rounds,
                                     BatchSettings(max_rounds=s.max_sessions, gather_s=s.batch_gather_ms / 1e3),
                                     on_batch=self.metrics.batch_rounds.observe)
@@ -157,12 +163,13 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             del request  # not kept alive by the abort's traceback (see generate_raw)
             await context.abort(*refusal)
         arrived = time.perf_counter()
+        kv_blocks = self.engine.kv_blocks(spec)
         try:
-            queued_s = await self.admission.acquire()
+            queued_s = await self.admission.acquire(kv_blocks)
         except AdmissionRefused as refused:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(refused))
         if self.draining:  # it waited in the queue while the service began to stop
-            self.admission.release()
+            self.admission.release(kv_blocks)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the verifier is shutting down")
         structlog.contextvars.bind_contextvars(request_id=spec.request_id)
         self.metrics.active.inc()
@@ -229,7 +236,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 # cancelled while its batch ran released its KV slot under that batch, which then
                 # failed for every request in it (tests/verifier_service/test_concurrency.py).
                 self.worker.submit(self.engine.close, opened)
-            self.admission.release()
+            self.admission.release(kv_blocks)  # (the worker frees the blocks before any later begin)
             self.metrics.active.dec()
             if governor is not None:  # (cancelled requests too)
                 self.metrics.detaches.inc(governor.detaches)

@@ -25,7 +25,10 @@ class VerifierSettings:
     cuda_graphs: bool = field(default=True, metadata={"help": "capture the fused decode/verify windows as CUDA graphs (CUDA only)"})
     pdl: str = field(default="auto", metadata={"help": "programmatic dependent launch of the fused kernels: auto (on for compute capability 9.0+), off"})
     num_expert_slots: int = field(default=0, metadata={"help": "device slots per MoE layer (0 = all experts resident)"})
-    max_sessions: int = field(default=8, metadata={"help": "requests in flight at once (each holds a KV slot of max_context positions)"})
+    max_sessions: int = field(default=32, metadata={"help": "requests in flight at once (within the KV pool: each holds the blocks of its prompt + max_new_tokens)"})
+    kv_cache_tokens: int = field(default=0, metadata={"help": "KV positions in the pool, all sessions together (0 = sized from memory by kv_memory_fraction, at most max_sessions x max_context)"})
+    kv_memory_fraction: float = field(default=0.9, metadata={"help": "KV pool sizing when kv_cache_tokens is 0: on a GPU the pool leaves (1 - this) of the device's memory free once the weights are in (like vLLM's gpu_memory_utilization); on the CPU it takes this share of the available RAM"})
+    kv_block_size: int = field(default=64, metadata={"help": "positions per KV block (the paged pool's unit; 64 = one attention tile)"})
     max_queued: int = field(default=64, metadata={"help": "requests that wait for a session (first come, first served); more get RESOURCE_EXHAUSTED"})
     queue_timeout_s: float = field(default=30.0, metadata={"help": "longest wait in the queue before RESOURCE_EXHAUSTED"})
     max_new_tokens_limit: int = field(default=4096, metadata={"help": "largest max_new_tokens a request may ask for"})
@@ -59,11 +62,12 @@ class VerifierSettings:
 
     def __post_init__(self) -> None:
         base.validate_service(self)
-        positive = ("governor_hold", "max_sessions", "max_new_tokens_limit", "prefill_chunk", "max_draft_tokens_limit", "max_batch_rows")
+        positive = ("governor_hold", "max_sessions", "max_new_tokens_limit", "prefill_chunk", "max_draft_tokens_limit",
+                    "max_batch_rows", "kv_block_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
-        for name in ("num_expert_slots", "max_context", "max_queued"):
+        for name in ("num_expert_slots", "max_context", "max_queued", "kv_cache_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 0")
         if self.pdl not in ("auto", "off"):
@@ -80,6 +84,11 @@ class VerifierSettings:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} {value!r} must be finite and >= 0")
+        if not (math.isfinite(self.kv_memory_fraction) and 0 < self.kv_memory_fraction <= 1):
+            raise ValueError(f"kv_memory_fraction {self.kv_memory_fraction!r} must lie in (0, 1]")
+        if self.kv_cache_tokens and self.kv_cache_tokens < self.kv_block_size:
+            raise ValueError(f"kv_cache_tokens {self.kv_cache_tokens} must be 0 (from memory) or at least one block "
+                             f"(kv_block_size = {self.kv_block_size})")
         if not (math.isfinite(self.governor_probe_share) and 0 < self.governor_probe_share <= 1):
             raise ValueError(f"governor_probe_share {self.governor_probe_share!r} must lie in (0, 1]")
         if not self.batch_gather_ms < 1000:

@@ -21,7 +21,7 @@ from kernels.retention import RetentionPolicy
 from kernels.sampling import SamplingParams, SparseRows, draw, process_logits
 from kernels.speculative import Gate, Mode, admission_confidences
 from shared.model import KVCache, Qwen3MoeModel, RoutingOptions
-from shared.model.fast import FusedModel, Rows, cache_as_slots
+from shared.model.fast import FusedModel, Rows
 from drafter_service.proposers import Proposal
 
 
@@ -52,7 +52,7 @@ class MTPProposer:
             return self.model.forward_mtp(hidden, next_token_ids, cache, routing=routing)
         start = cache.reserve(rows)
         window = Rows.window(start, rows, 0, self.model.device)
-        return self.fused.forward_mtp(hidden, next_token_ids, window, cache_as_slots(cache)[0], routing=routing)
+        return self.fused.forward_mtp(hidden, next_token_ids, window, cache.paged(), routing=routing)
 
     def _routing(self, rows: int) -> RoutingOptions | None:
         if self.routing is None:

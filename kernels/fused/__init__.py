@@ -43,6 +43,14 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def paged_rows(block_tables: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks, offsets) where the KV rows of (slot, position) pairs live in a paged cache:
+    row positions % block_size of block block_tables[slots, positions // block_size]."""
+    blocks = block_tables[slots, torch.div(positions, block_size, rounding_mode="floor")].long()
+    return blocks, positions % block_size
+
+
 def tl_dtype(dtype: torch.dtype):
     """The triton.language dtype of a torch floating dtype (for constexpr arguments)."""
     import triton.language as tl

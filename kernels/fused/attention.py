@@ -1,7 +1,8 @@
-"""Decode/verify attention against a slotted KV cache, split along the sequence.
+"""Decode/verify attention against a paged KV cache, split along the sequence.
 
 Rows are grouped into sequences (ragged: `seq_starts` offsets, one cache slot each); row i
-attends to cache positions 0..positions[i] of its sequence's slot. The keys are cut into
+attends to cache positions 0..positions[i] of its sequence's slot, found through the slot's
+block table (position p: row p % block_size of block block_tables[slot, p // block_size]). The keys are cut into
 fixed splits of SPLIT positions; one program takes one split for one KV head and a block
 of the sequence's rows × the query heads sharing that KV head (GQA), so a verify window
 reads each key once. A second kernel merges the splits of each row in a fixed order.
@@ -19,7 +20,7 @@ import math
 import torch
 from torch import Tensor
 
-from kernels.fused import cdiv, launch_options, next_power_of_2, use_triton
+from kernels.fused import cdiv, launch_options, next_power_of_2, paged_rows, use_triton
 
 MIN_BLOCK_M = 16  # query rows × heads per program: a multiple of the GQA group (tl.dot needs >= 16)
 MERGE_SLICE = 32  # head-dim columns per merge program
@@ -34,8 +35,9 @@ SPLIT_WARPS, SPLIT_STAGES, MERGE_WARPS = 4, 3, 1  # (H200, bench/config_sweep.py
 
 def attention_reference(
     q: Tensor,  # [T, Hq, D]
-    cache_keys: Tensor,  # [slots, max_length, Hkv, D]
+    cache_keys: Tensor,  # [num_blocks, block_size, Hkv, D]
     cache_values: Tensor,
+    block_tables: Tensor,  # [num_slots, max_blocks] int32
     positions: Tensor,  # [T]
     slots: Tensor,  # [T]
 ) -> Tensor:
@@ -44,9 +46,10 @@ def attention_reference(
     group = num_heads // cache_keys.shape[2]
     out = torch.empty_like(q)
     for i in range(num_rows):
-        length = int(positions[i]) + 1
-        keys = cache_keys[int(slots[i]), :length].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
-        values = cache_values[int(slots[i]), :length].float().repeat_interleave(group, dim=1)
+        span = torch.arange(int(positions[i]) + 1, device=q.device)
+        blocks, offsets = paged_rows(block_tables, slots[i].expand_as(span), span, cache_keys.shape[1])
+        keys = cache_keys[blocks, offsets].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        values = cache_values[blocks, offsets].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[i].float(), keys) / math.sqrt(head_dim)
         out[i] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), values).to(q.dtype)
     return out
@@ -59,10 +62,10 @@ def _kernels():
 
     @triton.jit
     def split_kernel(
-        q_ptr, k_ptr, v_ptr, pos_ptr, seq_start_ptr, seq_slot_ptr, o_part_ptr, lse_part_ptr,
-        stride_slot, stride_pos, sm_scale, num_splits, num_row_blocks,
+        q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, seq_start_ptr, seq_slot_ptr, o_part_ptr, lse_part_ptr,
+        stride_block, stride_pos, stride_table, sm_scale, num_splits, num_row_blocks,
         NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
-        ROWS_PER_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+        ROWS_PER_BLOCK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILES: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     ):
         if PDL:  # wait for the predecessor kernel before touching anything it may write or read
@@ -85,16 +88,32 @@ def _kernels():
         last = tl.max(pos, axis=0)
         if start <= last:
             stop = tl.minimum(start + SPLIT, last + 1)
+            # The split's block ids first, in one load issued with q's: no load in the key loop
+            # waits on another (a dependent load per tile cost ~2% of a decode step at context 512).
+            table = table_ptr + slot * stride_table
+            tile = tl.arange(0, TILES)
+            if BLOCK_SIZE % BLOCK_N == 0:  # a tile lies in one block (tiles start at multiples of BLOCK_N)
+                tile_blocks = tl.load(table + (start + tile * BLOCK_N) // BLOCK_SIZE, mask=start + tile * BLOCK_N <= last,
+                                      other=0).to(tl.int64)  # [TILES]
+            else:
+                keys = start + tile[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                key_blocks = tl.load(table + keys // BLOCK_SIZE, mask=keys <= last, other=0).to(tl.int64)  # [TILES, BLOCK_N]
             d = tl.arange(0, D)
             q = tl.load(q_ptr + (row[:, None] * NUM_Q + head[:, None]) * D + d[None, :], mask=row_ok[:, None], other=0.0)
             m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
             l_i = tl.zeros((BLOCK_M,), tl.float32)
             acc = tl.zeros((BLOCK_M, D), tl.float32)
-            kv_base = slot * stride_slot + kv_head * D
             for n0 in range(start, stop, BLOCK_N):
                 n = n0 + tl.arange(0, BLOCK_N)
                 n_ok = n < stop
-                offs = kv_base + n[:, None] * stride_pos + d[None, :]
+                this = tile == (n0 - start) // BLOCK_N
+                if BLOCK_SIZE % BLOCK_N == 0:
+                    block = tl.sum(tl.where(this, tile_blocks, 0), axis=0)
+                    offs = (block * stride_block + kv_head * D + (n0 % BLOCK_SIZE + tl.arange(0, BLOCK_N))[:, None] * stride_pos
+                            + d[None, :])
+                else:
+                    block = tl.sum(tl.where(this[:, None], key_blocks, 0), axis=0)  # [BLOCK_N]
+                    offs = block[:, None] * stride_block + (n % BLOCK_SIZE)[:, None] * stride_pos + kv_head * D + d[None, :]
                 k = tl.load(k_ptr + offs, mask=n_ok[:, None], other=0.0)
                 if IEEE:
                     s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
@@ -165,8 +184,9 @@ class AttentionWorkspace:
 
 def decode_attention(
     q: Tensor,  # [T, Hq, D]
-    cache_keys: Tensor,  # [slots, max_length, Hkv, D]
+    cache_keys: Tensor,  # [num_blocks, block_size, Hkv, D]
     cache_values: Tensor,
+    block_tables: Tensor,  # [num_slots, max_blocks] int32
     positions: Tensor,  # [T] int64: row i attends to 0..positions[i]
     slots: Tensor,  # [T] int64: cache slot of each row (reference path)
     seq_starts: Tensor,  # [num_seqs + 1] int32: rows of sequence s are seq_starts[s]:seq_starts[s+1]
@@ -178,11 +198,14 @@ def decode_attention(
 ) -> Tensor:
     """Attention output [T, Hq, D]; the keys/values of this window must already be in the cache."""
     if not use_triton(q):
-        return attention_reference(q, cache_keys, cache_values, positions, slots)
+        return attention_reference(q, cache_keys, cache_values, block_tables, positions, slots)
     num_rows, num_heads, head_dim = q.shape
     num_kv = cache_keys.shape[2]
+    if cache_keys.stride() != cache_values.stride() or cache_keys.stride(2) != head_dim or cache_keys.stride(3) != 1:
+        raise ValueError("decode_attention: cache keys/values must share a [blocks, block_size, heads, D] layout")
     if workspace is None or workspace.max_rows < num_rows:
-        workspace = AttentionWorkspace(num_rows, num_heads, head_dim, cache_keys.shape[1], q.device)
+        max_length = block_tables.shape[1] * cache_keys.shape[1]
+        workspace = AttentionWorkspace(num_rows, num_heads, head_dim, max_length, q.device)
     group = num_heads // num_kv
     block_m = max(MIN_BLOCK_M, next_power_of_2(group))  # a function of the model only (row invariance)
     rows_per_block = block_m // group
@@ -191,10 +214,12 @@ def decode_attention(
     split_kernel, merge_kernel = _kernels()
     ieee = q.dtype == torch.float32
     split_kernel[(num_seqs * num_kv * num_row_blocks, workspace.num_splits)](
-        q.contiguous(), cache_keys, cache_values, positions, seq_starts, seq_slots, workspace.o_part, workspace.lse_part,
-        cache_keys.stride(0), cache_keys.stride(1), 1.0 / math.sqrt(head_dim), workspace.num_splits, num_row_blocks,
+        q.contiguous(), cache_keys, cache_values, block_tables, positions, seq_starts, seq_slots, workspace.o_part,
+        workspace.lse_part, cache_keys.stride(0), cache_keys.stride(1), block_tables.stride(0),
+        1.0 / math.sqrt(head_dim), workspace.num_splits, num_row_blocks,
         NUM_Q=num_heads, NUM_KV=num_kv, D=head_dim, GROUP=group, ROWS_PER_BLOCK=rows_per_block,
-        SPLIT=workspace.split, BLOCK_M=block_m, BLOCK_N=BLOCK_N, IEEE=ieee, PDL=pdl,
+        SPLIT=workspace.split, BLOCK_SIZE=cache_keys.shape[1], TILES=workspace.split // BLOCK_N, BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N, IEEE=ieee, PDL=pdl,
         num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES, **launch_options(pdl),
     )
     out = torch.empty_like(q)

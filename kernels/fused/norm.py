@@ -12,7 +12,7 @@ import functools
 import torch
 from torch import Tensor
 
-from kernels.fused import launch_options, next_power_of_2, use_triton
+from kernels.fused import launch_options, next_power_of_2, paged_rows, use_triton
 
 NORM_WARPS = 8  # add_rmsnorm's per row (doubled past 4,096 columns; H200: 8 beat 4 by ~1-2% of the step)
 QK_ROPE_WARPS = 1  # per (row, head)
@@ -94,9 +94,10 @@ def _kernels():
 
     @triton.jit
     def qk_rope_kernel(
-        qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
-        stride_qkv, stride_slot, stride_pos, eps,
-        NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr,
+        qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, table_ptr,
+        stride_qkv, stride_block, stride_pos, stride_table, eps,
+        NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         if PDL:  # wait for the predecessor kernel before touching anything it may write or read
             tl.extra.cuda.gdc_wait()
@@ -106,6 +107,8 @@ def _kernels():
         d = tl.arange(0, D)
         pos = tl.load(pos_ptr + t)
         slot = tl.load(slot_ptr + t)
+        block = tl.load(table_ptr + slot * stride_table + pos // BLOCK_SIZE).to(tl.int64)
+        kv_row = block * stride_block + (pos % BLOCK_SIZE) * stride_pos
         base = qkv_ptr + t * stride_qkv + head * D
         x = tl.load(base + d)
         dtype = x.dtype
@@ -129,9 +132,9 @@ def _kernels():
             if head < NUM_Q:
                 tl.store(q_out_ptr + (t * NUM_Q + head) * D + d, out)
             else:
-                tl.store(k_cache_ptr + slot * stride_slot + pos * stride_pos + (head - NUM_Q) * D + d, out)
+                tl.store(k_cache_ptr + kv_row + (head - NUM_Q) * D + d, out)
         else:
-            tl.store(v_cache_ptr + slot * stride_slot + pos * stride_pos + (head - NUM_Q - NUM_KV) * D + d, x)
+            tl.store(v_cache_ptr + kv_row + (head - NUM_Q - NUM_KV) * D + d, x)
 
     return add_rmsnorm_kernel, qk_rope_kernel
 
@@ -176,29 +179,33 @@ def qk_norm_rope_store(
     sin: Tensor,  # [max_positions, D] float32
     positions: Tensor,  # [T] int64
     slots: Tensor,  # [T] int64: cache slot of each row
-    cache_keys: Tensor,  # [slots, max_length, Hkv, D]
-    cache_values: Tensor,  # [slots, max_length, Hkv, D]
+    cache_keys: Tensor,  # [num_blocks, block_size, Hkv, D]
+    cache_values: Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: Tensor,  # [num_slots, max_blocks] int32
     num_heads: int,
     num_kv_heads: int,
     eps: float,
     *,
     pdl: bool = False,
 ) -> Tensor:
-    """Norm and rotate q and k, write k and v at (slot, position) of the cache; returns q [T, Hq, D]."""
+    """Norm and rotate q and k, write k and v at (slot, position) of the paged cache; returns q [T, Hq, D]."""
+    block_size = cache_keys.shape[1]
     if not use_triton(qkv):
         q, k, v = qk_norm_rope_reference(qkv, q_norm, k_norm, cos, sin, positions, num_heads, num_kv_heads, eps)
-        cache_keys[slots, positions] = k
-        cache_values[slots, positions] = v
+        blocks, offsets = paged_rows(block_tables, slots, positions, block_size)
+        cache_keys[blocks, offsets] = k
+        cache_values[blocks, offsets] = v
         return q
     num_rows = qkv.shape[0]
     head_dim = q_norm.shape[0]
     if cache_keys.stride() != cache_values.stride() or cache_keys.stride(2) != head_dim or cache_keys.stride(3) != 1:
-        raise ValueError("qk_norm_rope_store: cache keys/values must share a [slots, length, heads, D] layout")
+        raise ValueError("qk_norm_rope_store: cache keys/values must share a [blocks, block_size, heads, D] layout")
     q = torch.empty((num_rows, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     _kernels()[1][(num_rows, num_heads + 2 * num_kv_heads)](
-        qkv, q, cache_keys, cache_values, q_norm, k_norm, cos, sin, positions, slots,
-        qkv.stride(0), cache_keys.stride(0), cache_keys.stride(1), eps,
-        NUM_Q=num_heads, NUM_KV=num_kv_heads, D=head_dim, HALF=head_dim // 2, PDL=pdl, num_warps=QK_ROPE_WARPS,
+        qkv, q, cache_keys, cache_values, q_norm, k_norm, cos, sin, positions, slots, block_tables,
+        qkv.stride(0), cache_keys.stride(0), cache_keys.stride(1), block_tables.stride(0), eps,
+        NUM_Q=num_heads, NUM_KV=num_kv_heads, D=head_dim, HALF=head_dim // 2, BLOCK_SIZE=block_size, PDL=pdl,
+        num_warps=QK_ROPE_WARPS,
         **launch_options(pdl),
     )
     return q

@@ -7,8 +7,9 @@ host and every buffer shape follows the row count, so a forward captures into a 
 On the CPU each op runs its torch reference (or, under the Triton interpreter, its kernel).
 
 Rows are grouped into sequences (`Rows`): each row has a position and a KV slot; all rows
-of a sequence share its slot. The KV tensors are [slots, max_length, kv_heads, head_dim]
-per layer: a KVPool's, or one KVCache seen as a single slot.
+of a sequence share its slot. The KV is paged (`PagedKV`): per layer [num_blocks, block_size,
+kv_heads, head_dim] tensors and block tables [slots, max_blocks] — a KVPool's, or one
+KVCache seen as a single slot of one block.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, fused_exper
 from kernels.fused.norm import add_rmsnorm, qk_norm_rope_store
 from kernels.fused.router import MoceTables, route
 from shared.model.experts import grouped_mm_available
-from shared.model.kv_cache import KVCache
+from shared.model.kv_cache import PagedKV
 from shared.model.layers import DecoderLayer, MoeBlock, RoutingOptions
 from shared.model.model import Qwen3MoeModel
 
@@ -160,15 +161,15 @@ class FusedModel:
         return layer.store.resident_mask(), self._tables[key]
 
     def _layer(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor, rows: Rows,
-               keys: Tensor, values: Tensor, routing: RoutingOptions | None) -> tuple[Tensor, Tensor]:
+               keys: Tensor, values: Tensor, tables: Tensor, routing: RoutingOptions | None) -> tuple[Tensor, Tensor]:
         """(normed for the next layer, residual) after one decoder layer."""
         num_rows = normed.shape[0]
         pdl = self.pdl
         by_rows = not self.invariant and num_rows > 1  # cuBLAS, its kernel chosen by the row count
         qkv = F.linear(normed, layer.qkv) if by_rows else linear(normed, layer.qkv, pdl=pdl)
         q = qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, rows.positions, rows.slots,
-                               keys, values, layer.num_heads, layer.num_kv_heads, layer.eps, pdl=pdl)
-        attn = decode_attention(q, keys, values, rows.positions, rows.slots, rows.seq_starts, rows.seq_slots,
+                               keys, values, tables, layer.num_heads, layer.num_kv_heads, layer.eps, pdl=pdl)
+        attn = decode_attention(q, keys, values, tables, rows.positions, rows.slots, rows.seq_starts, rows.seq_slots,
                                 rows.max_rows_per_seq, self.workspace, pdl=pdl)
         if by_rows:
             o_partials = F.linear(attn.view(num_rows, -1), layer.o)
@@ -197,11 +198,11 @@ class FusedModel:
     # -- forwards ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, token_ids: Tensor, rows: Rows, kv: list[tuple[Tensor, Tensor]],
+    def forward(self, token_ids: Tensor, rows: Rows, kv: PagedKV,
                 routing: RoutingOptions | None = None) -> tuple[Tensor, Tensor]:
         """Trunk rows: logits [T, vocab] float32 and final-norm hidden [T, hidden].
 
-        token_ids [T]; kv[i] = (keys, values) of layer i, each [slots, max_length, kv_heads, head_dim].
+        token_ids [T]; kv: the paged cache of every trunk layer.
         """
         if self.invariant and token_ids.device.type == "cpu" and token_ids.shape[0] > 1:
             outs = [self.forward(token_ids[i : i + 1], _one_row(rows, i), kv, routing and routing.row(i))
@@ -211,14 +212,15 @@ class FusedModel:
         x = model.embed_tokens(token_ids)
         norms = [layer.input_norm for layer in self.layers[1:]] + [model.norm.weight]
         normed, residual = add_rmsnorm(x, None, self.layers[0].input_norm, self.layers[0].eps, pdl=self.pdl)
-        for layer, next_norm, (keys, values) in zip(self.layers, norms, kv):
-            normed, residual = self._layer(layer, normed, residual, next_norm, rows, keys, values, routing)
+        for layer, next_norm, (keys, values) in zip(self.layers, norms, kv.layers):
+            normed, residual = self._layer(layer, normed, residual, next_norm, rows, keys, values, kv.block_tables,
+                                           routing)
         if not self.invariant and normed.shape[0] > 1:
             return F.linear(normed, model.lm_head.weight).float(), normed
         return linear(normed, model.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl), normed
 
     @torch.inference_mode()
-    def prefill(self, token_ids: Tensor, spans: list[tuple[int, int, int]], kv: list[tuple[Tensor, Tensor]]) -> Tensor:
+    def prefill(self, token_ids: Tensor, spans: list[tuple[int, int, int]], kv: PagedKV) -> Tensor:
         """Prompt chunks of one or more sequences in one forward: final-norm hidden [T, hidden].
 
         token_ids [T] holds the chunks back to back; spans[i] = (start, count, slot): chunk i sits
@@ -236,11 +238,11 @@ class FusedModel:
         norms = [layer.input_norm for layer in self.layers[1:]] + [model.norm.weight]
         normed, residual = add_rmsnorm(model.embed_tokens(token_ids), None, self.layers[0].input_norm,
                                        self.layers[0].eps)
-        for layer, next_norm, (keys, values) in zip(self.layers, norms, kv):
+        for index, (layer, next_norm, (keys, values)) in enumerate(zip(self.layers, norms, kv.layers)):
             qkv = F.linear(normed, layer.qkv)
             q = qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, positions, slots,
-                                   keys, values, layer.num_heads, layer.num_kv_heads, layer.eps)
-            attn = self._prefill_attention(layer, q, keys, values, spans)
+                                   keys, values, kv.block_tables, layer.num_heads, layer.num_kv_heads, layer.eps)
+            attn = self._prefill_attention(layer, q, kv, index, spans)
             out = F.linear(attn.reshape(num_rows, -1), layer.o)
             normed, residual = add_rmsnorm(out, residual, layer.post_norm, layer.eps)
             if not layer.moe:
@@ -258,18 +260,20 @@ class FusedModel:
         return normed
 
     @staticmethod
-    def _prefill_attention(layer: FusedLayer, q: Tensor, keys: Tensor, values: Tensor,
+    def _prefill_attention(layer: FusedLayer, q: Tensor, kv: PagedKV, index: int,
                            spans: list[tuple[int, int, int]]) -> Tensor:
         """Causal attention of each chunk's rows [count, heads, head_dim] over its slot's first
-        start + count positions (bottom-right aligned), chunks back to back."""
+        start + count positions (bottom-right aligned; gathered from their blocks), chunks back
+        to back."""
         parts, row = [], 0
         with sdpa_kernel(list(PREFILL_ATTENTION)):
             for start, count, slot in spans:
                 visible = start + count
+                keys, values = kv.gather(index, slot, visible)  # [visible, kv_heads, head_dim]
                 parts.append(F.scaled_dot_product_attention(
                     q[row : row + count].transpose(0, 1).unsqueeze(0),  # [1, heads, count, head_dim]
-                    keys[slot, :visible].transpose(0, 1).unsqueeze(0),
-                    values[slot, :visible].transpose(0, 1).unsqueeze(0),
+                    keys.transpose(0, 1).unsqueeze(0),
+                    values.transpose(0, 1).unsqueeze(0),
                     attn_mask=causal_lower_right(count, visible),
                     enable_gqa=layer.num_heads != layer.num_kv_heads,
                 ).squeeze(0).transpose(0, 1))  # [count, heads, head_dim]
@@ -277,9 +281,10 @@ class FusedModel:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @torch.inference_mode()
-    def forward_mtp(self, hidden: Tensor, next_token_ids: Tensor, rows: Rows, kv: tuple[Tensor, Tensor],
+    def forward_mtp(self, hidden: Tensor, next_token_ids: Tensor, rows: Rows, kv: PagedKV,
                     routing: RoutingOptions | None = None) -> tuple[Tensor, Tensor]:
-        """MTP rows (see Qwen3MoeModel.forward_mtp): logits [T, vocab] float32, MTP output hidden [T, hidden]."""
+        """MTP rows (see Qwen3MoeModel.forward_mtp): logits [T, vocab] float32, MTP output hidden
+        [T, hidden]; kv: the MTP layer's paged cache (one layer)."""
         model = self.model
         mtp = model._require_mtp()
         layer = self.mtp_layer
@@ -289,13 +294,9 @@ class FusedModel:
         prior, _ = add_rmsnorm(hidden.to(model.dtype), None, mtp.pre_fc_norm_hidden.weight, layer.eps, pdl=pdl)
         x = linear(torch.cat([embedded, prior], dim=-1), mtp.fc.weight, pdl=pdl)
         normed, residual = add_rmsnorm(x, None, layer.input_norm, layer.eps, pdl=pdl)
-        normed, _ = self._layer(layer, normed, residual, mtp.norm.weight, rows, kv[0], kv[1], routing)
+        (keys, values), = kv.layers
+        normed, _ = self._layer(layer, normed, residual, mtp.norm.weight, rows, keys, values, kv.block_tables, routing)
         return linear(normed, model.lm_head.weight, out_dtype=torch.float32, pdl=pdl), normed
-
-
-def cache_as_slots(cache: KVCache) -> list[tuple[Tensor, Tensor]]:
-    """A one-sequence KVCache as per-layer [1, max_length, kv_heads, head_dim] tensors (slot 0)."""
-    return [(cache.keys[i].unsqueeze(0), cache.values[i].unsqueeze(0)) for i in range(cache.keys.shape[0])]
 
 
 def _one_row(rows: Rows, index: int) -> Rows:

@@ -61,7 +61,7 @@ class WindowGraphs:
         self.host_in = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self.dev_in = torch.zeros(size, dtype=torch.int64, device=self.device)
         self.copied = torch.cuda.Event() if pin else None
-        self.kv = pool.layers()
+        self.kv = pool.paged()
         self.seq_starts = {t: torch.tensor([0, t], dtype=torch.int64, device=self.device) for t in range(1, max_rows + 1)}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, WindowOutput]] = {}
         self.batch_graphs: dict[int, tuple[torch.cuda.CUDAGraph, WindowOutput]] = {}  # decode batches by bucket

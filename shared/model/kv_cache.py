@@ -1,45 +1,37 @@
-"""KV caches: a preallocated static cache for one sequence (with rollback), and a pool of
-fixed slots whose per-slot views are such caches.
+"""KV caches: a preallocated static cache for one sequence (with rollback), and a paged pool
+of fixed-size blocks that many sequences share through per-sequence block tables.
 
 Shapes never change after construction, so decode and verify windows can run inside CUDA
 graphs; `truncate(n)` after rejected drafts only moves the length (stale rows beyond it are
-overwritten by the next window). A KVPool keeps every slot in one tensor per layer, so a
-captured graph reads any slot through the same addresses (the slot is an input).
+overwritten by the next window, in blocks the sequence keeps). A KVPool keeps every block in
+one tensor per layer and every sequence's block table in one device tensor, so a captured
+graph reads any sequence through the same addresses (its table row, the "slot", is an input).
+
+A sequence holds the blocks for its whole reservation (prompt + completion + one window),
+taken when it starts and returned when it ends: a request admitted never runs out of KV,
+and memory follows what requests ask for rather than max_sessions x max_context.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 
-class KVCache:
-    def __init__(
-        self,
-        *,
-        num_layers: int,
-        max_length: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class CacheLength:
+    """The length bookkeeping of one sequence's cache: positions written and the limit."""
+
+    def __init__(self, max_length: int) -> None:
         if max_length < 1:
             raise ValueError(f"max_length {max_length} must be >= 1")
-        shape = (num_layers, max_length, num_kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [layers, max_length, kv_heads, head_dim]
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.max_length = max_length
         self.length = 0  # committed + window rows written so far
-
-    @classmethod
-    def view(cls, keys: Tensor, values: Tensor) -> KVCache:
-        """A cache over existing [layers, max_length, kv_heads, head_dim] tensors (e.g. a pool slot)."""
-        cache = cls.__new__(cls)
-        cache.keys, cache.values = keys, values
-        cache.max_length = keys.shape[1]
-        cache.length = 0
-        return cache
 
     def reserve(self, num_rows: int) -> int:
         """Claim the next `num_rows` positions; returns the first one."""
@@ -57,13 +49,82 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
         self.length = length
 
+
+class KVCache(CacheLength):
+    """One sequence's keys and values, [layers, max_length, kv_heads, head_dim] each."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        max_length: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        super().__init__(max_length)
+        shape = (num_layers, max_length, num_kv_heads, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [layers, max_length, kv_heads, head_dim]
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self._paged: PagedKV | None = None
+
+    @classmethod
+    def view(cls, keys: Tensor, values: Tensor) -> KVCache:
+        """A cache over existing [layers, max_length, kv_heads, head_dim] tensors."""
+        cache = cls.__new__(cls)
+        CacheLength.__init__(cache, keys.shape[1])
+        cache.keys, cache.values = keys, values
+        cache._paged = None
+        return cache
+
     def layer(self, index: int) -> tuple[Tensor, Tensor]:
         return self.keys[index], self.values[index]
 
+    def paged(self) -> PagedKV:
+        """This cache as the fused kernels read it: one block of max_length positions, slot 0."""
+        if self._paged is None:  # (made once: the drafter's MTP steps read it every forward)
+            table = torch.zeros((1, 1), dtype=torch.int32, device=self.keys.device)
+            self._paged = PagedKV([(self.keys[i].unsqueeze(0), self.values[i].unsqueeze(0))
+                                   for i in range(self.keys.shape[0])], table)
+        return self._paged
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """What the fused kernels read and write: per layer (keys, values), each [num_blocks,
+    block_size, kv_heads, head_dim], and the block tables [num_slots, max_blocks] int32 —
+    position p of slot s lives at row p % block_size of block block_tables[s, p // block_size]."""
+
+    layers: list[tuple[Tensor, Tensor]]
+    block_tables: Tensor
+
+    @property
+    def block_size(self) -> int:
+        return self.layers[0][0].shape[1]
+
+    def layer(self, index: int) -> PagedKV:
+        """Layer `index` alone (the MTP layer's cache), with the same tables."""
+        return PagedKV([self.layers[index]], self.block_tables)
+
+    def gather(self, layer: int, slot: int, length: int) -> tuple[Tensor, Tensor]:
+        """Positions 0..length-1 of `slot` in layer `layer`, as [length, kv_heads, head_dim] keys
+        and values (a copy, in position order: prefill's attention reads them whole)."""
+        keys, values = self.layers[layer]
+        blocks = self.block_tables[slot, : cdiv(length, self.block_size)].long()
+        if blocks.shape[0] == 1:
+            return keys[blocks[0], :length], values[blocks[0], :length]
+        return (keys.index_select(0, blocks).flatten(0, 1)[:length],
+                values.index_select(0, blocks).flatten(0, 1)[:length])
+
 
 class KVPool:
-    """num_slots caches of max_length positions in one [layers, slots, max_length, kv_heads,
-    head_dim] tensor each for keys and values; a request holds one slot while it runs."""
+    """Fixed-size blocks of KV positions shared by up to num_slots sequences: keys and values
+    [layers, num_blocks, block_size, kv_heads, head_dim] and block tables [num_slots,
+    max_blocks]. A sequence takes a slot (a table row) and the blocks its length needs.
+
+    block_size defaults to max_length (one block per slot: the contiguous layout), num_blocks
+    to enough for every slot at max_length."""
 
     def __init__(
         self,
@@ -75,38 +136,101 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        block_size: int | None = None,
+        num_blocks: int | None = None,
     ) -> None:
-        if num_slots < 1 or max_length < 1:
-            raise ValueError(f"a KV pool needs num_slots >= 1 and max_length >= 1 (got {num_slots}, {max_length})")
-        shape = (num_layers, num_slots, max_length, num_kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        block_size = block_size or max_length
+        if num_slots < 1 or max_length < 1 or block_size < 1:
+            raise ValueError(f"a KV pool needs num_slots, max_length and block_size >= 1 "
+                             f"(got {num_slots}, {max_length}, {block_size})")
         self.max_length = max_length
         self.num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+        self.block_size = block_size
+        self.max_blocks = cdiv(max_length, block_size)  # table entries per slot
+        num_blocks = num_slots * self.max_blocks if num_blocks is None else num_blocks
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks {num_blocks} must be >= 1")
+        self.num_blocks = num_blocks
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        # Entries past a slot's blocks stay 0 (a real block): kernels never read past a row's
+        # position, so they are never used.
+        self.block_tables = torch.zeros((num_slots, self.max_blocks), dtype=torch.int32, device=device)
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        self._free_blocks = list(range(num_blocks - 1, -1, -1))
+        self._held: dict[int, list[int]] = {}  # slot -> its blocks
+        self._pinned = self.block_tables.is_cuda
+        self._in_flight: list[tuple[Tensor, torch.cuda.Event]] = []  # table rows on their way to the device
+
+    @staticmethod
+    def bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Free slots."""
+        return len(self._free_slots)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_blocks)
 
     @property
     def bytes(self) -> int:
         return 2 * self.keys.numel() * self.keys.element_size()
 
-    def acquire(self, length: int) -> tuple[int, KVCache]:
-        """Take a free slot; returns it and a KVCache view of its first `length` positions."""
-        if not self._free:
-            raise RuntimeError(f"all {self.num_slots} KV slots are in use")
+    def blocks_for(self, length: int) -> int:
+        return cdiv(length, self.block_size)
+
+    def acquire(self, length: int) -> tuple[int, CacheLength]:
+        """Take a free slot and the blocks for `length` positions; returns the slot and its
+        length bookkeeping (the rows themselves are read and written through `paged()`)."""
         if not 1 <= length <= self.max_length:
             raise ValueError(f"cache length {length} must lie in [1, {self.max_length}]")
-        slot = self._free.pop()
-        return slot, KVCache.view(self.keys[:, slot, :length], self.values[:, slot, :length])
+        if not self._free_slots:
+            raise RuntimeError(f"all {self.num_slots} KV slots are in use")
+        needed = self.blocks_for(length)
+        if needed > len(self._free_blocks):
+            raise RuntimeError(f"{length} positions need {needed} KV blocks of {self.block_size}; "
+                               f"{len(self._free_blocks)} of {self.num_blocks} are free")
+        slot = self._free_slots.pop()
+        blocks = [self._free_blocks.pop() for _ in range(needed)]
+        self._held[slot] = blocks
+        self._write_row(slot, blocks)
+        return slot, CacheLength(length)
+
+    def _write_row(self, slot: int, blocks: list[int]) -> None:
+        """Write a slot's table row, in stream order (windows enqueued before read the old row)
+        and without waiting for the device: a blocking copy would stall the host until every
+        enqueued step had run (a step ahead included) each time a request starts."""
+        row = torch.tensor(blocks, dtype=torch.int32)
+        if not self._pinned:
+            self.block_tables[slot, : len(blocks)].copy_(row)
+            return
+        self._in_flight = [(source, done) for source, done in self._in_flight if not done.query()]
+        row = row.pin_memory()
+        self.block_tables[slot, : len(blocks)].copy_(row, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._in_flight.append((row, done))  # the source stays alive until its copy has run
 
     def release(self, slot: int) -> None:
-        if slot in self._free or not 0 <= slot < self.num_slots:
+        blocks = self._held.pop(slot, None)
+        if blocks is None:
             raise ValueError(f"slot {slot} is not held")
-        self._free.append(slot)
+        self._free_blocks.extend(reversed(blocks))
+        self._free_slots.append(slot)
 
-    def layers(self) -> list[tuple[Tensor, Tensor]]:
-        """Per-layer (keys, values), each [slots, max_length, kv_heads, head_dim]."""
-        return [(self.keys[i], self.values[i]) for i in range(self.keys.shape[0])]
+    def read(self, slot: int, length: int) -> tuple[Tensor, Tensor]:
+        """Positions 0..length-1 of a held slot, all layers: keys and values [layers, length,
+        kv_heads, head_dim] (a copy in position order; for tests and inspection)."""
+        blocks = self._held.get(slot)
+        if blocks is None or length > len(blocks) * self.block_size:
+            raise ValueError(f"slot {slot} does not hold {length} positions")
+        index = torch.tensor(blocks, device=self.keys.device)
+        return (self.keys[:, index].flatten(1, 2)[:, :length], self.values[:, index].flatten(1, 2)[:, :length])
+
+    def paged(self) -> PagedKV:
+        """Per-layer (keys, values), each [num_blocks, block_size, kv_heads, head_dim], and the tables."""
+        return PagedKV([(self.keys[i], self.values[i]) for i in range(self.keys.shape[0])], self.block_tables)

@@ -1,6 +1,6 @@
 """Concurrent requests through a real verifier with batched rounds (fused path, CPU torch ops):
-a request's tokens do not depend on what else runs, KV slots all come back, and a request
-refused for capacity leaves the others untouched."""
+a request's tokens do not depend on what else runs, KV slots and blocks all come back, and a
+request refused for capacity leaves the others untouched."""
 
 import asyncio
 
@@ -79,7 +79,44 @@ async def test_concurrent_mixed_requests_match_each_run_alone(servers, tiny_mode
     assert batches < rounds
     # the cancelled request's slot comes back too, and it is counted as cancelled
     assert await wait_until(lambda: service.engine.free_slots == 9 and service.active == 0)
+    assert service.engine.free_kv_blocks == service.engine.kv_plan.num_blocks and service.admission.blocks_held == 0
     assert registry.get_sample_value("tandem_verifier_requests_total", {"finish_reason": "cancelled"}) == 1
+
+
+async def test_a_small_kv_pool_queues_requests_by_blocks_and_refuses_what_never_fits(servers, tiny_model):
+    """A pool of 8 blocks of 8 positions holds two of these requests at a time (each holds 3-4
+    blocks for its prompt, completion and one window) though 9 sessions are allowed: the rest
+    wait for blocks and still get their tokens alone; a request larger than the whole pool is
+    refused at once, naming the limit, and the blocks all come back."""
+    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(propose), fused="on", max_sessions=9,
+                               kv_block_size=8, kv_cache_tokens=64, batch_gather_ms=5.0)
+    service = servers.verifier.service
+    assert service.engine.kv_plan.num_blocks == 8 and service.engine.free_kv_blocks == 8
+    registry = service.metrics.registry
+    assert registry.get_sample_value("tandem_verifier_kv_blocks") == 8
+    alone = [(await generate(stub, mixed_request(*m)))[0] for m in MIXED]
+    most_held = 0
+
+    async def watch():
+        nonlocal most_held
+        while True:
+            most_held = max(most_held, registry.get_sample_value("tandem_verifier_kv_blocks_held"))
+            assert service.admission.blocks_held <= 8 and service.engine.free_kv_blocks >= 0
+            await asyncio.sleep(0.005)
+
+    watcher = asyncio.create_task(watch())
+    too_large = mixed_request([5, 6, 7], 70, 0.0, 1, False)  # 3 + 70 + 3 + 1 positions: 10 blocks
+    results = await asyncio.gather(*(generate(stub, mixed_request(*m)) for m in MIXED), generate(stub, too_large),
+                                   return_exceptions=True)
+    watcher.cancel()
+    assert [tokens for tokens, _, _ in results[:-1]] == alone
+    refused = results[-1]
+    assert isinstance(refused, grpc.aio.AioRpcError) and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "10 KV blocks" in refused.details() and "kv_cache_tokens = 64" in refused.details()
+    assert 6 <= most_held <= 8  # two at a time filled the pool; never more
+    assert max(final.stats.queue_ms for _, final, _ in results[:-1]) > 0  # some waited for blocks
+    assert await wait_until(lambda: service.engine.free_kv_blocks == 8 and service.admission.blocks_held == 0)
+    assert registry.get_sample_value("tandem_verifier_kv_blocks_held") == 0
 
 
 async def test_a_request_refused_for_capacity_leaves_the_others_untouched(servers, tiny_model):

@@ -106,19 +106,24 @@ def test_decode_ahead_commits_the_same_tokens_across_interleaved_sessions(tiny_m
     assert used >= 5 and fused.ahead is None and fused.free_slots == 2
 
 
-def test_prefill_warm_up_touches_only_the_scratch_slot(tiny_mtp_model):
-    # The start-up warm-up (run where graphs are captured, on CUDA) prefills into the scratch
-    # slot: the sessions' slots stay untouched, and decoding afterwards commits the same tokens.
-    engine = Engine(tiny_mtp_model, max_context=128, prefill_chunk=40, fused="on", max_sessions=2, max_window=5)
+def test_prefill_warm_up_touches_no_session_and_gives_its_blocks_back(tiny_mtp_model):
+    # The start-up warm-up (run where graphs are captured, on CUDA) prefills into a slot of its
+    # own: a session's KV rows stay untouched, the blocks it took return to the pool, and
+    # decoding afterwards commits the same tokens.
+    engine = Engine(tiny_mtp_model, max_context=128, prefill_chunk=40, fused="on", max_sessions=2, max_window=5,
+                    kv_block_size=8)
     pool = engine.windows.pool
-    before = pool.keys.clone()
-    messages = []
-    engine._warm_prefill(engine.windows.scratch_slot, messages.append)
-    changed = [slot for slot in range(pool.num_slots) if not torch.equal(pool.keys[:, slot], before[:, slot])]
-    assert changed == [engine.windows.scratch_slot]
-    assert bool(pool.keys[:, engine.windows.scratch_slot, :56].any()) and messages[0].startswith("warmed up prefill")
-    reference = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="off")
     request = spec([3, 9, 27, 81, 17], temperature=0.0)
+    session = engine.open(request)
+    held = pool.read(session.slot, 4)
+    before, free = pool.keys.clone(), (pool.num_free, pool.num_free_blocks)
+    messages = []
+    engine._warm_prefill(messages.append)
+    assert not torch.equal(pool.keys, before) and messages[0].startswith("warmed up prefill")
+    assert all(torch.equal(now, then) for now, then in zip(pool.read(session.slot, 4), held))
+    assert (pool.num_free, pool.num_free_blocks) == free
+    engine.close(session)
+    reference = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="off")
     assert decode(engine, request, lambda ids: []) == decode(reference, request, lambda ids: [])
 
 

@@ -52,63 +52,95 @@ def test_add_rmsnorm_matches_reference(device, dtype):
     assert rel_err(normed_only, add_rmsnorm_reference(x, None, w, 1e-6)[0]) < tolerance(dtype)
 
 
+def page(contiguous, block_size, generator):
+    """A [slots, max_length, Hkv, D] cache in paged form: its blocks shuffled over a pool with a
+    spare block; returns (blocks [num_blocks, block_size, Hkv, D], block_tables [slots, max_blocks])."""
+    num_slots, max_length = contiguous.shape[:2]
+    per_slot = -(-max_length // block_size)
+    padded = torch.zeros(num_slots, per_slot * block_size, *contiguous.shape[2:], dtype=contiguous.dtype)
+    padded[:, :max_length] = contiguous.cpu()
+    order = torch.randperm(num_slots * per_slot + 1, generator=generator)  # physical block of each logical one
+    blocks = torch.zeros(num_slots * per_slot + 1, block_size, *contiguous.shape[2:], dtype=contiguous.dtype)
+    blocks[order[:-1]] = padded.reshape(num_slots * per_slot, block_size, *contiguous.shape[2:])
+    tables = order[:-1].reshape(num_slots, per_slot).to(torch.int32)
+    return blocks.to(contiguous.device), tables.to(contiguous.device)
+
+
+def identity_tables(num_slots, device):
+    """Block tables of a contiguous [slots, max_length, ...] cache: one block per slot."""
+    return torch.arange(num_slots, dtype=torch.int32, device=device).unsqueeze(1)
+
+
 @devices_and_dtypes()
-def test_qk_norm_rope_writes_the_cache_at_slot_and_position(device, dtype):
+@pytest.mark.parametrize("block_size", [4, 64])
+def test_qk_norm_rope_writes_the_cache_at_slot_and_position(device, dtype, block_size):
     g = torch.Generator().manual_seed(4)
     num_heads, num_kv, head_dim = 4, 2, 16
     qkv = torch.randn(3, (num_heads + 2 * num_kv) * head_dim, generator=g).to(device, dtype)
     q_norm, k_norm = ((1 + 0.2 * torch.randn(head_dim, generator=g)).to(device, dtype) for _ in range(2))
     rotary = Rotary(head_dim, 10000.0, 64).to(device)
-    positions = torch.tensor([9, 10, 11], device=device)
+    positions = torch.tensor([9, 10, 11], device=device)  # across a block boundary when blocks hold 4
     slots = torch.tensor([1, 1, 1], device=device)
-    keys = torch.zeros(2, 64, num_kv, head_dim, dtype=dtype, device=device)
+    keys, tables = page(torch.zeros(2, 64, num_kv, head_dim, dtype=dtype, device=device), block_size, g)
     values = torch.zeros_like(keys)
-    q = qk_norm_rope_store(qkv, q_norm, k_norm, rotary.cos, rotary.sin, positions, slots, keys, values,
+    q = qk_norm_rope_store(qkv, q_norm, k_norm, rotary.cos, rotary.sin, positions, slots, keys, values, tables,
                            num_heads, num_kv, 1e-6)
     ref_q, ref_k, ref_v = qk_norm_rope_reference(qkv, q_norm, k_norm, rotary.cos, rotary.sin, positions,
                                                  num_heads, num_kv, 1e-6)
     assert rel_err(q, ref_q) < tolerance(dtype)
-    assert rel_err(keys[1, 9:12], ref_k) < tolerance(dtype)
-    assert torch.equal(values[1, 9:12], ref_v)
-    written = torch.zeros(2, 64, dtype=torch.bool)
-    written[1, 9:12] = True
-    assert not keys[~written.to(device)].any() and not values[~written.to(device)].any()
+    written = torch.stack([tables[1, p // block_size].long() * block_size + p % block_size for p in (9, 10, 11)])
+    flat_keys, flat_values = keys.flatten(0, 1), values.flatten(0, 1)  # [blocks * block_size, Hkv, D]
+    assert rel_err(flat_keys[written], ref_k) < tolerance(dtype)
+    assert torch.equal(flat_values[written], ref_v)
+    untouched = torch.ones(flat_keys.shape[0], dtype=torch.bool, device=device)
+    untouched[written] = False
+    assert not flat_keys[untouched].any() and not flat_values[untouched].any()
 
 
 @devices_and_dtypes()
 @pytest.mark.parametrize("context", [5, 300, 1100])
-def test_split_attention_matches_reference_and_rows_are_invariant(device, dtype, context):
+@pytest.mark.parametrize("block_size", [16, 64, 1200])  # 64: a tile per block
+def test_split_attention_matches_reference_and_rows_are_invariant(device, dtype, context, block_size):
     g = torch.Generator().manual_seed(context)
     num_heads, num_kv, head_dim, max_length = 8, 2, 32, 1200  # 4 query heads per KV head (GQA)
-    keys = torch.randn(3, max_length, num_kv, head_dim, generator=g).to(device, dtype)
-    values = torch.randn(3, max_length, num_kv, head_dim, generator=g).to(device, dtype)
+    contiguous_keys = torch.randn(3, max_length, num_kv, head_dim, generator=g).to(device, dtype)
+    contiguous_values = torch.randn(3, max_length, num_kv, head_dim, generator=g).to(device, dtype)
+    keys, tables = page(contiguous_keys, block_size, torch.Generator().manual_seed(1))
+    values, same_tables = page(contiguous_values, block_size, torch.Generator().manual_seed(1))
+    assert torch.equal(tables, same_tables)
     rows = 5
     q = torch.randn(rows, num_heads, head_dim, generator=g).to(device, dtype)
     positions = torch.arange(context - rows, context, device=device).clamp_min(0)
     slots = torch.full((rows,), 2, device=device)
     workspace = AttentionWorkspace(17, num_heads, head_dim, max_length, device)
     starts = torch.tensor([0, rows], dtype=torch.int32, device=device)
-    out = decode_attention(q, keys, values, positions, slots, starts, slots[:1], rows, workspace)
-    ref = attention_reference(q, keys, values, positions, slots)
+    out = decode_attention(q, keys, values, tables, positions, slots, starts, slots[:1], rows, workspace)
+    ref = attention_reference(q, contiguous_keys, contiguous_values, identity_tables(3, device), positions, slots)
     assert rel_err(out, ref) < tolerance(dtype)
+    assert rel_err(attention_reference(q, keys, values, tables, positions, slots), ref) < 1e-6  # the paged reference
     one = torch.tensor([0, 1], dtype=torch.int32, device=device)
     for i in (0, rows - 1):
-        alone = decode_attention(q[i : i + 1], keys, values, positions[i : i + 1], slots[:1], one, slots[:1], 1, workspace)
+        alone = decode_attention(q[i : i + 1], keys, values, tables, positions[i : i + 1], slots[:1], one, slots[:1], 1,
+                                 workspace)
         assert_same_row(alone[0], out[i])
 
 
 @devices_and_dtypes()
 def test_attention_ragged_sequences_use_their_own_slots(device, dtype):
     g = torch.Generator().manual_seed(9)
-    keys = torch.randn(3, 300, 2, 16, generator=g).to(device, dtype)
-    values = torch.randn(3, 300, 2, 16, generator=g).to(device, dtype)
+    contiguous_keys = torch.randn(3, 320, 2, 16, generator=g).to(device, dtype)
+    contiguous_values = torch.randn(3, 320, 2, 16, generator=g).to(device, dtype)
+    keys, tables = page(contiguous_keys, 32, torch.Generator().manual_seed(2))
+    values, _ = page(contiguous_values, 32, torch.Generator().manual_seed(2))
     q = torch.randn(4, 4, 16, generator=g).to(device, dtype)
     positions = torch.tensor([40, 41, 41, 299], device=device)  # seq 0: 2 rows in slot 2; seq 1: 1 row; seq 2: 1 row
     slots = torch.tensor([2, 2, 0, 1], device=device)
     starts = torch.tensor([0, 2, 3, 4], dtype=torch.int32, device=device)
-    workspace = AttentionWorkspace(8, 4, 16, 300, device)
-    out = decode_attention(q, keys, values, positions, slots, starts, torch.tensor([2, 0, 1], device=device), 2, workspace)
-    assert rel_err(out, attention_reference(q, keys, values, positions, slots)) < tolerance(dtype)
+    workspace = AttentionWorkspace(8, 4, 16, 320, device)
+    out = decode_attention(q, keys, values, tables, positions, slots, starts, torch.tensor([2, 0, 1], device=device), 2,
+                           workspace)
+    ref = attention_reference(q, contiguous_keys, contiguous_values, identity_tables(3, device), positions, slots)
+    assert rel_err(out, ref) < tolerance(dtype)
 
 
 @devices_and_dtypes()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from shared.model import ModelConfig, RoutingOptions, load_model
-from shared.model.fast import FusedModel, Rows, cache_as_slots, unsupported_reason
+from shared.model.fast import FusedModel, Rows, unsupported_reason
 from shared.model.graphs import WindowGraphs
 from shared.model.kv_cache import KVPool
 
@@ -48,7 +48,7 @@ def test_fused_window_matches_reference(model, fused, window):
     ref_logits, ref_hidden = model(ids, model.new_cache(40))
     cache = model.new_cache(40)
     model(ids[:20], cache)  # prefill by the reference path, as the verifier does
-    logits, hidden = fused.forward(ids[20:], Rows.window(20, window, 0, "cpu"), cache_as_slots(cache))
+    logits, hidden = fused.forward(ids[20:], Rows.window(20, window, 0, "cpu"), cache.paged())
     torch.testing.assert_close(logits, ref_logits[20:], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(hidden, ref_hidden[20:], rtol=1e-4, atol=1e-4)
     assert torch.equal(logits.argmax(-1), ref_logits[20:].argmax(-1))
@@ -62,55 +62,62 @@ def test_the_non_invariant_yardstick_computes_the_same_window(model):
     yardstick = FusedModel(model, max_rows=8, max_length=64, invariant=False)
     cache = model.new_cache(40)
     model(ids[:20], cache)
-    logits, _ = yardstick.forward(ids[20:], Rows.window(20, 5, 0, "cpu"), cache_as_slots(cache))
+    logits, _ = yardstick.forward(ids[20:], Rows.window(20, 5, 0, "cpu"), cache.paged())
     torch.testing.assert_close(logits, ref_logits[20:], rtol=1e-4, atol=1e-4)
 
 
+def new_pool(model, num_slots, max_length=32, block_size=None, device="cpu"):
+    c = model.config
+    return KVPool(num_layers=c.num_hidden_layers, num_slots=num_slots, max_length=max_length,
+                  num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=model.dtype, device=device,
+                  block_size=block_size)
+
+
 @pytest.mark.parametrize("chunk", [5, 19])
-def test_fused_prefill_in_chunks_matches_the_whole_prompt(model, fused, chunk):
-    # Chunks into slot 1 of a pool: hidden rows and KV rows as the reference forward of the
-    # whole prompt at once, and slot 0 untouched.
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_fused_prefill_in_chunks_matches_the_whole_prompt(model, fused, chunk, block_size):
+    # Chunks into the second slot of a pool (contiguous, or paged in blocks of 4 that chunks
+    # straddle): hidden rows and KV rows as the reference forward of the whole prompt at once,
+    # and the first slot's blocks untouched.
     ids = torch.randint(0, 97, (19,), generator=torch.Generator().manual_seed(chunk))
     cache = model.new_cache(32)
     _, ref_hidden = model(ids, cache)
-    c = model.config
-    pool = KVPool(num_layers=c.num_hidden_layers, num_slots=2, max_length=32, num_kv_heads=c.num_key_value_heads,
-                  head_dim=c.head_dim, dtype=model.dtype, device="cpu")
-    hidden = torch.cat([fused.prefill(ids[start : start + chunk], [(start, len(ids[start : start + chunk]), 1)],
-                                      pool.layers()) for start in range(0, 19, chunk)])
+    pool = new_pool(model, 2, block_size=block_size)
+    other, _ = pool.acquire(32)
+    slot, _ = pool.acquire(32)
+    hidden = torch.cat([fused.prefill(ids[start : start + chunk], [(start, len(ids[start : start + chunk]), slot)],
+                                      pool.paged()) for start in range(0, 19, chunk)])
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(pool.keys[:, 1, :19], cache.keys[:, :19], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(pool.values[:, 1, :19], cache.values[:, :19], rtol=1e-4, atol=1e-4)
-    assert not pool.keys[:, 0].any() and not pool.keys[:, 1, 19:].any()
+    keys, values = pool.read(slot, 32)
+    torch.testing.assert_close(keys[:, :19], cache.keys[:, :19], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(values[:, :19], cache.values[:, :19], rtol=1e-4, atol=1e-4)
+    assert not pool.read(other, 32)[0].any() and not keys[:, 19:].any()
 
 
 def test_fused_prefill_of_several_sequences_in_one_forward(model, fused):
     # Chunks of three sequences (different starts and lengths) in one forward: each sequence's
-    # hidden rows and KV rows as when it is prefilled alone.
-    c = model.config
+    # hidden rows and KV rows as when it is prefilled alone (there in a contiguous pool, here
+    # in a paged one).
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 97, (n,), generator=gen) for n in (9, 14, 5)]
-
-    def pool():
-        return KVPool(num_layers=c.num_hidden_layers, num_slots=3, max_length=32, num_kv_heads=c.num_key_value_heads,
-                      head_dim=c.head_dim, dtype=model.dtype, device="cpu")
-
-    alone, together = pool(), pool()
+    alone, together = new_pool(model, 3), new_pool(model, 3, block_size=4)
+    slots = [(alone.acquire(32)[0], together.acquire(32)[0]) for _ in prompts]
     firsts = (4, 6, 0)  # rows each sequence had prefilled before the shared forward
     expected = []
-    for slot, (prompt, first) in enumerate(zip(prompts, firsts)):
+    for (a, t), prompt, first in zip(slots, prompts, firsts):
         if first:
-            fused.prefill(prompt[:first], [(0, first, slot)], alone.layers())
-            fused.prefill(prompt[:first], [(0, first, slot)], together.layers())
-        expected.append(fused.prefill(prompt[first:], [(first, len(prompt) - first, slot)], alone.layers()))
+            fused.prefill(prompt[:first], [(0, first, a)], alone.paged())
+            fused.prefill(prompt[:first], [(0, first, t)], together.paged())
+        expected.append(fused.prefill(prompt[first:], [(first, len(prompt) - first, a)], alone.paged()))
     ids = torch.cat([prompt[first:] for prompt, first in zip(prompts, firsts)])
-    spans = [(first, len(prompt) - first, slot) for slot, (prompt, first) in enumerate(zip(prompts, firsts))]
-    hidden = fused.prefill(ids, spans, together.layers())
+    spans = [(first, len(prompt) - first, t) for (_, t), prompt, first in zip(slots, prompts, firsts)]
+    hidden = fused.prefill(ids, spans, together.paged())
     torch.testing.assert_close(hidden, torch.cat(expected), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(together.keys, alone.keys, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(together.values, alone.values, rtol=1e-5, atol=1e-5)
+    for (a, t), prompt in zip(slots, prompts):
+        for mine, theirs in zip(together.read(t, len(prompt)), alone.read(a, len(prompt))):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="spans cover"):
-        fused.prefill(ids, spans[:2], together.layers())
+        fused.prefill(ids, spans[:2], together.paged())
 
 
 @pytest.mark.parametrize("moce", [False, True])
@@ -120,16 +127,18 @@ def test_fused_mtp_matches_reference(model, fused, moce):
     routing = RoutingOptions(moce=True, scale=1.5, draft_rows=torch.ones(11, dtype=torch.bool)) if moce else None
     ref_logits, ref_out = model.forward_mtp(hidden[:11], ids[1:], model.new_mtp_cache(16), routing=routing)
     cache = model.new_mtp_cache(16)
-    logits, out = fused.forward_mtp(hidden[:11], ids[1:], Rows.window(0, 11, 0, "cpu"), cache_as_slots(cache)[0],
+    logits, out = fused.forward_mtp(hidden[:11], ids[1:], Rows.window(0, 11, 0, "cpu"), cache.paged(),
                                     routing=routing)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
 
 
 def test_window_runner_decodes_like_the_reference(model, fused):
-    """Greedy decoding through WindowGraphs over a pool slot equals the reference, and a
-    verify window's rows agree with the single-row steps that follow the same path."""
-    pool = KVPool(num_layers=3, num_slots=2, max_length=64, num_kv_heads=2, head_dim=8, dtype=model.dtype, device="cpu")
+    """Greedy decoding through WindowGraphs over a paged pool slot (blocks of 4, shuffled by an
+    earlier tenant) equals the reference, and a verify window's rows agree with the single-row
+    steps that follow the same path."""
+    pool = new_pool(model, 3, max_length=64, block_size=4)
+    first, _ = pool.acquire(8)  # takes blocks, then gives them back out of order
     runner = WindowGraphs(fused, pool, max_rows=8)
     assert not runner.use_graphs  # CPU: eager
     prompt = [5, 17, 42, 8, 71, 3]
@@ -139,8 +148,12 @@ def test_window_runner_decodes_like_the_reference(model, fused):
     for _ in range(8):
         reference.append(int(logits[-1].argmax()))
         logits, _ = model(torch.tensor(reference[-1:]), cache)
-    slot, view = pool.acquire(64)
-    model(torch.tensor(prompt[:-1]), view)
+    slot, _ = pool.acquire(4)
+    pool.release(first)
+    pool.release(slot)
+    slot, _ = pool.acquire(64)
+    assert pool.block_tables[slot, :16].tolist() != list(range(16))  # not in order: paging is exercised
+    fused.prefill(torch.tensor(prompt[:-1]), [(0, 5, slot)], pool.paged())
     tokens = list(prompt)
     for _ in range(8):
         out = runner.run(slot, tokens[-1:], len(tokens) - 1)
@@ -151,21 +164,34 @@ def test_window_runner_decodes_like_the_reference(model, fused):
     pool.release(slot)
 
 
-def test_pool_slots_are_isolated_and_accounted():
-    pool = KVPool(num_layers=2, num_slots=2, max_length=8, num_kv_heads=1, head_dim=4, dtype=torch.float32, device="cpu")
-    a, cache_a = pool.acquire(8)
-    b, cache_b = pool.acquire(5)
-    assert {a, b} == {0, 1} and pool.num_free == 0 and cache_b.max_length == 5
-    with pytest.raises(RuntimeError, match="all 2 KV slots"):
-        pool.acquire(4)
-    cache_a.keys[0, 3].fill_(1.0)
-    assert pool.keys[0, a, 3].eq(1).all() and not pool.keys[0, b].any()
+def test_pool_slots_and_blocks_are_isolated_and_accounted():
+    pool = KVPool(num_layers=2, num_slots=3, max_length=8, num_kv_heads=1, head_dim=4, dtype=torch.float32,
+                  device="cpu", block_size=2, num_blocks=6)
+    assert pool.max_blocks == 4 and pool.num_free_blocks == 6
+    a, cache_a = pool.acquire(8)  # 4 blocks
+    b, cache_b = pool.acquire(3)  # 2 blocks
+    assert a != b and pool.num_free == 1 and pool.num_free_blocks == 0 and cache_b.max_length == 3
+    with pytest.raises(RuntimeError, match="need 1 KV blocks of 2; 0 of 6 are free"):
+        pool.acquire(1)
+    held_a, held_b = pool.block_tables[a].tolist(), pool.block_tables[b, :2].tolist()
+    assert len(set(held_a) | set(held_b)) == 6  # no block shared
+    pool.keys[0, held_a[1], 1].fill_(1.0)  # position 3 of slot a
+    keys_a, _ = pool.read(a, 8)
+    assert keys_a[0, 3].eq(1).all() and keys_a.ne(0).sum() == 4 and not pool.read(b, 3)[0].any()
     pool.release(a)
+    assert pool.num_free_blocks == 4
     with pytest.raises(ValueError, match="not held"):
         pool.release(a)
     with pytest.raises(ValueError, match="cache length 9"):
         pool.acquire(9)
-    assert pool.num_free == 1
+    c, _ = pool.acquire(2)
+    d, _ = pool.acquire(2)
+    assert pool.num_free_blocks == 2
+    with pytest.raises(RuntimeError, match="all 3 KV slots"):
+        pool.acquire(1)
+    for slot in (b, c, d):
+        pool.release(slot)
+    assert pool.num_free == 3 and pool.num_free_blocks == 6
 
 
 def test_unsupported_models_name_the_reason():
@@ -205,15 +231,14 @@ def test_dependent_launch_changes_no_bit():
         assert torch.equal(outs[0], outs[1])
 
 
-def _prefilled_pool(model, prompts, device):
-    """A pool (a slot per prompt, plus a scratch slot) with each prompt's KV rows written."""
-    c = model.config
-    pool = KVPool(num_layers=c.num_hidden_layers, num_slots=len(prompts) + 1, max_length=64,
-                  num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=model.dtype, device=device)
+def _prefilled_pool(model, prompts, device, block_size=4):
+    """A paged pool (a slot per prompt, plus a scratch slot) with each prompt's KV rows written."""
+    pool = new_pool(model, len(prompts) + 1, max_length=64, block_size=block_size, device=device)
     slots = []
+    fused = FusedModel(model, max_rows=8, max_length=64)
     for prompt in prompts:
-        slot, view = pool.acquire(64)
-        model(torch.tensor(prompt, device=device), view)
+        slot, _ = pool.acquire(64)
+        fused.prefill(torch.tensor(prompt, device=device), [(0, len(prompt), slot)], pool.paged())
         slots.append(slot)
     scratch, _ = pool.acquire(1)
     return pool, slots, scratch
@@ -294,7 +319,7 @@ def test_cpu_rows_are_bit_identical_to_their_one_row_steps(model, path):
     def run(tokens, cache, start):
         if path == "reference":
             return model(tokens, cache, row_invariant=True)[0]
-        return fused.forward(tokens, Rows.window(start, len(tokens), 0, "cpu"), cache_as_slots(cache))[0]
+        return fused.forward(tokens, Rows.window(start, len(tokens), 0, "cpu"), cache.paged())[0]
 
     cache = prefilled()
     singles = torch.cat([run(ids[j : j + 1], cache, 20 + j) for j in range(len(ids))])
