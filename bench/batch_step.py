@@ -33,6 +33,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--batches", default="1,2,4,8,16,32,64")
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--block-size", type=int, default=64, help="KV block size (0: one block per sequence)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     largest = max(batches)
@@ -41,7 +42,8 @@ def main() -> None:
     model = load_model(config=config, random_weights=True, dtype=torch.bfloat16, device="cuda", seed=0)
     c = config
     pool = KVPool(num_layers=c.num_hidden_layers, num_slots=largest + 1, max_length=length,
-                  num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=torch.bfloat16, device="cuda")
+                  num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=torch.bfloat16, device="cuda",
+                  block_size=args.block_size or None)
     gen = torch.Generator(device="cuda").manual_seed(3)
     pool.keys.normal_(0, 1, generator=gen)
     pool.values.normal_(0, 1, generator=gen)
@@ -59,7 +61,8 @@ def main() -> None:
     dense = weight_bytes_per_token(model)  # with 8 experts per layer
     expert_bytes = model.layers[0].mlp.experts.expert_bytes
     moe_layers = sum(1 for layer in model.layers if hasattr(layer.mlp, "experts"))
-    print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s, context {args.context}\n")
+    print(f"\ncopy bandwidth {bandwidth / 1e12:.2f} TB/s, context {args.context}, KV block size "
+          f"{args.block_size or 'one per sequence'}\n")
     print("| batch B | step ms (graph) | ms per sequence | raw tokens/s | × B = 1 | distinct experts/layer | floor ms | of floor |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     base = None

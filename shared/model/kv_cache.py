@@ -111,9 +111,8 @@ class PagedKV:
         """Positions 0..length-1 of `slot` in layer `layer`, as [length, kv_heads, head_dim] keys
         and values (a copy, in position order: prefill's attention reads them whole)."""
         keys, values = self.layers[layer]
+        # (index_select even for one block: indexing by a device scalar would wait for the GPU)
         blocks = self.block_tables[slot, : cdiv(length, self.block_size)].long()
-        if blocks.shape[0] == 1:
-            return keys[blocks[0], :length], values[blocks[0], :length]
         return (keys.index_select(0, blocks).flatten(0, 1)[:length],
                 values.index_select(0, blocks).flatten(0, 1)[:length])
 
