@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 from drafter_service.planner import Estimates, Plan, Planner, choose
 from drafter_service.proposers import Proposal
-from drafter_service.proposers.mtp import MTPProposer, MTPState
+from drafter_service.proposers.mtp import DraftJob, MTPProposer
 from drafter_service.proposers.suffix import COUNT_CHUNK, GlobalIndex, SuffixIndex, SuffixMatch
 from drafter_service.session import DraftSession, session_params
 from drafter_service.settings import DrafterSettings
@@ -84,11 +84,15 @@ class Drafter:
         if self.mtp is not None:
             length = min(self.model.config.max_position_embeddings,
                          len(tokens) + max(message.max_new_tokens, 0) + max_drafts + 2)
-            mtp_state = MTPState(self.model, length)
             hidden = decode_hidden(message.hidden)
             if hidden.shape[0] != len(tokens) - 1:
                 raise ValueError(f"open.hidden has {hidden.shape[0]} rows for {len(tokens)} tokens (need {len(tokens) - 1})")
-            self.mtp.catch_up(mtp_state, hidden, tokens[1:])
+            mtp_state = self.mtp.new_state(length)
+            try:
+                self.mtp.catch_up(mtp_state, hidden, tokens[1:])
+            except BaseException:
+                self.mtp.release(mtp_state)
+                raise
         return DraftSession(
             session_id=message.session_id, sampling=sampling, seed=message.sampling.seed, mode=mode, gate=gate,
             coupled=message.speculation.coupled, policy=policy, max_drafts=max_drafts,
@@ -138,9 +142,19 @@ class Drafter:
 
     def settle(self, session: DraftSession) -> None:
         """Work a commit left for after its chain was sent: the MTP rows, then suffix counts."""
+        self.settle_batch([session])
+
+    def settle_batch(self, sessions: list[DraftSession]) -> None:
+        """settle of several sessions (worker), their MTP rows in shared forwards."""
+        if self.mtp is not None:
+            self.mtp.settle_batch([s.mtp for s in sessions if s.mtp is not None])
+        for session in sessions:
+            session.suffix.count_pending(COUNT_CHUNK)
+
+    def close(self, session: DraftSession) -> None:
+        """The session's stream ended: its MTP rows' pool slot goes back (worker, behind its jobs)."""
         if session.mtp is not None:
-            self.mtp.settle(session.mtp)
-        session.suffix.count_pending(COUNT_CHUNK)
+            self.mtp.release(session.mtp)
 
     # -- chains: plan (loop), MTP drafts (worker), the message (loop) ----------------------------
 
@@ -167,15 +181,20 @@ class Drafter:
 
     def draft_mtp(self, session: DraftSession, plan: Plan) -> Proposal:
         """An MTP plan's drafts, with their expert-slot misses (worker)."""
+        return self.draft_mtp_batch([(session, plan)])[0]
+
+    def draft_mtp_batch(self, items: list[tuple[DraftSession, Plan]]) -> list[Proposal]:
+        """The MTP drafts of several sessions' plans (worker): their deferred commits, then their
+        chains step by step, each in shared forwards. A batch's expert-slot misses are split
+        evenly between its chains (which row missed is not tracked)."""
         store = self.mtp_store()
         misses = store.counters.misses
-        self.mtp.settle(session.mtp)
-        proposal = self.mtp.draft(
-            session.mtp, plan.num_drafts, sampling=session.sampling, seed=session.seed,
-            base_position=len(session.tokens), mode=session.mode, gate=session.gate, coupled=session.coupled,
-            policy=session.policy,
-        )
-        return dataclasses.replace(proposal, slot_misses=store.counters.misses - misses)
+        self.mtp.settle_batch([session.mtp for session, _ in items])
+        proposals = self.mtp.draft_batch([
+            DraftJob(session.mtp, plan.num_drafts, session.sampling, session.seed, len(session.tokens), session.mode,
+                     session.gate, session.coupled, session.policy) for session, plan in items])
+        share, extra = divmod(store.counters.misses - misses, len(items))
+        return [dataclasses.replace(p, slot_misses=share + (i < extra)) for i, p in enumerate(proposals)]
 
     def chain(self, session: DraftSession, plan: Plan, match: SuffixMatch | None, mtp: Proposal | None,
               draft_ms: float) -> drafter_pb2.DraftChain:
@@ -203,6 +222,21 @@ class Drafter:
             confidences=proposal.confidences,
             costs=drafter_pb2.DrafterCosts(draft_ms=draft_ms, expert_slot_misses=proposal.slot_misses),
         )
+
+    def mtp_batch(self, items: list[tuple[DraftSession, Plan | None]]) -> list[Proposal | None]:
+        """One job of the MTP batcher (worker): every session's deferred MTP rows in shared
+        forwards, the suffix counts of those that only settle, then the chains of those with a
+        plan (their drafts step by step in shared forwards); None for a settle."""
+        if len({id(session) for session, _ in items}) != len(items):
+            raise ValueError("a batch holds one piece of work per session")
+        drafts = [(session, plan) for session, plan in items if plan is not None]
+        if self.mtp is not None:
+            self.mtp.settle_batch([session.mtp for session, _ in items if session.mtp is not None])
+        for session, plan in items:
+            if plan is None:
+                session.suffix.count_pending(COUNT_CHUNK)
+        proposals = iter(self.draft_mtp_batch(drafts) if drafts else [])
+        return [None if plan is None else next(proposals) for _, plan in items]
 
     def learn_mtp_cost(self, plan: Plan, mtp_ms: float) -> None:
         if plan.num_drafts:

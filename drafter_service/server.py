@@ -18,6 +18,7 @@ import torch
 from opentelemetry.trace import Status, StatusCode
 
 from drafter_service.drafter import Drafter
+from drafter_service.batcher import MtpBatcher
 from drafter_service.load import WorkerLoad
 from drafter_service.messages import check_commit, check_open
 from drafter_service.session import DraftSession, SessionStore
@@ -46,6 +47,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.metrics = DrafterMetrics()
         self._background: set[asyncio.Task] = set()  # global-index additions in progress
         self.worker_load = WorkerLoad()
+        # Every session's MTP work (chains, a commit's deferred rows) in shared worker jobs.
+        self.mtp_batcher = MtpBatcher(self._mtp_batch, on_batch=self.metrics.mtp_batch.observe)
 
     async def load(self) -> None:
         if self.model is None:
@@ -83,6 +86,10 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             self.worker_load.end(kind, job_ms)
         return result, job_ms
 
+    async def _mtp_batch(self, items) -> tuple[list, float]:
+        """One MTP batcher job on the worker, counted as one "mtp" job in the worker's load."""
+        return await self._run("mtp", self.drafter.mtp_batch, items)
+
     async def _open(self, message: drafter_pb2.DraftOpen) -> tuple[DraftSession, drafter_pb2.DraftChain, bool]:
         session, open_ms = await self._run("open", self.drafter.open, message, self.drafter.snapshot_for(message.session_id))
         return session, *await self._chain(session, open_ms)  # the open's catch-up is compute too
@@ -103,7 +110,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         mtp, mtp_ms = None, 0.0
         if plan.source == "MTP":
             planned = time.perf_counter()
-            mtp, mtp_ms = await self._run("mtp", self.drafter.draft_mtp, session, plan)
+            mtp, mtp_ms = await self.mtp_batcher.submit(session, plan)  # (mtp_ms: its whole batch's job)
             self.drafter.learn_mtp_cost(plan, mtp_ms)
             started += time.perf_counter() - planned  # the loop's own time only
         chain = self.drafter.chain(session, plan, match, mtp, 0.0)
@@ -141,6 +148,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                         check_open(up.open, config)  # before any work: cheap and bounded
                         if session is not None:  # a re-open on the same stream replaces its session
                             self.sessions.remove(session)
+                            self.worker.submit(self.drafter.close, session)
                         session, chain, shed = await self._open(up.open)
                         # counted here, not as a before/after difference: concurrent opens overlap
                         self.metrics.evictions.inc(self.sessions.put(session))
@@ -176,8 +184,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 while self.drafter.unsettled(session):
                     if self.drafter.settles_on_loop(session):
                         self.drafter.settle(session)
-                    else:
-                        await self._run("settle", self.drafter.settle, session)
+                    else:  # with the other sessions' deferred rows and chains
+                        await self.mtp_batcher.submit(session, None)
         finally:
             self.metrics.active.dec()
             self.streams_by_peer[peer] -= 1
@@ -187,6 +195,9 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
                 self.sessions.remove(session)
                 if self.drafter is not None:
                     self._add_output(session.tokens[session.opened_with:])
+                    # On the worker, behind any job of this session already submitted there (a
+                    # cancelled caller's work still pending in the batcher never runs).
+                    self.worker.submit(self.drafter.close, session)
             structlog.contextvars.unbind_contextvars("request_id")
 
     def _trace(self, up: drafter_pb2.DraftUp, kind: str, received_ns: int, session: DraftSession | None,
@@ -265,6 +276,7 @@ class DrafterServer(ServiceServer):
         return self.service.metrics.registry
 
     async def close(self) -> None:
+        await self.service.mtp_batcher.close()
         self.service.worker.shutdown()
 
 

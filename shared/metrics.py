@@ -65,6 +65,8 @@ class DrafterMetrics:
         self.shed = Counter("tandem_drafter_shed_chains",
                             "Chains planned without MTP drafts because the model worker could not finish them "
                             "within the verifier's wait (load shedding)", registry=r)
+        self.mtp_batch = Histogram("tandem_drafter_mtp_batch", "Sessions' MTP work (chains, deferred rows) per worker job",
+                                   buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.global_contexts = Gauge("tandem_drafter_suffix_global_contexts",
                                      "Contexts in the cross-session suffix index (bounded by --global-index-contexts)",
                                      registry=r)

@@ -1,9 +1,15 @@
 """MTP drafting: chain up to k tokens with the model's one MTP layer (DESIGN §6).
 
-Per session the MTP layer keeps its own KV cache: one row per committed position i but the
+Per session the MTP layer keeps its own KV rows: one row per committed position i but the
 last, built from (trunk hidden[i], token[i+1]); the last row's logits give q_0, the
 distribution of the first draft. Each further step feeds the MTP layer's own output hidden
 state and the drafted token back in; draft rows are rolled back after the chain is sent.
+
+Batching (issue 11): on the fused path the sessions' rows live in one paged pool (a slot
+each), so the chains of every session with a draft pending run step by step as one ragged
+forward, and so do their commits' catch-ups (`draft_batch`, `settle_batch`); the kernels are
+row-invariant, so a chain is bit for bit what it is alone. The reference modules (the CPU
+default) keep a cache per session and run the sessions one after another.
 
 Draws (q_j is the processed distribution of the MTP logits, the target's sampling settings):
 - greedy: the argmax (point masses, no q rows sent);
@@ -14,6 +20,8 @@ Retention is applied step by step before anything of a rejected step is written.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -22,14 +30,21 @@ from kernels.sampling import SamplingParams, SparseRows, draw, process_logits
 from kernels.speculative import Gate, Mode, admission_confidences
 from shared.model import KVCache, Qwen3MoeModel, RoutingOptions
 from shared.model.fast import FusedModel, Rows
+from shared.model.kv_cache import CacheLength, KVPool
 from drafter_service.proposers import Proposal
+
+POOL_BLOCK = 64  # positions per block of the fused path's MTP pool
+POOL_START_BLOCKS = 64  # blocks at start; the pool doubles when a session needs more
 
 
 class MTPState:
-    """The MTP layer's per-session cache and the pending first-draft logits."""
+    """The MTP layer's per-session cache and the pending first-draft logits. The cache is the
+    session's own KVCache (reference modules) or a slot of the proposer's shared pool (fused
+    path: every session's rows run in one forward); MTPProposer.new_state makes either."""
 
-    def __init__(self, model: Qwen3MoeModel, max_length: int) -> None:
-        self.cache: KVCache = model.new_mtp_cache(max_length)
+    def __init__(self, cache: CacheLength, slot: int | None = None) -> None:
+        self.cache = cache
+        self.slot = slot  # slot of the proposer's pool (None: cache is the session's own KVCache)
         self.next_logits: Tensor | None = None  # [vocab]: q_0 of the next chain
         self.last_out: Tensor | None = None  # [hidden]: MTP output of the last committed row
         # Committed rows not yet run through the MTP layer (MTPProposer.settle): a commit's rows
@@ -37,22 +52,131 @@ class MTPState:
         self.pending: list[tuple[Tensor, list[int]]] = []
 
 
+@dataclass(frozen=True)
+class DraftJob:
+    """One session's chain of up to num_drafts MTP drafts (MTPProposer.draft_batch)."""
+
+    state: MTPState
+    num_drafts: int
+    sampling: SamplingParams
+    seed: int
+    base_position: int  # position of the first draft
+    mode: Mode
+    gate: Gate
+    coupled: bool
+    policy: RetentionPolicy
+
+
+@dataclass
+class _Chain:
+    """A job's chain while it is drafted."""
+
+    job: DraftJob
+    committed: int  # the cache length before the draft rows
+    logits: Tensor  # [vocab]: q of the next draft
+    hidden: Tensor  # [hidden]: the MTP output it came from
+    token_ids: list[int]
+    rows: list[dict[int, float]]
+    confidences: list[float]
+    done: bool = False
+
+
 class MTPProposer:
     def __init__(self, model: Qwen3MoeModel, routing: RoutingOptions | None = None,
                  fused: FusedModel | None = None) -> None:
         self.model = model
         self.routing = routing
-        self.fused = fused  # the fused-kernel MTP forward for short row counts (None = reference modules)
+        self.fused = fused  # the fused-kernel MTP forward (None = reference modules, a cache per session)
+        self.pool: KVPool | None = None
+        if fused is not None:
+            c = model.config
+            self.pool = KVPool(num_layers=1, num_slots=8, max_length=c.max_position_embeddings,
+                               num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=model.dtype,
+                               device=model.device, block_size=POOL_BLOCK, num_blocks=POOL_START_BLOCKS)
 
-    def _forward(self, hidden: Tensor, next_token_ids: Tensor, cache: KVCache) -> tuple[Tensor, Tensor]:
-        """MTP rows appended to the cache: logits [T, vocab] and the MTP output hidden [T, hidden]."""
-        rows = next_token_ids.shape[0]
-        routing = self._routing(rows)
-        if self.fused is None or rows > self.fused.max_rows:  # long catch-ups: the reference modules
-            return self.model.forward_mtp(hidden, next_token_ids, cache, routing=routing)
-        start = cache.reserve(rows)
-        window = Rows.window(start, rows, 0, self.model.device)
-        return self.fused.forward_mtp(hidden, next_token_ids, window, cache.paged(), routing=routing)
+    # -- sessions' caches ---------------------------------------------------------------------
+
+    def new_state(self, max_length: int) -> MTPState:
+        """A session's MTP state with room for max_length rows."""
+        if self.pool is None:
+            return MTPState(self.model.new_mtp_cache(max_length))
+        pool = self.pool
+        if not 1 <= max_length <= pool.max_length:
+            raise ValueError(f"MTP cache length {max_length} must lie in [1, {pool.max_length}]")
+        needed = pool.blocks_for(max_length)
+        if needed > pool.num_free_blocks or not pool.num_free:
+            pool.grow(num_blocks=max(2 * pool.num_blocks, pool.num_blocks - pool.num_free_blocks + needed),
+                      num_slots=2 * pool.num_slots if not pool.num_free else None)
+        slot, cache = pool.acquire(max_length)
+        return MTPState(cache, slot)
+
+    def release(self, state: MTPState) -> None:
+        """Give a session's pool slot back (run on the worker, behind the session's last job)."""
+        if state.slot is not None:
+            self.pool.release(state.slot)
+            state.slot = None
+
+    # -- forwards -------------------------------------------------------------------------------
+
+    def _forward_batch(self, items: list[tuple[MTPState, Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+        """Each item's MTP rows (state, hidden [m, H], next token ids [m]) appended to its cache;
+        on the fused path the sessions' rows run as one ragged forward (row-invariant kernels:
+        each row's bits are what it gets alone). Per item: logits [m, vocab], MTP hidden [m, H]."""
+        if self.fused is None:
+            return [self.model.forward_mtp(hidden, ids, state.cache, routing=self._routing(ids.shape[0]))
+                    for state, hidden, ids in items]
+        results: list[tuple[Tensor, Tensor] | None] = [None] * len(items)
+        group: list[int] = []
+        for index, (state, _, ids) in enumerate(items):
+            rows = ids.shape[0]
+            if rows > self.fused.max_rows:  # a long catch-up (a prompt): the reference modules
+                results[index] = self._long_catch_up(*items[index])
+                continue
+            if sum(items[i][2].shape[0] for i in group) + rows > self.fused.max_rows:
+                self._run_group([items[i] for i in group], results, group)
+                group = []
+            group.append(index)
+        if group:
+            self._run_group([items[i] for i in group], results, group)
+        return results
+
+    def _run_group(self, items: list[tuple[MTPState, Tensor, Tensor]], results: list, indices: list[int]) -> None:
+        device = self.model.device
+        positions, slots, starts = [], [], [0]
+        for state, _, ids in items:
+            start = state.cache.reserve(ids.shape[0])
+            positions.extend(range(start, start + ids.shape[0]))
+            slots.extend([state.slot] * ids.shape[0])
+            starts.append(starts[-1] + ids.shape[0])
+        seq_slots = [state.slot for state, _, _ in items]
+        rows = Rows(
+            positions=torch.tensor(positions, device=device), slots=torch.tensor(slots, device=device),
+            seq_starts=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_slots=torch.tensor(seq_slots, device=device),
+            max_rows_per_seq=max(ids.shape[0] for _, _, ids in items),
+        )
+        hidden = torch.cat([h.to(device) for _, h, _ in items])
+        ids = torch.cat([i.to(device) for _, _, i in items])
+        logits, out = self.fused.forward_mtp(hidden, ids, rows, self.pool.paged(), routing=self._routing(ids.shape[0]))
+        for index, start, end in zip(indices, starts, starts[1:]):
+            results[index] = (logits[start:end], out[start:end])
+
+    def _long_catch_up(self, state: MTPState, hidden: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Rows beyond the fused path's max_rows through the reference modules, on a contiguous
+        copy of the session's rows, written back to its blocks."""
+        pool, length, rows = self.pool, state.cache.length, ids.shape[0]
+        cache = self.model.new_mtp_cache(length + rows)
+        if length:
+            keys, values = pool.read(state.slot, length)
+            cache.keys[:, :length], cache.values[:, :length] = keys, values
+        cache.length = length
+        result = self.model.forward_mtp(hidden, ids, cache, routing=self._routing(rows))
+        start = state.cache.reserve(rows)
+        span = torch.arange(start, start + rows, device=self.model.device)
+        blocks = pool.block_tables[state.slot, torch.div(span, pool.block_size, rounding_mode="floor")].long()
+        pool.keys[0, blocks, span % pool.block_size] = cache.keys[0, start:]
+        pool.values[0, blocks, span % pool.block_size] = cache.values[0, start:]
+        return result
 
     def _routing(self, rows: int) -> RoutingOptions | None:
         if self.routing is None:
@@ -61,13 +185,22 @@ class MTPProposer:
         return RoutingOptions(moce=True, scale=self.routing.scale, r1_scale=self.routing.r1_scale,
                               protect=self.routing.protect, draft_rows=draft_rows)
 
+    # -- committed rows -------------------------------------------------------------------------
+
     def catch_up(self, state: MTPState, hidden: Tensor, next_token_ids: list[int]) -> None:
         """Append committed rows: hidden [m, H] (trunk final-norm) with the token after each."""
-        if not next_token_ids:
+        self.catch_up_batch([(state, hidden, next_token_ids)])
+
+    def catch_up_batch(self, items: list[tuple[MTPState, Tensor, list[int]]]) -> None:
+        """catch_up of several sessions, their rows in one forward where the fused path runs."""
+        items = [(state, hidden, ids) for state, hidden, ids in items if ids]
+        if not items:
             return
-        tokens = torch.tensor(next_token_ids, dtype=torch.int64, device=self.model.device)
-        logits, out = self._forward(hidden.to(self.model.device), tokens, state.cache)
-        state.next_logits, state.last_out = logits[-1], out[-1]
+        device = self.model.device
+        outs = self._forward_batch([(state, hidden.to(device), torch.tensor(ids, dtype=torch.int64, device=device))
+                                    for state, hidden, ids in items])
+        for (state, _, _), (logits, out) in zip(items, outs):
+            state.next_logits, state.last_out = logits[-1], out[-1]
 
     def defer(self, state: MTPState, hidden: Tensor, next_token_ids: list[int]) -> None:
         """catch_up later (settle): the rows of one commit, kept apart so each runs as before."""
@@ -76,43 +209,63 @@ class MTPProposer:
 
     def settle(self, state: MTPState) -> None:
         """Run the deferred commits' rows, one catch_up per commit (the same forwards as eager)."""
-        while state.pending:
-            hidden, next_token_ids = state.pending.pop(0)
-            self.catch_up(state, hidden, next_token_ids)
+        self.settle_batch([state])
 
-    def draft(
-        self,
-        state: MTPState,
-        num_drafts: int,
-        *,
-        sampling: SamplingParams,
-        seed: int,
-        base_position: int,
-        mode: Mode,
-        gate: Gate,
-        coupled: bool,
-        policy: RetentionPolicy,
-    ) -> Proposal:
-        tokens: list[int] = []
-        rows: list[dict[int, float]] = []
-        confidences: list[float] = []
-        logits, hidden = state.next_logits, state.last_out
-        committed_rows = state.cache.length
-        stream = "pick" if (coupled and mode == Mode.EXACT) else "draft"
-        for step in range(num_drafts):
-            q = process_logits(logits.unsqueeze(0), sampling).to("cpu")  # [1, width]
-            position = torch.tensor([base_position + step])
-            token = int(draw(q, seed, position, stream=stream)[0])
-            confidence = float(admission_confidences(torch.tensor([token]), q, mode=mode, gate=gate)[0])
-            if policy.keep([*confidences, confidence]) <= step:
-                break  # retention: nothing of a rejected step is written
-            tokens.append(token)
-            rows.append(q.row(0))
-            confidences.append(confidence)
-            if step + 1 < num_drafts:
-                logits, out = self._forward(hidden.unsqueeze(0), torch.tensor([token], device=self.model.device),
-                                            state.cache)
-                logits, hidden = logits[0], out[0]
-        state.cache.truncate(committed_rows)  # draft rows are speculative
-        q_rows = None if sampling.greedy else SparseRows.from_dicts(rows) if rows else None
-        return Proposal("MTP", tokens, q_rows, confidences)
+    def settle_batch(self, states: list[MTPState]) -> None:
+        """settle several sessions: their n-th deferred commits run in one forward, for each n."""
+        while any(state.pending for state in states):
+            self.catch_up_batch([(state, *state.pending.pop(0)) for state in states if state.pending])
+
+    # -- chains ---------------------------------------------------------------------------------
+
+    def draft(self, state: MTPState, num_drafts: int, *, sampling: SamplingParams, seed: int, base_position: int,
+              mode: Mode, gate: Gate, coupled: bool, policy: RetentionPolicy) -> Proposal:
+        return self.draft_batch([DraftJob(state, num_drafts, sampling, seed, base_position, mode, gate, coupled,
+                                          policy)])[0]
+
+    def draft_batch(self, jobs: list[DraftJob]) -> list[Proposal]:
+        """Each job's chain; step by step, the sessions still drafting run their next MTP row in
+        one forward. A chain is what it would be alone: its draws depend on its own seed and
+        positions, its rows' bits not on the others (fused path)."""
+        if len({id(job.state) for job in jobs}) != len(jobs):
+            raise ValueError("a batch drafts one chain per session")
+        chains = [_Chain(job, job.state.cache.length, job.state.next_logits, job.state.last_out, [], [], [])
+                  for job in jobs]
+        for step in range(max((job.num_drafts for job in jobs), default=0)):
+            forwards = []
+            for chain in chains:
+                if chain.done or step >= chain.job.num_drafts:
+                    continue
+                if not self._draw(chain, step):
+                    chain.done = True
+                elif step + 1 < chain.job.num_drafts:
+                    forwards.append(chain)
+            if forwards:
+                device = self.model.device
+                outs = self._forward_batch([(c.job.state, c.hidden.unsqueeze(0),
+                                             torch.tensor(c.token_ids[-1:], device=device)) for c in forwards])
+                for chain, (logits, out) in zip(forwards, outs):
+                    chain.logits, chain.hidden = logits[0], out[0]
+        proposals = []
+        for chain in chains:
+            chain.job.state.cache.truncate(chain.committed)  # draft rows are speculative
+            greedy = chain.job.sampling.greedy
+            q_rows = None if greedy else SparseRows.from_dicts(chain.rows) if chain.rows else None
+            proposals.append(Proposal("MTP", chain.token_ids, q_rows, chain.confidences))
+        return proposals
+
+    def _draw(self, chain: _Chain, step: int) -> bool:
+        """Draw the chain's draft `step` from its current logits; False when retention stops it
+        (nothing of a rejected step is kept)."""
+        job = chain.job
+        stream = "pick" if (job.coupled and job.mode == Mode.EXACT) else "draft"
+        q = process_logits(chain.logits.unsqueeze(0), job.sampling).to("cpu")  # [1, width]
+        position = torch.tensor([job.base_position + step])
+        token = int(draw(q, job.seed, position, stream=stream)[0])
+        confidence = float(admission_confidences(torch.tensor([token]), q, mode=job.mode, gate=job.gate)[0])
+        if job.policy.keep([*chain.confidences, confidence]) <= step:
+            return False
+        chain.token_ids.append(token)
+        chain.rows.append(q.row(0))
+        chain.confidences.append(confidence)
+        return True

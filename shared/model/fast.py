@@ -285,6 +285,10 @@ class FusedModel:
                     routing: RoutingOptions | None = None) -> tuple[Tensor, Tensor]:
         """MTP rows (see Qwen3MoeModel.forward_mtp): logits [T, vocab] float32, MTP output hidden
         [T, hidden]; kv: the MTP layer's paged cache (one layer)."""
+        if self.invariant and hidden.device.type == "cpu" and hidden.shape[0] > 1:  # (as in forward)
+            outs = [self.forward_mtp(hidden[i : i + 1], next_token_ids[i : i + 1], _one_row(rows, i), kv,
+                                     routing and routing.row(i)) for i in range(hidden.shape[0])]
+            return torch.cat([logits for logits, _ in outs]), torch.cat([out for _, out in outs])
         model = self.model
         mtp = model._require_mtp()
         layer = self.mtp_layer

@@ -221,6 +221,26 @@ class KVPool:
         self._free_blocks.extend(reversed(blocks))
         self._free_slots.append(slot)
 
+    def grow(self, *, num_blocks: int | None = None, num_slots: int | None = None) -> None:
+        """Reallocate with more blocks and/or slots, keeping every held slot's rows and table
+        (eager users only, such as the drafter's MTP pool: captured graphs hold the old addresses)."""
+        num_blocks = max(num_blocks or 0, self.num_blocks)
+        num_slots = max(num_slots or 0, self.num_slots)
+        if num_blocks > self.num_blocks:
+            for name in ("keys", "values"):
+                old = getattr(self, name)
+                new = torch.zeros((old.shape[0], num_blocks, *old.shape[2:]), dtype=old.dtype, device=old.device)
+                new[:, : self.num_blocks].copy_(old)
+                setattr(self, name, new)
+            self._free_blocks = list(range(num_blocks - 1, self.num_blocks - 1, -1)) + self._free_blocks
+            self.num_blocks = num_blocks
+        if num_slots > self.num_slots:
+            tables = torch.zeros((num_slots, self.max_blocks), dtype=torch.int32, device=self.block_tables.device)
+            tables[: self.num_slots].copy_(self.block_tables)
+            self.block_tables = tables
+            self._free_slots = list(range(num_slots - 1, self.num_slots - 1, -1)) + self._free_slots
+            self.num_slots = num_slots
+
     def read(self, slot: int, length: int) -> tuple[Tensor, Tensor]:
         """Positions 0..length-1 of a held slot, all layers: keys and values [layers, length,
         kv_heads, head_dim] (a copy in position order; for tests and inspection)."""

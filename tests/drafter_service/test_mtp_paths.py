@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from drafter_service.proposers.mtp import MTPProposer, MTPState
+from drafter_service.proposers.mtp import MTPProposer
 from kernels.retention import RetentionPolicy
 from kernels.sampling import SamplingParams
 from kernels.speculative import Gate, Mode
@@ -20,7 +20,7 @@ def test_fused_mtp_drafts_like_the_reference(tiny_mtp_model, temperature, moce):
     _, hidden = model(tokens, model.new_cache(40))
     proposals = []
     for proposer in (MTPProposer(model, routing), MTPProposer(model, routing, fused)):
-        state = MTPState(model, 64)
+        state = proposer.new_state(64)
         proposer.catch_up(state, hidden[:20], tokens[1:21].tolist())  # 20 rows: fused (max_rows 8) falls back
         for end in (21, 24, 29):  # then short commits: the fused path
             proposer.catch_up(state, hidden[state.cache.length : end], tokens[state.cache.length + 1 : end + 1].tolist())
@@ -43,7 +43,7 @@ def test_deferred_commits_settle_to_the_eager_state(tiny_mtp_model):
     tokens = torch.randint(0, 97, (24,), generator=torch.Generator().manual_seed(7))
     _, hidden = model(tokens, model.new_cache(40))
     proposer = MTPProposer(model)
-    eager, lazy = MTPState(model, 64), MTPState(model, 64)
+    eager, lazy = proposer.new_state(64), proposer.new_state(64)
     for state in (eager, lazy):
         proposer.catch_up(state, hidden[:10], tokens[1:11].tolist())
     for start, end in ((10, 13), (13, 14), (14, 18)):
@@ -66,8 +66,8 @@ def test_a_suffix_round_leaves_the_mtp_rows_for_after_its_chain(tiny_mtp_model):
 
     drafter = Drafter(tiny_mtp_model, DrafterSettings(port=0, planner="suffix"))
     forwards = []
-    original = drafter.mtp._forward
-    drafter.mtp._forward = lambda *a, **k: forwards.append(1) or original(*a, **k)
+    original = drafter.mtp._forward_batch
+    drafter.mtp._forward_batch = lambda *a, **k: forwards.append(1) or original(*a, **k)
     prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
     session = drafter.open(open_up(tiny_mtp_model, prompt).open)
     drafter.propose(session)
@@ -77,3 +77,87 @@ def test_a_suffix_round_leaves_the_mtp_rows_for_after_its_chain(tiny_mtp_model):
     assert chain.token_ids and not forwards  # a suffix chain, and no MTP work on the way
     drafter.settle(session)
     assert forwards and not session.mtp.pending and session.mtp.cache.length == len(session.tokens) - 1
+
+
+def _fused_proposer(model, routing=None):
+    return MTPProposer(model, routing, FusedModel(model, max_rows=16, max_length=model.config.max_position_embeddings))
+
+
+@pytest.mark.parametrize("moce", [False, True])
+def test_sessions_drafted_in_one_batch_get_their_chains_alone(tiny_mtp_model, moce, monkeypatch):
+    """draft_batch (fused path, the sessions' rows in one pool and one forward per step): each
+    session's chain — tokens, q rows, confidences — and cache are what it gets drafted alone,
+    with different lengths, sampling settings, seeds, modes and a retention that cuts one short.
+    The kernels are row-invariant (on the CPU: one-row steps), so this holds bit for bit."""
+    from drafter_service.proposers.mtp import DraftJob
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the fused ops' torch code (the kernels: tests/kernels)
+    model = tiny_mtp_model
+    routing = RoutingOptions(moce=True, scale=1.4) if moce else None
+    tokens = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(11))
+    _, hidden = model(tokens, model.new_cache(48))
+    setups = [  # (rows committed, drafts, sampling, seed, mode, retention)
+        (12, 4, SamplingParams(temperature=0.0), 1, Mode.EXACT, RetentionPolicy()),
+        (20, 3, SamplingParams(temperature=0.8, top_p=0.9), 2, Mode.EXACT, RetentionPolicy()),
+        (7, 5, SamplingParams(temperature=1.0), 3, Mode.PROBABILISTIC, RetentionPolicy.parse("0.3", 0.0, min_p=0.0)),
+        (30, 1, SamplingParams(temperature=0.5, top_k=5), 4, Mode.EXACT, RetentionPolicy()),
+    ]
+
+    def prepared(proposer):
+        states = []
+        for rows, *_ in setups:
+            state = proposer.new_state(64)
+            proposer.catch_up(state, hidden[: rows - 3], tokens[1 : rows - 2].tolist())
+            proposer.defer(state, hidden[rows - 3 : rows], tokens[rows - 2 : rows + 1].tolist())  # a commit left
+            states.append(state)
+        return states
+
+    def jobs(states):
+        return [DraftJob(state, k, sampling, seed, rows + 1, mode, Gate.TOP, False, policy)
+                for state, (rows, k, sampling, seed, mode, policy) in zip(states, setups)]
+
+    alone_proposer, batch_proposer = _fused_proposer(model, routing), _fused_proposer(model, routing)
+    alone_states, batch_states = prepared(alone_proposer), prepared(batch_proposer)
+    alone = []
+    for job in jobs(alone_states):
+        alone_proposer.settle(job.state)
+        alone.append(alone_proposer.draft_batch([job])[0])
+    batch_proposer.settle_batch(batch_states)
+    together = batch_proposer.draft_batch(jobs(batch_states))
+    for a, b, (rows, *_), state_a, state_b in zip(alone, together, setups, alone_states, batch_states):
+        assert a.token_ids == b.token_ids and a.confidences == b.confidences
+        assert (a.q_rows is None) == (b.q_rows is None)
+        if a.q_rows is not None:
+            assert [a.q_rows.row(i) for i in range(len(a.token_ids))] == [b.q_rows.row(i) for i in range(len(b.token_ids))]
+        assert state_a.cache.length == state_b.cache.length == rows  # draft rows rolled back
+        assert torch.equal(state_a.next_logits, state_b.next_logits)
+        keys_a, _ = alone_proposer.pool.read(state_a.slot, rows)
+        keys_b, _ = batch_proposer.pool.read(state_b.slot, rows)
+        assert torch.equal(keys_a, keys_b)
+    assert len(together[2].token_ids) < 5  # the retention cut that chain short
+    assert [len(p.token_ids) for p in together] != [k for _, k, *_ in setups]
+
+
+def test_the_mtp_pool_grows_and_keeps_every_sessions_rows(tiny_mtp_model, monkeypatch):
+    """Sessions beyond the pool's blocks or slots grow it; rows already written stay, and a long
+    catch-up (more rows than the fused path takes) lands in the session's blocks like short ones."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = tiny_mtp_model
+    tokens = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(12))
+    _, hidden = model(tokens, model.new_cache(48))
+    proposer = _fused_proposer(model)
+    reference = MTPProposer(model)
+    pool = proposer.pool
+    first = proposer.new_state(39)
+    proposer.catch_up(first, hidden[:30], tokens[1:31].tolist())  # 30 rows > max_rows 16: the long path
+    before = pool.read(first.slot, 30)[0].clone()
+    blocks, slots = pool.num_blocks, pool.num_slots
+    others = [proposer.new_state(model.config.max_position_embeddings) for _ in range(slots)]
+    assert pool.num_blocks > blocks and pool.num_slots > slots
+    assert torch.equal(pool.read(first.slot, 30)[0], before)
+    expected = reference.new_state(39)
+    reference.catch_up(expected, hidden[:30], tokens[1:31].tolist())
+    torch.testing.assert_close(before, expected.cache.keys[:, :30], rtol=1e-5, atol=1e-5)
+    for state in [first, *others]:
+        proposer.release(state)
+    assert pool.num_free == pool.num_slots and pool.num_free_blocks == pool.num_blocks

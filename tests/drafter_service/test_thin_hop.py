@@ -47,16 +47,17 @@ async def test_suffix_rounds_run_no_worker_job(tiny_mtp_model, worker_jobs):
     async with serve(tiny_mtp_model, "suffix") as (_, channel):
         chains, _ = await rounds(channel, tiny_mtp_model, 6)
     assert sum(c.source == common_pb2.DRAFT_SOURCE_SUFFIX for c in chains) >= 5  # the rounds drafted
-    # one job for the open (its MTP catch-up, timed); after that only the deferred MTP rows of
-    # each commit, run after its chain went out — no job between a commit and its chain
-    assert worker_jobs[0] == "open" and set(worker_jobs[1:]) <= {"settle"}, worker_jobs
+    # one job for the open (its MTP catch-up, timed); after that only MTP batcher jobs, which
+    # with suffix chains only ever run the deferred MTP rows of each commit after its chain
+    # went out — no job between a commit and its chain
+    assert worker_jobs[0] == "open" and set(worker_jobs[1:]) <= {"mtp_batch"}, worker_jobs
 
 
 async def test_mtp_chains_draft_on_the_worker(tiny_mtp_model, worker_jobs):
     async with serve(tiny_mtp_model, "mtp") as (_, channel):
         chains, _ = await rounds(channel, tiny_mtp_model, 4)
     assert all(c.source == common_pb2.DRAFT_SOURCE_MTP and c.costs.draft_ms > 0 for c in chains)
-    assert worker_jobs.count("draft_mtp") == len(chains)
+    assert worker_jobs.count("mtp_batch") == len(chains)  # the batcher's jobs (one stream: one chain each)
 
 
 def test_the_global_index_counted_in_steps_equals_counted_at_once():
