@@ -3,10 +3,11 @@
 Threads (the thin hop, issue 13): everything but model work runs on the service's event
 loop — a commit's bookkeeping, the suffix lookups, the planner, the chain message, the
 chain drafted ahead — so a round that drafts by suffix lookup never leaves the loop. Model
-work (an open's MTP catch-up, an MTP chain, the deferred MTP rows of a commit) runs on the
-model worker: `open`, `draft_mtp`, `settle`. A session is only ever touched by its own
-stream's handler, which awaits each worker job before the next step, and the global index
-is read and written on the loop only; the planner has its own lock.
+work (an open's MTP catch-up, MTP chains, the deferred MTP rows of commits) runs on the
+model worker: `open`, and `mtp_batch` for the MTP work of every session at once
+(drafter_service.batcher), `close` when a stream ends. A session is only ever touched by its
+own stream's handler, which awaits each piece of its work before the next step, and the
+global index is read and written on the loop only; the planner has its own lock.
 """
 
 from __future__ import annotations

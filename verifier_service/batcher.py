@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.worker import ModelWorker
-from verifier_service.engine import RoundOutcome, RoundRequest
+from verifier_service.rounds import RoundOutcome, RoundRequest
 
 
 @dataclass(frozen=True)

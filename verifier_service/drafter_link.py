@@ -29,7 +29,7 @@ from torch import Tensor
 from shared import security
 from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, drafter_pb2_grpc, encode_hidden
 from shared.service import MESSAGE_OPTIONS
-from verifier_service.engine import RoundOutcome, Session
+from verifier_service.rounds import RoundOutcome, Session
 from verifier_service.settings import VerifierSettings
 
 # Chains after a (re)open or a resume that get the deadline's upper bound and stay out of its

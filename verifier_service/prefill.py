@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.worker import ModelWorker
-from verifier_service.engine import Session
+from verifier_service.rounds import Session
 
 
 def plan_chunks(lefts: list[int], budget: int) -> list[int]:

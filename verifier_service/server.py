@@ -43,7 +43,8 @@ from verifier_service.drafter_link import DeadlineTracker, DrafterHealth, Drafte
 from verifier_service.governor import Governor, GovernorSettings, Ledger
 from verifier_service.batcher import BatchSettings, RoundBatcher
 from verifier_service.prefill import PrefillBatcher
-from verifier_service.engine import Engine, RoundRequest, Session
+from verifier_service.engine import Engine
+from verifier_service.rounds import RoundRequest, Session
 from verifier_service.requests import RequestError, RequestSpec, parse_request
 from verifier_service.settings import VerifierSettings
 from verifier_service.stats import RequestStats

@@ -28,7 +28,7 @@ from torch import Tensor
 from kernels.retention import RetentionPolicy
 from kernels.sampling import SamplingParams, SparseRows, draw, process_logits
 from kernels.speculative import Gate, Mode, admission_confidences
-from shared.model import KVCache, Qwen3MoeModel, RoutingOptions
+from shared.model import Qwen3MoeModel, RoutingOptions
 from shared.model.fast import FusedModel, Rows
 from shared.model.kv_cache import CacheLength, KVPool
 from drafter_service.proposers import Proposal

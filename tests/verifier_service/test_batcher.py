@@ -8,7 +8,7 @@ import pytest
 
 from shared.worker import ModelWorker
 from verifier_service.batcher import BatchSettings, RoundBatcher
-from verifier_service.engine import RoundRequest
+from verifier_service.rounds import RoundRequest
 
 
 class Session:

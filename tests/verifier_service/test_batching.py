@@ -12,7 +12,8 @@ import random
 import pytest
 
 from kernels.sampling import SparseRows
-from verifier_service.engine import Engine, RoundRequest
+from verifier_service.engine import Engine
+from verifier_service.rounds import RoundRequest
 
 from .test_engine_paths import spec
 

@@ -10,7 +10,8 @@ import torch
 from kernels.retention import RetentionPolicy
 from kernels.sampling import SamplingParams, process_logits
 from kernels.speculative import Gate, Mode, verify_chain
-from verifier_service.engine import Engine, greedy_verdict
+from verifier_service.engine import Engine
+from verifier_service.rounds import greedy_verdict
 from verifier_service.requests import RequestSpec
 
 
@@ -106,10 +107,11 @@ def test_decode_ahead_commits_the_same_tokens_across_interleaved_sessions(tiny_m
     assert used >= 5 and fused.ahead is None and fused.free_slots == 2
 
 
-def test_prefill_warm_up_touches_no_session_and_gives_its_blocks_back(tiny_mtp_model):
+def test_prefill_warm_up_touches_no_session_and_gives_its_blocks_back(tiny_mtp_model, monkeypatch):
     # The start-up warm-up (run where graphs are captured, on CUDA) prefills into a slot of its
     # own: a session's KV rows stay untouched, the blocks it took return to the pool, and
     # decoding afterwards commits the same tokens.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the fused ops' torch code (the kernels: tests/kernels)
     engine = Engine(tiny_mtp_model, max_context=128, prefill_chunk=40, fused="on", max_sessions=2, max_window=5,
                     kv_block_size=8)
     pool = engine.windows.pool

@@ -3,7 +3,6 @@ probed again, the rounds it missed reach it as one commit, and the tokens never 
 
 from __future__ import annotations
 
-from shared.protocol import common_pb2
 
 from .conftest import ScriptedDrafter, chain, generate, request
 from .test_speculation import PROMPT, greedy_continuation

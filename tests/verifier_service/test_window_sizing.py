@@ -80,7 +80,8 @@ def test_a_batch_that_cuts_chains_commits_what_plain_decoding_does(tiny_mtp_mode
     """Exact mode through batched rounds whose chains the engine cuts (a steep row cost): every
     session's tokens equal its plain decoding, and each outcome says how many drafts it verified."""
     from tests.verifier_service.test_engine_paths import decode, spec
-    from verifier_service.engine import Engine, RoundRequest
+    from verifier_service.engine import Engine
+    from verifier_service.rounds import RoundRequest
 
     reference = Engine(tiny_mtp_model, max_context=96, prefill_chunk=8, fused="off")
     prompts = [[3, 14, 15, 92, 65], [27, 18, 28, 18, 28, 45], [1, 2, 3]]
