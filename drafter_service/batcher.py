@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from drafter_service.planner import Plan
 from drafter_service.proposers import Proposal
 from drafter_service.session import DraftSession
+from shared.batching import answer
 
 Item = tuple[DraftSession, Plan | None]
 RunBatch = Callable[[list[Item]], Awaitable[tuple[list[Proposal | None], float]]]
@@ -51,17 +52,8 @@ class MtpBatcher:
                 return
             if self.on_batch is not None:
                 self.on_batch(len(batch))
-            try:
-                results, job_ms = await self.run_batch([item for item, _ in batch])
-            except asyncio.CancelledError:
-                for _, future in batch:
-                    future.cancel()
-                raise
-            except Exception as error:  # every caller of the batch sees the failure
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(error)
-                continue
-            for (_, future), result in zip(batch, results, strict=True):
-                if not future.done():
-                    future.set_result((result, job_ms))
+            await answer([future for _, future in batch], self._job([item for item, _ in batch]))
+
+    async def _job(self, items: list[Item]) -> list[tuple[Proposal | None, float]]:
+        results, job_ms = await self.run_batch(items)
+        return [(result, job_ms) for result in results]

@@ -17,6 +17,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shared.batching import answer
 from shared.worker import ModelWorker
 from verifier_service.rounds import RoundOutcome, RoundRequest
 
@@ -99,17 +100,4 @@ class RoundBatcher:
             self._expected = {id(r.session) for r, _ in batch}
             if self.on_batch is not None:
                 self.on_batch(len(batch))
-            try:
-                outcomes = await self.worker.run(self.run_rounds, [r for r, _ in batch])
-            except asyncio.CancelledError:
-                for _, future in batch:
-                    future.cancel()
-                raise
-            except Exception as error:  # every caller of the batch sees the failure
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(error)
-                continue
-            for (_, future), outcome in zip(batch, outcomes, strict=True):
-                if not future.done():
-                    future.set_result(outcome)
+            await answer([future for _, future in batch], self.worker.run(self.run_rounds, [r for r, _ in batch]))
