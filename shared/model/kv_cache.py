@@ -159,8 +159,10 @@ class KVPool:
         self._free_slots = list(range(num_slots - 1, -1, -1))
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._held: dict[int, list[int]] = {}  # slot -> its blocks
-        self._pinned = self.block_tables.is_cuda
-        self._in_flight: list[tuple[Tensor, torch.cuda.Event]] = []  # table rows on their way to the device
+        # Rows reach the device tables from a host copy (pinned on a GPU), one asynchronous copy
+        # per acquire; a slot's host row is rewritten only once its last copy has run.
+        self._host_tables = self._host_like(self.block_tables)
+        self._copied: dict[int, torch.cuda.Event] = {}
 
     @staticmethod
     def bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -199,20 +201,22 @@ class KVPool:
         self._write_row(slot, blocks)
         return slot, CacheLength(length)
 
+    def _host_like(self, tables: Tensor) -> Tensor:
+        return torch.zeros(tables.shape, dtype=tables.dtype, pin_memory=tables.is_cuda)
+
     def _write_row(self, slot: int, blocks: list[int]) -> None:
         """Write a slot's table row, in stream order (windows enqueued before read the old row)
         and without waiting for the device: a blocking copy would stall the host until every
         enqueued step had run (a step ahead included) each time a request starts."""
-        row = torch.tensor(blocks, dtype=torch.int32)
-        if not self._pinned:
-            self.block_tables[slot, : len(blocks)].copy_(row)
-            return
-        self._in_flight = [(source, done) for source, done in self._in_flight if not done.query()]
-        row = row.pin_memory()
-        self.block_tables[slot, : len(blocks)].copy_(row, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        self._in_flight.append((row, done))  # the source stays alive until its copy has run
+        copied = self._copied.pop(slot, None)
+        if copied is not None:
+            copied.synchronize()  # (long done: a slot is reused a request later)
+        row = self._host_tables[slot, : len(blocks)]
+        row.copy_(torch.tensor(blocks, dtype=torch.int32))
+        self.block_tables[slot, : len(blocks)].copy_(row, non_blocking=row.is_pinned())
+        if self.block_tables.is_cuda:
+            self._copied[slot] = torch.cuda.Event()
+            self._copied[slot].record()
 
     def release(self, slot: int) -> None:
         blocks = self._held.pop(slot, None)
@@ -238,6 +242,12 @@ class KVPool:
             tables = torch.zeros((num_slots, self.max_blocks), dtype=torch.int32, device=self.block_tables.device)
             tables[: self.num_slots].copy_(self.block_tables)
             self.block_tables = tables
+            for event in self._copied.values():  # (the old host rows' copies, before they go)
+                event.synchronize()
+            self._copied.clear()
+            host = self._host_like(tables)
+            host[: self.num_slots].copy_(self._host_tables)
+            self._host_tables = host
             self._free_slots = list(range(num_slots - 1, self.num_slots - 1, -1)) + self._free_slots
             self.num_slots = num_slots
 

@@ -158,6 +158,9 @@ def test_the_mtp_pool_grows_and_keeps_every_sessions_rows(tiny_mtp_model, monkey
     expected = reference.new_state(39)
     reference.catch_up(expected, hidden[:30], tokens[1:31].tolist())
     torch.testing.assert_close(before, expected.cache.keys[:, :30], rtol=1e-5, atol=1e-5)
+    for proposer_, state in ((proposer, first), (reference, expected)):  # attention over the grown pool's tables
+        proposer_.catch_up(state, hidden[30:33], tokens[31:34].tolist())
+    torch.testing.assert_close(first.next_logits, expected.next_logits, rtol=1e-4, atol=1e-4)
     for state in [first, *others]:
         proposer.release(state)
     assert pool.num_free == pool.num_slots and pool.num_free_blocks == pool.num_blocks
