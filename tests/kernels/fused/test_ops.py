@@ -99,7 +99,7 @@ def test_qk_norm_rope_writes_the_cache_at_slot_and_position(device, dtype, block
 
 @devices_and_dtypes()
 @pytest.mark.parametrize("context", [5, 300, 1100])
-@pytest.mark.parametrize("block_size", [16, 64, 1200])  # 64: a tile per block
+@pytest.mark.parametrize("block_size", [16, 64])  # 16: per-key block ids; 64: a tile per block
 def test_split_attention_matches_reference_and_rows_are_invariant(device, dtype, context, block_size):
     g = torch.Generator().manual_seed(context)
     num_heads, num_kv, head_dim, max_length = 8, 2, 32, 1200  # 4 query heads per KV head (GQA)

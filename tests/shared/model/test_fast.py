@@ -1,6 +1,8 @@
 """The fused forward (shared.model.fast) against the reference modules, the captured-window
 runner's eager path, and KV pool slots. On a CPU box the kernels run in Triton's interpreter."""
 
+import os
+
 import pytest
 import torch
 
@@ -236,10 +238,15 @@ def _prefilled_pool(model, prompts, device, block_size=4):
     pool = new_pool(model, len(prompts) + 1, max_length=64, block_size=block_size, device=device)
     slots = []
     fused = FusedModel(model, max_rows=8, max_length=64)
-    for prompt in prompts:
-        slot, _ = pool.acquire(64)
-        fused.prefill(torch.tensor(prompt, device=device), [(0, len(prompt), slot)], pool.paged())
-        slots.append(slot)
+    interpreting = os.environ.pop("TRITON_INTERPRET", None)  # the context: the fused ops' torch code (faster)
+    try:
+        for prompt in prompts:
+            slot, _ = pool.acquire(64)
+            fused.prefill(torch.tensor(prompt, device=device), [(0, len(prompt), slot)], pool.paged())
+            slots.append(slot)
+    finally:
+        if interpreting is not None:
+            os.environ["TRITON_INTERPRET"] = interpreting
     scratch, _ = pool.acquire(1)
     return pool, slots, scratch
 
