@@ -12,8 +12,8 @@ import contextlib
 import secrets
 import time
 import uuid
-from dataclasses import replace
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 import structlog
