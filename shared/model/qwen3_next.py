@@ -1,0 +1,283 @@
+"""The Qwen3-Next trunk on the CPU reference path (issue 17): linear-attention (Gated DeltaNet)
+and gated full-attention layers per `layer_types`, zero-centred RMSNorms, routed experts plus
+a sigmoid-gated shared expert. Not yet loadable by the services (config, loader and MTP come
+next); what is here is the forward and its speculative rollback, checked against
+transformers' Qwen3NextForCausalLM.
+
+A sequence's memory (`HybridCache`) is the KV rows of the full-attention layers and the
+state of each linear-attention layer. A window run with keep_states keeps every row's linear
+state, so `truncate` after rejected drafts restores both: the KV length moves back, and each
+linear layer takes the state after the last row kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.bias import causal_lower_right
+
+from shared.model.deltanet import GatedDeltaNet, LinearState
+from shared.model.kv_cache import KVCache
+from shared.model.layers import Rotary
+
+
+@dataclass(frozen=True)
+class NextConfig:
+    """The hyperparameters of a Qwen3-Next trunk, by the checkpoints' config.json names."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    layer_types: tuple[str, ...]
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    max_position_embeddings: int
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25
+    norm_topk_prob: bool = True
+    rms_norm_eps: float = 1e-6
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"config layer_types has {len(self.layer_types)} entries for "
+                             f"num_hidden_layers = {self.num_hidden_layers}")
+        unknown = set(self.layer_types) - {"linear_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"config layer_types: unknown layer type(s) {sorted(unknown)}")
+        if not 0 < self.partial_rotary_factor <= 1 or int(self.head_dim * self.partial_rotary_factor) % 2:
+            raise ValueError(f"config partial_rotary_factor {self.partial_rotary_factor} must leave an even "
+                             f"rotary width of head_dim {self.head_dim}")
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> NextConfig:
+        """From config.json (rope settings flat or under rope_parameters, as transformers writes them)."""
+        values = dict(raw)
+        values.update({k: v for k, v in (raw.get("rope_parameters") or {}).items()
+                       if k in ("rope_theta", "partial_rotary_factor")})
+        names = {f.name for f in fields(cls)}
+        values = {k: v for k, v in values.items() if k in names}
+        for name in ("layer_types", "mlp_only_layers"):
+            if name in values:
+                values[name] = tuple(values[name])
+        try:
+            return cls(**values)
+        except TypeError as error:
+            raise ValueError(f"config.json: {error}") from None
+
+
+class CenteredRMSNorm(nn.Module):
+    """RMSNorm scaled by (1 + weight), in float32 (Qwen3-Next's norms; weights start at zero)."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedAttention(nn.Module):
+    """Full attention with an output gate (q_proj yields each head's query and gate), q/k norms
+    and rotary embedding on the first `rotary_dim` of each head's dimensions."""
+
+    def __init__(self, c: NextConfig) -> None:
+        super().__init__()
+        h, d = c.hidden_size, c.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, 2 * self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = CenteredRMSNorm(d, c.rms_norm_eps)
+        self.k_norm = CenteredRMSNorm(d, c.rms_norm_eps)
+
+    def forward(self, x: Tensor, positions: Tensor, keys: Tensor, values: Tensor, rotary: Rotary) -> Tensor:
+        """x [T, hidden] at positions [T] (consecutive); keys/values [max_length, kv_heads, d] of
+        this layer, the window's rows written before attending over positions[-1] + 1 rows."""
+        rows, d = x.shape[0], self.head_dim
+        q, gate = self.q_proj(x).view(rows, self.num_heads, 2 * d).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(rows, self.num_kv_heads, d))
+        v = self.v_proj(x).view(rows, self.num_kv_heads, d)
+        width = rotary.cos.shape[-1]
+        q = torch.cat([rotary(q[..., :width], positions), q[..., width:]], dim=-1)
+        k = torch.cat([rotary(k[..., :width], positions), k[..., width:]], dim=-1)
+        keys[positions], values[positions] = k, v
+        visible = int(positions[-1]) + 1
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys[:visible].transpose(0, 1).unsqueeze(0),
+            values[:visible].transpose(0, 1).unsqueeze(0), attn_mask=causal_lower_right(rows, visible),
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )[0].transpose(0, 1).reshape(rows, -1)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(rows, -1)))
+
+
+class Mlp(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """Routed experts as [E, 2I, H] gate/up and [E, H, I] down tensors."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, intermediate))
+
+    def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
+        """x [T, H]; expert_ids, weights [T, k] -> the weighted sum of each row's experts [T, H]."""
+        out = torch.zeros_like(x)
+        for expert in expert_ids.unique().tolist():
+            rows, slot = torch.where(expert_ids == expert)
+            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            routed = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[rows, slot, None]
+            out.index_add_(0, rows, routed.to(out.dtype))
+        return out
+
+
+class SharedMoe(nn.Module):
+    """Softmax top-k routing over the experts plus a shared expert scaled by a sigmoid gate."""
+
+    def __init__(self, c: NextConfig) -> None:
+        super().__init__()
+        h = c.hidden_size
+        self.top_k, self.normalize = c.num_experts_per_tok, c.norm_topk_prob
+        self.gate = nn.Linear(h, c.num_experts, bias=False)
+        self.experts = Experts(c.num_experts, h, c.moe_intermediate_size)
+        self.shared_expert = Mlp(h, c.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = self.gate(x)
+        weights, expert_ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        routed = self.experts(x, expert_ids, weights.to(logits.dtype))
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: NextConfig, index: int) -> None:
+        super().__init__()
+        self.linear = c.layer_types[index] == "linear_attention"
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(
+                hidden_size=c.hidden_size, num_k_heads=c.linear_num_key_heads,
+                num_v_heads=c.linear_num_value_heads, head_k_dim=c.linear_key_head_dim,
+                head_v_dim=c.linear_value_head_dim, conv_kernel=c.linear_conv_kernel_dim, eps=c.rms_norm_eps)
+        else:
+            self.self_attn = GatedAttention(c)
+        sparse = c.num_experts > 0 and index not in c.mlp_only_layers and (index + 1) % c.decoder_sparse_step == 0
+        self.mlp = SharedMoe(c) if sparse else Mlp(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = CenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = CenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
+
+
+class HybridCache:
+    """One sequence's memory: KV rows of the full-attention layers, state of the linear ones."""
+
+    def __init__(self, model: Qwen3NextModel, max_length: int) -> None:
+        c = model.config
+        num_full = sum(1 for layer in model.layers if not layer.linear)
+        self.kv = KVCache(num_layers=max(num_full, 1), max_length=max_length, num_kv_heads=c.num_key_value_heads,
+                          head_dim=c.head_dim, dtype=model.dtype, device=model.device)
+        self.linear: list[LinearState] = [layer.linear_attn.new_state() for layer in model.layers if layer.linear]
+        # the last window run with keep_states: (its first row, the states before it, each linear
+        # layer's state after each of its rows)
+        self.window: tuple[int, list[LinearState], list[list[LinearState]]] | None = None
+
+    @property
+    def length(self) -> int:
+        return self.kv.length
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` rows: the KV rows beyond go, and each linear layer takes its
+        state after row length - 1 (a window run with keep_states keeps them)."""
+        if length == self.kv.length or not self.linear:
+            self.kv.truncate(length)
+            return
+        if self.window is None:
+            raise ValueError("rolling back linear-attention state needs the window run with keep_states=True")
+        start, before, rows = self.window
+        if not start <= length <= start + len(rows[0]):
+            raise ValueError(f"cannot roll back to row {length}: the last window covers rows {start}.."
+                             f"{start + len(rows[0])}")
+        self.linear = list(before) if length == start else [states[length - start - 1] for states in rows]
+        self.kv.truncate(length)
+
+
+class Qwen3NextModel(nn.Module):
+    def __init__(self, config: NextConfig) -> None:
+        super().__init__()
+        c = self.config = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.norm = CenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        rotary_dim = int(c.head_dim * c.partial_rotary_factor)
+        self.rotary = Rotary(rotary_dim, c.rope_theta, c.max_position_embeddings)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, max_length: int) -> HybridCache:
+        return HybridCache(self, max_length)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: Tensor, cache: HybridCache, *, keep_states: bool = False) -> tuple[Tensor, Tensor]:
+        """A window after the cache's rows: logits [T, vocab] float32 and final-norm hidden
+        [T, hidden]; keep_states: every row's linear state is kept for `cache.truncate`."""
+        start = cache.kv.reserve(token_ids.shape[0])
+        positions = torch.arange(start, start + token_ids.shape[0], device=self.device)
+        x = self.embed_tokens(token_ids)
+        full = linear = 0
+        before, per_row = list(cache.linear), []
+        for layer in self.layers:
+            normed = layer.input_layernorm(x)
+            if layer.linear:
+                out, state = layer.linear_attn(normed, cache.linear[linear], keep_states=keep_states)
+                if keep_states:
+                    per_row.append(state)
+                    state = state[-1]
+                cache.linear[linear] = state
+                linear += 1
+            else:
+                keys, values = cache.kv.layer(full)
+                out = layer.self_attn(normed, positions, keys, values, self.rotary)
+                full += 1
+            x = x + out
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        cache.window = (start, before, per_row) if keep_states else None
+        hidden = self.norm(x)
+        return self.lm_head(hidden).float(), hidden

@@ -1,0 +1,85 @@
+"""The Qwen3-Next trunk (shared.model.qwen3_next) against transformers' Qwen3NextForCausalLM
+on the same random weights: logits of a whole sequence (fp32, within 1e-4), and incremental
+decoding with verify windows rolled back after rejected drafts equal to a from-scratch
+forward."""
+
+import pytest
+import torch
+
+from shared.model.qwen3_next import NextConfig, Qwen3NextModel
+
+CONFIGS = {
+    # linear and full attention interleaved (every 2nd layer full), every layer MoE
+    "hybrid": dict(vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                   num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                   max_position_embeddings=128, full_attention_interval=2, rope_theta=10000.0,
+                   partial_rotary_factor=0.25, rms_norm_eps=1e-6),
+    # three linear layers before a full one, a dense MLP layer, full rotary width
+    "dense layer": dict(vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=16, intermediate_size=40, moe_intermediate_size=12,
+                        shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                        linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16,
+                        linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=128,
+                        full_attention_interval=4, mlp_only_layers=[1], partial_rotary_factor=1.0, rms_norm_eps=1e-6),
+}
+
+
+def pair(name):
+    """(transformers' model, ours with the same weights)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(0)
+    reference = Qwen3NextForCausalLM(Qwen3NextConfig(**CONFIGS[name])).eval()
+    with torch.no_grad():
+        for key, parameter in reference.named_parameters():
+            parameter.normal_(0, 0.02 if "proj" in key or "embed" in key or "lm_head" in key else 0.2)
+        for layer in reference.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.uniform_(-1, 1)
+    ours = Qwen3NextModel(NextConfig.from_dict(reference.config.to_dict()))
+    state = {key.removeprefix("model."): value for key, value in reference.state_dict().items()}
+    ours.load_state_dict(state)
+    return reference, ours
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_match_transformers(name):
+    reference, ours = pair(name)
+    assert [layer.linear for layer in ours.layers] == [t == "linear_attention" for t in reference.config.layer_types]
+    tokens = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(tokens.unsqueeze(0)).logits[0]
+    logits, _ = ours(tokens, ours.new_cache(64))
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_windows_rolled_back_after_rejected_drafts_decode_like_a_fresh_forward(name):
+    """Prefill, then verify windows of a head and 4 drafts, keeping 0..4 drafts each time: the
+    logits of every committed row equal a from-scratch forward over the committed tokens."""
+    _, ours = pair(name)
+    gen = torch.Generator().manual_seed(2)
+    committed = torch.randint(0, 97, (12,), generator=gen).tolist()
+    cache = ours.new_cache(64)
+    ours(torch.tensor(committed[:-1]), cache)  # the prompt but its last token (the head)
+    rows = []
+    for accepted in (2, 0, 4, 1):
+        drafts = torch.randint(0, 97, (4,), generator=gen).tolist()
+        logits, _ = ours(torch.tensor([committed[-1], *drafts]), cache, keep_states=True)
+        cache.truncate(len(committed) + accepted)  # the head and the accepted drafts stay
+        rows.append(logits[: accepted + 1])
+        committed += [*drafts[:accepted], int(logits[accepted].argmax())]  # the bonus token
+    fresh, _ = ours(torch.tensor(committed[:-1]), ours.new_cache(64))
+    torch.testing.assert_close(torch.cat(rows), fresh[11:], rtol=1e-4, atol=1e-5)
+
+
+def test_bad_configs_name_the_field():
+    raw = dict(CONFIGS["hybrid"], layer_types=["linear_attention"] * 3)
+    with pytest.raises(ValueError, match="layer_types has 3 entries"):
+        NextConfig.from_dict(raw)
+    with pytest.raises(ValueError, match="unknown layer type"):
+        NextConfig.from_dict(dict(CONFIGS["hybrid"], layer_types=["linear_attention", "mamba"] * 2))
+    with pytest.raises(ValueError, match="config.json"):
+        NextConfig.from_dict({"hidden_size": 32})
