@@ -7,8 +7,10 @@ A verify window advances it by every row; after k of n drafts are accepted the s
 the one after row k (the head's row counts as row 0). `forward(..., keep_states=True)`
 returns the state after each row, so rollback is picking one.
 
-Parameter names are the checkpoints' (`linear_attn.in_proj_qkvz`, `in_proj_ba`, `conv1d`,
-`dt_bias`, `A_log`, `norm`, `out_proj`), so the loader maps them one to one.
+Parameter names are the checkpoints', so the loader maps them one to one. Two projection
+layouts: Qwen3-Next's `in_proj_qkvz` / `in_proj_ba`, whose outputs are grouped by key head
+("grouped"), and Qwen3.5's `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a` ("split");
+then `conv1d`, `dt_bias`, `A_log`, `norm`, `out_proj` in both.
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ class GatedRMSNorm(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, *, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
-                 conv_kernel: int, eps: float) -> None:
+                 conv_kernel: int, eps: float, layout: str = "grouped") -> None:
         super().__init__()
+        if layout not in ("grouped", "split"):
+            raise ValueError(f"projection layout {layout!r} must be grouped (Qwen3-Next) or split (Qwen3.5)")
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads {num_v_heads} must be a multiple of "
                              f"linear_num_key_heads {num_k_heads}")
@@ -60,8 +64,15 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_kernel = conv_kernel
-        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        self.layout = layout
+        if layout == "grouped":
+            self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden_size, 2 * self.key_dim + self.value_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False,
                                 padding=conv_kernel - 1)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
@@ -77,9 +88,12 @@ class GatedDeltaNet(nn.Module):
                                   device=device))
 
     def _split(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """q, k [T, Hk*dk], v [T, Hv*dv], z [T, Hv, dv], b, a [T, Hv] from the projections, whose
-        outputs are grouped by key head (each group: q, k, then its value heads' v and z)."""
+        """q, k [T, Hk*dk], v [T, Hv*dv], z [T, Hv, dv], b, a [T, Hv] from the projections (grouped
+        layout: each key head's group holds q, k, then its value heads' v and z)."""
         rows, group = x.shape[0], self.num_v_heads // self.num_k_heads
+        if self.layout == "split":
+            q, k, v = self.in_proj_qkv(x).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            return q, k, v, self.in_proj_z(x).view(rows, -1, self.head_v_dim), self.in_proj_b(x), self.in_proj_a(x)
         qkvz = self.in_proj_qkvz(x).view(rows, self.num_k_heads, -1)
         q, k, v, z = qkvz.split([self.head_k_dim, self.head_k_dim, group * self.head_v_dim, group * self.head_v_dim],
                                 dim=-1)

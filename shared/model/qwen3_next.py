@@ -1,8 +1,9 @@
-"""The Qwen3-Next trunk on the CPU reference path (issue 17): linear-attention (Gated DeltaNet)
-and gated full-attention layers per `layer_types`, zero-centred RMSNorms, routed experts plus
-a sigmoid-gated shared expert. Not yet loadable by the services (config, loader and MTP come
-next); what is here is the forward and its speculative rollback, checked against
-transformers' Qwen3NextForCausalLM.
+"""The Qwen3-Next / Qwen3.5-MoE trunk on the CPU reference path (issue 17): linear-attention
+(Gated DeltaNet) and gated full-attention layers per `layer_types`, zero-centred RMSNorms,
+routed experts plus a sigmoid-gated shared expert. Not yet loadable by the services (the
+loader's tensor names, the MTP layer and the services' wiring come next); what is here is the
+forward and its speculative rollback, checked against transformers' Qwen3NextForCausalLM and
+Qwen3_5MoeForCausalLM (text).
 
 A sequence's memory (`HybridCache`) is the KV rows of the full-attention layers and the
 state of each linear-attention layer. A window run with keep_states keeps every row's linear
@@ -52,6 +53,7 @@ class NextConfig:
     rms_norm_eps: float = 1e-6
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    linear_projection: str = "grouped"  # Qwen3-Next's fused projections; "split": Qwen3.5's
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
@@ -66,8 +68,12 @@ class NextConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> NextConfig:
-        """From config.json (rope settings flat or under rope_parameters, as transformers writes them)."""
+        """From config.json: Qwen3-Next's, or Qwen3.5-MoE's (its text config, nested in the
+        composite config as the checkpoints have it); rope settings flat or under rope_parameters."""
+        raw = raw.get("text_config") or raw
         values = dict(raw)
+        if str(raw.get("model_type", "")).startswith("qwen3_5"):
+            values["linear_projection"] = "split"
         values.update({k: v for k, v in (raw.get("rope_parameters") or {}).items()
                        if k in ("rope_theta", "partial_rotary_factor")})
         names = {f.name for f in fields(cls)}
@@ -190,7 +196,8 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(
                 hidden_size=c.hidden_size, num_k_heads=c.linear_num_key_heads,
                 num_v_heads=c.linear_num_value_heads, head_k_dim=c.linear_key_head_dim,
-                head_v_dim=c.linear_value_head_dim, conv_kernel=c.linear_conv_kernel_dim, eps=c.rms_norm_eps)
+                head_v_dim=c.linear_value_head_dim, conv_kernel=c.linear_conv_kernel_dim, eps=c.rms_norm_eps,
+                layout=c.linear_projection)
         else:
             self.self_attn = GatedAttention(c)
         sparse = c.num_experts > 0 and index not in c.mlp_only_layers and (index + 1) % c.decoder_sparse_step == 0

@@ -1,5 +1,5 @@
-"""The Qwen3-Next trunk (shared.model.qwen3_next) against transformers' Qwen3NextForCausalLM
-on the same random weights: logits of a whole sequence (fp32, within 1e-4), and incremental
+"""The Qwen3-Next / Qwen3.5-MoE trunk (shared.model.qwen3_next) against transformers'
+Qwen3NextForCausalLM and Qwen3_5MoeForCausalLM (text) on the same random weights: logits of a whole sequence (fp32, within 1e-4), and incremental
 decoding with verify windows rolled back after rejected drafts equal to a from-scratch
 forward."""
 
@@ -26,12 +26,20 @@ CONFIGS = {
 }
 
 
+CONFIGS["qwen3.5"] = {k: v for k, v in CONFIGS["hybrid"].items() if k != "full_attention_interval"} | dict(
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
+
+
 def pair(name):
     """(transformers' model, ours with the same weights)."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     torch.manual_seed(0)
-    reference = Qwen3NextForCausalLM(Qwen3NextConfig(**CONFIGS[name])).eval()
+    if name == "qwen3.5":
+        reference = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**CONFIGS[name])).eval()
+    else:
+        reference = Qwen3NextForCausalLM(Qwen3NextConfig(**CONFIGS[name])).eval()
     with torch.no_grad():
         for key, parameter in reference.named_parameters():
             parameter.normal_(0, 0.02 if "proj" in key or "embed" in key or "lm_head" in key else 0.2)
@@ -73,6 +81,15 @@ def test_windows_rolled_back_after_rejected_drafts_decode_like_a_fresh_forward(n
         committed += [*drafts[:accepted], int(logits[accepted].argmax())]  # the bonus token
     fresh, _ = ours(torch.tensor(committed[:-1]), ours.new_cache(64))
     torch.testing.assert_close(torch.cat(rows), fresh[11:], rtol=1e-4, atol=1e-5)
+
+
+def test_a_qwen3_5_composite_config_gives_its_text_config():
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig
+
+    composite = Qwen3_5MoeConfig(text_config=CONFIGS["qwen3.5"]).to_dict()
+    config = NextConfig.from_dict(composite)
+    assert config.linear_projection == "split" and config.layer_types[2] == "full_attention"
+    assert config.hidden_size == 32 and config.partial_rotary_factor == 0.25
 
 
 def test_bad_configs_name_the_field():
