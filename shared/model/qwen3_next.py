@@ -54,6 +54,7 @@ class NextConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     linear_projection: str = "grouped"  # Qwen3-Next's fused projections; "split": Qwen3.5's
+    tie_word_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
@@ -247,6 +248,8 @@ class Qwen3NextModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = CenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
         rotary_dim = int(c.head_dim * c.partial_rotary_factor)
         self.rotary = Rotary(rotary_dim, c.rope_theta, c.max_position_embeddings)
 
