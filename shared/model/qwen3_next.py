@@ -1,9 +1,9 @@
 """The Qwen3-Next / Qwen3.5-MoE trunk on the CPU reference path (issue 17): linear-attention
 (Gated DeltaNet) and gated full-attention layers per `layer_types`, zero-centred RMSNorms,
-routed experts plus a sigmoid-gated shared expert. Not yet loadable by the services (the
-loader's tensor names, the MTP layer and the services' wiring come next); what is here is the
-forward and its speculative rollback, checked against transformers' Qwen3NextForCausalLM and
-Qwen3_5MoeForCausalLM (text).
+routed experts plus a sigmoid-gated shared expert. The services do not serve it yet (the MTP
+layer, the engine's rounds over this cache and the fused GPU path come next); what is here is
+the forward and its speculative rollback, checked against transformers' Qwen3NextForCausalLM
+and Qwen3_5MoeForCausalLM (text), and its checkpoints' loader (shared.model.next_loader).
 
 A sequence's memory (`HybridCache`) is the KV rows of the full-attention layers and the
 state of each linear-attention layer. A window run with keep_states keeps every row's linear
