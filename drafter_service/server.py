@@ -17,8 +17,8 @@ import structlog
 import torch
 from opentelemetry.trace import Status, StatusCode
 
-from drafter_service.drafter import Drafter
 from drafter_service.batcher import MtpBatcher
+from drafter_service.drafter import Drafter
 from drafter_service.load import WorkerLoad
 from drafter_service.messages import check_commit, check_open
 from drafter_service.session import DraftSession, SessionStore
