@@ -22,7 +22,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from shared.model.deltanet import GatedDeltaNet, LinearState
 from shared.model.kv_cache import KVCache
-from shared.model.layers import Rotary
+from shared.model.layers import DenseMLP, Rotary
 
 
 @dataclass(frozen=True)
@@ -138,17 +138,6 @@ class GatedAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate.reshape(rows, -1)))
 
 
-class Mlp(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Experts(nn.Module):
     """Routed experts as [E, 2I, H] gate/up and [E, H, I] down tensors."""
 
@@ -177,7 +166,7 @@ class SharedMoe(nn.Module):
         self.top_k, self.normalize = c.num_experts_per_tok, c.norm_topk_prob
         self.gate = nn.Linear(h, c.num_experts, bias=False)
         self.experts = Experts(c.num_experts, h, c.moe_intermediate_size)
-        self.shared_expert = Mlp(h, c.shared_expert_intermediate_size)
+        self.shared_expert = DenseMLP(h, c.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(h, 1, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -202,7 +191,7 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(c)
         sparse = c.num_experts > 0 and index not in c.mlp_only_layers and (index + 1) % c.decoder_sparse_step == 0
-        self.mlp = SharedMoe(c) if sparse else Mlp(c.hidden_size, c.intermediate_size)
+        self.mlp = SharedMoe(c) if sparse else DenseMLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = CenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = CenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
 
