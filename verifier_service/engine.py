@@ -21,12 +21,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from kernels.fused import cdiv
 from kernels.sampling import SparseRows, process_logits
 from kernels.speculative import Mode, verify_chain
 from shared.model import Qwen3MoeModel
 from shared.model.fast import FusedModel, fused_wanted
 from shared.model.graphs import WindowGraphs
-from shared.model.kv_cache import KVPool, cdiv
+from shared.model.kv_cache import KVPool
 from verifier_service.audit import accept_key
 from verifier_service.kv_memory import KVPlan, plan_kv
 from verifier_service.requests import RequestSpec

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.fused import cdiv
+
 
 @dataclass(frozen=True)
 class KVPlan:
@@ -59,7 +61,7 @@ def plan_kv(*, requested_tokens: int, memory_fraction: float, block_size: int, b
     """The pool for these settings: `requested_tokens` if set, else sized from memory."""
     if not (math.isfinite(memory_fraction) and 0 < memory_fraction <= 1):
         raise ValueError(f"kv_memory_fraction {memory_fraction!r} must lie in (0, 1]")
-    ceiling = max_sessions * -(-max_context // block_size) * block_size  # (a request holds whole blocks)
+    ceiling = max_sessions * cdiv(max_context, block_size) * block_size  # (a request holds whole blocks)
     if requested_tokens:
         return KVPlan(requested_tokens, block_size, bytes_per_token, "kv_cache_tokens")
     if device.type == "cuda":

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kernels.fused import paged_rows
 from kernels.retention import RetentionPolicy
 from kernels.sampling import SamplingParams, SparseRows, draw, process_logits
 from kernels.speculative import Gate, Mode, admission_confidences
@@ -173,9 +174,9 @@ class MTPProposer:
         result = self.model.forward_mtp(hidden, ids, cache, routing=self._routing(rows))
         start = state.cache.reserve(rows)
         span = torch.arange(start, start + rows, device=self.model.device)
-        blocks = pool.block_tables[state.slot, torch.div(span, pool.block_size, rounding_mode="floor")].long()
-        pool.keys[0, blocks, span % pool.block_size] = cache.keys[0, start:]
-        pool.values[0, blocks, span % pool.block_size] = cache.values[0, start:]
+        blocks, offsets = paged_rows(pool.block_tables, torch.full_like(span, state.slot), span, pool.block_size)
+        pool.keys[0, blocks, offsets] = cache.keys[0, start:]
+        pool.values[0, blocks, offsets] = cache.values[0, start:]
         return result
 
     def _routing(self, rows: int) -> RoutingOptions | None:

@@ -19,9 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from kernels.fused import cdiv
 
 
 class CacheLength:
@@ -176,10 +174,6 @@ class KVPool:
     @property
     def num_free_blocks(self) -> int:
         return len(self._free_blocks)
-
-    @property
-    def bytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
 
     def blocks_for(self, length: int) -> int:
         return cdiv(length, self.block_size)
