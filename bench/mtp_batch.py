@@ -10,12 +10,14 @@ all sessions (wall clock, synchronised: the drafter's kernels run eagerly, so ho
 part of the cost), the median of paired ratios, and whether every chain was the same in
 both arms.
 
-    python bench/mtp_batch.py [--device cuda] [--model embedded|30b] [--sessions 1,4,16,32] [--rounds 20]
+    python bench/mtp_batch.py [--device cuda] [--model embedded|30b] [--sessions 1,4,16,32] [--rounds 20] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -53,6 +55,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--drafts", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the batched arm's rounds (host time by function, on stderr)")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     if args.model == "embedded":
@@ -68,6 +72,7 @@ def main() -> None:
     print("| sessions | one after another ms/round | batched ms/round | batched / one after another | chains identical |")
     print("| ---: | ---: | ---: | ---: | --- |")
     sampling = SamplingParams(temperature=args.temperature)
+    profiles: dict[int, pstats.Stats] = {}
     for num in (int(n) for n in args.sessions.split(",")):
         gen = torch.Generator().manual_seed(num)
         prompts = [(torch.randn(PROMPT - 1, c.hidden_size, generator=gen), torch.randint(0, c.vocab_size, (PROMPT - 1,),
@@ -93,6 +98,9 @@ def main() -> None:
                 for state, (hidden, ids) in zip(states, commits):
                     proposer.defer(state, hidden, ids)
                 sync(args.device)
+                profiler = cProfile.Profile() if args.profile and arm == "batched" and round_id else None
+                if profiler is not None:
+                    profiler.enable()
                 started = time.perf_counter()
                 if arm == "one":
                     out = []
@@ -103,6 +111,9 @@ def main() -> None:
                     proposer.settle_batch(states)
                     out = proposer.draft_batch(jobs)
                 sync(args.device)
+                if profiler is not None:
+                    profiler.disable()
+                    profiles.setdefault(num, pstats.Stats(profiler, stream=sys.stderr)).add(profiler)
                 if round_id:  # the first round warms up
                     times[arm].append((time.perf_counter() - started) * 1e3)
                 chains[arm] = [p.token_ids for p in out]
@@ -112,6 +123,9 @@ def main() -> None:
               f"| {ratio:.3f} | {same} |")
         sys.stdout.flush()
         log(f"  {num} sessions done")
+    for num, stats in profiles.items():
+        log(f"\n### host time of the batched arm, {num} sessions, {args.rounds - 1} rounds (cProfile, top 30 by own time)")
+        stats.sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":

@@ -233,11 +233,10 @@ class MTPProposer:
         chains = [_Chain(job, job.state.cache.length, job.state.next_logits, job.state.last_out, [], [], [])
                   for job in jobs]
         for step in range(max((job.num_drafts for job in jobs), default=0)):
+            drawing = [chain for chain in chains if not chain.done and step < chain.job.num_drafts]
             forwards = []
-            for chain in chains:
-                if chain.done or step >= chain.job.num_drafts:
-                    continue
-                if not self._draw(chain, step):
+            for chain, kept in zip(drawing, self._draw_step(drawing, step)):
+                if not kept:
                     chain.done = True
                 elif step + 1 < chain.job.num_drafts:
                     forwards.append(chain)
@@ -255,18 +254,44 @@ class MTPProposer:
             proposals.append(Proposal("MTP", chain.token_ids, q_rows, chain.confidences))
         return proposals
 
-    def _draw(self, chain: _Chain, step: int) -> bool:
-        """Draw the chain's draft `step` from its current logits; False when retention stops it
-        (nothing of a rejected step is kept)."""
+    def _draw_step(self, chains: list[_Chain], step: int) -> list[bool]:
+        """Draw each chain's draft `step` from its current logits; False where retention stops
+        the chain (nothing of a rejected step is kept). Chains with the same sampling settings
+        are processed together (one host copy for them all; rows are processed independently,
+        so each is what it is alone), and greedy chains skip the draw: their q rows are point
+        masses on the argmax, drawn from with certainty (confidence 1 under every gate)."""
+        kept = [False] * len(chains)
+        by_params: dict[SamplingParams, list[int]] = {}
+        for index, chain in enumerate(chains):
+            by_params.setdefault(chain.job.sampling, []).append(index)
+        for params, indices in by_params.items():
+            logits = torch.stack([chains[i].logits for i in indices])  # [n, vocab]
+            if params.greedy:
+                # (torch.argmax takes the first maximum: the lowest id on ties, as process_logits)
+                for index, token in zip(indices, logits.argmax(dim=-1).tolist()):
+                    kept[index] = self._keep(chains[index], step, token, 1.0, None)
+                continue
+            q = process_logits(logits, params).to("cpu")  # [n, width]
+            for row, index in enumerate(indices):
+                kept[index] = self._draw(chains[index], step, q[row])
+        return kept
+
+    def _draw(self, chain: _Chain, step: int, q: SparseRows) -> bool:
+        """Draw a sampled chain's draft `step` from its processed row q [1, width]."""
         job = chain.job
         stream = "pick" if (job.coupled and job.mode == Mode.EXACT) else "draft"
-        q = process_logits(chain.logits.unsqueeze(0), job.sampling).to("cpu")  # [1, width]
         position = torch.tensor([job.base_position + step])
         token = int(draw(q, job.seed, position, stream=stream)[0])
         confidence = float(admission_confidences(torch.tensor([token]), q, mode=job.mode, gate=job.gate)[0])
-        if job.policy.keep([*chain.confidences, confidence]) <= step:
+        return self._keep(chain, step, token, confidence, q.row(0))
+
+    @staticmethod
+    def _keep(chain: _Chain, step: int, token: int, confidence: float, q_row: dict[int, float] | None) -> bool:
+        """Append the drawn draft unless retention stops the chain at this step."""
+        if chain.job.policy.keep([*chain.confidences, confidence]) <= step:
             return False
         chain.token_ids.append(token)
-        chain.rows.append(q.row(0))
+        if q_row is not None:
+            chain.rows.append(q_row)
         chain.confidences.append(confidence)
         return True

@@ -36,6 +36,27 @@ def test_fused_mtp_drafts_like_the_reference(tiny_mtp_model, temperature, moce):
         assert got == pytest.approx(ref, rel=1e-4, abs=1e-6)
 
 
+def test_a_greedy_chain_is_the_argmax_chain_of_the_mtp_layer(tiny_mtp_model):
+    """Greedy drafts skip the draw (a point mass is drawn from with certainty): the chain is each
+    step's argmax fed back, the confidences 1, and no q rows are sent."""
+    model = tiny_mtp_model
+    tokens = torch.randint(0, 97, (24,), generator=torch.Generator().manual_seed(9))
+    _, hidden = model(tokens, model.new_cache(32))
+    proposer = MTPProposer(model)
+    state = proposer.new_state(64)
+    proposer.catch_up(state, hidden[:20], tokens[1:21].tolist())
+    proposal = proposer.draft(state, 4, sampling=SamplingParams(temperature=0.0), seed=5, base_position=21,
+                              mode=Mode.PROBABILISTIC, gate=Gate.TOP, coupled=False, policy=RetentionPolicy())
+    cache = model.new_mtp_cache(64)
+    logits, out = model.forward_mtp(hidden[:20], tokens[1:21], cache)
+    expected = [int(logits[-1].argmax())]
+    for _ in range(3):
+        logits, out = model.forward_mtp(out[-1:], torch.tensor(expected[-1:]), cache)
+        expected.append(int(logits[-1].argmax()))
+    assert proposal.token_ids == expected
+    assert proposal.confidences == [1.0] * 4 and proposal.q_rows is None
+
+
 def test_deferred_commits_settle_to_the_eager_state(tiny_mtp_model):
     """Commits deferred (MTPProposer.defer) and settled later run the same forwards as eager
     catch-ups: the same cache and the same first-draft logits, bit for bit."""
@@ -87,7 +108,8 @@ def _fused_proposer(model, routing=None):
 def test_sessions_drafted_in_one_batch_get_their_chains_alone(tiny_mtp_model, moce, monkeypatch):
     """draft_batch (fused path, the sessions' rows in one pool and one forward per step): each
     session's chain — tokens, q rows, confidences — and cache are what it gets drafted alone,
-    with different lengths, sampling settings, seeds, modes and a retention that cuts one short.
+    with different lengths, sampling settings (some shared: their rows are processed together),
+    seeds, modes and a retention that cuts one short.
     The kernels are row-invariant (on the CPU: one-row steps), so this holds bit for bit."""
     from drafter_service.proposers.mtp import DraftJob
 
@@ -101,6 +123,9 @@ def test_sessions_drafted_in_one_batch_get_their_chains_alone(tiny_mtp_model, mo
         (20, 3, SamplingParams(temperature=0.8, top_p=0.9), 2, Mode.EXACT, RetentionPolicy()),
         (7, 5, SamplingParams(temperature=1.0), 3, Mode.PROBABILISTIC, RetentionPolicy.parse("0.3", 0.0, min_p=0.0)),
         (30, 1, SamplingParams(temperature=0.5, top_k=5), 4, Mode.EXACT, RetentionPolicy()),
+        # the same settings as chains above: processed together, drawn each on its own stream
+        (15, 3, SamplingParams(temperature=0.8, top_p=0.9), 5, Mode.PROBABILISTIC, RetentionPolicy()),
+        (25, 2, SamplingParams(temperature=0.0), 6, Mode.PROBABILISTIC, RetentionPolicy()),
     ]
 
     def prepared(proposer):
