@@ -4,15 +4,19 @@ reference trunk (shared.model.qwen3_next; issue 17).
 Tensor names as the checkpoints have them: `model.*` (Qwen3-Next) or `model.language_model.*`
 (Qwen3.5-MoE's composite checkpoints), `lm_head.weight`; routed experts per expert
 (`mlp.experts.{e}.gate_proj.weight`, ...) or already fused (`mlp.experts.gate_up_proj`,
-`down_proj`, as transformers saves them). The vision tower (`model.visual.*`) is not served,
-and the MTP layer (`mtp.*`) is not wired yet: both are skipped. Every missing, unexpected or
-mis-shaped tensor is named in one error.
+`down_proj`, as transformers saves them); the MTP layer under `mtp.*` (its experts per expert
+too), built when the checkpoint has those tensors (transformers drops them when it saves).
+The vision tower (`model.visual.*`) is not served. `parts` loads what a service runs: "trunk"
+(the verifier: no MTP layer), "mtp" (a lean drafter: embeddings, the MTP layer and lm_head,
+never the trunk), or "all". Every missing, unexpected or mis-shaped tensor is named in one
+error.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,39 +26,59 @@ from shared.model.loader import _list_files, _problem
 from shared.model.qwen3_next import NextConfig, Qwen3NextModel
 
 PREFIXES = ("model.language_model.", "model.")  # the trunk's tensors, longest first
-SKIPPED = ("model.visual.", "mtp.")
-EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+EXPERT = re.compile(r"^((?:mtp\.)?layers\.\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+PARTS = ("all", "trunk", "mtp")
+TRUNK_ONLY = ("layers.", "norm.")  # what a lean drafter skips
 
 
-def _our_name(name: str) -> str | None:
-    """A checkpoint tensor's parameter name in Qwen3NextModel (None: skipped)."""
-    if name.startswith(SKIPPED):
+def _our_name(name: str, parts: str) -> str | None:
+    """A checkpoint tensor's parameter name in Qwen3NextModel (None: not loaded)."""
+    if name.startswith("model.visual."):
         return None
+    if name.startswith("mtp."):
+        return None if parts == "trunk" else name
     for prefix in PREFIXES:
         if name.startswith(prefix):
-            return name[len(prefix):]
-    return name  # lm_head.weight
+            name = name[len(prefix):]
+            break
+    return None if parts == "mtp" and name.startswith(TRUNK_ONLY) else name  # (lm_head.weight unprefixed)
 
 
-def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Qwen3NextModel:
+def read_config(path: Path, *, has_mtp: bool) -> NextConfig:
+    raw = json.loads((path / "config.json").read_text())
+    raw = dict(raw.get("text_config") or raw, model_type=(raw.get("text_config") or raw).get("model_type")
+               or raw.get("model_type"))
+    raw["mtp_num_hidden_layers"] = 1 if has_mtp else 0
+    return NextConfig.from_dict(raw)
+
+
+def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+              parts: str = "all") -> Qwen3NextModel:
+    if parts not in PARTS:
+        raise ValueError(f"parts {parts!r} must be one of {', '.join(PARTS)}")
     path = Path(path)
-    config = NextConfig.from_dict(json.loads((path / "config.json").read_text()))
-    model = Qwen3NextModel(config).to(dtype)
+    files = _list_files(path)
+    has_mtp = any(name.startswith("mtp.") for name in files)
+    if parts == "mtp" and not has_mtp:
+        raise ValueError(f"checkpoint {path} has no MTP layer (no mtp.* tensors): a lean drafter has nothing to run")
+    config = read_config(path, has_mtp=has_mtp and parts != "trunk")
+    with torch.device(device):
+        model = Qwen3NextModel(config, trunk=parts != "mtp").to(dtype)
     params = dict(model.named_parameters())  # (a tied lm_head is embed_tokens: listed once)
-    per_expert: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     unexpected, misshaped, seen = [], [], set()
     by_file: dict[Path, list[str]] = {}
-    for name, file in _list_files(path).items():
+    for name, file in files.items():
         by_file.setdefault(file, []).append(name)
     for file, names in by_file.items():
         with safe_open(file, framework="pt", device="cpu") as handle:
             for name in names:
-                ours = _our_name(name)
+                ours = _our_name(name, parts)
                 if ours is None:
                     continue
                 match = EXPERT.match(ours)
                 if match:
-                    layer, expert, kind = int(match.group(1)), int(match.group(2)), match.group(3)
+                    layer, expert, kind = match.group(1), int(match.group(2)), match.group(3)
                     per_expert.setdefault((layer, kind), {})[expert] = handle.get_tensor(name)
                     continue
                 if ours not in params:
@@ -67,24 +91,63 @@ def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Qwen3N
                 with torch.no_grad():
                     params[ours].copy_(tensor.to(dtype))
                 seen.add(ours)
-    _fuse_experts(model, per_expert, params, seen, misshaped)
+    _fuse_experts(per_expert, params, seen, misshaped)
     missing = sorted(set(params) - seen)
     problems = [_problem(kind, names) for kind, names in
                 (("missing", missing), ("unexpected", sorted(unexpected)), ("mis-shaped", misshaped)) if names]
     if problems:
         raise ValueError(f"checkpoint {path} does not match its config: " + "; ".join(problems))
-    return model.eval()
+    _rebuild_rotary(model)
+    return model.eval().requires_grad_(False)
 
 
-def _fuse_experts(model: Qwen3NextModel, per_expert: dict, params: dict, seen: set, misshaped: list) -> None:
-    """Per-expert tensors into each layer's [E, 2I, H] gate_up and [E, H, I] down parameters."""
-    for layer in sorted({layer for layer, _ in per_expert}):
-        gate_up, down = f"layers.{layer}.mlp.experts.gate_up_proj", f"layers.{layer}.mlp.experts.down_proj"
+def random_next(config: NextConfig, *, dtype: torch.dtype, device: str | torch.device, seed: int = 0,
+                parts: str = "all", std: float = 0.02) -> Qwen3NextModel:
+    """A model of `config`'s shapes with random N(0, std) weights (norm weights 0: the
+    zero-centred norms scale by 1 + w), made on the device (benchmarks at real sizes)."""
+    if parts not in PARTS:
+        raise ValueError(f"parts {parts!r} must be one of {', '.join(PARTS)}")
+    if parts == "mtp" and not config.mtp_num_hidden_layers:
+        raise ValueError("parts 'mtp' needs config mtp_num_hidden_layers = 1")
+    if parts == "trunk" and config.mtp_num_hidden_layers:
+        config = replace(config, mtp_num_hidden_layers=0)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = Qwen3NextModel(config, trunk=parts != "mtp")
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("A_log"):
+                param.uniform_(-1.0, 1.0, generator=generator)
+            elif name.endswith("dt_bias"):
+                param.fill_(1.0)
+            elif "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1]:
+                param.fill_(1.0 if name.endswith("linear_attn.norm.weight") else 0.0)
+            else:
+                param.normal_(0.0, std, generator=generator)
+    _rebuild_rotary(model)
+    return model.eval().requires_grad_(False)
+
+
+def _rebuild_rotary(model: Qwen3NextModel) -> None:
+    """The rotary tables on the model's device (to_empty and device moves leave them stale)."""
+    c = model.config
+    model.rotary = type(model.rotary)(int(c.head_dim * c.partial_rotary_factor), c.rope_theta,
+                                      c.max_position_embeddings).to(model.device)
+
+
+def _fuse_experts(per_expert: dict, params: dict, seen: set, misshaped: list) -> None:
+    """Per-expert tensors into each MoE block's [E, 2I, H] gate_up and [E, H, I] down parameters."""
+    for prefix in sorted({prefix for prefix, _ in per_expert}):
+        gate_up, down = f"{prefix}.mlp.experts.gate_up_proj", f"{prefix}.mlp.experts.down_proj"
         if gate_up not in params:
-            misshaped.append(f"layer {layer}'s routed experts (the config makes it dense)")
+            misshaped.append(f"{prefix}'s routed experts (the config makes it dense)")
             continue
         num_experts = params[gate_up].shape[0]
-        tensors = {kind: per_expert.get((layer, kind), {}) for kind in ("gate", "up", "down")}
+        tensors = {kind: per_expert.get((prefix, kind), {}) for kind in ("gate", "up", "down")}
         if any(sorted(t) != list(range(num_experts)) for t in tensors.values()):
             continue  # incomplete: reported as missing
         try:
@@ -92,7 +155,7 @@ def _fuse_experts(model: Qwen3NextModel, per_expert: dict, params: dict, seen: s
                                torch.stack([tensors["up"][e] for e in range(num_experts)])], dim=1)
             stacked = torch.stack([tensors["down"][e] for e in range(num_experts)])
         except RuntimeError as error:
-            misshaped.append(f"layer {layer}'s expert tensors ({error})")
+            misshaped.append(f"{prefix}'s expert tensors ({error})")
             continue
         for name, tensor in ((gate_up, fused), (down, stacked)):
             if tensor.shape != params[name].shape:

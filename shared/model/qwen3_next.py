@@ -1,14 +1,20 @@
-"""The Qwen3-Next / Qwen3.5-MoE trunk on the CPU reference path (issue 17): linear-attention
-(Gated DeltaNet) and gated full-attention layers per `layer_types`, zero-centred RMSNorms,
-routed experts plus a sigmoid-gated shared expert. The services do not serve it yet (the MTP
-layer, the engine's rounds over this cache and the fused GPU path come next); what is here is
-the forward and its speculative rollback, checked against transformers' Qwen3NextForCausalLM
-and Qwen3_5MoeForCausalLM (text), and its checkpoints' loader (shared.model.next_loader).
+"""The Qwen3-Next / Qwen3.5-MoE trunk and its MTP layer on the CPU reference path (issue 17):
+linear-attention (Gated DeltaNet) and gated full-attention layers per `layer_types`,
+zero-centred RMSNorms, routed experts plus a sigmoid-gated shared expert. Checked against
+transformers' Qwen3NextForCausalLM and Qwen3_5MoeForCausalLM (text); the checkpoints' loader
+is shared.model.next_loader. The services serve it through the engine's reference path (the
+fused GPU path does not run this family yet).
 
 A sequence's memory (`HybridCache`) is the KV rows of the full-attention layers and the
-state of each linear-attention layer. A window run with keep_states keeps every row's linear
-state, so `truncate` after rejected drafts restores both: the KV length moves back, and each
-linear layer takes the state after the last row kept.
+state of each linear-attention layer. A window run with keep_states (the default of
+`forward`: a verify window may be rolled back) keeps every row's linear state, so
+`truncate` after rejected drafts restores both: the KV length moves back, and each linear
+layer takes the state after the last row kept.
+
+The MTP layer (`mtp.*`, as the checkpoints name it) is one gated full-attention decoder
+layer with the MoE block: x = fc(cat([norm_e(embed(token)), norm_h(h)])) → layer → mtp.norm
+→ lm_head, h the trunk's final-norm hidden row (or the MTP's own output when chaining).
+`trunk=False` builds the embeddings, the MTP layer and lm_head only: a lean drafter.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class NextConfig:
     mlp_only_layers: tuple[int, ...] = ()
     linear_projection: str = "grouped"  # Qwen3-Next's fused projections; "split": Qwen3.5's
     tie_word_embeddings: bool = False
+    mtp_num_hidden_layers: int = 0  # the loader builds the MTP layer when the checkpoint has mtp.* tensors
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
@@ -66,6 +73,9 @@ class NextConfig:
         if not 0 < self.partial_rotary_factor <= 1 or int(self.head_dim * self.partial_rotary_factor) % 2:
             raise ValueError(f"config partial_rotary_factor {self.partial_rotary_factor} must leave an even "
                              f"rotary width of head_dim {self.head_dim}")
+        if self.mtp_num_hidden_layers not in (0, 1):
+            raise ValueError(f"config mtp_num_hidden_layers {self.mtp_num_hidden_layers}: one MTP layer (chained) "
+                             "is what tandem drafts with")
 
     @classmethod
     def from_dict(cls, raw: dict) -> NextConfig:
@@ -179,9 +189,10 @@ class SharedMoe(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: NextConfig, index: int) -> None:
+    def __init__(self, c: NextConfig, index: int, *, mtp: bool = False) -> None:
+        """Trunk layer `index` per the config, or (mtp) the MTP layer: full attention, MoE."""
         super().__init__()
-        self.linear = c.layer_types[index] == "linear_attention"
+        self.linear = not mtp and c.layer_types[index] == "linear_attention"
         if self.linear:
             self.linear_attn = GatedDeltaNet(
                 hidden_size=c.hidden_size, num_k_heads=c.linear_num_key_heads,
@@ -190,10 +201,26 @@ class DecoderLayer(nn.Module):
                 layout=c.linear_projection)
         else:
             self.self_attn = GatedAttention(c)
-        sparse = c.num_experts > 0 and index not in c.mlp_only_layers and (index + 1) % c.decoder_sparse_step == 0
+        sparse = c.num_experts > 0 and (mtp or index not in c.mlp_only_layers and (index + 1) % c.decoder_sparse_step == 0)
         self.mlp = SharedMoe(c) if sparse else DenseMLP(c.hidden_size, c.intermediate_size)
         self.input_layernorm = CenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = CenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def attend(self, x: Tensor, positions: Tensor, keys: Tensor, values: Tensor, rotary: Rotary) -> Tensor:
+        """A full-attention layer's whole step: x [T, hidden] → x [T, hidden]."""
+        x = x + self.self_attn(self.input_layernorm(x), positions, keys, values, rotary)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, c: NextConfig) -> None:
+        super().__init__()
+        h = c.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = CenteredRMSNorm(h, c.rms_norm_eps)
+        self.pre_fc_norm_hidden = CenteredRMSNorm(h, c.rms_norm_eps)
+        self.layers = nn.ModuleList([DecoderLayer(c, 0, mtp=True)])
+        self.norm = CenteredRMSNorm(h, c.rms_norm_eps)
 
 
 class HybridCache:
@@ -230,15 +257,16 @@ class HybridCache:
 
 
 class Qwen3NextModel(nn.Module):
-    def __init__(self, config: NextConfig) -> None:
+    def __init__(self, config: NextConfig, *, trunk: bool = True) -> None:
         super().__init__()
         c = self.config = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers))
-        self.norm = CenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_hidden_layers) if trunk)
+        self.norm = CenteredRMSNorm(c.hidden_size, c.rms_norm_eps) if trunk else None
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.mtp = MTPLayer(c) if c.mtp_num_hidden_layers else None
         rotary_dim = int(c.head_dim * c.partial_rotary_factor)
         self.rotary = Rotary(rotary_dim, c.rope_theta, c.max_position_embeddings)
 
@@ -250,33 +278,103 @@ class Qwen3NextModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep KV rows (the full-attention ones)."""
+        return sum(1 for layer in self.layers if not layer.linear)
+
+    def _check_length(self, max_length: int) -> None:
+        if max_length > self.config.max_position_embeddings:
+            raise ValueError(f"cache length {max_length} exceeds max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+
     def new_cache(self, max_length: int) -> HybridCache:
+        self._check_length(max_length)
+        if not self.layers:
+            raise ValueError("this model was loaded without its trunk (a lean drafter's MTP layer only)")
         return HybridCache(self, max_length)
 
+    def new_mtp_cache(self, max_length: int) -> KVCache:
+        self._require_mtp()
+        self._check_length(max_length)
+        c = self.config
+        return KVCache(num_layers=1, max_length=max_length, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                       dtype=self.dtype, device=self.device)
+
+    def _require_mtp(self) -> MTPLayer:
+        if self.mtp is None:
+            raise ValueError("this checkpoint has no MTP layer (no mtp.* tensors)")
+        return self.mtp
+
     @torch.inference_mode()
-    def forward(self, token_ids: Tensor, cache: HybridCache, *, keep_states: bool = False) -> tuple[Tensor, Tensor]:
+    def forward(self, token_ids: Tensor, cache: HybridCache, *, keep_states: bool = True, row_invariant: bool = False,
+                routing: None = None) -> tuple[Tensor, Tensor]:
         """A window after the cache's rows: logits [T, vocab] float32 and final-norm hidden
-        [T, hidden]; keep_states: every row's linear state is kept for `cache.truncate`."""
+        [T, hidden]. keep_states: every row's linear state is kept for `cache.truncate` (a
+        verify window's rollback). row_invariant (CPU): the window runs as its rows' one-row
+        steps, so each row's bits are the decoded row's (exact mode; as Qwen3MoeModel.forward)."""
+        _full_routing(routing)
+        rows = token_ids.shape[0]
+        if row_invariant and self.device.type == "cpu" and rows > 1:
+            start, before, per_row, outs = cache.length, list(cache.linear), [[] for _ in cache.linear], []
+            for i in range(rows):
+                outs.append(self._trunk(token_ids[i : i + 1], cache, keep_states=keep_states))
+                if keep_states:  # this row's state of each linear layer
+                    for states, kept in zip(per_row, cache.window[2]):
+                        states.extend(kept)
+            cache.window = (start, before, per_row) if keep_states else None
+            hidden = torch.cat(outs)
+        else:
+            hidden = self._trunk(token_ids, cache, keep_states=keep_states)
+        return self.lm_head(hidden).float(), hidden
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: Tensor, cache: HybridCache, *, routing: None = None) -> Tensor:
+        """A prompt chunk into the cache: final-norm hidden [T, hidden] only (no rollback kept)."""
+        _full_routing(routing)
+        return self._trunk(token_ids, cache, keep_states=False)
+
+    def _trunk(self, token_ids: Tensor, cache: HybridCache, *, keep_states: bool) -> Tensor:
         start = cache.kv.reserve(token_ids.shape[0])
         positions = torch.arange(start, start + token_ids.shape[0], device=self.device)
         x = self.embed_tokens(token_ids)
         full = linear = 0
         before, per_row = list(cache.linear), []
         for layer in self.layers:
-            normed = layer.input_layernorm(x)
             if layer.linear:
-                out, state = layer.linear_attn(normed, cache.linear[linear], keep_states=keep_states)
+                out, state = layer.linear_attn(layer.input_layernorm(x), cache.linear[linear], keep_states=keep_states)
                 if keep_states:
                     per_row.append(state)
                     state = state[-1]
                 cache.linear[linear] = state
                 linear += 1
+                x = x + out
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
             else:
-                keys, values = cache.kv.layer(full)
-                out = layer.self_attn(normed, positions, keys, values, self.rotary)
+                x = layer.attend(x, positions, *cache.kv.layer(full), self.rotary)
                 full += 1
-            x = x + out
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
         cache.window = (start, before, per_row) if keep_states else None
-        hidden = self.norm(x)
-        return self.lm_head(hidden).float(), hidden
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def forward_mtp(self, hidden: Tensor, next_token_ids: Tensor, cache: KVCache, *, routing: None = None,
+                    positions: None = None) -> tuple[Tensor, Tensor]:
+        """MTP rows (hidden [T, hidden], the token after each [T]) appended to the MTP cache:
+        logits [T, vocab] float32 for the token after next, and the MTP output hidden [T, hidden]."""
+        _full_routing(routing)
+        if positions is not None:
+            raise ValueError("the qwen3_next MTP layer runs eagerly (no static-shape positions)")
+        mtp = self._require_mtp()
+        start = cache.reserve(hidden.shape[0])
+        positions = torch.arange(start, start + hidden.shape[0], device=self.device)
+        embedded = mtp.pre_fc_norm_embedding(self.embed_tokens(next_token_ids))
+        x = mtp.fc(torch.cat([embedded, mtp.pre_fc_norm_hidden(hidden.to(self.dtype))], dim=-1))
+        out = mtp.norm(mtp.layers[0].attend(x, positions, *cache.layer(0), self.rotary))
+        return self.lm_head(out).float(), out
+
+
+def _full_routing(routing) -> None:
+    """This family routes by its plain top-k only (MoCE routing is built for qwen3_moe)."""
+    if routing is not None:
+        raise ValueError("MoCE routing options are not built for the qwen3_next family; run the drafter with "
+                         "--moce-scale 1 and no expert slots")

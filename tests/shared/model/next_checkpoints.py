@@ -1,0 +1,79 @@
+"""Tiny Qwen3-Next / Qwen3.5-MoE checkpoints in Hugging Face layout for tests: sharded
+safetensors with per-expert tensors, the MTP layer under `mtp.*` (which transformers' classes
+drop, so it is written here), and for Qwen3.5 the composite config with the language model's
+tensors under `model.language_model.` plus a vision tensor a text server skips."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from shared.model.qwen3_next import Qwen3NextModel
+
+LAYOUTS = ("qwen3_next", "qwen3_5")
+
+
+def with_mtp(model: Qwen3NextModel, seed: int = 7) -> Qwen3NextModel:
+    """`model` with an MTP layer of random weights (the trunk's weights kept)."""
+    out = Qwen3NextModel(replace(model.config, mtp_num_hidden_layers=1))
+    out.load_state_dict(model.state_dict(), strict=False)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in out.mtp.named_parameters():
+            std = 0.2 if "norm" in name else 0.02
+            param.copy_(torch.randn(param.shape, generator=generator) * std)
+    return out.eval()
+
+
+def write_checkpoint(path: Path, model: Qwen3NextModel, layout: str = "qwen3_5", *, drop: str | None = None,
+                     reshape: str | None = None) -> Path:
+    """Write `model` as a two-shard checkpoint in `layout`; drop / reshape: spoil one tensor
+    (by its checkpoint name) to test the loader's errors."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} must be one of {LAYOUTS}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    trunk_prefix = "model.language_model." if layout == "qwen3_5" else "model."
+    tensors = {}
+    for name, value in model.state_dict().items():
+        if name.startswith("rotary"):
+            continue
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        prefix = "" if name.startswith(("mtp.", "lm_head.")) else trunk_prefix
+        if name.endswith("mlp.experts.gate_up_proj"):
+            experts, inter = name.removesuffix("gate_up_proj"), value.shape[1] // 2
+            for e in range(value.shape[0]):
+                tensors[f"{prefix}{experts}{e}.gate_proj.weight"] = value[e, :inter]
+                tensors[f"{prefix}{experts}{e}.up_proj.weight"] = value[e, inter:]
+        elif name.endswith("mlp.experts.down_proj"):
+            experts = name.removesuffix("down_proj")
+            for e in range(value.shape[0]):
+                tensors[f"{prefix}{experts}{e}.down_proj.weight"] = value[e]
+        else:
+            tensors[prefix + name] = value
+    if layout == "qwen3_5":
+        tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 4)
+    if drop:
+        del tensors[drop]
+    if reshape:
+        tensors[reshape] = torch.zeros(3, 3)
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: tensors[k].contiguous().clone() for k in keys}, str(path / file))
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: file for file, keys in shards.items() for k in keys}}))
+    config = {k: v for k, v in asdict(model.config).items() if k != "linear_projection"}
+    config["layer_types"], config["mlp_only_layers"] = list(config["layer_types"]), list(config["mlp_only_layers"])
+    config["eos_token_id"] = 0
+    if layout == "qwen3_5":
+        config = {"model_type": "qwen3_5_moe", "text_config": dict(config, model_type="qwen3_5_moe_text")}
+    else:
+        config["model_type"] = "qwen3_next"
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
