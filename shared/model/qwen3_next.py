@@ -323,9 +323,8 @@ class Qwen3NextModel(nn.Module):
                     for states, kept in zip(per_row, cache.window[2]):
                         states.extend(kept)
             cache.window = (start, before, per_row) if keep_states else None
-            hidden = torch.cat(outs)
-        else:
-            hidden = self._trunk(token_ids, cache, keep_states=keep_states)
+            return torch.cat([self.lm_head(row).float() for row in outs]), torch.cat(outs)  # (lm_head too: one row each)
+        hidden = self._trunk(token_ids, cache, keep_states=keep_states)
         return self.lm_head(hidden).float(), hidden
 
     @torch.inference_mode()

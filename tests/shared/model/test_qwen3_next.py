@@ -63,20 +63,27 @@ def test_logits_match_transformers(name):
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_windows_rolled_back_after_rejected_drafts_decode_like_a_fresh_forward(name):
+@pytest.mark.parametrize("name,row_invariant", [(name, False) for name in sorted(CONFIGS)] + [("qwen3.5", True)])
+def test_windows_rolled_back_after_rejected_drafts_decode_like_a_fresh_forward(name, row_invariant):
     """Prefill, then verify windows of a head and 4 drafts, keeping 0..4 drafts each time: the
-    logits of every committed row equal a from-scratch forward over the committed tokens."""
+    logits of every committed row equal a from-scratch forward over the committed tokens.
+    row_invariant: the windows run as one-row steps (exact mode on the CPU), whose kept
+    states roll back the same way, and each row's logits are its one-row step's bits."""
     _, ours = pair(name)
     gen = torch.Generator().manual_seed(2)
     committed = torch.randint(0, 97, (12,), generator=gen).tolist()
-    cache = ours.new_cache(64)
-    ours(torch.tensor(committed[:-1]), cache)  # the prompt but its last token (the head)
+    cache, plain = ours.new_cache(64), ours.new_cache(64)
+    for memory in (cache, plain):
+        ours.prefill(torch.tensor(committed[:-1]), memory)  # the prompt but its last token (the head)
     rows = []
     for accepted in (2, 0, 4, 1):
         drafts = torch.randint(0, 97, (4,), generator=gen).tolist()
-        logits, _ = ours(torch.tensor([committed[-1], *drafts]), cache, keep_states=True)
+        logits, _ = ours(torch.tensor([committed[-1], *drafts]), cache, keep_states=True, row_invariant=row_invariant)
         cache.truncate(len(committed) + accepted)  # the head and the accepted drafts stay
+        if row_invariant:  # the kept rows are what plain decoding (one row a step) gives, bit for bit
+            for j, token in enumerate([committed[-1], *drafts[:accepted]]):
+                row, _ = ours(torch.tensor([token]), plain)
+                assert torch.equal(row[0], logits[j])
         rows.append(logits[: accepted + 1])
         committed += [*drafts[:accepted], int(logits[accepted].argmax())]  # the bonus token
     fresh, _ = ours(torch.tensor(committed[:-1]), ours.new_cache(64))
