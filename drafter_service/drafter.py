@@ -24,7 +24,8 @@ from drafter_service.proposers.suffix import COUNT_CHUNK, GlobalIndex, SuffixInd
 from drafter_service.session import DraftSession, session_params
 from drafter_service.settings import DrafterSettings
 from kernels.speculative import Mode
-from shared.model import RoutingOptions
+from shared.model import Qwen3MoeModel, RoutingOptions
+from shared.model.experts import ExpertStore
 from shared.model.fast import FusedModel, fused_wanted
 from shared.protocol import common_pb2, decode_hidden, drafter_pb2
 
@@ -42,6 +43,9 @@ class Drafter:
         self.settings = settings
         routing = None
         if settings.moce_scale != 1.0 or settings.expert_slots:
+            if not isinstance(model, Qwen3MoeModel):
+                raise ValueError("moce_scale and expert_slots (MoCE routing, expert slots) are built for the "
+                                 "qwen3_moe family only; this checkpoint is qwen3_next")
             routing = RoutingOptions(moce=True, scale=settings.moce_scale)
         fused = None
         if model.mtp is not None and fused_wanted(model, settings.fused):
@@ -63,8 +67,10 @@ class Drafter:
         self.snapshots.move_to_end(session_id)
         return snapshot
 
-    def mtp_store(self):
-        return self.model.mtp.layers[0].mlp.experts if self.mtp is not None else None
+    def mtp_store(self) -> ExpertStore | None:
+        """The MTP layer's expert store (qwen3_moe: slot counters; None otherwise)."""
+        store = self.model.mtp.layers[0].mlp.experts if self.mtp is not None else None
+        return store if isinstance(store, ExpertStore) else None
 
     # -- a session's life: open (worker), commit (loop), settle (loop or worker) ------------------
 
@@ -189,12 +195,12 @@ class Drafter:
         chains step by step, each in shared forwards. A batch's expert-slot misses are split
         evenly between its chains (which row missed is not tracked)."""
         store = self.mtp_store()
-        misses = store.counters.misses
+        misses = store.counters.misses if store is not None else 0
         self.mtp.settle_batch([session.mtp for session, _ in items])
         proposals = self.mtp.draft_batch([
             DraftJob(session.mtp, plan.num_drafts, session.sampling, session.seed, len(session.tokens), session.mode,
                      session.gate, session.coupled, session.policy) for session, plan in items])
-        share, extra = divmod(store.counters.misses - misses, len(items))
+        share, extra = divmod((store.counters.misses if store is not None else 0) - misses, len(items))
         return [dataclasses.replace(p, slot_misses=share + (i < extra)) for i, p in enumerate(proposals)]
 
     def chain(self, session: DraftSession, plan: Plan, match: SuffixMatch | None, mtp: Proposal | None,

@@ -25,7 +25,7 @@ from drafter_service.session import DraftSession, SessionStore
 from drafter_service.settings import DrafterSettings
 from shared import security, telemetry
 from shared.metrics import DrafterMetrics
-from shared.model import load_model
+from shared.model import load_model, resident_bytes
 from shared.model.registry import resolve_model
 from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, drafter_pb2_grpc
 from shared.service import ServiceServer, require_model, run_until_signalled
@@ -54,12 +54,17 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         if self.model is None:
             path = resolve_model(self.settings.model)
             log.info("loading model", path=str(path), device=self.settings.device)
+            # A lean drafter: the MTP layer, embeddings and lm_head, never the trunk (it gets the
+            # trunk's hidden rows from the verifier).
             self.model = await self.worker.run(
                 load_model, path, device=self.settings.device, dtype=DTYPES[self.settings.dtype],
-                num_expert_slots=self.settings.expert_slots or None,
+                num_expert_slots=self.settings.expert_slots or None, parts="mtp",
             )
         self.drafter = Drafter(self.model, self.settings)
-        log.info("drafter ready", address=self.settings.address, mtp=self.drafter.mtp is not None)
+        model_bytes = resident_bytes(self.model)
+        self.metrics.model_bytes.set(model_bytes)
+        log.info("drafter ready", address=self.settings.address, mtp=self.drafter.mtp is not None,
+                 model_gib=round(model_bytes / 2**30, 3))
 
     def _add_output(self, token_ids: list[int]) -> None:
         """A finished request's output joins the global index (loop): its first LOOP_COUNT tokens

@@ -27,6 +27,8 @@ class VerifierMetrics:
         self.active = Gauge("tandem_verifier_active_sessions", "Requests in flight", registry=r)
         self.queued = Gauge("tandem_verifier_queued_requests", "Requests waiting for a session", registry=r)
         self.kv_blocks = Gauge("tandem_verifier_kv_blocks", "Blocks of the KV pool", registry=r)
+        self.model_bytes = Gauge("tandem_verifier_model_bytes",
+                                 "Bytes of the model weights the verifier holds on its device", registry=r)
         self.kv_blocks_held = Gauge("tandem_verifier_kv_blocks_held",
                                     "KV blocks held by requests (each holds its prompt + max_new_tokens + a window)",
                                     registry=r)
@@ -67,6 +69,9 @@ class DrafterMetrics:
                             "within the verifier's wait (load shedding)", registry=r)
         self.mtp_batch = Histogram("tandem_drafter_mtp_batch", "Sessions' MTP work (chains, deferred rows) per worker job",
                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.model_bytes = Gauge("tandem_drafter_model_bytes",
+                                 "Bytes of the model weights the drafter holds on its device (a lean drafter: "
+                                 "embeddings, the MTP layer, lm_head)", registry=r)
         self.global_contexts = Gauge("tandem_drafter_suffix_global_contexts",
                                      "Contexts in the cross-session suffix index (bounded by --global-index-contexts)",
                                      registry=r)

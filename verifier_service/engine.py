@@ -66,10 +66,12 @@ class Engine:
         self.draw_secret = draw_secret  # keys the accept/residual draws (verifier_service.audit)
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
-        self.stores = [layer.mlp.experts for layer in model.layers if hasattr(layer.mlp, "experts")]
+        # expert stores that count slot hits and misses (qwen3_moe's ExpertStore)
+        self.stores = [layer.mlp.experts for layer in model.layers
+                       if hasattr(getattr(layer.mlp, "experts", None), "counters")]
         self.windows: WindowGraphs | None = None
         c = model.config
-        bytes_per_token = KVPool.bytes_per_token(num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads,
+        bytes_per_token = KVPool.bytes_per_token(num_layers=model.num_kv_layers, num_kv_heads=c.num_key_value_heads,
                                                  head_dim=c.head_dim, dtype=model.dtype)
         # The reference path allocates each session's cache itself: the plan only counts.
         self.kv_plan: KVPlan = plan_kv(requested_tokens=kv_cache_tokens, memory_fraction=kv_memory_fraction,

@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kernels.speculative import Gate, Mode
 from shared import security, telemetry
 from shared.metrics import VerifierMetrics
-from shared.model import load_model
+from shared.model import load_model, resident_bytes
 from shared.model.registry import resolve_model
 from shared.protocol import (
     common_pb2,
@@ -107,7 +107,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             log.info("loading model", path=str(path), device=s.device, dtype=s.dtype)
             self.model = await self.worker.run(
                 load_model, path, device=s.device, dtype=DTYPES[s.dtype], num_expert_slots=s.num_expert_slots or None,
-                random_weights=s.random_weights,
+                random_weights=s.random_weights, parts="trunk",  # (the MTP layer is the drafter's)
             )
             self.tokenizer = load_tokenizer(path)
         max_context = min(s.max_context or self.model.config.max_position_embeddings, self.model.config.max_position_embeddings)
@@ -126,8 +126,10 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                                     BatchSettings(max_rounds=s.max_sessions, gather_s=s.batch_gather_ms / 1e3),
                                     on_batch=self.metrics.batch_rounds.observe)
         self.prefiller = PrefillBatcher(self.worker, self.engine.prefill, s.prefill_chunk, on_job=self._prefill_job)
+        model_bytes = resident_bytes(self.model)
+        self.metrics.model_bytes.set(model_bytes)
         log.info("verifier ready", address=s.address, drafter=s.drafter, vocab=self.model.config.vocab_size,
-                 path=self.engine.path)
+                 path=self.engine.path, model_gib=round(model_bytes / 2**30, 3))
         if self.channel is not None:
             await self.probe_drafter()
 

@@ -3,7 +3,7 @@
 from shared.model.config import ModelConfig
 from shared.model.kv_cache import KVCache
 from shared.model.layers import FULL_ROUTING, RoutingOptions
-from shared.model.loader import load_model, save_checkpoint
+from shared.model.loader import load_model, resident_bytes, save_checkpoint
 from shared.model.model import Qwen3MoeModel
 
-__all__ = ["FULL_ROUTING", "KVCache", "ModelConfig", "Qwen3MoeModel", "RoutingOptions", "load_model", "save_checkpoint"]
+__all__ = ["FULL_ROUTING", "KVCache", "ModelConfig", "Qwen3MoeModel", "RoutingOptions", "load_model", "resident_bytes", "save_checkpoint"]

@@ -65,6 +65,8 @@ class Rows:
 
 def unsupported_reason(model: Qwen3MoeModel) -> str | None:
     """Why the fused path cannot run this model (None when it can)."""
+    if not isinstance(model, Qwen3MoeModel):
+        return "the fused path runs the qwen3_moe family only (qwen3_next runs the reference path)"
     c = model.config
     if c.attention_bias:
         return "attention_bias is not supported by the fused path"

@@ -30,6 +30,10 @@ EXPERT_NAME = re.compile(r"^(model\.layers\.\d+|mtp\.layers\.0)\.mlp\.experts\.(
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_NAMES_IN_ERROR = 8
+PARTS = ("all", "trunk", "mtp")
+# checkpoint tensors a service's parts leave out (qwen3_moe names)
+SKIPPED_BY_PARTS = {"all": (), "trunk": ("mtp.",), "mtp": ("model.layers.", "model.norm.")}
+NEXT_MODEL_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 def checkpoint_name(param_name: str) -> str:
@@ -75,15 +79,23 @@ def _problem(kind: str, names: list[str]) -> str:
     return f"{kind} tensors: {shown}{more}"
 
 
-def _build(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> Qwen3MoeModel:
+def _build(config: ModelConfig, dtype: torch.dtype, device: torch.device, trunk: bool = True) -> Qwen3MoeModel:
     with torch.device("meta"):
-        model = Qwen3MoeModel(config)
+        model = Qwen3MoeModel(config, trunk=trunk)
     model = model.to_empty(device=device).to(dtype)
     if config.tie_word_embeddings:  # to_empty gives each module its own storage: tie again
         model.lm_head.weight = model.embed_tokens.weight
     # to_empty leaves the rotary tables uninitialised; rebuild them on the device.
     model.rotary = type(model.rotary)(config.head_dim, config.rope_theta, config.max_position_embeddings).to(device)
     return model.eval().requires_grad_(False)
+
+
+def model_type(path: Path) -> str:
+    """The checkpoint's model family: config.json's model_type (a composite config's own)."""
+    config = path / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"no config.json at {config}")
+    return str(json.loads(config.read_text()).get("model_type", ""))
 
 
 def load_model(
@@ -96,22 +108,39 @@ def load_model(
     config: ModelConfig | None = None,
     seed: int = 0,
     progress: bool | None = None,
-) -> Qwen3MoeModel:
+    parts: str = "all",
+):
     """Load a checkpoint (a directory, a model name under models/, or None for the embedded
-    default model), or build a random-weight model from `config` / `path`'s config."""
+    default model), or build a random-weight model from `config` / `path`'s config.
+
+    The family follows config.json: `qwen3_moe` (Qwen3MoeModel) or `qwen3_next`, `qwen3_5_moe`
+    (shared.model.next_loader's Qwen3NextModel, reference path only). parts: what a service
+    runs — "all", "trunk" (the verifier: no MTP layer) or "mtp" (a lean drafter: embeddings,
+    the MTP layer when the checkpoint has one, lm_head; never the trunk)."""
+    if parts not in PARTS:
+        raise ValueError(f"parts {parts!r} must be one of {', '.join(PARTS)}")
     device = torch.device(device)
     if progress is None:
         progress = sys.stderr.isatty()
+    if config is None and model_type(resolve_model(path)) in NEXT_MODEL_TYPES:
+        return _load_next(resolve_model(path), device=device, dtype=dtype, num_expert_slots=num_expert_slots,
+                          random_weights=random_weights, seed=seed, parts=parts)
     if random_weights:
         if config is None:
             config = ModelConfig.from_file(resolve_model(path))
-        return _random_model(config, dtype=dtype, device=device, num_expert_slots=num_expert_slots, seed=seed)
+        if parts == "trunk" and config.has_mtp:
+            config = ModelConfig.from_dict({**config.to_dict(), "mtp_num_hidden_layers": 0})
+        return _random_model(config, dtype=dtype, device=device, num_expert_slots=num_expert_slots, seed=seed,
+                             trunk=parts != "mtp")
     path = resolve_model(path)
     config = ModelConfig.from_file(path)
     files = _list_files(path)
-    if not config.has_mtp and any(name.startswith("mtp.") for name in files):
-        config = ModelConfig.from_dict({**config.to_dict(), "mtp_num_hidden_layers": 1})  # MTP tensors present
-    model = _build(config, dtype, device)
+    has_mtp = config.has_mtp or any(name.startswith("mtp.") for name in files)
+    if has_mtp != config.has_mtp or parts == "trunk":  # MTP tensors present / not wanted
+        config = ModelConfig.from_dict({**config.to_dict(), "mtp_num_hidden_layers": int(has_mtp and parts != "trunk")})
+    skipped = SKIPPED_BY_PARTS[parts]
+    files = {name: file for name, file in files.items() if not name.startswith(skipped)}
+    model = _build(config, dtype, device, trunk=parts != "mtp")
     params = dict(model.named_parameters())
     expected = {checkpoint_name(name): param for name, param in params.items()}
     if config.tie_word_embeddings:
@@ -173,11 +202,12 @@ def load_model(
 
 
 def _random_model(
-    config: ModelConfig, *, dtype: torch.dtype, device: torch.device, num_expert_slots: int | None, seed: int
+    config: ModelConfig, *, dtype: torch.dtype, device: torch.device, num_expert_slots: int | None, seed: int,
+    trunk: bool = True,
 ) -> Qwen3MoeModel:
     """Random N(0, initializer_range) weights (norm weights 1), created on the device."""
     generator = torch.Generator(device=device).manual_seed(seed)
-    model = _build(config, dtype, device)
+    model = _build(config, dtype, device, trunk)
     std = config.initializer_range
     for name, param in model.named_parameters():
         if name.endswith("norm.weight") or "norm_" in name.rsplit(".", 2)[-2]:
@@ -215,3 +245,32 @@ def save_checkpoint(model: Qwen3MoeModel, path: str | Path) -> None:
             tensors[f"{prefix}.mlp.experts.{expert}.down_proj.weight"] = down.cpu().contiguous()
     save_file(tensors, str(path / SINGLE_FILE), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+
+
+def _load_next(path: Path, *, device: torch.device, dtype: torch.dtype, num_expert_slots: int | None,
+               random_weights: bool, seed: int, parts: str):
+    """A Qwen3-Next / Qwen3.5-MoE checkpoint (or its shapes with random weights)."""
+    from shared.model.next_loader import load_next, random_next, read_config
+
+    if num_expert_slots:
+        raise ValueError("expert slots (partial residency) are not built for the qwen3_next family")
+    if random_weights:
+        return random_next(read_config(path, has_mtp=True), dtype=dtype, device=device, seed=seed, parts=parts)
+    return load_next(path, dtype=dtype, device=device, parts=parts)
+
+
+def resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's weights on its device: parameters and buffers, and the device slots
+    of its expert stores (each storage counted once: tied weights, views)."""
+    seen, total = set(), 0
+    tensors = [*model.parameters(), *model.buffers()]
+    for module in model.modules():
+        store = getattr(module, "experts", None)
+        if isinstance(store, ExpertStore):
+            tensors += [store.gate_up, store.down]
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total

@@ -29,15 +29,16 @@ class MTPLayer(nn.Module):
 
 
 class Qwen3MoeModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, *, trunk: bool = True) -> None:
+        """trunk=False: the embeddings, the MTP layer and lm_head only (a lean drafter)."""
         super().__init__()
         self.config = config
         h = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.layers = nn.ModuleList(
-            [DecoderLayer(config, dense=config.is_dense_layer(i)) for i in range(config.num_hidden_layers)]
+            [DecoderLayer(config, dense=config.is_dense_layer(i)) for i in range(config.num_hidden_layers) if trunk]
         )
-        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.norm = RMSNorm(h, config.rms_norm_eps) if trunk else None
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -65,8 +66,15 @@ class Qwen3MoeModel(nn.Module):
             head_dim=c.head_dim, dtype=self.dtype, device=self.device,
         )
 
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep KV rows (every trunk layer)."""
+        return len(self.layers)
+
     def new_cache(self, max_length: int) -> KVCache:
         """A trunk KV cache for one sequence of up to max_length tokens."""
+        if not self.layers:
+            raise ValueError("this model was loaded without its trunk (a lean drafter's MTP layer only)")
         return self._cache(self.config.num_hidden_layers, max_length)
 
     def new_mtp_cache(self, max_length: int) -> KVCache:

@@ -62,6 +62,7 @@ class NextConfig:
     linear_projection: str = "grouped"  # Qwen3-Next's fused projections; "split": Qwen3.5's
     tie_word_embeddings: bool = False
     mtp_num_hidden_layers: int = 0  # the loader builds the MTP layer when the checkpoint has mtp.* tensors
+    eos_token_ids: tuple[int, ...] = ()  # config.json's eos_token_id (one id or a list)
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_hidden_layers:
@@ -81,8 +82,11 @@ class NextConfig:
     def from_dict(cls, raw: dict) -> NextConfig:
         """From config.json: Qwen3-Next's, or Qwen3.5-MoE's (its text config, nested in the
         composite config as the checkpoints have it); rope settings flat or under rope_parameters."""
-        raw = raw.get("text_config") or raw
+        composite, raw = raw, raw.get("text_config") or raw
         values = dict(raw)
+        eos = raw.get("eos_token_id", composite.get("eos_token_id"))
+        if eos is not None:
+            values["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (eos,)
         if str(raw.get("model_type", "")).startswith("qwen3_5"):
             values["linear_projection"] = "split"
         values.update({k: v for k, v in (raw.get("rope_parameters") or {}).items()
@@ -239,6 +243,10 @@ class HybridCache:
     @property
     def length(self) -> int:
         return self.kv.length
+
+    @property
+    def max_length(self) -> int:
+        return self.kv.max_length
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` rows: the KV rows beyond go, and each linear layer takes its

@@ -24,7 +24,7 @@ class Pair:
         self.verifier: VerifierServer | None = None
         self.channel = None
 
-    async def start(self, model, *, tokenizer=None, drafter_settings=None, **verifier_settings):
+    async def start(self, model, /, *, tokenizer=None, drafter_settings=None, **verifier_settings):
         self.drafter = DrafterServer(DrafterSettings(port=0, **(drafter_settings or {})), model=model)
         port = await self.drafter.start()
         await self.drafter.wait_loaded()

@@ -103,7 +103,7 @@ class Servers:
         self.drafter_server = None
         self.channel = None
 
-    async def start(self, model, *, drafter: ScriptedDrafter | None = None, tokenizer=None, **settings):
+    async def start(self, model, /, *, drafter: ScriptedDrafter | None = None, tokenizer=None, **settings):
         target = None
         if drafter is not None:
             self.drafter_server = grpc.aio.server()

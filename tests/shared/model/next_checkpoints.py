@@ -68,7 +68,7 @@ def write_checkpoint(path: Path, model: Qwen3NextModel, layout: str = "qwen3_5",
         save_file({k: tensors[k].contiguous().clone() for k in keys}, str(path / file))
     (path / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {k: file for file, keys in shards.items() for k in keys}}))
-    config = {k: v for k, v in asdict(model.config).items() if k != "linear_projection"}
+    config = {k: v for k, v in asdict(model.config).items() if k not in ("linear_projection", "eos_token_ids")}
     config["layer_types"], config["mlp_only_layers"] = list(config["layer_types"]), list(config["mlp_only_layers"])
     config["eos_token_id"] = 0
     if layout == "qwen3_5":

@@ -126,3 +126,37 @@ def test_random_weights_from_config_alone():
 def test_progress_bar_is_shown_when_asked(hf_checkpoint, capsys):
     load_model(hf_checkpoint[0], progress=True)
     assert "loading" in capsys.readouterr().err
+
+
+def test_each_service_loads_its_part_of_the_embedded_model():
+    """parts: the verifier's trunk without the MTP layer; a lean drafter's embeddings, MTP layer
+    and lm_head (never the trunk); each computes what the whole model computes."""
+    whole, trunk, lean = (load_model(parts=parts) for parts in ("all", "trunk", "mtp"))
+    assert whole.mtp is not None and trunk.mtp is None
+    assert len(lean.layers) == 0 and lean.norm is None and lean.mtp is not None
+    assert not any(name.startswith(("layers.", "norm.")) for name, _ in lean.named_parameters())
+    tokens = torch.randint(0, whole.config.vocab_size, (10,), generator=torch.Generator().manual_seed(1))
+    expected, hidden = whole(tokens, whole.new_cache(16))
+    assert torch.equal(trunk(tokens, trunk.new_cache(16))[0], expected)
+    want, _ = whole.forward_mtp(hidden[:-1], tokens[1:], whole.new_mtp_cache(16))
+    got, _ = lean.forward_mtp(hidden[:-1], tokens[1:], lean.new_mtp_cache(16))
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="without its trunk"):
+        lean.new_cache(8)
+    with pytest.raises(ValueError, match="parts 'lean' must be one of"):
+        load_model(parts="lean")
+
+
+def test_the_family_follows_the_config(tmp_path):
+    from shared.model.qwen3_next import Qwen3NextModel
+
+    from .next_checkpoints import write_checkpoint
+    from .test_qwen3_next import pair
+
+    write_checkpoint(tmp_path, pair("qwen3.5")[1], "qwen3_5")
+    model = load_model(tmp_path)
+    assert isinstance(model, Qwen3NextModel) and model.config.linear_projection == "split"
+    random = load_model(tmp_path, random_weights=True, parts="trunk")
+    assert isinstance(random, Qwen3NextModel) and random.mtp is None and len(random.layers) == 4
+    with pytest.raises(ValueError, match="expert slots .* not built for the qwen3_next family"):
+        load_model(tmp_path, num_expert_slots=2)

@@ -1,0 +1,58 @@
+"""The Qwen3-Next / Qwen3.5-MoE family (issue 17) through the verifier: loaded from its
+checkpoint, verify windows over its hybrid cache — linear-attention states rolled back to the
+last accepted row — give exactly what plain decoding gives (exact mode, greedy and sampled),
+with drafts fully, partly and not at all accepted."""
+
+import pytest
+import torch
+
+from ..shared.model.next_checkpoints import write_checkpoint
+from ..shared.model.test_qwen3_next import pair
+from .conftest import ScriptedDrafter, chain, generate, request
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89]
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
+def checkpoint(request, tmp_path_factory):
+    name = "hybrid" if request.param == "qwen3_next" else "qwen3.5"
+    return write_checkpoint(tmp_path_factory.mktemp(request.param), pair(name)[1], request.param)
+
+
+def greedy_continuation(model, tokens, k):
+    out = []
+    for _ in range(k):
+        logits, _ = model(torch.tensor(tokens + out), model.new_cache(len(tokens) + k))
+        out.append(int(logits[-1].argmax()))
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+async def test_exact_mode_identical_with_and_without_drafts(servers, checkpoint, temperature):
+    """Chains of 4: the greedy continuation (all accepted when greedy), the same with its third
+    token spoiled (two accepted), or junk (none): each round rolls the states back differently."""
+    from shared.model import load_model
+
+    model = load_model(checkpoint)
+
+    def propose(state):
+        drafts = greedy_continuation(model, state.tokens, 4)
+        if state.round_id % 3 == 1:
+            drafts[2] = (drafts[2] + 1) % 97
+        elif state.round_id % 3 == 2:
+            drafts = [(t + 5) % 97 for t in drafts]
+        return chain(state, drafts)
+
+    stub = await servers.start(None, drafter=ScriptedDrafter(propose), model=str(checkpoint), max_draft_tokens=4)
+    service = servers.verifier.service
+    assert service.engine.path == "reference" and service.model.mtp is None  # (the MTP layer is the drafter's)
+    for seed in range(2):
+        req = request(PROMPT, 16, temperature=temperature, seed=seed, max_draft_tokens=4)
+        spec, final, rounds = await generate(stub, req)
+        req.speculation.disable = True
+        plain, _, _ = await generate(stub, req)
+        assert spec == plain and len(spec) == 16
+        assert final.stats.proposed > 0 and final.stats.drafter_faults == 0
+        if temperature == 0:
+            accepted = sorted({r.accepted for r in rounds if r.retained})
+            assert accepted[0] < 2 and accepted[-1] >= 2  # rollbacks to several rows of the window
