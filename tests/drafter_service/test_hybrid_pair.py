@@ -1,0 +1,48 @@
+"""The Qwen3-Next / Qwen3.5-MoE family through both services (issue 17): each loads its part
+of a checkpoint with `mtp.*` tensors — the verifier the trunk, a lean drafter the MTP layer,
+embeddings and lm_head — and MTP drafting is lossless: exact mode token-identical to plain."""
+
+import pytest
+
+from shared.protocol import common_pb2
+
+from ..shared.model.next_checkpoints import with_mtp, write_checkpoint
+from ..shared.model.test_qwen3_next import pair as hf_pair
+from .test_pair import same_with_and_without
+
+PROMPT = [3, 14, 15, 92, 65, 35]
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
+def checkpoint(request, tmp_path_factory):
+    name = "hybrid" if request.param == "qwen3_next" else "qwen3.5"
+    return write_checkpoint(tmp_path_factory.mktemp(request.param), with_mtp(hf_pair(name)[1]), request.param)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+async def test_mtp_drafts_through_the_pair_are_lossless(pair, checkpoint, temperature):
+    stub = await pair.start(None, model=str(checkpoint), drafter_settings={"planner": "mtp", "model": str(checkpoint)})
+    drafter, verifier = pair.drafter.service, pair.verifier.service
+    assert drafter.drafter.mtp is not None and len(drafter.model.layers) == 0  # lean: never the trunk
+    assert verifier.model.mtp is None and len(verifier.model.layers) == 4
+    drafter_bytes = drafter.metrics.registry.get_sample_value("tandem_drafter_model_bytes")
+    verifier_bytes = verifier.metrics.registry.get_sample_value("tandem_verifier_model_bytes")
+    assert 0 < drafter_bytes < verifier_bytes
+    for seed in range(2):
+        spec, plain, final, rounds = await same_with_and_without(stub, PROMPT, 16, temperature, seed)
+        assert spec == plain and spec  # (eos, id 0, may end it early)
+        assert final.stats.proposed > 0 and final.stats.drafter_faults == 0
+        assert any(r.source == common_pb2.DRAFT_SOURCE_MTP for r in rounds)
+
+
+async def test_moce_settings_are_refused_for_the_family(checkpoint):
+    from drafter_service.server import DrafterServer
+    from drafter_service.settings import DrafterSettings
+
+    server = DrafterServer(DrafterSettings(port=0, model=str(checkpoint), moce_scale=1.5))
+    await server.start()
+    try:
+        with pytest.raises(ValueError, match="qwen3_moe family only"):
+            await server.wait_loaded()
+    finally:
+        await server.stop(0)
