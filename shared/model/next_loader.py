@@ -60,8 +60,7 @@ def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: s
     files = _list_files(path)
     has_mtp = any(name.startswith("mtp.") for name in files)
     config = read_config(path, has_mtp=has_mtp and parts != "trunk")
-    with torch.device(device):
-        model = Qwen3NextModel(config, trunk=parts != "mtp").to(dtype)
+    model = _empty_model(config, dtype=dtype, device=torch.device(device), trunk=parts != "mtp")
     params = dict(model.named_parameters())  # (a tied lm_head is embed_tokens: listed once)
     per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     unexpected, misshaped, seen = [], [], set()
@@ -108,11 +107,7 @@ def random_next(config: NextConfig, *, dtype: torch.dtype, device: str | torch.d
     if parts == "trunk" and config.mtp_num_hidden_layers:
         config = replace(config, mtp_num_hidden_layers=0)
     device = torch.device(device)
-    with torch.device("meta"):
-        model = Qwen3NextModel(config, trunk=parts != "mtp")
-    model = model.to_empty(device=device).to(dtype)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    model = _empty_model(config, dtype=dtype, device=device, trunk=parts != "mtp")
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -126,6 +121,17 @@ def random_next(config: NextConfig, *, dtype: torch.dtype, device: str | torch.d
                 param.normal_(0.0, std, generator=generator)
     _rebuild_rotary(model)
     return model.eval().requires_grad_(False)
+
+
+def _empty_model(config: NextConfig, *, dtype: torch.dtype, device: torch.device, trunk: bool) -> Qwen3NextModel:
+    """The model's parameters allocated on the device in `dtype`, uninitialised (built on the
+    meta device first: a float32 copy of a 35B model does not fit beside its bf16 one)."""
+    with torch.device("meta"):
+        model = Qwen3NextModel(config, trunk=trunk).to(dtype)
+    model = model.to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty gives each module its own storage: tie again
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
 
 
 def _rebuild_rotary(model: Qwen3NextModel) -> None:

@@ -14,8 +14,35 @@ from shared.protocol import common_pb2, drafter_pb2_grpc
 from tests.drafter_service.test_messages import commit_up, open_up
 
 
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_only_what_is_left_of_the_running_job_counts():
+    """The oldest pending job runs since it was submitted, or since the job before it ended."""
+    clock = Clock()
+    load = WorkerLoad(clock=clock)
+    load.job_ms.update(mtp=100.0, settle=10.0)
+    load.begin("mtp")
+    clock.now = 0.060
+    assert load.backlog_ms() == pytest.approx(40.0)  # 60 of its 100 ms are done
+    load.begin("settle")
+    assert load.backlog_ms() == pytest.approx(50.0)  # and a whole settle queued behind it
+    clock.now = 0.150  # it overran: nothing left of it is counted, the queued job whole
+    assert load.backlog_ms() == pytest.approx(10.0)
+    load.end("mtp", 150.0)
+    clock.now = 0.154  # the settle started when the mtp job ended, 4 ms ago
+    assert load.backlog_ms() == pytest.approx(6.0)
+    load.end("settle", 10.0)
+    assert load.backlog_ms() == 0.0 and load.jobs == 0
+
+
 def test_a_deadline_the_backlog_would_miss_sheds():
-    load = WorkerLoad()
+    load = WorkerLoad(clock=Clock())  # (time stands still: each pending job counts whole)
     assert not load.sheds(4, 0.0, 10.0)  # nothing measured, nothing queued
     load.begin("open")
     load.end("open", 500.0)  # a long open, done: it no longer weighs
