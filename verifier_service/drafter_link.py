@@ -39,6 +39,7 @@ LENIENT_CHAINS = 2
 RESYNC_BACKOFF_S = (0.05, 5.0)  # first wait after a failed (re)open, and the cap it doubles up to
 MAX_QUEUED_CHAINS = 4  # chains kept waiting for their round (the current one, or ahead of it)
 HISTORY = 64
+MIN_HISTORY = 8  # waits before the deadline adapts (until then: the upper bound)
 # gRPC's own reconnect backoff grows to 120 s: a verifier started before its drafter (or left
 # without one for a minute) then ignored a drafter that had come up for up to two minutes
 # (bench/exact_identity.py on the H200: the first 38 of 64 requests, ~40 s, ran without
@@ -57,11 +58,18 @@ def drafter_channel(settings: VerifierSettings) -> grpc.aio.Channel:
 
 
 class DeadlineTracker:
-    """Per-round chain deadline: fixed, or a margin above the recent p95 wait (shared by requests)."""
+    """Per-round chain deadline: fixed, or a margin above the recent p95 wait (shared by requests).
+
+    The p95 is of model-drafted (MTP) chains and deadline misses once there are enough of
+    them: suffix and empty chains — what a drafter sends when it sheds MTP drafts — come back
+    at once, and their waits would shrink the deadline the next MTP chain gets, so that it
+    is shed too (a loop measured with bench/drafter_load.py). Without that history (a drafter
+    that only looks up suffixes) every wait counts."""
 
     def __init__(self, settings: VerifierSettings) -> None:
         self.settings = settings
-        self.waits_ms: deque[float] = deque(maxlen=HISTORY)
+        self.waits_ms: deque[float] = deque(maxlen=HISTORY)  # every chain's, and misses
+        self.model_waits_ms: deque[float] = deque(maxlen=HISTORY)  # MTP chains' and misses
 
     def deadline_s(self, after_open: bool = False) -> float:
         """after_open: the first chain of a (re)opened stream, which also pays for the
@@ -70,14 +78,18 @@ class DeadlineTracker:
         s = self.settings
         if s.drafter_deadline_ms > 0:
             return s.drafter_deadline_ms / 1e3
-        if after_open or len(self.waits_ms) < 8:
+        waits = self.model_waits_ms if len(self.model_waits_ms) >= MIN_HISTORY else self.waits_ms
+        if after_open or len(waits) < MIN_HISTORY:
             return s.drafter_deadline_max_ms / 1e3
-        ordered = sorted(self.waits_ms)
+        ordered = sorted(waits)
         p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
         return min(p95 + s.drafter_deadline_margin_ms, s.drafter_deadline_max_ms) / 1e3
 
-    def record(self, wait_ms: float) -> None:
+    def record(self, wait_ms: float, *, model_drafted: bool = True) -> None:
+        """A round's wait: model_drafted for an MTP chain or a deadline miss."""
         self.waits_ms.append(wait_ms)
+        if model_drafted:
+            self.model_waits_ms.append(wait_ms)
 
 
 class DrafterHealth:
@@ -295,7 +307,7 @@ class DrafterLink:
                 return None, waited
         waited = (time.perf_counter() - started) * 1e3
         if not first:
-            self.deadlines.record(waited)
+            self.deadlines.record(waited, model_drafted=chain.source == common_pb2.DRAFT_SOURCE_MTP)
         return chain, waited
 
     async def close(self) -> None:

@@ -1,5 +1,7 @@
 """The per-round drafter deadline: fixed, or recent p95 + margin; the first chain after an open waits longer."""
 
+import pytest
+
 from verifier_service.drafter_link import DeadlineTracker
 from verifier_service.settings import VerifierSettings
 
@@ -44,3 +46,21 @@ async def test_each_commit_says_how_long_its_chain_is_waited_for(servers, tiny_m
     assert len(waits) >= 12
     assert waits[0] == 400.0  # the second chain after the open is still lenient (LENIENT_CHAINS)
     assert all(5.0 < w < 400.0 for w in waits[10:])  # then p95 + 5 ms: a local drafter answers in ms
+
+
+def test_chains_drafted_without_the_model_do_not_shrink_the_deadline():
+    """Suffix and empty chains (what a drafter sends when it sheds MTP drafts) come back at
+    once: once MTP chains have set the p95 their waits stay out of it, so they cannot shrink
+    the deadline the next MTP chain gets (the loop that made shedding shed more); a drafter
+    that never drafts with the model still gets a deadline from its chains' waits."""
+    settings = VerifierSettings(drafter_deadline_margin_ms=5.0, drafter_deadline_max_ms=400.0)
+    tracker = DeadlineTracker(settings)
+    for _ in range(10):
+        tracker.record(40.0)  # MTP chains
+    for _ in range(64):
+        tracker.record(1.0, model_drafted=False)  # shed: empty chains at once
+    assert tracker.deadline_s() == pytest.approx(0.045)
+    suffix_only = DeadlineTracker(settings)
+    for _ in range(10):
+        suffix_only.record(1.0, model_drafted=False)
+    assert suffix_only.deadline_s() == pytest.approx(0.006)
