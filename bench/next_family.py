@@ -13,9 +13,11 @@ for qwen3_moe only), so these are the numbers a user gets today, against the flo
   with the rollback's kept states (time(T)/time(1)), each the median of `--steps` steps;
 - the floor: bytes a decode step must move (active weights: attention / linear-attention
   projections, router, shared expert, 8 routed experts per layer, lm_head; the linear
-  layers' float32 states read and written; the KV rows read) / measured copy bandwidth.
+  layers' float32 states read and written; the KV rows read) / measured copy bandwidth;
+- on CUDA the MoE blocks of windows up to 64 rows run qwen3_moe's fused expert kernels: their
+  output against the per-expert loop is printed; `--profile`: torch.profiler of 3 steps.
 
-    python bench/next_family.py [--layers 40] [--context 512] [--new-tokens 64] [--blocks 2] [--skip-service]
+    python bench/next_family.py [--layers 40] [--context 512] [--new-tokens 64] [--blocks 2] [--skip-service] [--profile]
 """
 
 from __future__ import annotations
@@ -127,6 +129,34 @@ def raw_steps(model, context: int, windows: list[int], steps: int) -> dict[int, 
     return out
 
 
+def check_fused_experts(model) -> float:
+    """The MoE block on CUDA (fused expert kernels) against its per-expert loop on the same
+    rows: the largest difference relative to the output's scale (bf16 noise ~1e-2)."""
+    mlp = next(layer.mlp for layer in model.layers if hasattr(layer.mlp, "experts"))
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).to("cuda", model.dtype)
+    with torch.inference_mode():
+        weights, expert_ids = torch.topk(torch.softmax(mlp.gate(x), dim=-1, dtype=torch.float32), mlp.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        loop = mlp.experts(x, expert_ids, weights.to(x.dtype)) + torch.sigmoid(mlp.shared_expert_gate(x)) * mlp.shared_expert(x)
+        fused = mlp(x)
+    return float((fused.float() - loop.float()).abs().max() / loop.float().abs().max())
+
+
+def profile_decode(model, context: int) -> None:
+    """torch.profiler over 3 decode steps: the ops by their own CUDA and CPU time (stderr)."""
+    cache = model.new_cache(context + 8)
+    model.prefill(torch.randint(0, model.config.vocab_size, (context,)).to("cuda"), cache)
+    ids = torch.tensor([1], device="cuda")
+    model(ids, cache, keep_states=False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            model(ids, cache, keep_states=False)
+        torch.cuda.synchronize()
+    log(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    log(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=40, help="trunk layers (40: the real depth)")
@@ -136,6 +166,7 @@ def main() -> None:
     parser.add_argument("--windows", default="1,2,5")
     parser.add_argument("--steps", type=int, default=9)
     parser.add_argument("--skip-service", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler of 3 decode steps (stderr)")
     args = parser.parse_args()
     layer_types = (LAYER_PATTERN * args.layers)[: args.layers]
     shapes = QWEN3_5_35B_A3B | dict(num_hidden_layers=args.layers, layer_types=layer_types,
@@ -176,8 +207,11 @@ def main() -> None:
     log("building the trunk (the verifier's part) ...")
     trunk = random_next(replace(config, mtp_num_hidden_layers=0), dtype=torch.bfloat16, device="cuda", parts="trunk")
     trunk_bytes = resident_bytes(trunk)
+    experts_diff = check_fused_experts(trunk)
     windows = [int(w) for w in args.windows.split(",")]
     raw = raw_steps(trunk, args.context, windows, args.steps)
+    if args.profile:
+        profile_decode(trunk, args.context)
     floor_ms = step_bytes(trunk, args.context) / bandwidth * 1e3
     del trunk
     torch.cuda.empty_cache()
@@ -186,7 +220,8 @@ def main() -> None:
     del lean
 
     print(f"Copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor {floor_ms:.3f} ms/token "
-          f"({step_bytes.__doc__.split(':')[0].lower()} at context {args.context}).\n")
+          f"({step_bytes.__doc__.split(':')[0].lower()} at context {args.context}). The MoE block's "
+          f"fused experts against its per-expert loop: max difference {experts_diff:.2e} of the output's scale.\n")
     print("| arm | tokens/s | ms/token | fraction of the floor |")
     print("| --- | ---: | ---: | ---: |")
     if service:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.bias import causal_lower_right
 
+from kernels.fused.moe import MAX_FUSED_TOKENS, fused_experts
 from shared.model.deltanet import GatedDeltaNet, LinearState
 from shared.model.kv_cache import KVCache
 from shared.model.layers import DenseMLP, Rotary
@@ -131,9 +132,11 @@ class GatedAttention(nn.Module):
         self.q_norm = CenteredRMSNorm(d, c.rms_norm_eps)
         self.k_norm = CenteredRMSNorm(d, c.rms_norm_eps)
 
-    def forward(self, x: Tensor, positions: Tensor, keys: Tensor, values: Tensor, rotary: Rotary) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, keys: Tensor, values: Tensor, rotary: Rotary,
+                visible: int) -> Tensor:
         """x [T, hidden] at positions [T] (consecutive); keys/values [max_length, kv_heads, d] of
-        this layer, the window's rows written before attending over positions[-1] + 1 rows."""
+        this layer, the window's rows written before attending over the first `visible` rows
+        (positions[-1] + 1, known on the host: no device read)."""
         rows, d = x.shape[0], self.head_dim
         q, gate = self.q_proj(x).view(rows, self.num_heads, 2 * d).chunk(2, dim=-1)
         q = self.q_norm(q)
@@ -143,7 +146,6 @@ class GatedAttention(nn.Module):
         q = torch.cat([rotary(q[..., :width], positions), q[..., width:]], dim=-1)
         k = torch.cat([rotary(k[..., :width], positions), k[..., width:]], dim=-1)
         keys[positions], values[positions] = k, v
-        visible = int(positions[-1]) + 1
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), keys[:visible].transpose(0, 1).unsqueeze(0),
             values[:visible].transpose(0, 1).unsqueeze(0), attn_mask=causal_lower_right(rows, visible),
@@ -188,7 +190,13 @@ class SharedMoe(nn.Module):
         weights, expert_ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        routed = self.experts(x, expert_ids, weights.to(logits.dtype))
+        if x.is_cuda and x.shape[0] <= MAX_FUSED_TOKENS:
+            # qwen3_moe's fused expert kernels: each selected expert read once, no host sync
+            # (the loop below reads the routing on the host, once per layer)
+            routes = fused_experts(x, expert_ids, self.experts.gate_up_proj, self.experts.down_proj)  # [T*k, H] f32
+            routed = (routes.view(*expert_ids.shape, -1) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        else:
+            routed = self.experts(x, expert_ids, weights.to(logits.dtype))
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
@@ -210,9 +218,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = CenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = CenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def attend(self, x: Tensor, positions: Tensor, keys: Tensor, values: Tensor, rotary: Rotary) -> Tensor:
+    def attend(self, x: Tensor, positions: Tensor, keys: Tensor, values: Tensor, rotary: Rotary,
+               visible: int) -> Tensor:
         """A full-attention layer's whole step: x [T, hidden] → x [T, hidden]."""
-        x = x + self.self_attn(self.input_layernorm(x), positions, keys, values, rotary)
+        x = x + self.self_attn(self.input_layernorm(x), positions, keys, values, rotary, visible)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -358,7 +367,7 @@ class Qwen3NextModel(nn.Module):
                 x = x + out
                 x = x + layer.mlp(layer.post_attention_layernorm(x))
             else:
-                x = layer.attend(x, positions, *cache.kv.layer(full), self.rotary)
+                x = layer.attend(x, positions, *cache.kv.layer(full), self.rotary, start + token_ids.shape[0])
                 full += 1
         cache.window = (start, before, per_row) if keep_states else None
         return self.norm(x)
@@ -376,7 +385,7 @@ class Qwen3NextModel(nn.Module):
         positions = torch.arange(start, start + hidden.shape[0], device=self.device)
         embedded = mtp.pre_fc_norm_embedding(self.embed_tokens(next_token_ids))
         x = mtp.fc(torch.cat([embedded, mtp.pre_fc_norm_hidden(hidden.to(self.dtype))], dim=-1))
-        out = mtp.norm(mtp.layers[0].attend(x, positions, *cache.layer(0), self.rotary))
+        out = mtp.norm(mtp.layers[0].attend(x, positions, *cache.layer(0), self.rotary, start + hidden.shape[0]))
         return self.lm_head(out).float(), out
 
 
