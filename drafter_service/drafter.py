@@ -72,6 +72,10 @@ class Drafter:
         store = self.model.mtp.layers[0].mlp.experts if self.mtp is not None else None
         return store if isinstance(store, ExpertStore) else None
 
+    def _slot_misses(self) -> int:
+        store = self.mtp_store()
+        return store.counters.misses if store is not None else 0
+
     # -- a session's life: open (worker), commit (loop), settle (loop or worker) ------------------
 
     def open(self, message: drafter_pb2.DraftOpen, snapshot: Estimates | None = None) -> DraftSession:
@@ -194,13 +198,12 @@ class Drafter:
         """The MTP drafts of several sessions' plans (worker): their deferred commits, then their
         chains step by step, each in shared forwards. A batch's expert-slot misses are split
         evenly between its chains (which row missed is not tracked)."""
-        store = self.mtp_store()
-        misses = store.counters.misses if store is not None else 0
+        misses = self._slot_misses()
         self.mtp.settle_batch([session.mtp for session, _ in items])
         proposals = self.mtp.draft_batch([
             DraftJob(session.mtp, plan.num_drafts, session.sampling, session.seed, len(session.tokens), session.mode,
                      session.gate, session.coupled, session.policy) for session, plan in items])
-        share, extra = divmod((store.counters.misses if store is not None else 0) - misses, len(items))
+        share, extra = divmod(self._slot_misses() - misses, len(items))
         return [dataclasses.replace(p, slot_misses=share + (i < extra)) for i, p in enumerate(proposals)]
 
     def chain(self, session: DraftSession, plan: Plan, match: SuffixMatch | None, mtp: Proposal | None,

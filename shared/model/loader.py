@@ -14,6 +14,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -25,6 +26,9 @@ from shared.model.experts import ExpertStore
 from shared.model.layers import MoeBlock
 from shared.model.model import Qwen3MoeModel
 from shared.model.registry import resolve_model
+
+if TYPE_CHECKING:  # (next_loader imports this module)
+    from shared.model.qwen3_next import Qwen3NextModel
 
 EXPERT_NAME = re.compile(r"^(model\.layers\.\d+|mtp\.layers\.0)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 SINGLE_FILE = "model.safetensors"
@@ -109,7 +113,7 @@ def load_model(
     seed: int = 0,
     progress: bool | None = None,
     parts: str = "all",
-):
+) -> Qwen3MoeModel | Qwen3NextModel:
     """Load a checkpoint (a directory, a model name under models/, or None for the embedded
     default model), or build a random-weight model from `config` / `path`'s config.
 
@@ -248,7 +252,7 @@ def save_checkpoint(model: Qwen3MoeModel, path: str | Path) -> None:
 
 
 def _load_next(path: Path, *, device: torch.device, dtype: torch.dtype, num_expert_slots: int | None,
-               random_weights: bool, seed: int, parts: str):
+               random_weights: bool, seed: int, parts: str) -> Qwen3NextModel:
     """A Qwen3-Next / Qwen3.5-MoE checkpoint (or its shapes with random weights)."""
     from shared.model.next_loader import load_next, random_next, read_config
 

@@ -1,4 +1,4 @@
-"""The Qwen3-Next / Qwen3.5-MoE trunk and its MTP layer on the CPU reference path (issue 17):
+"""The Qwen3-Next / Qwen3.5-MoE trunk and its MTP layer on the reference path (issue 17):
 linear-attention (Gated DeltaNet) and gated full-attention layers per `layer_types`,
 zero-centred RMSNorms, routed experts plus a sigmoid-gated shared expert. Checked against
 transformers' Qwen3NextForCausalLM and Qwen3_5MoeForCausalLM (text); the checkpoints' loader
