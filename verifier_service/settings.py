@@ -39,7 +39,7 @@ class VerifierSettings:
     batch_gather_ms: float = field(default=2.0, metadata={"help": "how long a batch waits for the sessions of the last one to submit their next round"})
     max_draft_tokens: int = field(default=4, metadata={"help": "drafts per round when a request does not say"})
     max_draft_tokens_limit: int = field(default=16, metadata={"help": "largest max_draft_tokens a request may ask for"})
-    drafter_deadline_ms: float = field(default=0.0, metadata={"help": "fixed per-round wait for a chain (0 = adaptive: recent p95 + margin)"})
+    drafter_deadline_ms: float = field(default=0.0, metadata={"help": "fixed per-round wait for a chain (0 = adaptive: recent p95 of MTP chains' waits + margin)"})
     drafter_deadline_margin_ms: float = field(default=5.0, metadata={"help": "adaptive deadline: margin above the recent p95"})
     drafter_deadline_max_ms: float = field(default=1000.0, metadata={"help": "adaptive deadline: upper bound (also the first round's wait)"})
     draft_ahead: bool = field(default=True, metadata={"help": "take chains the drafter sends before a round's commit, when the committed tokens are what they assume (hides the hop)"})

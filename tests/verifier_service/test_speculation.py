@@ -22,6 +22,7 @@ from .conftest import ScriptedDrafter, chain, generate, request, sampled_chain
 PROMPT = [3, 14, 15, 92, 65]
 N_REQUESTS = 2000  # per distribution test
 ALPHA = 1e-3
+IN_FLIGHT = 32  # requests at once (the verifier's max_sessions; each one's draws are its own)
 
 
 def greedy_continuation(model, tokens, k):
@@ -70,8 +71,9 @@ def target_law_two_tokens(model, params):
 
 async def run_many(stub, make_request, n):
     results = []
-    for start in range(0, n, 8):  # 8 in flight (max_sessions)
-        batch = await asyncio.gather(*(generate(stub, make_request(seed)) for seed in range(start, min(n, start + 8))))
+    for start in range(0, n, IN_FLIGHT):
+        batch = await asyncio.gather(*(generate(stub, make_request(seed))
+                                       for seed in range(start, min(n, start + IN_FLIGHT))))
         results += [tuple(tokens) for tokens, _, _ in batch]
     return results
 
