@@ -29,7 +29,7 @@ from torch.nn.attention.bias import causal_lower_right
 from kernels.fused.moe import MAX_FUSED_TOKENS, fused_experts
 from shared.model.deltanet import GatedDeltaNet, LinearState
 from shared.model.kv_cache import KVCache
-from shared.model.layers import DenseMLP, Rotary
+from shared.model.layers import DenseMLP, Rotary, RoutingOptions
 
 
 @dataclass(frozen=True)
@@ -324,13 +324,12 @@ class Qwen3NextModel(nn.Module):
         return self.mtp
 
     @torch.inference_mode()
-    def forward(self, token_ids: Tensor, cache: HybridCache, *, keep_states: bool = True, row_invariant: bool = False,
-                routing: None = None) -> tuple[Tensor, Tensor]:
+    def forward(self, token_ids: Tensor, cache: HybridCache, *, keep_states: bool = True,
+                row_invariant: bool = False) -> tuple[Tensor, Tensor]:
         """A window after the cache's rows: logits [T, vocab] float32 and final-norm hidden
         [T, hidden]. keep_states: every row's linear state is kept for `cache.truncate` (a
         verify window's rollback). row_invariant (CPU): the window runs as its rows' one-row
         steps, so each row's bits are the decoded row's (exact mode; as Qwen3MoeModel.forward)."""
-        _full_routing(routing)
         rows = token_ids.shape[0]
         if row_invariant and self.device.type == "cpu" and rows > 1:
             start, before, per_row, outs = cache.length, list(cache.linear), [[] for _ in cache.linear], []
@@ -345,9 +344,8 @@ class Qwen3NextModel(nn.Module):
         return self.lm_head(hidden).float(), hidden
 
     @torch.inference_mode()
-    def prefill(self, token_ids: Tensor, cache: HybridCache, *, routing: None = None) -> Tensor:
+    def prefill(self, token_ids: Tensor, cache: HybridCache) -> Tensor:
         """A prompt chunk into the cache: final-norm hidden [T, hidden] only (no rollback kept)."""
-        _full_routing(routing)
         return self._trunk(token_ids, cache, keep_states=False)
 
     def _trunk(self, token_ids: Tensor, cache: HybridCache, *, keep_states: bool) -> Tensor:
@@ -373,13 +371,15 @@ class Qwen3NextModel(nn.Module):
         return self.norm(x)
 
     @torch.inference_mode()
-    def forward_mtp(self, hidden: Tensor, next_token_ids: Tensor, cache: KVCache, *, routing: None = None,
-                    positions: None = None) -> tuple[Tensor, Tensor]:
+    def forward_mtp(self, hidden: Tensor, next_token_ids: Tensor, cache: KVCache, *,
+                    routing: RoutingOptions | None = None) -> tuple[Tensor, Tensor]:
         """MTP rows (hidden [T, hidden], the token after each [T]) appended to the MTP cache:
-        logits [T, vocab] float32 for the token after next, and the MTP output hidden [T, hidden]."""
-        _full_routing(routing)
-        if positions is not None:
-            raise ValueError("the qwen3_next MTP layer runs eagerly (no static-shape positions)")
+        logits [T, vocab] float32 for the token after next, and the MTP output hidden [T, hidden].
+        routing: the MTP proposer's argument; this family routes by its plain top-k only (MoCE
+        routing is built for qwen3_moe, and the drafter refuses its settings for this family)."""
+        if routing is not None:
+            raise ValueError("MoCE routing options are not built for the qwen3_next family; run the drafter with "
+                             "--moce-scale 1 and no expert slots")
         mtp = self._require_mtp()
         start = cache.reserve(hidden.shape[0])
         positions = torch.arange(start, start + hidden.shape[0], device=self.device)
@@ -387,10 +387,3 @@ class Qwen3NextModel(nn.Module):
         x = mtp.fc(torch.cat([embedded, mtp.pre_fc_norm_hidden(hidden.to(self.dtype))], dim=-1))
         out = mtp.norm(mtp.layers[0].attend(x, positions, *cache.layer(0), self.rotary, start + hidden.shape[0]))
         return self.lm_head(out).float(), out
-
-
-def _full_routing(routing) -> None:
-    """This family routes by its plain top-k only (MoCE routing is built for qwen3_moe)."""
-    if routing is not None:
-        raise ValueError("MoCE routing options are not built for the qwen3_next family; run the drafter with "
-                         "--moce-scale 1 and no expert slots")
