@@ -114,8 +114,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.engine = await self.worker.run(
             Engine, self.model, max_context=max_context, prefill_chunk=s.prefill_chunk, fused=s.fused,
             cuda_graphs=s.cuda_graphs, pdl=s.pdl != "off", max_sessions=s.max_sessions,
-            max_window=s.max_draft_tokens_limit + 1, max_batch_rows=s.max_batch_rows,
-            verify_window=s.max_draft_tokens + 1,
+            max_window=s.max_draft_tokens_limit + 1, max_batch_rows=s.max_batch_rows, verify_window=s.max_draft_tokens + 1,
             progress=lambda message: log.info(message), draw_secret=self.draw_secret, row_invariant=s.row_invariant,
             window_sizing=s.window_sizing, kv_block_size=s.kv_block_size, kv_cache_tokens=s.kv_cache_tokens,
             kv_memory_fraction=s.kv_memory_fraction,
@@ -126,8 +125,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                                     BatchSettings(max_rounds=s.max_sessions, gather_s=s.batch_gather_ms / 1e3),
                                     on_batch=self.metrics.batch_rounds.observe)
         self.prefiller = PrefillBatcher(self.worker, self.engine.prefill, s.prefill_chunk, on_job=self._prefill_job)
-        model_bytes = resident_bytes(self.model)
-        self.metrics.model_bytes.set(model_bytes)
+        self.metrics.model_bytes.set(model_bytes := resident_bytes(self.model))
         log.info("verifier ready", address=s.address, drafter=s.drafter, vocab=self.model.config.vocab_size,
                  path=self.engine.path, model_gib=round(model_bytes / 2**30, 3))
         if self.channel is not None:
