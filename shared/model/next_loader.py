@@ -22,12 +22,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from shared.model.loader import _list_files, _problem
+from shared.model.loader import PARTS, _list_files, _problem
 from shared.model.qwen3_next import NextConfig, Qwen3NextModel
 
 PREFIXES = ("model.language_model.", "model.")  # the trunk's tensors, longest first
 EXPERT = re.compile(r"^((?:mtp\.)?layers\.\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-PARTS = ("all", "trunk", "mtp")
 TRUNK_ONLY = ("layers.", "norm.")  # what a lean drafter skips
 
 
@@ -45,11 +44,8 @@ def _our_name(name: str, parts: str) -> str | None:
 
 
 def read_config(path: Path, *, has_mtp: bool) -> NextConfig:
-    raw = json.loads((path / "config.json").read_text())
-    raw = dict(raw.get("text_config") or raw, model_type=(raw.get("text_config") or raw).get("model_type")
-               or raw.get("model_type"))
-    raw["mtp_num_hidden_layers"] = 1 if has_mtp else 0
-    return NextConfig.from_dict(raw)
+    """The checkpoint's config, with the MTP layer if `has_mtp` (its tensors decide, not the file)."""
+    return NextConfig.from_dict(json.loads((path / "config.json").read_text()), mtp_num_hidden_layers=int(has_mtp))
 
 
 def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

@@ -80,18 +80,20 @@ class NextConfig:
                              "is what tandem drafts with")
 
     @classmethod
-    def from_dict(cls, raw: dict) -> NextConfig:
+    def from_dict(cls, raw: dict, **overrides) -> NextConfig:
         """From config.json: Qwen3-Next's, or Qwen3.5-MoE's (its text config, nested in the
-        composite config as the checkpoints have it); rope settings flat or under rope_parameters."""
+        composite config as the checkpoints have it); rope settings flat or under rope_parameters.
+        overrides: fields set whatever the file says (the loader's mtp_num_hidden_layers)."""
         composite, raw = raw, raw.get("text_config") or raw
         values = dict(raw)
         eos = raw.get("eos_token_id", composite.get("eos_token_id"))
         if eos is not None:
             values["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (eos,)
-        if str(raw.get("model_type", "")).startswith("qwen3_5"):
+        if str(raw.get("model_type") or composite.get("model_type", "")).startswith("qwen3_5"):
             values["linear_projection"] = "split"
         values.update({k: v for k, v in (raw.get("rope_parameters") or {}).items()
                        if k in ("rope_theta", "partial_rotary_factor")})
+        values.update(overrides)
         names = {f.name for f in fields(cls)}
         values = {k: v for k, v in values.items() if k in names}
         for name in ("layer_types", "mlp_only_layers"):
