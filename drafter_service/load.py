@@ -7,9 +7,9 @@ has waited the whole deadline for nothing. Each commit now says how long its ver
 wait (`DraftCommit.wait_ms`). Before queueing MTP drafts the drafter estimates when they
 would be done: the jobs ahead of them (the worker's backlog, at the measured mean job
 time of their kind; of the running job, what is left) plus the drafts themselves (at the
-planner's measured time per MTP draft). When that exceeds SHED_SHARE of the wait — the rest is left for the hop back — it plans without MTP: a suffix
-chain, or an empty chain, both made on the event loop and sent at once, so the verifier
-runs a plain round without waiting. The state stays on the loop (no locks): `begin`/`end`
+planner's measured time per MTP draft). When that exceeds SHED_SHARE of the wait — the rest
+is left for the hop back — it plans without MTP: a suffix chain, or an empty chain, both made
+on the event loop and sent at once, so the verifier runs a plain round without waiting. The state stays on the loop (no locks): `begin`/`end`
 around each awaited job, job times measured on the worker.
 """
 
@@ -33,19 +33,16 @@ class WorkerLoad:
     batched drafting one "mtp" job runs most of the time, and counting it whole made a chain
     look twice as late as it would be)."""
 
-    pending: dict[str, int] = field(default_factory=dict)  # jobs submitted, not finished (running included)
     job_ms: dict[str, float] = field(default_factory=dict)  # EMA of a job's duration on the worker
     clock: Callable[[], float] = time.monotonic
-    _queue: deque = field(default_factory=deque)  # (kind, submitted at), oldest first
+    _queue: deque = field(default_factory=deque)  # jobs submitted, not finished: (kind, submitted at), oldest first
     _last_end: float = 0.0
 
     def begin(self, kind: str) -> None:
-        self.pending[kind] = self.pending.get(kind, 0) + 1
         self._queue.append((kind, self.clock()))
 
     def end(self, kind: str, job_ms: float | None) -> None:
         """A job finished (job_ms None: it failed, its time tells nothing)."""
-        self.pending[kind] -= 1
         for index, (queued, _) in enumerate(self._queue):
             if queued == kind:
                 del self._queue[index]
@@ -56,7 +53,8 @@ class WorkerLoad:
 
     @property
     def jobs(self) -> int:
-        return sum(self.pending.values())
+        """Jobs submitted and not finished (the running one included)."""
+        return len(self._queue)
 
     def backlog_ms(self) -> float:
         """Expected wait before a job submitted now starts: what is left of the running job, and

@@ -25,6 +25,7 @@ from kernels.fused import cdiv
 from kernels.sampling import SparseRows, process_logits
 from kernels.speculative import Mode, verify_chain
 from shared.model import Qwen3MoeModel
+from shared.model.experts import ExpertStore
 from shared.model.fast import FusedModel, fused_wanted
 from shared.model.graphs import WindowGraphs
 from shared.model.kv_cache import KVPool
@@ -66,9 +67,9 @@ class Engine:
         self.draw_secret = draw_secret  # keys the accept/residual draws (verifier_service.audit)
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
-        # expert stores that count slot hits and misses (qwen3_moe's ExpertStore)
+        # (the qwen3_next family's experts are plain parameters: no slots to count)
         self.stores = [layer.mlp.experts for layer in model.layers
-                       if hasattr(getattr(layer.mlp, "experts", None), "counters")]
+                       if isinstance(getattr(layer.mlp, "experts", None), ExpertStore)]
         self.windows: WindowGraphs | None = None
         c = model.config
         bytes_per_token = KVPool.bytes_per_token(num_layers=model.num_kv_layers, num_kv_heads=c.num_key_value_heads,

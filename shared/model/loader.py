@@ -126,12 +126,14 @@ def load_model(
     device = torch.device(device)
     if progress is None:
         progress = sys.stderr.isatty()
-    if config is None and model_type(resolve_model(path)) in NEXT_MODEL_TYPES:
-        return _load_next(resolve_model(path), device=device, dtype=dtype, num_expert_slots=num_expert_slots,
-                          random_weights=random_weights, seed=seed, parts=parts)
+    if config is None:
+        path = resolve_model(path)
+        if model_type(path) in NEXT_MODEL_TYPES:
+            return _load_next(path, device=device, dtype=dtype, num_expert_slots=num_expert_slots,
+                              random_weights=random_weights, seed=seed, parts=parts)
     if random_weights:
         if config is None:
-            config = ModelConfig.from_file(resolve_model(path))
+            config = ModelConfig.from_file(path)
         if parts == "trunk" and config.has_mtp:
             config = ModelConfig.from_dict({**config.to_dict(), "mtp_num_hidden_layers": 0})
         return _random_model(config, dtype=dtype, device=device, num_expert_slots=num_expert_slots, seed=seed,
