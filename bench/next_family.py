@@ -113,18 +113,13 @@ def raw_steps(model, context: int, windows: list[int], steps: int) -> dict[int, 
     for rows in windows:
         ids = torch.randint(0, model.config.vocab_size, (rows,), generator=gen).to("cuda")
 
-        def window():
-            model(ids, cache, keep_states=True)
-            cache.truncate(context + 1)  # the head and none of the drafts: a rollback
-            cache.kv.truncate(context)  # the next step starts where this one did (states: row 0's)
+        def step():  # (bound per window size: rows, ids)
+            model(ids, cache, keep_states=rows > 1)
+            if rows > 1:
+                cache.truncate(context + 1)  # a rollback: the head's row kept, none of the drafts
+            cache.kv.truncate(context)  # the next step starts where this one did (states: timing only)
 
-        if rows == 1:
-            def decode():
-                model(ids, cache, keep_states=False)
-                cache.kv.truncate(context)  # (the linear states advance: timing only)
-            out[rows] = timed_ms(decode, steps)
-        else:
-            out[rows] = timed_ms(window, steps)
+        out[rows] = timed_ms(step, steps)
         log(f"  raw step: T = {rows}: {out[rows]:.2f} ms")
     return out
 
