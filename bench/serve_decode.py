@@ -14,9 +14,13 @@ One run, random bf16 weights at Qwen3-30B-A3B shapes (or --small), on one GPU:
 The service arm and the raw-step arm alternate block by block (order reversed each block);
 quoted ratios are medians of per-block ratios. With --compare FLAGS the run is instead two
 services on the same weights, the defaults and the defaults plus FLAGS (e.g. "--pdl off",
-"--epilogues off"), alternating the same way.
+"--epilogues off"), alternating the same way; --against-tree DIR runs the second service from
+another checkout (the code before a change); --requests greedy,sampled times both kinds of
+request (sampled: temperature 0.8, top-p 0.95, the block's seed) and reports whether the two
+services sent the same tokens.
 Usage:
-  python bench/serve_decode.py [--small] [--contexts 512,4096,32768] [--new-tokens 256] [--blocks 3] [--compare FLAGS]
+  python bench/serve_decode.py [--small] [--contexts 512,4096,32768] [--new-tokens 256] [--blocks 3]
+      [--compare FLAGS] [--against-tree DIR] [--requests greedy,sampled]
 """
 
 from __future__ import annotations
@@ -125,7 +129,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="raw results as JSON")
     parser.add_argument("--compare", default=None, metavar="FLAGS",
                         help='only: the default service against one started with these verifier flags, paired '
-                             '(e.g. "--epilogues off")')
+                             '(e.g. "--epilogues off"; "" for none, with --against-tree)')
+    parser.add_argument("--against-tree", type=Path, default=None, metavar="DIR",
+                        help="with --compare: start the second service from this checkout")
+    parser.add_argument("--requests", default="greedy", help="with --compare: greedy, sampled, or both")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     max_positions = max(contexts) + args.new_tokens + 64
@@ -140,16 +147,16 @@ def main() -> None:
     results: dict = {"contexts": {}}
     greedy = GenerationConfig(max_new_tokens=args.new_tokens, temperature=0.0, speculation=False)
 
-    def start_service(name: str, extra: list[str]) -> str:
+    def start_service(name: str, extra: list[str], tree: Path | None = None) -> str:
         port = free_port()
         children.start(name, [sys.executable, "-m", "shared.cli", "verifier", "--model", str(model_dir), "--random-weights",
                               "--device", "cuda", "--dtype", "bfloat16", "--port", str(port), "--max-sessions", "1",
-                              "--prefill-chunk", "2048", "--grace-s", "2", *extra])
+                              "--prefill-chunk", "2048", "--grace-s", "2", *extra], tree=tree)
         return f"127.0.0.1:{port}"
 
     import asyncio
 
-    if args.compare:
+    if args.compare is not None:
         try:
             compare_flags(start_service, children, prompts, contexts, greedy, args, results)
         finally:
@@ -226,27 +233,32 @@ def compare_flags(start_service, children, prompts, contexts, greedy, args, resu
     import asyncio
     import shlex
 
-    variant = args.compare
-    addresses = {"default": start_service("default", []), variant: start_service("variant", shlex.split(variant))}
+    variant = " ".join(filter(None, [f"tree {args.against_tree}" if args.against_tree else "", args.compare])) or "defaults"
+    addresses = {"default": start_service("default", []),
+                 variant: start_service("variant", shlex.split(args.compare), args.against_tree)}
     for name, address in addresses.items():
         asyncio.run(children.wait_serving(name, address, timeout=900))
         client_decode(address, prompts[contexts[0]][:64], GenerationConfig(max_new_tokens=8))  # warm-up
-    print(f"\n| context | service tokens/s, defaults | service tokens/s, `{variant}` | defaults / variant (median of "
-          f"{args.blocks} paired blocks) | same tokens |")
-    print("| ---: | ---: | ---: | ---: | --- |")
+    kinds = args.requests.split(",")
+    print(f"\n| context | request | service tokens/s, this tree | service tokens/s, `{variant}` | this / that (median "
+          f"of {args.blocks} paired blocks) | same tokens |")
+    print("| ---: | --- | ---: | ---: | ---: | --- |")
     for context in contexts:
-        rows = []
-        for block in range(args.blocks):
-            arms = list(addresses) if block % 2 == 0 else list(reversed(addresses))
-            rows.append({arm: client_decode(addresses[arm], prompts[context], greedy) for arm in arms})
-            log(f"  context {context} block {block}: " + ", ".join(
-                f"{arm} {rows[-1][arm]['decode_tokens_per_s']:.1f} tok/s" for arm in addresses))
-        results["contexts"][context] = rows
-        on = statistics.median(r["default"]["decode_tokens_per_s"] for r in rows)
-        off = statistics.median(r[variant]["decode_tokens_per_s"] for r in rows)
-        ratio = statistics.median(r["default"]["decode_tokens_per_s"] / r[variant]["decode_tokens_per_s"] for r in rows)
-        same = all(r["default"]["token_ids"] == r[variant]["token_ids"] for r in rows)
-        print(f"| {context} | {on:.1f} | {off:.1f} | {ratio:.3f} | {same} |")
+        for kind in kinds:
+            rows = []
+            for block in range(args.blocks):
+                config = greedy if kind == "greedy" else GenerationConfig(
+                    max_new_tokens=args.new_tokens, temperature=0.8, top_p=0.95, seed=block, speculation=False)
+                arms = list(addresses) if block % 2 == 0 else list(reversed(addresses))
+                rows.append({arm: client_decode(addresses[arm], prompts[context], config) for arm in arms})
+                log(f"  context {context} {kind} block {block}: " + ", ".join(
+                    f"{arm} {rows[-1][arm]['decode_tokens_per_s']:.1f} tok/s" for arm in addresses))
+            results["contexts"][f"{context} {kind}"] = rows
+            on = statistics.median(r["default"]["decode_tokens_per_s"] for r in rows)
+            off = statistics.median(r[variant]["decode_tokens_per_s"] for r in rows)
+            ratio = statistics.median(r["default"]["decode_tokens_per_s"] / r[variant]["decode_tokens_per_s"] for r in rows)
+            same = all(r["default"]["token_ids"] == r[variant]["token_ids"] for r in rows)
+            print(f"| {context} | {kind} | {on:.1f} | {off:.1f} | {ratio:.3f} | {same} |")
     if args.out:
         args.out.write_text(json.dumps(results, indent=1, default=str))
 

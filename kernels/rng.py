@@ -135,3 +135,16 @@ def uniform(
         c0, c1, c2, k0, k1 = torch.broadcast_tensors(c0, c1, c2, k0, k1)
     out0, _, _, _ = philox4x32_tensor((c0, c1, c2, torch.zeros_like(c0)), (k0, k1))
     return (out0.to(torch.float64) + 0.5) / 4294967296.0
+
+
+def uniform_at(seed: int, position: int, stream: str = "pick") -> float:
+    """One u of `uniform` computed on the host in plain integers: the same value, with no
+    tensor and no device (a draw for a device step is then a kernel argument)."""
+    if stream not in STREAM_TAGS:
+        raise ValueError(f"stream {stream!r} must be one of {sorted(STREAM_TAGS)}")
+    if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= MAX_POSITION:
+        raise ValueError(f"position {position!r} must be an integer in [0, 2**61)")
+    k0, k1 = seed_key(seed)
+    counter = position & MASK32, (position >> 32) | (STREAM_TAGS[stream] >> 32), 0, 0
+    out0 = philox4x32(counter, (k0, k1))[0]
+    return (out0 + 0.5) / 4294967296.0

@@ -112,11 +112,19 @@ def _renormalise(probs: Tensor, keep: Tensor) -> Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
+MAX_CANDIDATES = 1024  # beyond this many candidate tokens a row is processed by sorting it whole
+
+
 def process_logits(logits: Tensor, params: SamplingParams) -> SparseRows:
     """The processed distribution p of each row of `logits` [rows, vocab] as sparse rows.
 
     Computed in float64 from the given logits. Width is min(max_support, vocab); greedy rows
-    are point masses on the argmax (lowest id on ties).
+    are point masses on the argmax (lowest id on ties). No host synchronisation.
+
+    Every filter keeps a prefix of the tokens sorted by descending logit (lower id first on
+    ties), and the result depends only on the first max(width, top_k) of them and on the
+    normaliser of the softmax; so a row is not sorted whole but its candidates are found by
+    selection (`_candidates`), unless they are not much fewer than the vocabulary.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [rows, vocab]; got shape {tuple(logits.shape)}")
@@ -130,13 +138,45 @@ def process_logits(logits: Tensor, params: SamplingParams) -> SparseRows:
         token_ids[:, :1] = best
         probs[:, :1] = 1.0
         return SparseRows(token_ids, probs)
-
     scaled = logits.to(torch.float64) / params.temperature
-    # Stable descending sort: equal logits keep ascending-id order, so every prefix filter
-    # below (top_k, top_p, min_p, the cap) breaks ties towards the lower id.
-    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    rank = torch.arange(vocab_size, device=logits.device).expand(num_rows, vocab_size)
+    top_k = params.top_k if params.top_k < vocab_size else 0  # (top_k >= vocab keeps every token)
+    num_candidates = max(width, top_k)
+    if num_candidates * 2 > vocab_size or num_candidates > MAX_CANDIDATES:
+        order = torch.argsort(scaled, dim=-1, descending=True, stable=True)
+        # [rows, vocab]: the definition, every token sorted (the softmax over the sorted row)
+        return _filter(torch.softmax(scaled.gather(-1, order), dim=-1), order, params, width, vocab_size)
+    order = _candidates(scaled, num_candidates)  # [rows, num_candidates]
+    probs = torch.softmax(scaled, dim=-1).gather(-1, order)
+    return _filter(probs, order, params, width, vocab_size)
+
+
+def _candidates(scaled: Tensor, num_candidates: int) -> Tensor:
+    """Ids of the `num_candidates` largest entries of each row [rows, vocab], sorted by
+    descending value, lower id first on ties — the first columns of a stable descending sort.
+
+    torch.topk breaks ties arbitrarily, so it only finds the smallest value taken (the
+    threshold); a second selection over integer keys takes every id above the threshold and
+    then the lowest ids at it.
+    """
+    vocab_size = scaled.shape[-1]
+    threshold = torch.topk(scaled, num_candidates, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
+    token_ids = torch.arange(vocab_size, device=scaled.device)
+    at = (vocab_size - token_ids).expand_as(scaled)  # ties at the threshold: the lower id ranks higher
+    key = torch.where(scaled > threshold, vocab_size + 1, torch.where(scaled == threshold, at, 0))
+    chosen = torch.topk(key, num_candidates, dim=-1, sorted=False).indices
+    chosen = torch.sort(chosen, dim=-1).values  # ascending ids, so the stable sort below breaks ties by id
+    ranked = torch.sort(scaled.gather(-1, chosen), dim=-1, descending=True, stable=True).indices
+    return chosen.gather(-1, ranked)
+
+
+def _filter(probs: Tensor, order: Tensor, params: SamplingParams, width: int, vocab_size: int) -> SparseRows:
+    """top_k → top_p → min_p → the cap on the leading tokens of each row by rank.
+
+    probs: [rows, n] softmax probabilities of the tokens `order` [rows, n] (ids), sorted by
+    descending logit; the first max(width, top_k) tokens of every row at least.
+    """
+    num_rows, n = probs.shape
+    rank = torch.arange(n, device=probs.device).expand(num_rows, n)
     keep = torch.ones_like(probs, dtype=torch.bool)
     if params.top_k:
         keep &= rank < params.top_k
@@ -158,17 +198,20 @@ def process_logits(logits: Tensor, params: SamplingParams) -> SparseRows:
     return SparseRows(token_ids, probs)
 
 
-def sample(rows: SparseRows, u: Tensor) -> Tensor:
-    """Inverse-CDF draw of one token per row with the given uniforms u [rows] (float64).
+def sample(rows: SparseRows, u: Tensor | float) -> Tensor:
+    """Inverse-CDF draw of one token per row with the given uniforms u [rows] (float64), or
+    one u (a float) for every row — a host value that needs no copy to the device.
 
     Walks each row's support in ascending token id order and returns the first token whose
     cumulative probability exceeds u. If rounding leaves u above the total mass, the last
     token with positive probability is returned. No host synchronisation.
     """
-    if u.shape != (rows.num_rows,):
-        raise ValueError(f"u shape {tuple(u.shape)} must be ({rows.num_rows},)")
     cdf = torch.cumsum(rows.probs, dim=-1)
-    below = (cdf <= u.unsqueeze(-1).to(cdf.dtype)).sum(dim=-1)
+    if isinstance(u, Tensor):
+        if u.shape != (rows.num_rows,):
+            raise ValueError(f"u shape {tuple(u.shape)} must be ({rows.num_rows},)")
+        u = u.unsqueeze(-1).to(cdf.dtype)
+    below = (cdf <= u).sum(dim=-1)
     positive = rows.probs > 0
     last_positive = (positive.cumsum(dim=-1) == positive.sum(dim=-1, keepdim=True)) & positive
     last_index = last_positive.to(torch.int64).argmax(dim=-1)

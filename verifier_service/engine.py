@@ -22,12 +22,13 @@ import torch
 from torch import Tensor
 
 from kernels.fused import cdiv
-from kernels.sampling import SparseRows, process_logits
+from kernels.rng import uniform_at
+from kernels.sampling import SparseRows, process_logits, sample
 from kernels.speculative import Mode, verify_chain
 from shared.model import Qwen3MoeModel
 from shared.model.experts import ExpertStore
 from shared.model.fast import FusedModel, fused_wanted
-from shared.model.graphs import WindowGraphs
+from shared.model.graphs import WindowGraphs, WindowOutput
 from shared.model.kv_cache import KVPool
 from verifier_service.audit import accept_key
 from verifier_service.kv_memory import KVPlan, plan_kv
@@ -241,11 +242,11 @@ class Engine:
     def run_round(self, session: Session, drafts: list[int], q_rows: SparseRows | None, *,
                   decode_ahead: bool = False) -> RoundOutcome:
         """Verify `drafts` (or decode one token). decode_ahead: the caller expects another plain
-        greedy round of this session next, so its step is enqueued before this round's result is
+        round of this session next, so its step is enqueued before this round's result is
         read (the GPU computes it while the host streams this one); any other round drops it."""
         spec = session.spec
-        if not drafts and spec.sampling.greedy and self.windows is not None:
-            return self._plain_greedy_round(session, decode_ahead)
+        if not drafts and self.windows is not None:
+            return self._plain_round(session, decode_ahead)
         self.ahead = None
         started = time.perf_counter()
         misses = self.slot_misses()
@@ -379,8 +380,9 @@ class Engine:
             self.ring_events[ring].synchronize()
         return self.ring_hidden[ring, :num_rows], self.ring_ids[ring, :num_rows].tolist()
 
-    def _plain_greedy_round(self, session: Session, decode_ahead: bool) -> RoundOutcome:
-        """One greedy token on the captured 1-row step, with decode-ahead (see run_round)."""
+    def _plain_round(self, session: Session, decode_ahead: bool) -> RoundOutcome:
+        """One token on the captured 1-row step, with decode-ahead (see run_round); a sampled
+        request's token is drawn on the device and fed to the step ahead like a greedy one."""
         started = time.perf_counter()
         start = session.cache.reserve(1)
         ahead, self.ahead = self.ahead, None
@@ -388,10 +390,10 @@ class Engine:
             ring = ahead.ring  # enqueued during the last round
         else:
             out = self.windows.run(session.slot, session.token_ids[-1:], start)
-            ring = self._ring_copy(out.hidden, out.greedy_ids)
+            ring = self._ring_copy(out.hidden, self._next_token(session, out, start + 1))
         if decode_ahead and session.cache.length < session.cache.max_length:
             out = self.windows.run_chained()
-            self.ahead = Ahead([session], [start + 1], self._ring_copy(out.hidden, out.greedy_ids))
+            self.ahead = Ahead([session], [start + 1], self._ring_copy(out.hidden, self._next_token(session, out, start + 2)))
         hidden, ids = self._ring_read(ring, 1)
         token = ids[0]
         rows = hidden.to(torch.bfloat16, copy=True)
@@ -399,6 +401,17 @@ class Engine:
         session.hidden_rows.append(rows)
         session.token_ids.append(token)
         return RoundOutcome([token], 0, rows, (forwarded - started) * 1e3, 0.0, 0)
+
+    def _next_token(self, session: Session, out: WindowOutput, position: int) -> Tensor:
+        """[1] on the device: the token that a 1-row step's row decides, at `position` — what
+        verify_chain emits for a window without drafts in either mode (p's draw with the pick
+        stream's u of that position; greedy: the argmax)."""
+        sampling = session.spec.sampling
+        if sampling.greedy:
+            return out.greedy_ids
+        token_ids = sample(process_logits(out.logits[:1], sampling), uniform_at(session.spec.seed, position))
+        self.windows.feed_next(token_ids)
+        return token_ids
 
     def slot_misses(self) -> int:
         return sum(store.counters.misses for store in self.stores)

@@ -65,7 +65,7 @@ class RoundRequest:
     session: Session
     drafts: list[int]
     q_rows: SparseRows | None = None
-    decode_ahead: bool = False  # another plain greedy round follows (see Engine.run_round)
+    decode_ahead: bool = False  # another plain round follows (see Engine.run_round)
 
 
 @dataclass

@@ -31,11 +31,16 @@ class Children:
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
         self.env = env
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], *, tree: Path | None = None) -> subprocess.Popen:
+        """tree: another checkout of tandem to run the service from (e.g. the code before a
+        change, for a side-by-side run); its modules are imported first."""
         log_path = self.workdir / f"{name}.log"
         handle = open(log_path, "w")
-        log(f"  start {name}: {' '.join(argv[1:])}")
-        proc = subprocess.Popen(argv, cwd=REPO, env=self.env, stdout=handle, stderr=subprocess.STDOUT)
+        log(f"  start {name}{f' from {tree}' if tree else ''}: {' '.join(argv[1:])}")
+        env = self.env
+        if tree is not None:
+            env = dict(env, PYTHONPATH=os.pathsep.join([str(tree), str(tree / "protos"), env["PYTHONPATH"]]))
+        proc = subprocess.Popen(argv, cwd=tree or REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
         handle.close()
         self.procs[name] = (proc, log_path)
         return proc

@@ -183,6 +183,11 @@ class WindowGraphs:
         graph.replay()
         return output
 
+    def feed_next(self, token_ids: Tensor) -> None:
+        """The token [1] the next chained 1-row step decodes, in place of the last step's greedy
+        one (a sampled request's draw, made on the device: enqueue it before run_chained)."""
+        self.last_token.copy_(token_ids)
+
     def run(self, slot: int, token_ids: list[int], start: int) -> WindowOutput:
         """The window token_ids at positions start.. of `slot` (its KV rows are written)."""
         num_rows = len(token_ids)

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from kernels.rng import MAX_POSITION, STREAM_TAGS, philox4x32, philox4x32_tensor, seed_as_int64, uniform
+from kernels.rng import MAX_POSITION, STREAM_TAGS, philox4x32, philox4x32_tensor, seed_as_int64, uniform, uniform_at
 
 # Random123 tests/kat_vectors, the three "philox4x32 10" lines: counter[4] key[2] -> output[4].
 KNOWN_ANSWERS = [
@@ -50,6 +50,21 @@ def test_uniform_is_the_documented_function_of_philox(stream, seed):
         c = position | STREAM_TAGS[stream]
         out = philox4x32((c & 0xFFFFFFFF, c >> 32, 0, 0), (seed & 0xFFFFFFFF, seed >> 32))
         assert value == (out[0] + 0.5) / 2**32
+
+
+@pytest.mark.parametrize("stream", sorted(STREAM_TAGS))
+@pytest.mark.parametrize("seed", [0, 1, 0xDEADBEEF12345678, 2**64 - 1])
+def test_uniform_at_is_uniform_on_the_host(stream, seed):
+    positions = [0, 1, 2**32 - 1, 2**32, 123456789012, MAX_POSITION]
+    expected = uniform(seed, torch.tensor(positions, dtype=torch.int64), stream).tolist()
+    assert [uniform_at(seed, p, stream) for p in positions] == expected
+
+
+@pytest.mark.parametrize("position, stream, match", [(-1, "pick", "position"), (MAX_POSITION + 1, "pick", "position"),
+                                                     (True, "pick", "position"), (3, "nope", "stream")])
+def test_uniform_at_rejects_bad_arguments(position, stream, match):
+    with pytest.raises(ValueError, match=match):
+        uniform_at(1, position, stream)
 
 
 def test_token_id_goes_in_counter_word_two():

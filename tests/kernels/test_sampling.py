@@ -5,8 +5,11 @@ import math
 import pytest
 import torch
 
-from kernels.rng import uniform
-from kernels.sampling import PAD_ID, SamplingParams, SparseRows, draw, lookup, process_logits, sample, sample_gumbel
+from kernels.rng import uniform, uniform_at
+import kernels.sampling as sampling_module
+from kernels.sampling import (
+    PAD_ID, SamplingParams, SparseRows, draw, lookup, process_logits, sample, sample_gumbel,
+)
 
 
 def processed(logits, **params):
@@ -167,3 +170,72 @@ def test_lookup():
     rows = SparseRows.from_dicts([{1: 0.25, 4: 0.75}, {2: 1.0}])
     assert lookup(rows, torch.tensor([4, 3])).tolist() == [0.75, 0.0]
     assert lookup(rows, torch.tensor([[1, 4, PAD_ID], [2, 2, 0]])).tolist() == [[0.25, 0.75, 0.0], [1.0, 1.0, 0.0]]
+
+
+def sorted_definition(logits: torch.Tensor, params: SamplingParams) -> SparseRows:
+    """DESIGN §2 written out on whole sorted rows (how process_logits computed every row before
+    it selected candidates): the oracle the candidate route must agree with."""
+    scaled = logits.to(torch.float64) / params.temperature
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    num_rows, vocab_size = scaled.shape
+    rank = torch.arange(vocab_size).expand(num_rows, vocab_size)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+
+    def renormalise(p):
+        kept = torch.where(keep, p, torch.zeros_like(p))
+        return kept / kept.sum(dim=-1, keepdim=True)
+
+    if params.top_k:
+        keep &= rank < params.top_k
+        probs = renormalise(probs)
+    if params.top_p < 1:
+        keep &= torch.cumsum(probs, dim=-1) - probs < params.top_p
+        probs = renormalise(probs)
+    if params.min_p > 0:
+        keep &= probs >= params.min_p * probs[:, :1]
+        probs = renormalise(probs)
+    keep &= rank < min(params.max_support, vocab_size)
+    probs = renormalise(probs)
+    return SparseRows.from_dicts([{int(order[r, i]): float(probs[r, i]) for i in range(vocab_size) if keep[r, i]}
+                                  for r in range(num_rows)], width=min(params.max_support, vocab_size))
+
+
+candidates = sampling_module._candidates
+CANDIDATE_PARAMS = [
+    dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_k=40),
+    dict(temperature=0.8, top_k=300, top_p=0.95), dict(temperature=1.0, min_p=0.05),
+    dict(temperature=0.6, top_k=100, top_p=0.5, min_p=0.01), dict(temperature=1.0, max_support=8, top_p=0.99),
+    dict(temperature=2.0, top_k=1), dict(temperature=1.0, top_k=1500),  # most of the vocabulary: sorted whole
+]
+
+
+@pytest.mark.parametrize("params", CANDIDATE_PARAMS)
+@pytest.mark.parametrize("logit_kind", ["normal", "bf16 ties", "integer ties"])
+def test_selected_candidates_give_the_rows_of_the_sorted_definition(params, logit_kind, monkeypatch):
+    # bf16 logits repeat values near the top of a 2,000-token row, and integer logits tie in
+    # hundreds: the threshold of the selection falls inside a tie, where only the lower ids
+    # may be taken.
+    generator = torch.Generator().manual_seed(len(str(params)))
+    logits = torch.randn(6, 2000, generator=generator) * 3
+    if logit_kind == "bf16 ties":
+        logits = logits.to(torch.bfloat16).to(torch.float32)
+    elif logit_kind == "integer ties":
+        logits = logits.round().clamp(-4, 6)
+    sampling = SamplingParams(**params)
+    selections = []
+    monkeypatch.setattr(sampling_module, "_candidates", lambda *a: selections.append(a) or candidates(*a))
+    got = process_logits(logits, sampling)
+    assert len(selections) == (sampling.top_k != 1500)
+    expected = sorted_definition(logits, sampling)
+    assert torch.equal(got.token_ids, expected.token_ids)
+    assert torch.allclose(got.probs, expected.probs, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_host_u_draws_what_the_pick_stream_tensor_draws(seed):
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(seed))
+    rows = process_logits(logits, SamplingParams(temperature=0.9, top_p=0.9))
+    position = 17 + seed
+    host = sample(rows, uniform_at(seed, position))
+    assert torch.equal(host, draw(rows, seed, torch.tensor([position])))

@@ -55,6 +55,8 @@ def test_fused_engine_commits_the_reference_tokens(tiny_mtp_model, temperature):
 
     for engine in (reference, fused):
         assert decode(engine, spec(prompt, temperature=temperature), drafts_of) == plain
+    # the fused path's plain rounds: the token drawn on the device (sampled) or the argmax
+    assert decode(fused, spec(prompt, temperature=temperature), lambda ids: []) == plain
     assert fused.free_slots == 2  # every slot returned
 
 
@@ -80,14 +82,16 @@ def test_greedy_verdict_equals_verify_chain(seed):
         assert greedy_verdict(drafts, greedy) == (verdict.emitted(), int(verdict.num_accepted[0]))
 
 
-def test_decode_ahead_commits_the_same_tokens_across_interleaved_sessions(tiny_mtp_model):
-    """Plain greedy rounds with decode-ahead: the step enqueued for a session's next round is
-    used only when that round comes next; another session's round or a drafted round drops it."""
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_decode_ahead_commits_the_same_tokens_across_interleaved_sessions(tiny_mtp_model, temperature):
+    """Plain rounds with decode-ahead: the step enqueued for a session's next round is used only
+    when that round comes next; another session's round or a drafted round drops it. Sampled:
+    the step ahead decodes the token drawn on the device, the one verify_chain would emit."""
     reference = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="off")
     fused = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="on", max_sessions=2, max_window=5)
     prompts = [[3, 14, 15, 92, 65, 35], [27, 18, 28, 18, 28]]
-    expected = [decode(reference, spec(p, temperature=0.0, max_new_tokens=12), lambda ids: []) for p in prompts]
-    sessions = [fused.open(spec(p, temperature=0.0, max_new_tokens=12, request_id=str(i))) for i, p in enumerate(prompts)]
+    expected = [decode(reference, spec(p, temperature=temperature, max_new_tokens=12), lambda ids: []) for p in prompts]
+    sessions = [fused.open(spec(p, temperature=temperature, max_new_tokens=12, request_id=str(i))) for i, p in enumerate(prompts)]
     got = [[], []]
     used = 0
     schedule = [0, 0, 0, 1, 1, 0, 1, 0, 0, 1, 1, 1, 0, 0, 1, 0, 1, 1, 0, 1, 0, 1, 0, 1]

@@ -1,0 +1,96 @@
+"""The processed rows of sampled requests: selecting candidates against sorting whole rows.
+
+`kernels.sampling.process_logits` turns logits [rows, vocab] into p's sparse rows (DESIGN §2).
+It used to sort every row whole (float64, stable); it now selects the max(width, top_k)
+candidates (`_candidates`: two top-k selections and a sort of the candidates) and sorts rows
+whole only when the candidates are not much fewer than the vocabulary. Both routes run here
+on the same logits, interleaved block by block (order reversed each block): device time per
+call (CUDA events over `--calls` back-to-back calls) and host time to enqueue one call; the
+ratio is the median of the per-block ratios. The rows must agree: same ids, probs within
+1e-12 (relative).
+
+Usage: python bench/sampling_rows.py [--vocab 151936] [--rows 1,5,17] [--blocks 5] [--calls 50] [--device cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernels.sampling as sampling  # noqa: E402
+from kernels.sampling import SamplingParams, process_logits  # noqa: E402
+
+PARAMS = {
+    "T 0.8, top-p 0.95": SamplingParams(temperature=0.8, top_p=0.95),
+    "T 1.0, top-k 50": SamplingParams(temperature=1.0, top_k=50),
+    "T 0.7, min-p 0.05": SamplingParams(temperature=0.7, min_p=0.05),
+}
+
+
+def timed(logits: torch.Tensor, params: SamplingParams, route: str, calls: int) -> tuple[float, float]:
+    """(device ms per call, host ms to enqueue one call) of one route."""
+    limit = sampling.MAX_CANDIDATES
+    sampling.MAX_CANDIDATES = limit if route == "candidates" else 0  # 0: every row sorted whole
+    try:
+        cuda = logits.device.type == "cuda"
+        process_logits(logits, params)  # warm
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        host = time.perf_counter()
+        for _ in range(calls):
+            process_logits(logits, params)
+        host = (time.perf_counter() - host) / calls * 1e3
+        if not cuda:
+            return host, host
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls, host
+    finally:
+        sampling.MAX_CANDIDATES = limit
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--rows", default="1,5,17")
+    parser.add_argument("--blocks", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    generator = torch.Generator().manual_seed(0)
+    print(f"device {args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}), "
+          f"vocab {args.vocab}, {args.blocks} paired blocks of {args.calls} calls", file=sys.stderr)
+    print("\n| rows | params | sorted whole: device ms / host ms | candidates: device ms / host ms "
+          "| sorted / candidates, device (median of paired blocks) | same rows |")
+    print("| ---: | --- | ---: | ---: | ---: | --- |")
+    for num_rows in [int(r) for r in args.rows.split(",")]:
+        # logits as a bf16 model makes them (ties included), in float32
+        logits = (torch.randn(num_rows, args.vocab, generator=generator) * 4).to(torch.bfloat16).float().to(args.device)
+        for name, params in PARAMS.items():
+            sampling.MAX_CANDIDATES, limit = 0, sampling.MAX_CANDIDATES
+            whole = process_logits(logits, params)
+            sampling.MAX_CANDIDATES = limit
+            picked = process_logits(logits, params)
+            same = torch.equal(whole.token_ids, picked.token_ids) and torch.allclose(whole.probs, picked.probs, rtol=1e-12)
+            blocks = []
+            for block in range(args.blocks):
+                routes = ["sorted", "candidates"] if block % 2 == 0 else ["candidates", "sorted"]
+                blocks.append({route: timed(logits, params, route, args.calls) for route in routes})
+                print(f"  rows {num_rows}, {name}, block {block}: " + ", ".join(
+                    f"{r} {d:.3f} ms" for r, (d, _) in blocks[-1].items()), file=sys.stderr)
+            med = {r: [statistics.median(b[r][i] for b in blocks) for i in (0, 1)] for r in ("sorted", "candidates")}
+            ratio = statistics.median(b["sorted"][0] / b["candidates"][0] for b in blocks)
+            print(f"| {num_rows} | {name} | {med['sorted'][0]:.3f} / {med['sorted'][1]:.3f} | "
+                  f"{med['candidates'][0]:.3f} / {med['candidates'][1]:.3f} | {ratio:.2f} | {same} |")
+
+
+if __name__ == "__main__":
+    main()
