@@ -23,7 +23,7 @@ from torch import Tensor
 
 from kernels.fused import cdiv
 from kernels.rng import uniform_at
-from kernels.sampling import SparseRows, process_logits, sample
+from kernels.sampling import SamplingParams, SparseRows, process_logits, sample
 from kernels.speculative import Mode, verify_chain
 from shared.model import Qwen3MoeModel
 from shared.model.experts import ExpertStore
@@ -291,8 +291,7 @@ class Engine:
         if len(rounds) == 1 or self.windows is None:
             alone = len(rounds) == 1
             return [self.run_round(r.session, r.drafts, r.q_rows, decode_ahead=alone and r.decode_ahead) for r in rounds]
-        if all(not r.drafts and r.session.spec.sampling.greedy for r in rounds) \
-                and len(rounds) <= self.windows.max_batch_rows:
+        if all(not r.drafts for r in rounds) and len(rounds) <= self.windows.max_batch_rows:
             return self._decode_batch(rounds)
         self.ahead = None
         if self.window_sizing and self.row_cost.known and any(r.drafts for r in rounds):
@@ -335,10 +334,10 @@ class Engine:
         return outcomes
 
     def _decode_batch(self, rounds: list[RoundRequest]) -> list[RoundOutcome]:
-        """Greedy one-token rounds of several sessions: one decode batch, with decode-ahead when
-        every session asks for it (the next batch step is enqueued, fed by this one's greedy
-        ids on the device, before this one is read; the next call uses it if it is exactly
-        the same sessions, in any order)."""
+        """One-token rounds of several sessions: one decode batch, with decode-ahead when every
+        session asks for it (the next batch step is enqueued, fed on the device by this one's
+        tokens — greedy ids or draws —, before this one is read; the next call uses it if it is
+        exactly the same sessions, in any order)."""
         started = time.perf_counter()
         sessions = [r.session for r in rounds]
         ahead, self.ahead = self.ahead, None
@@ -349,12 +348,13 @@ class Engine:
             ring, batch_sessions, batch_positions = ahead.ring, ahead.sessions, ahead.positions
         else:
             out = self.windows.run_batch([(s.slot, s.token_ids[-1:], p) for s, p in zip(sessions, positions)])
-            ring = self._ring_copy(out.hidden[: len(rounds)], out.greedy_ids[: len(rounds)])
+            ring = self._ring_copy(out.hidden[: len(rounds)], self._next_tokens(sessions, out, [p + 1 for p in positions]))
             order, batch_sessions, batch_positions = list(range(len(rounds))), sessions, positions
         if all(r.decode_ahead for r in rounds) and all(s.cache.length < s.cache.max_length for s in sessions):
             out = self.windows.run_batch_chained()
             self.ahead = Ahead(list(batch_sessions), [p + 1 for p in batch_positions],
-                               self._ring_copy(out.hidden[: len(rounds)], out.greedy_ids[: len(rounds)]))
+                               self._ring_copy(out.hidden[: len(rounds)],
+                                               self._next_tokens(batch_sessions, out, [p + 2 for p in batch_positions])))
         host_hidden, ids = self._ring_read(ring, len(rounds))
         forward_s = time.perf_counter() - started
         if self.window_sizing and fresh:  # (the read waits for this step only: the chained one is behind it)
@@ -390,10 +390,10 @@ class Engine:
             ring = ahead.ring  # enqueued during the last round
         else:
             out = self.windows.run(session.slot, session.token_ids[-1:], start)
-            ring = self._ring_copy(out.hidden, self._next_token(session, out, start + 1))
+            ring = self._ring_copy(out.hidden, self._next_tokens([session], out, [start + 1]))
         if decode_ahead and session.cache.length < session.cache.max_length:
             out = self.windows.run_chained()
-            self.ahead = Ahead([session], [start + 1], self._ring_copy(out.hidden, self._next_token(session, out, start + 2)))
+            self.ahead = Ahead([session], [start + 1], self._ring_copy(out.hidden, self._next_tokens([session], out, [start + 2])))
         hidden, ids = self._ring_read(ring, 1)
         token = ids[0]
         rows = hidden.to(torch.bfloat16, copy=True)
@@ -402,15 +402,36 @@ class Engine:
         session.token_ids.append(token)
         return RoundOutcome([token], 0, rows, (forwarded - started) * 1e3, 0.0, 0)
 
-    def _next_token(self, session: Session, out: WindowOutput, position: int) -> Tensor:
-        """[1] on the device: the token that a 1-row step's row decides, at `position` — what
-        verify_chain emits for a window without drafts in either mode (p's draw with the pick
-        stream's u of that position; greedy: the argmax)."""
-        sampling = session.spec.sampling
-        if sampling.greedy:
-            return out.greedy_ids
-        token_ids = sample(process_logits(out.logits[:1], sampling), uniform_at(session.spec.seed, position))
-        self.windows.feed_next(token_ids)
+    def _next_tokens(self, sessions: list[Session], out: WindowOutput, positions: list[int]) -> Tensor:
+        """[n] on the device: the token that each session's row of a one-row-per-session step
+        decides (row i, at positions[i]) — what verify_chain emits for a window without drafts
+        in either mode: the greedy id, or p's draw with the pick stream's u of that position.
+        Draws are fed to the step that may be enqueued next (run_chained / run_batch_chained);
+        sessions sampling alike share one processing of their rows."""
+        num_rows = len(sessions)
+        groups: dict[SamplingParams, list[int]] = {}
+        for row, session in enumerate(sessions):
+            if not session.spec.sampling.greedy:
+                groups.setdefault(session.spec.sampling, []).append(row)
+        if not groups:
+            return out.greedy_ids[:num_rows]
+        token_ids = out.greedy_ids[:num_rows].clone()
+        device = token_ids.device
+        for params, rows in groups.items():
+            u = [uniform_at(sessions[row].spec.seed, positions[row]) for row in rows]
+            if len(rows) == 1:  # u as a kernel argument, the row as a view: nothing to copy
+                span = slice(rows[0], rows[0] + 1)
+                token_ids[span] = sample(process_logits(out.logits[span], params), u[0])
+                continue
+            # (from pageable memory, non_blocking stages the values at once: no device sync)
+            index = torch.tensor(rows).to(device, non_blocking=True)
+            drawn = sample(process_logits(out.logits.index_select(0, index), params),
+                           torch.tensor(u, dtype=torch.float64).to(device, non_blocking=True))
+            token_ids.index_copy_(0, index, drawn)
+        if num_rows == 1:
+            self.windows.feed_next(token_ids)
+        else:
+            self.windows.feed_next_batch(token_ids)
         return token_ids
 
     def slot_misses(self) -> int:

@@ -188,6 +188,11 @@ class WindowGraphs:
         one (a sampled request's draw, made on the device: enqueue it before run_chained)."""
         self.last_token.copy_(token_ids)
 
+    def feed_next_batch(self, token_ids: Tensor) -> None:
+        """The tokens [n] the real rows of the next chained decode batch decode, in place of the
+        last batch's greedy ids (draws: enqueue them before run_batch_chained)."""
+        self.last_batch_ids[: token_ids.shape[0]].copy_(token_ids)
+
     def run(self, slot: int, token_ids: list[int], start: int) -> WindowOutput:
         """The window token_ids at positions start.. of `slot` (its KV rows are written)."""
         num_rows = len(token_ids)

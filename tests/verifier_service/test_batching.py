@@ -128,16 +128,21 @@ def test_probabilistic_rounds_batch_like_alone(tiny_mtp_model):
     assert outcomes[True] == outcomes[False]
 
 
-def test_decode_batches_ahead_commit_what_each_commits_alone(tiny_mtp_model):
-    """Greedy decode batches with decode-ahead (each step enqueues the next, fed on the device):
-    the same tokens as each session alone, also when the batch's order changes, when a
-    session leaves (the step ahead is dropped) and when one joins."""
+@pytest.mark.parametrize("temperatures", [(0.0,) * 4, (0.8,) * 4, (0.0, 0.8, 0.8, 1.1)],
+                         ids=["greedy", "sampled", "mixed"])
+def test_decode_batches_ahead_commit_what_each_commits_alone(tiny_mtp_model, temperatures):
+    """Decode batches with decode-ahead (each step enqueues the next, fed on the device by the
+    greedy ids or the draws made there): the same tokens as each session alone on the reference
+    path (draws by verify_chain on the host), also when the batch's order changes, when a
+    session leaves (the step ahead is dropped) and when one joins; sessions sampling alike
+    share one processing of their rows."""
     engine = Engine(tiny_mtp_model, max_context=64, prefill_chunk=8, fused="on", max_sessions=4, max_window=5)
+    reference = Engine(tiny_mtp_model, max_context=64, prefill_chunk=8, fused="off")
     prompts = [[5, 17, 42], [9, 1, 60, 33, 2], [11, 12, 13, 14], [70, 71]]
     lengths = [10, 6, 10, 8]
-    requests = [spec(p, temperature=0.0, max_new_tokens=n, request_id=str(i))
-                for i, (p, n) in enumerate(zip(prompts, lengths))]
-    alone = [run_alone(engine, r, None) for r in requests]
+    requests = [spec(p, temperature=t, max_new_tokens=n, request_id=str(i), seed=40 + i)
+                for i, (p, n, t) in enumerate(zip(prompts, lengths, temperatures))]
+    alone = [run_alone(reference, r, None) for r in requests]
     sessions = {i: engine.open(r) for i, r in enumerate(requests[:3])}  # the fourth joins later
     emitted = {i: [] for i in range(4)}
     launched = []  # decode batches launched from the host (the others were computed ahead)

@@ -39,8 +39,17 @@ def decode(engine, request, drafts_of):
     return emitted[: request.max_new_tokens]
 
 
+@pytest.fixture
+def torch_reference_ops(monkeypatch):
+    """The fused ops' torch code (the Triton interpreter takes seconds per step; the kernels
+    themselves: tests/kernels, and the greedy case below)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_fused_engine_commits_the_reference_tokens(tiny_mtp_model, temperature):
+def test_fused_engine_commits_the_reference_tokens(tiny_mtp_model, temperature, request):
+    if temperature:
+        request.getfixturevalue("torch_reference_ops")
     reference = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="off")
     fused = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="on", max_sessions=2, max_window=5,
                    row_invariant=False)  # batched windows (the CPU's one-row windows: test_exact_rounds_...)
@@ -82,6 +91,7 @@ def test_greedy_verdict_equals_verify_chain(seed):
         assert greedy_verdict(drafts, greedy) == (verdict.emitted(), int(verdict.num_accepted[0]))
 
 
+@pytest.mark.usefixtures("torch_reference_ops")
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_decode_ahead_commits_the_same_tokens_across_interleaved_sessions(tiny_mtp_model, temperature):
     """Plain rounds with decode-ahead: the step enqueued for a session's next round is used only
@@ -115,7 +125,7 @@ def test_prefill_warm_up_touches_no_session_and_gives_its_blocks_back(tiny_mtp_m
     # The start-up warm-up (run where graphs are captured, on CUDA) prefills into a slot of its
     # own: a session's KV rows stay untouched, the blocks it took return to the pool, and
     # decoding afterwards commits the same tokens.
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the fused ops' torch code (the kernels: tests/kernels)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (torch_reference_ops)
     engine = Engine(tiny_mtp_model, max_context=128, prefill_chunk=40, fused="on", max_sessions=2, max_window=5,
                     kv_block_size=8)
     pool = engine.windows.pool
