@@ -228,6 +228,7 @@ class DrafterLink:
             self.broken = "closed"
             raise
         self.fault("stream_lost")
+        self.arrived.set()  # a round waiting for a chain stops waiting: none will come
 
     async def _write(self, message: drafter_pb2.DraftUp) -> None:
         try:
@@ -295,6 +296,8 @@ class DrafterLink:
         self.after_open = max(self.after_open - 1, 0)
         deadline = started + self.deadlines.deadline_s(after_open=first)
         while (chain := self._take(round_id, token_ids)) is None:
+            if not self.usable:  # the stream broke (refused, or the drafter went away): decode plainly now
+                return None, (time.perf_counter() - started) * 1e3
             remaining = deadline - time.perf_counter()
             self.arrived.clear()
             try:

@@ -22,3 +22,7 @@ async def test_draft_streams_need_the_drafter_token(pair, tiny_mtp_model, sent):
         assert drafted > 0 and final.stats.drafter_faults == 0
     else:
         assert drafted == 0 and final.stats.drafter_faults > 0  # refused: UNAUTHENTICATED streams
+        # and no round waited out its deadline for a chain from a stream already refused
+        faults = pair.verifier.service.metrics.registry.get_sample_value
+        assert faults("tandem_verifier_drafter_faults_total", {"kind": "stream_lost"}) > 0
+        assert faults("tandem_verifier_drafter_faults_total", {"kind": "deadline"}) in (None, 0)

@@ -43,7 +43,9 @@ FAULTS = {
 @pytest.mark.parametrize("kind", sorted(FAULTS))
 @pytest.mark.parametrize("mode", [common_pb2.MODE_EXACT, common_pb2.MODE_PROBABILISTIC])
 async def test_malformed_chains_are_dropped(servers, tiny_model, kind, mode):
-    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(FAULTS[kind]), max_draft_tokens=4)
+    # a chain for a later round waits in the queue, so each round waits out its deadline: short here
+    deadline = {"drafter_deadline_ms": 100.0} if kind == "wrong_round_id" else {}
+    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(FAULTS[kind]), max_draft_tokens=4, **deadline)
     req = request(PROMPT, 6, temperature=0.9, seed=11, mode=mode)
     tokens, final, rounds = await generate(stub, req)
     req.speculation.disable = True
