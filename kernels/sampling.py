@@ -229,6 +229,7 @@ def sample_gumbel(rows: SparseRows, seed: int | Tensor, positions: Tensor) -> Te
     positions: [rows] int64. Lowest id wins exact ties.
     """
     safe_ids = torch.where(rows.token_ids == PAD_ID, torch.zeros_like(rows.token_ids), rows.token_ids)
+    seed = seed.unsqueeze(-1) if isinstance(seed, Tensor) else seed  # a row's seed for each of its tokens
     u = uniform(seed, positions.unsqueeze(-1).expand_as(safe_ids).contiguous(), "pick", token_ids=safe_ids)
     score = rows.probs / -torch.log(u)
     score = torch.where(rows.probs > 0, score, torch.full_like(score, -1.0))

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from kernels.retention import RetentionPolicy
-from kernels.sampling import PAD_ID, SparseRows, draw, lookup
+from kernels.sampling import PAD_ID, SparseRows, draw, lookup, sample
 from kernels.rng import uniform
 
 
@@ -71,13 +71,6 @@ class Verdict:
         return self.emitted_ids[index, : int(self.num_emitted[index])].tolist()
 
 
-def _row(rows: SparseRows, width_rows: int, step: int) -> SparseRows:
-    """Row `step` of every chain, from rows laid out chain-major with width_rows per chain."""
-    ids = rows.token_ids.view(-1, width_rows, rows.token_ids.shape[-1])[:, step]
-    probs = rows.probs.view(-1, width_rows, rows.probs.shape[-1])[:, step]
-    return SparseRows(ids, probs)
-
-
 def verify_chains(
     target: SparseRows,
     draft_ids: Tensor,
@@ -90,7 +83,9 @@ def verify_chains(
     sampler: str = "inverse_cdf",
     accept_seed: int | Tensor | None = None,
 ) -> Verdict:
-    """Verify a batch of chains in one vectorised pass (a loop over the k steps only).
+    """Verify a batch of chains in one vectorised pass, with no loop over the steps: every
+    step's test and draw is a function of its own rows and position, and which of them
+    count follows from the first rejection.
 
     target: batch*(k+1) rows, chain-major: p_0..p_k of each chain (row j = the target
     distribution at draft position j; row k serves the bonus).
@@ -112,48 +107,64 @@ def verify_chains(
         raise ValueError("probabilistic mode samples residuals by inverse CDF; use sampler='inverse_cdf'")
     device = target.token_ids.device
     secret = seed if accept_seed is None else accept_seed
-    emitted = torch.full((batch, k + 1), PAD_ID, dtype=torch.int64, device=device)
-    accepted = torch.zeros((batch, k), dtype=torch.bool, device=device)
-    alive = torch.ones(batch, dtype=torch.bool, device=device)  # all earlier drafts accepted
-    for step in range(k):
-        p_rows = _row(target, k + 1, step)
-        positions = base_positions + step
-        drafted = draft_ids[:, step]
-        active = alive & (step < num_drafts)
-        if mode == Mode.EXACT:
-            own = draw(p_rows, seed, positions, sampler=sampler)
-            ok = own == drafted
-            correction = own
-        else:
-            p_drafted = lookup(p_rows, drafted)
-            if draft is None:
-                q_drafted = torch.ones_like(p_drafted)
-                q_on_p = (p_rows.token_ids == drafted.unsqueeze(-1)).to(p_rows.probs.dtype)
-            else:
-                q_rows = _row(draft, k, step)
-                q_drafted = lookup(q_rows, drafted)
-                q_on_p = lookup(q_rows, p_rows.token_ids)
-            ok = uniform(secret, positions, "accept") * q_drafted < p_drafted
-            residual = torch.clamp(p_rows.probs - q_on_p, min=0.0)
-            mass = residual.sum(dim=-1, keepdim=True)
-            # Rejection has probability 0 when the residual is empty; fall back to p then.
-            residual = torch.where(mass > 0, residual / mass.clamp_min(1e-300), p_rows.probs)
-            correction = draw(SparseRows(p_rows.token_ids, residual), secret, positions, stream="residual")
-        took = active & ok
-        stopped = active & ~ok
-        accepted[:, step] = took
-        emitted[:, step] = torch.where(took, drafted, torch.where(stopped, correction, emitted[:, step]))
-        alive = alive & ~stopped
+    steps = torch.arange(k + 1, device=device)
+    positions = base_positions.unsqueeze(-1) + steps  # [batch, k+1]: the position each row decides
+    retained = steps[:k] < num_drafts.unsqueeze(-1)  # [batch, k]
+    if mode == Mode.EXACT:
+        # The target's own token of every row at once; a draft is accepted iff it equals it,
+        # and the first row not accepted (a mismatch, or the bonus) emits the target's token.
+        own = draw(target, _per_row(seed, k + 1), positions.reshape(-1), sampler=sampler).view(batch, k + 1)
+        accepted = torch.cumprod((own[:, :k] == draft_ids) & retained, dim=-1).bool()
+        num_accepted = accepted.sum(dim=-1)
+        emitted = torch.where(accepted, draft_ids, PAD_ID)
+        emitted = torch.cat([emitted, torch.full((batch, 1), PAD_ID, dtype=torch.int64, device=device)], dim=-1)
+        last = num_accepted.unsqueeze(-1)
+        emitted.scatter_(1, last, own.gather(1, last))
+        return Verdict(emitted, num_accepted + 1, accepted, num_accepted)
+    # Probabilistic: every step's test and correction at once (they depend on their own rows
+    # and positions only); which of them counts follows from the first rejection.
+    secret_rows = secret.unsqueeze(-1) if isinstance(secret, Tensor) else secret
+    u_accept = uniform(secret_rows, positions[:, :k].contiguous(), "accept")  # [batch, k]
+    u_residual = uniform(secret_rows, positions[:, :k].contiguous(), "residual")
+    width = target.token_ids.shape[-1]
+    p_ids = target.token_ids.view(batch, k + 1, width)[:, :k].reshape(batch * k, width)
+    p_probs = target.probs.view(batch, k + 1, width)[:, :k].reshape(batch * k, width)
+    p_rows = SparseRows(p_ids, p_probs)  # [batch*k, width]: p_0..p_k-1 of each chain
+    drafted = draft_ids.reshape(-1)
+    p_drafted = lookup(p_rows, drafted)
+    if draft is None:
+        q_drafted = torch.ones_like(p_drafted)
+        q_on_p = (p_ids == drafted.unsqueeze(-1)).to(p_probs.dtype)
+    else:
+        q_drafted = lookup(draft, drafted)
+        q_on_p = lookup(draft, p_ids)
+    ok = (u_accept.reshape(-1) * q_drafted < p_drafted).view(batch, k)
+    residual = torch.clamp(p_probs - q_on_p, min=0.0)
+    mass = residual.sum(dim=-1, keepdim=True)
+    # Rejection has probability 0 when the residual is empty; fall back to p then.
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-300), p_probs)
+    correction = sample(SparseRows(p_ids, residual), u_residual.reshape(-1)).view(batch, k)
+    accepted = torch.cumprod(ok & retained, dim=-1).bool()
     num_accepted = accepted.sum(dim=-1)
-    # Chains that accepted every retained draft take the bonus from p at that position.
-    bonus_rows = SparseRows(
-        target.token_ids.view(batch, k + 1, -1)[torch.arange(batch, device=device), num_accepted],
-        target.probs.view(batch, k + 1, -1)[torch.arange(batch, device=device), num_accepted],
-    )
+    # A chain that accepted every retained draft takes the bonus from p at that position;
+    # the others the correction of the step that rejected.
+    rows = torch.arange(batch, device=device)
+    bonus_rows = SparseRows(target.token_ids.view(batch, k + 1, -1)[rows, num_accepted],
+                            target.probs.view(batch, k + 1, -1)[rows, num_accepted])
     bonus = draw(bonus_rows, seed, base_positions + num_accepted, sampler=sampler)
+    rejected = num_accepted < num_drafts
     last = num_accepted.unsqueeze(-1)
-    emitted.scatter_(1, last, torch.where(alive, bonus, emitted.gather(1, last).squeeze(-1)).unsqueeze(-1))
+    if k:
+        bonus = torch.where(rejected, correction.gather(1, last.clamp(max=k - 1)).squeeze(-1), bonus)
+    emitted = torch.cat([torch.where(accepted, draft_ids, PAD_ID),
+                         torch.full((batch, 1), PAD_ID, dtype=torch.int64, device=device)], dim=-1)
+    emitted.scatter_(1, last, bonus.unsqueeze(-1))
     return Verdict(emitted, num_accepted + 1, accepted, num_accepted)
+
+
+def _per_row(seed: int | Tensor, rows_per_chain: int) -> int | Tensor:
+    """A chain's seed for each of its rows (rows laid out chain-major)."""
+    return seed.repeat_interleave(rows_per_chain) if isinstance(seed, Tensor) else seed
 
 
 def verify_chain(

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from kernels.rng import MAX_POSITION, STREAM_TAGS, philox4x32, philox4x32_tensor, seed_as_int64, uniform, uniform_at
+from kernels.rng import FEW_DRAWS, MAX_POSITION, STREAM_TAGS, philox4x32, philox4x32_tensor, seed_as_int64, uniform, uniform_at
 
 # Random123 tests/kat_vectors, the three "philox4x32 10" lines: counter[4] key[2] -> output[4].
 KNOWN_ANSWERS = [
@@ -134,6 +134,26 @@ def test_bad_arguments_raise(kwargs, match):
 def test_philox_rejects_words_out_of_range():
     with pytest.raises(ValueError, match="uint32"):
         philox4x32((2**32, 0, 0, 0), (0, 0))
+
+
+@pytest.mark.parametrize("num_draws", [1, 5, FEW_DRAWS, 257])
+def test_the_host_computes_the_tensor_version_s_words(num_draws):
+    # uniform on CPU tensors runs plain integers (a few draws) or numpy; on CUDA
+    # philox4x32_tensor: the same u, including per-token draws and per-row seeds with the
+    # top bit set.
+    generator = torch.Generator().manual_seed(3)
+    positions = torch.randint(0, 2**61, (num_draws,), generator=generator)
+    token_ids = torch.randint(0, 200_000, (num_draws,), generator=generator)
+    seeds = torch.tensor([seed_as_int64(s) for s in [0, 7, 2**63 + 5, 2**64 - 1]]).repeat_interleave(65)[:num_draws]
+    for stream, tag in STREAM_TAGS.items():
+        for seed, ids in ((0xFEEDFACECAFEBEEF, None), (seeds, None), (12345, token_ids)):
+            k0 = (seed & 0xFFFFFFFF) if isinstance(seed, int) else seed & 0xFFFFFFFF
+            k1 = (seed >> 32) if isinstance(seed, int) else (seed >> 32) & 0xFFFFFFFF
+            c2 = torch.zeros_like(positions) if ids is None else ids
+            words = torch.broadcast_tensors(positions & 0xFFFFFFFF, (positions >> 32) | (tag >> 32), c2,
+                                            torch.as_tensor(k0), torch.as_tensor(k1))
+            out0 = philox4x32_tensor((*words[:3], torch.zeros_like(positions)), words[3:])[0]
+            assert torch.equal(uniform(seed, positions, stream, token_ids=ids), (out0.double() + 0.5) / 2**32)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (checked on the GPU machine)")

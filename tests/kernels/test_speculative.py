@@ -389,3 +389,33 @@ def test_acceptance_rate_matches_theory():
     expected = 0.2 + 0.3 + 0.1
     rate = float(verdict.num_accepted.double().mean())
     assert abs(rate - expected) < 6 * math.sqrt(expected * (1 - expected) / n)
+
+
+@pytest.mark.parametrize("mode, sampler", [(Mode.EXACT, "inverse_cdf"), (Mode.EXACT, "gumbel"),
+                                           (Mode.PROBABILISTIC, "inverse_cdf")])  # (gumbel: exact mode only)
+def test_a_chain_s_verdict_does_not_depend_on_its_batch(mode, sampler):
+    """verify_chains over 24 chains (per-chain seeds, 0..4 retained drafts, q rows or point
+    masses) gives each chain the verdict verify_chain gives it alone."""
+    generator = torch.Generator().manual_seed(11)
+    batch, k, vocab = 24, 4, 7
+    from kernels.sampling import SamplingParams, process_logits
+
+    target = process_logits(torch.randn(batch * (k + 1), vocab, generator=generator), SamplingParams(temperature=1.0))
+    q = process_logits(torch.randn(batch * k, vocab, generator=generator) * 2, SamplingParams(temperature=1.0))
+    # drafts: mostly q's likely tokens, so chains accept and reject
+    draft_ids = q.token_ids.gather(-1, q.probs.argmax(-1, keepdim=True)).view(batch, k)
+    draft_ids = torch.where(torch.rand(batch, k, generator=generator) < 0.3, torch.randint(0, vocab, (batch, k), generator=generator), draft_ids)
+    num_drafts = torch.randint(0, k + 1, (batch,), generator=generator)
+    seeds = torch.randint(0, 2**62, (batch,), generator=generator)
+    bases = torch.randint(0, 1000, (batch,), generator=generator)
+    for q_rows in (q, None):
+        together = verify_chains(target, draft_ids, num_drafts, q_rows, mode=mode, seed=seeds, base_positions=bases,
+                                 sampler=sampler, accept_seed=seeds ^ 0x5A5A)
+        for i in range(batch):
+            n = int(num_drafts[i])
+            alone = verify_chain(target[i * (k + 1) : i * (k + 1) + n + 1], draft_ids[i, :n].tolist(),
+                                 None if q_rows is None else q_rows[i * k : i * k + n], mode=mode, seed=int(seeds[i]),
+                                 base_position=int(bases[i]), sampler=sampler, accept_seed=int(seeds[i] ^ 0x5A5A))
+            assert together.emitted(i) == alone.emitted(), (i, q_rows is None)
+            assert together.accepted[i, :n].tolist() == alone.accepted[0].tolist()
+        assert 0 < int(together.num_accepted.sum()) < int(num_drafts.sum())  # accepts and rejects
