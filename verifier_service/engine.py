@@ -6,8 +6,9 @@ the rows that stay committed (head + accepted drafts).
 
 Two forward paths share this flow. On CUDA (by default) a round is one replay of a captured
 fused-kernel window (shared.model.graphs) over a slot of the paged KV pool, and the only host
-synchronisation is reading the verdict's inputs: the greedy ids, or the processed sparse
-rows, plus the hidden rows for the drafter, copied in the same stream. Elsewhere the
+synchronisation is reading the verdict's inputs: the tokens of plain rounds (greedy ids, or
+draws made on the device), or a verify window's greedy ids or processed sparse rows, plus the
+hidden rows for the drafter, copied in the same stream. Elsewhere the
 reference modules run the window eagerly on a per-request cache. Prefill chunks run eagerly
 (long chunks are compute-bound; per-kernel host work is amortised): on CUDA the fused model's
 prefill, with the chunks of several sessions in one forward.
@@ -22,18 +23,17 @@ import torch
 from torch import Tensor
 
 from kernels.fused import cdiv
-from kernels.rng import uniform_at
-from kernels.sampling import SamplingParams, SparseRows, process_logits, sample
-from kernels.speculative import Mode, verify_chain
+from kernels.sampling import SparseRows, process_logits
+from kernels.speculative import Mode
 from shared.model import Qwen3MoeModel
 from shared.model.experts import ExpertStore
 from shared.model.fast import FusedModel, fused_wanted
 from shared.model.graphs import WindowGraphs, WindowOutput
 from shared.model.kv_cache import KVPool
-from verifier_service.audit import accept_key
 from verifier_service.kv_memory import KVPlan, plan_kv
 from verifier_service.requests import RequestSpec
-from verifier_service.rounds import Ahead, RoundOutcome, RoundRequest, Session, greedy_verdict
+from verifier_service.rounds import Ahead, RoundOutcome, RoundRequest, Session
+from verifier_service.sampled_rounds import plain_tokens, process_targets, round_verdicts
 from verifier_service.window_sizing import RowCost, cut_chains
 
 
@@ -256,31 +256,22 @@ class Engine:
         host_hidden, ids = self._to_host(hidden, greedy_ids)
         target = None if target is None else target.to("cpu")
         forwarded = time.perf_counter()
-        return self._commit(session, drafts, q_rows, host_hidden, ids, target, forwarded - started,
-                            self.slot_misses() - misses)
+        verdict = round_verdicts([(session, drafts, q_rows, ids, target)], self.draw_secret)[0]
+        return self._commit(session, drafts, host_hidden, verdict, forwarded - started,
+                            time.perf_counter() - forwarded, self.slot_misses() - misses)
 
-    def _commit(self, session: Session, drafts: list[int], q_rows: SparseRows | None, host_hidden: Tensor,
-                greedy_ids: list[int], target: Tensor | None, forward_s: float, slot_misses: int) -> RoundOutcome:
-        """Verify a window's drafts from its rows on the host (greedy ids, or the processed
-        target rows) and commit the outcome to the session."""
-        spec = session.spec
-        started = time.perf_counter()
+    def _commit(self, session: Session, drafts: list[int], host_hidden: Tensor, verdict: tuple[list[int], int],
+                forward_s: float, verify_s: float, slot_misses: int) -> RoundOutcome:
+        """Commit a round's verdict (emitted tokens, accepted drafts) and its rows to the session."""
+        emitted, accepted = verdict
         base = len(session.token_ids)  # position of the first token this round decides
-        if target is None:
-            emitted, accepted = greedy_verdict(drafts, greedy_ids)
-        else:
-            verdict = verify_chain(target, drafts, q_rows, mode=spec.mode, seed=spec.seed, base_position=base,
-                                   accept_seed=accept_key(self.draw_secret, spec.seed))
-            accepted = int(verdict.num_accepted[0])
-            emitted = verdict.emitted()
         session.cache.truncate(base + accepted)  # keep the head's and accepted drafts' rows
         rows = host_hidden[: accepted + 1].to(torch.bfloat16, copy=True)
         session.hidden_rows.append(rows)
         session.token_ids.extend(emitted)
         if drafts:
             session.acceptance.record(len(drafts), accepted)
-        return RoundOutcome(emitted, accepted, rows, forward_s * 1e3, (time.perf_counter() - started) * 1e3,
-                            slot_misses, len(drafts))
+        return RoundOutcome(emitted, accepted, rows, forward_s * 1e3, verify_s * 1e3, slot_misses, len(drafts))
 
     def run_rounds(self, rounds: list[RoundRequest]) -> list[RoundOutcome]:
         """One round of each session, as one batched forward where the fused path runs (else one
@@ -313,25 +304,25 @@ class Engine:
             windows.append((r.session.slot, window, r.session.cache.reserve(len(window))))
         out = self.windows.run_batch(windows)
         num_rows = sum(len(w) for _, w, _ in windows)
-        targets: list[Tensor | None] = []
-        row = 0
-        for r, (_, window, _) in zip(rounds, windows):
-            sampling = r.session.spec.sampling
-            targets.append(None if sampling.greedy else process_logits(out.logits[row : row + len(window)], sampling))
-            row += len(window)
+        processed = process_targets([r.session for r in rounds], [len(w) for _, w, _ in windows], out.logits)
         host_hidden, ids = self._to_host(out.hidden[:num_rows], out.greedy_ids[:num_rows])
-        targets = [None if t is None else t.to("cpu") for t in targets]
+        targets: list[SparseRows | None] = [None] * len(rounds)  # p rows on the host; greedy: None
+        for rows, parts in processed:
+            rows = rows.to("cpu")  # one copy per sampling group
+            for i, span in parts:
+                targets[i] = rows[span]
         forward_s = time.perf_counter() - started
         if self.window_sizing and len(rounds) > 1:  # (one session's window costs less: not a batch)
             self.row_cost.record(num_rows, forward_s * 1e3)
-        outcomes = []
-        row = 0
-        for r, (_, window, _), target in zip(rounds, windows, targets):
-            rows = slice(row, row + len(window))
-            outcomes.append(self._commit(r.session, r.drafts, r.q_rows, host_hidden[rows], ids[rows], target,
-                                         forward_s, 0))
+        spans, row = [], 0
+        for _, window, _ in windows:
+            spans.append(slice(row, row + len(window)))
             row += len(window)
-        return outcomes
+        verdicts = round_verdicts([(r.session, r.drafts, r.q_rows, ids[span], target)
+                                   for r, span, target in zip(rounds, spans, targets)], self.draw_secret)
+        verify_s = time.perf_counter() - started - forward_s
+        return [self._commit(r.session, r.drafts, host_hidden[span], verdict, forward_s, verify_s, 0)
+                for r, span, verdict in zip(rounds, spans, verdicts)]
 
     def _decode_batch(self, rounds: list[RoundRequest]) -> list[RoundOutcome]:
         """One-token rounds of several sessions: one decode batch, with decode-ahead when every
@@ -359,7 +350,7 @@ class Engine:
         forward_s = time.perf_counter() - started
         if self.window_sizing and fresh:  # (the read waits for this step only: the chained one is behind it)
             self.row_cost.record(len(rounds), forward_s * 1e3)
-        return [self._commit(r.session, [], None, host_hidden[row : row + 1], ids[row : row + 1], None, forward_s, 0)
+        return [self._commit(r.session, [], host_hidden[row : row + 1], ([ids[row]], 0), forward_s, 0.0, 0)
                 for r, row in zip(rounds, order)]
 
     def _ring_copy(self, hidden: Tensor, greedy_ids: Tensor) -> int:
@@ -403,32 +394,13 @@ class Engine:
         return RoundOutcome([token], 0, rows, (forwarded - started) * 1e3, 0.0, 0)
 
     def _next_tokens(self, sessions: list[Session], out: WindowOutput, positions: list[int]) -> Tensor:
-        """[n] on the device: the token that each session's row of a one-row-per-session step
-        decides (row i, at positions[i]) — what verify_chain emits for a window without drafts
-        in either mode: the greedy id, or p's draw with the pick stream's u of that position.
-        Draws are fed to the step that may be enqueued next (run_chained / run_batch_chained);
-        sessions sampling alike share one processing of their rows."""
-        num_rows = len(sessions)
-        groups: dict[SamplingParams, list[int]] = {}
-        for row, session in enumerate(sessions):
-            if not session.spec.sampling.greedy:
-                groups.setdefault(session.spec.sampling, []).append(row)
-        if not groups:
-            return out.greedy_ids[:num_rows]
-        token_ids = out.greedy_ids[:num_rows].clone()
-        device = token_ids.device
-        for params, rows in groups.items():
-            u = [uniform_at(sessions[row].spec.seed, positions[row]) for row in rows]
-            if len(rows) == 1:  # u as a kernel argument, the row as a view: nothing to copy
-                span = slice(rows[0], rows[0] + 1)
-                token_ids[span] = sample(process_logits(out.logits[span], params), u[0])
-                continue
-            # (from pageable memory, non_blocking stages the values at once: no device sync)
-            index = torch.tensor(rows).to(device, non_blocking=True)
-            drawn = sample(process_logits(out.logits.index_select(0, index), params),
-                           torch.tensor(u, dtype=torch.float64).to(device, non_blocking=True))
-            token_ids.index_copy_(0, index, drawn)
-        if num_rows == 1:
+        """[n] on the device: the token each session's row of a one-row-per-session step decides
+        (greedy ids, or draws: sampled_rounds.plain_tokens), fed to the step that may be
+        enqueued next (run_chained / run_batch_chained)."""
+        token_ids = plain_tokens(sessions, out.logits, out.greedy_ids, positions)
+        if token_ids is None:
+            return out.greedy_ids[: len(sessions)]
+        if len(sessions) == 1:
             self.windows.feed_next(token_ids)
         else:
             self.windows.feed_next_batch(token_ids)

@@ -1,0 +1,93 @@
+"""Sampled rounds in a batch: grouped processing, draws for plain rounds, verdicts computed
+together — each session gets exactly what it gets alone."""
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from kernels.sampling import SamplingParams, SparseRows, draw, process_logits
+from kernels.speculative import Mode, verify_chain
+from shared.model.kv_cache import CacheLength
+from verifier_service.rounds import Session
+from verifier_service.sampled_rounds import Chain, plain_tokens, process_targets, verdicts
+
+from .test_engine_paths import spec
+
+VOCAB = 50
+PARAMS = [SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperature=1.2, top_k=10, max_support=8),
+          SamplingParams(temperature=0.0)]
+
+
+def session(i: int, params: SamplingParams, length: int = 12) -> Session:
+    request = dataclasses.replace(spec([1, 2, 3], temperature=1.0, seed=1000 + i, request_id=str(i)), sampling=params)
+    return Session(spec=request, cache=CacheLength(64), token_ids=list(range(length)))
+
+
+def test_a_batch_s_verdicts_are_each_chain_s_verdict_alone():
+    rng = random.Random(4)
+    generator = torch.Generator().manual_seed(4)
+    chains = []
+    for i in range(40):
+        params = PARAMS[i % 2]
+        num_drafts = rng.randrange(0, 6)
+        target = process_logits(torch.randn(num_drafts + 1, VOCAB, generator=generator) * 2, params)
+        q_rows = None
+        if rng.random() < 0.5:
+            q_rows = process_logits(torch.randn(num_drafts, VOCAB, generator=generator) * 2, PARAMS[rng.randrange(2)])
+        # drafts: p's likeliest token mostly, so chains accept and reject
+        drafts = [int(target.token_ids[j, target.probs[j].argmax()]) if rng.random() < 0.7 else rng.randrange(VOCAB)
+                  for j in range(num_drafts)]
+        mode = Mode.EXACT if i % 3 else Mode.PROBABILISTIC
+        chains.append(Chain(target, drafts, q_rows, mode, seed=rng.randrange(2**64), accept_seed=rng.randrange(2**64),
+                            base_position=rng.randrange(10, 500)))
+    together = verdicts(chains)
+    for chain, (emitted, accepted) in zip(chains, together):
+        alone = verify_chain(chain.target, chain.drafts, chain.q_rows, mode=chain.mode, seed=chain.seed,
+                             base_position=chain.base_position, accept_seed=chain.accept_seed)
+        assert (emitted, accepted) == (alone.emitted(), int(alone.num_accepted[0]))
+    num_accepted = [a for _, a in together]
+    assert 0 < sum(num_accepted) < sum(len(c.drafts) for c in chains)
+
+
+def test_plain_tokens_are_the_draws_and_argmaxes_each_session_makes_alone():
+    sessions = [session(i, PARAMS[i % 3], length=10 + i) for i in range(9)]
+    logits = torch.randn(12, VOCAB, generator=torch.Generator().manual_seed(1)) * 3  # 3 spare rows (a padded bucket)
+    positions = [len(s.token_ids) for s in sessions]
+    tokens = plain_tokens(sessions, logits, logits.argmax(-1), positions).tolist()
+    for i, s in enumerate(sessions):
+        expected = draw(process_logits(logits[i : i + 1], s.spec.sampling), s.spec.seed, torch.tensor([positions[i]]))
+        assert tokens[i] == int(expected)
+    assert plain_tokens([sessions[2]], logits, logits.argmax(-1), positions[2:3]) is None  # greedy only
+
+
+def test_grouped_processing_gives_each_window_its_own_rows():
+    sessions = [session(i, PARAMS[i % 3]) for i in range(7)]
+    num_rows = [1, 3, 2, 5, 1, 4, 2]
+    logits = torch.randn(sum(num_rows) + 2, VOCAB, generator=torch.Generator().manual_seed(2))
+    processed = process_targets(sessions, num_rows, logits)
+    got: dict[int, SparseRows] = {}
+    for rows, parts in processed:
+        for i, span in parts:
+            got[i] = rows[span]
+    assert len(processed) == 2 and sorted(got) == [i for i in range(7) if i % 3 != 2]  # two groups; greedy left out
+    start = 0
+    for i, n in enumerate(num_rows):
+        if i in got:
+            alone = process_logits(logits[start : start + n], sessions[i].spec.sampling)
+            assert torch.equal(got[i].token_ids, alone.token_ids) and torch.equal(got[i].probs, alone.probs)
+        start += n
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+def test_a_chain_without_q_rows_beside_chains_with_them_is_verified_as_point_masses(mode):
+    generator = torch.Generator().manual_seed(9)
+    target = process_logits(torch.randn(4, VOCAB, generator=generator), PARAMS[0])
+    drafts = [int(t) for t in target.token_ids[:3, 0]]
+    with_q = Chain(target, drafts, process_logits(torch.randn(3, VOCAB, generator=generator), PARAMS[0]), mode,
+                   seed=5, accept_seed=6, base_position=20)
+    for seed in range(30):
+        bare = Chain(target, drafts, None, mode, seed=seed, accept_seed=seed + 1, base_position=40)
+        alone = verify_chain(target, drafts, None, mode=mode, seed=seed, base_position=40, accept_seed=seed + 1)
+        assert verdicts([with_q, bare])[1] == (alone.emitted(), int(alone.num_accepted[0]))

@@ -1,0 +1,165 @@
+"""Sampled rounds: p's rows processed per sampling group, plain rounds' tokens drawn on the
+device, drafted rounds verified together on the host (DESIGN §2, §3, §11).
+
+- Sessions of a batch that sample alike share one `process_logits` call over their rows
+  (gathered by one small asynchronous index copy): one processing per group, not per session.
+- A plain round's token is drawn where its logits are (`plain_tokens`): the pick stream's u
+  of the position computed on the host (`uniform_at`, plain integers) and the draw by
+  `sample` — what verify_chain emits for a window without drafts, in either mode — so the
+  decode step ahead can be fed the token without a host read.
+- A drafted round is verified from its window's p rows (and the drafter's q rows) on the
+  host. One `verify_chain` call per session costs ~1–2 ms of host time on a small CPU
+  whatever the chain's length; `verdicts` verifies a batch's chains with one `verify_chains`
+  call per mode: chains padded to the longest (padding rows are never reached: a chain
+  accepts at most its own drafts), rows padded to the widest (zero-probability entries
+  change no draw), point-mass drafts as one-hot q rows when other chains of the call bring q
+  rows (the same test and residual). Every chain keeps its own seed, accept key and
+  positions, so its verdict is the one it gets alone (tests/verifier_service/test_sampled_rounds.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels.rng import seed_as_int64, uniform_at
+from kernels.sampling import PAD_ID, SamplingParams, SparseRows, process_logits, sample
+from kernels.speculative import Mode, verify_chains
+from verifier_service.audit import accept_key
+from verifier_service.rounds import Session, greedy_verdict
+
+
+@dataclass(frozen=True)
+class Chain:
+    """One sampled round to verify: its window's p rows and its drafts (none: a plain round)."""
+
+    target: SparseRows  # [len(drafts) + 1, width] on the host
+    drafts: list[int]
+    q_rows: SparseRows | None  # [len(drafts), width'], or None: point-mass drafts
+    mode: Mode
+    seed: int
+    accept_seed: int  # the key of the accept and residual draws (verifier_service.audit)
+    base_position: int  # the position the first draft decides
+
+
+def verdicts(chains: list[Chain]) -> list[tuple[list[int], int]]:
+    """(emitted tokens, accepted drafts) of each chain, in order."""
+    out: list[tuple[list[int], int] | None] = [None] * len(chains)
+    for mode in Mode:
+        members = [i for i, c in enumerate(chains) if c.mode is mode]
+        if members:
+            for i, verdict in zip(members, _verify([chains[i] for i in members], mode)):
+                out[i] = verdict
+    return out  # type: ignore[return-value]
+
+
+def _verify(chains: list[Chain], mode: Mode) -> list[tuple[list[int], int]]:
+    batch = len(chains)
+    k = max(len(c.drafts) for c in chains)
+    width = max(c.target.token_ids.shape[1] for c in chains)
+    target = _stack([c.target for c in chains], k + 1, width)
+    draft = None
+    if any(c.q_rows is not None for c in chains):
+        q_rows = [c.q_rows if c.q_rows is not None else SparseRows.point_masses(torch.tensor(c.drafts, dtype=torch.int64))
+                  for c in chains]
+        draft = _stack(q_rows, k, max(q.token_ids.shape[1] for q in q_rows))
+    draft_ids = torch.zeros((batch, k), dtype=torch.int64)
+    for i, c in enumerate(chains):
+        draft_ids[i, : len(c.drafts)] = torch.tensor(c.drafts, dtype=torch.int64)
+    verdict = verify_chains(
+        target, draft_ids, torch.tensor([len(c.drafts) for c in chains]), draft, mode=mode,
+        seed=torch.tensor([seed_as_int64(c.seed) for c in chains]),
+        base_positions=torch.tensor([c.base_position for c in chains]),
+        accept_seed=torch.tensor([seed_as_int64(c.accept_seed) for c in chains]),
+    )
+    return [(verdict.emitted(i), int(verdict.num_accepted[i])) for i in range(batch)]
+
+
+def _stack(rows: list[SparseRows], rows_per_chain: int, width: int) -> SparseRows:
+    """Each chain's rows padded to rows_per_chain rows of `width` entries, chain-major."""
+    token_ids = torch.full((len(rows), rows_per_chain, width), PAD_ID, dtype=torch.int64)
+    probs = torch.zeros((len(rows), rows_per_chain, width), dtype=torch.float64)
+    for i, r in enumerate(rows):
+        token_ids[i, : r.num_rows, : r.token_ids.shape[1]] = r.token_ids
+        probs[i, : r.num_rows, : r.probs.shape[1]] = r.probs
+    return SparseRows(token_ids.view(-1, width), probs.view(-1, width))
+
+
+def _groups(sessions: list[Session]) -> dict[SamplingParams, list[int]]:
+    """The sampled sessions' indexes by their sampling parameters (greedy ones left out)."""
+    groups: dict[SamplingParams, list[int]] = {}
+    for i, session in enumerate(sessions):
+        if not session.spec.sampling.greedy:
+            groups.setdefault(session.spec.sampling, []).append(i)
+    return groups
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    # (from pageable memory, non_blocking stages the values at once: no device synchronisation)
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
+def plain_tokens(sessions: list[Session], logits: Tensor, greedy_ids: Tensor, positions: list[int]) -> Tensor | None:
+    """[n] on the device: the token row i of a one-row-per-session step decides for sessions[i]
+    (at positions[i]): its greedy id or its draw; None when every session is greedy.
+
+    logits: [>= n, vocab], greedy_ids: [>= n] (the step's rows on the device)."""
+    groups = _groups(sessions)
+    if not groups:
+        return None
+    token_ids = greedy_ids[: len(sessions)].clone()
+    for params, rows in groups.items():
+        u = [uniform_at(sessions[row].spec.seed, positions[row]) for row in rows]
+        if len(rows) == 1:  # u as a kernel argument, the row as a view: nothing to copy
+            span = slice(rows[0], rows[0] + 1)
+            token_ids[span] = sample(process_logits(logits[span], params), u[0])
+            continue
+        index = _to_device(rows, torch.int64, logits.device)
+        drawn = sample(process_logits(logits.index_select(0, index), params), _to_device(u, torch.float64, logits.device))
+        token_ids.index_copy_(0, index, drawn)
+    return token_ids
+
+
+def process_targets(sessions: list[Session], num_rows: list[int], logits: Tensor
+                    ) -> list[tuple[SparseRows, list[tuple[int, slice]]]]:
+    """p rows of the sampled sessions' windows (consecutive rows of `logits`, num_rows[i] of
+    them, on the device): one processing per sampling group, with the slice of the group's
+    rows each session takes."""
+    starts = [0]
+    for n in num_rows:
+        starts.append(starts[-1] + n)
+    processed = []
+    for params, members in _groups(sessions).items():
+        if len(members) == 1:
+            i = members[0]
+            rows = logits[starts[i] : starts[i + 1]]
+        else:
+            index = [row for i in members for row in range(starts[i], starts[i + 1])]
+            rows = logits.index_select(0, _to_device(index, torch.int64, logits.device))
+        parts, at = [], 0
+        for i in members:
+            parts.append((i, slice(at, at + num_rows[i])))
+            at += num_rows[i]
+        processed.append((process_logits(rows, params), parts))
+    return processed
+
+
+def round_verdicts(rounds: list[tuple[Session, list[int], SparseRows | None, list[int], SparseRows | None]],
+                   draw_secret: bytes) -> list[tuple[list[int], int]]:
+    """(emitted, accepted) of each round (session, drafts, q rows, greedy ids, p rows on the
+    host or None when greedy): greedy rounds by their ids, sampled ones together."""
+    out: list[tuple[list[int], int] | None] = [None] * len(rounds)
+    chains, members = [], []
+    for i, (session, drafts, q_rows, greedy_ids, target) in enumerate(rounds):
+        spec = session.spec
+        if target is None:
+            out[i] = greedy_verdict(drafts, greedy_ids)
+            continue
+        members.append(i)
+        chains.append(Chain(target, drafts, q_rows, spec.mode, spec.seed, accept_key(draw_secret, spec.seed),
+                            base_position=len(session.token_ids)))
+    for i, verdict in zip(members, verdicts(chains) if chains else []):
+        out[i] = verdict
+    return out  # type: ignore[return-value]
