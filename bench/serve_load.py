@@ -3,7 +3,8 @@
 One verifier service (child process; random weights at Qwen3-30B-A3B shapes, or --small) and
 many concurrent clients in this process. Each arm is measured from the client:
 - closed loop at each --concurrency C: C clients each send --requests-per-client requests
-  back to back (greedy, --prompt-tokens random prompt tokens, --new-tokens new tokens);
+  back to back (greedy, or sampled with --temperature; --prompt-tokens random prompt tokens,
+  --new-tokens new tokens);
 - open loop at each --rates R (requests/s): --num-requests requests with Poisson arrivals.
 Reported per arm: aggregate output tokens/s (tokens / wall time of the arm), the ratio to
 concurrency 1 of the same run, TTFT, time per output token (TPOT: (last − first token) /
@@ -69,12 +70,15 @@ def summarise(records: list[dict], wall_s: float) -> dict:
 
 
 class Load:
-    def __init__(self, address: str, prompts: list[list[int]], new_tokens: int, metrics_port: int) -> None:
+    def __init__(self, address: str, prompts: list[list[int]], new_tokens: int, metrics_port: int,
+                 temperature: float = 0.0) -> None:
         self.address = address
         self.prompts = prompts
         self.new_tokens = new_tokens
         self.metrics_port = metrics_port
+        self.temperature = temperature
         self.next_prompt = 0
+        self.next_seed = 0
 
     def prompt(self) -> list[int]:
         prompt = self.prompts[self.next_prompt % len(self.prompts)]
@@ -82,8 +86,10 @@ class Load:
         return prompt
 
     def config(self, speculation: bool) -> GenerationConfig:
-        return GenerationConfig(max_new_tokens=self.new_tokens, temperature=0.0, speculation=speculation,
-                                max_draft_tokens=4 if speculation else 0)
+        self.next_seed += 1  # (sampled requests: a seed each)
+        return GenerationConfig(max_new_tokens=self.new_tokens, temperature=self.temperature,
+                                top_p=0.95 if self.temperature else 1.0, seed=self.next_seed,
+                                speculation=speculation, max_draft_tokens=4 if speculation else 0)
 
     def batch_counts(self) -> tuple[float, float]:
         """(sum, count) of the verifier's tandem_verifier_batch_rounds histogram."""
@@ -147,6 +153,8 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampled requests at this temperature (top-p 0.95, a seed each); 0 = greedy")
     parser.add_argument("--alpha", type=float, default=None, help="add a synthetic replay drafter at this acceptance")
     parser.add_argument("--blocks", type=int, default=1, help="repeats of the whole concurrency sweep")
     parser.add_argument("--max-position-embeddings", type=int, default=0,
@@ -186,7 +194,7 @@ def main() -> None:
             verifier_argv += ["--drafter", f"127.0.0.1:{drafter_port}"]
         children.start("verifier", verifier_argv)
         asyncio.run(children.wait_serving("verifier", address, timeout=900))
-        load = Load(address, prompts, args.new_tokens, metrics_port)
+        load = Load(address, prompts, args.new_tokens, metrics_port, args.temperature)
         asyncio.run(load.closed_loop(1, 1, False))  # warm-up
         arms = [False, True] if args.alpha is not None else [False]
         for block in range(args.blocks):
