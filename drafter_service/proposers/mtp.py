@@ -36,6 +36,7 @@ from drafter_service.proposers import Proposal
 
 POOL_BLOCK = 64  # positions per block of the fused path's MTP pool
 POOL_START_BLOCKS = 64  # blocks at start; the pool doubles when a session needs more
+POOL_START_SLOTS = 8
 
 
 class MTPState:
@@ -88,12 +89,13 @@ class MTPProposer:
         self.model = model
         self.routing = routing
         self.fused = fused  # the fused-kernel MTP forward (None = reference modules, a cache per session)
-        self.pool: KVPool | None = None
-        if fused is not None:
-            c = model.config
-            self.pool = KVPool(num_layers=1, num_slots=8, max_length=c.max_position_embeddings,
-                               num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=model.dtype,
-                               device=model.device, block_size=POOL_BLOCK, num_blocks=POOL_START_BLOCKS)
+        self.pool: KVPool | None = self._new_pool() if fused is not None else None
+
+    def _new_pool(self) -> KVPool:
+        c = self.model.config
+        return KVPool(num_layers=1, num_slots=POOL_START_SLOTS, max_length=c.max_position_embeddings,
+                      num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.model.dtype,
+                      device=self.model.device, block_size=POOL_BLOCK, num_blocks=POOL_START_BLOCKS)
 
     # -- sessions' caches ---------------------------------------------------------------------
 
@@ -112,10 +114,19 @@ class MTPProposer:
         return MTPState(cache, slot)
 
     def release(self, state: MTPState) -> None:
-        """Give a session's pool slot back (run on the worker, behind the session's last job)."""
-        if state.slot is not None:
-            self.pool.release(state.slot)
-            state.slot = None
+        """Give a session's pool slot back (run on the worker, behind the session's last job).
+        The last session out of a pool that grew shrinks it to its start size: a burst of long
+        sessions does not keep its memory for the drafter's lifetime."""
+        if state.slot is None:
+            return
+        pool = self.pool
+        pool.release(state.slot)
+        state.slot = None
+        if pool.num_free == pool.num_slots and (pool.num_blocks > POOL_START_BLOCKS or pool.num_slots > POOL_START_SLOTS):
+            self.pool = self._new_pool()
+            del pool
+            if self.model.device.type == "cuda":
+                torch.cuda.empty_cache()  # (the drafter often shares its GPU with a verifier)
 
     # -- forwards -------------------------------------------------------------------------------
 

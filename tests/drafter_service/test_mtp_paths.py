@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from drafter_service.proposers.mtp import MTPProposer
+from drafter_service.proposers.mtp import POOL_START_BLOCKS, POOL_START_SLOTS, MTPProposer
 from kernels.retention import RetentionPolicy
 from kernels.sampling import SamplingParams
 from kernels.speculative import Gate, Mode
@@ -186,6 +186,16 @@ def test_the_mtp_pool_grows_and_keeps_every_sessions_rows(tiny_mtp_model, monkey
     for proposer_, state in ((proposer, first), (reference, expected)):  # attention over the grown pool's tables
         proposer_.catch_up(state, hidden[30:33], tokens[31:34].tolist())
     torch.testing.assert_close(first.next_logits, expected.next_logits, rtol=1e-4, atol=1e-4)
-    for state in [first, *others]:
+    for state in [first, *others[:-1]]:
         proposer.release(state)
+    assert proposer.pool is pool and pool.num_free == pool.num_slots - 1  # a session still holds its slot
+    proposer.release(others[-1])
     assert pool.num_free == pool.num_slots and pool.num_free_blocks == pool.num_blocks
+    # the last session out of the grown pool shrank it to its start size; sessions use the new one
+    fresh = proposer.pool
+    assert fresh is not pool and (fresh.num_blocks, fresh.num_slots) == (POOL_START_BLOCKS, POOL_START_SLOTS)
+    again = proposer.new_state(39)
+    proposer.catch_up(again, hidden[:33], tokens[1:34].tolist())
+    torch.testing.assert_close(again.next_logits, expected.next_logits, rtol=1e-4, atol=1e-4)
+    proposer.release(again)
+    assert proposer.pool is fresh  # (a pool at its start size stays)
