@@ -131,9 +131,11 @@ def main() -> None:
                         help='only: the default service against one started with these verifier flags, paired '
                              '(e.g. "--epilogues off"; "" for none, with --against-tree)')
     parser.add_argument("--against-tree", type=Path, default=None, metavar="DIR",
-                        help="with --compare: start the second service from this checkout")
+                        help="compare with a service started from this checkout (its defaults, or --compare FLAGS)")
     parser.add_argument("--requests", default="greedy", help="with --compare: greedy, sampled, or both")
     args = parser.parse_args()
+    if args.against_tree is not None and args.compare is None:
+        args.compare = ""  # another tree's service with its defaults
     contexts = [int(c) for c in args.contexts.split(",")]
     max_positions = max(contexts) + args.new_tokens + 64
     shapes = (SMALL if args.small else QWEN3_30B_A3B) | dict(max_position_embeddings=max(max_positions, 4096))

@@ -39,6 +39,7 @@ class Children:
         log(f"  start {name}{f' from {tree}' if tree else ''}: {' '.join(argv[1:])}")
         env = self.env
         if tree is not None:
+            tree = tree.resolve()  # (the child runs in it: relative paths would not hold)
             env = dict(env, PYTHONPATH=os.pathsep.join([str(tree), str(tree / "protos"), env["PYTHONPATH"]]))
         proc = subprocess.Popen(argv, cwd=tree or REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
         handle.close()
