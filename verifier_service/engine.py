@@ -6,9 +6,10 @@ the rows that stay committed (head + accepted drafts).
 
 Two forward paths share this flow. On CUDA (by default) a round is one replay of a captured
 fused-kernel window (shared.model.graphs) over a slot of the paged KV pool, and the only host
-synchronisation is reading the verdict's inputs: the tokens of plain rounds (greedy ids, or
-draws made on the device), or a verify window's greedy ids or processed sparse rows, plus the
-hidden rows for the drafter, copied in the same stream. Elsewhere the
+synchronisation is reading the verdict's inputs: the window's own tokens (greedy ids, or
+draws made on the device: plain rounds, exact mode), or its processed sparse rows
+(probabilistic mode with drafts), plus the hidden rows for the drafter, copied in the same
+stream. Elsewhere the
 reference modules run the window eagerly on a per-request cache. Prefill chunks run eagerly
 (long chunks are compute-bound; per-kernel host work is amortised): on CUDA the fused model's
 prefill, with the chunks of several sessions in one forward.
@@ -33,7 +34,7 @@ from shared.model.kv_cache import KVPool
 from verifier_service.kv_memory import KVPlan, plan_kv
 from verifier_service.requests import RequestSpec
 from verifier_service.rounds import Ahead, RoundOutcome, RoundRequest, Session
-from verifier_service.sampled_rounds import plain_tokens, process_targets, round_verdicts
+from verifier_service.sampled_rounds import own_tokens, process_targets, round_verdicts
 from verifier_service.window_sizing import RowCost, cut_chains
 
 
@@ -250,10 +251,12 @@ class Engine:
         self.ahead = None
         started = time.perf_counter()
         misses = self.slot_misses()
-        logits, hidden, greedy_ids = self._forward(session, [session.token_ids[-1], *drafts])
-        # on the device; row j: p at the position of the window's row j
-        target = None if spec.sampling.greedy else process_logits(logits, spec.sampling)
-        host_hidden, ids = self._to_host(hidden, greedy_ids)
+        window = [session.token_ids[-1], *drafts]
+        logits, hidden, greedy_ids = self._forward(session, window)
+        # on the device; row j: the window's own token (exact mode), or p, at the position of row j
+        drawn = own_tokens([session], [len(window)], logits, greedy_ids, [len(session.token_ids)])
+        target = None if spec.sampling.greedy or drawn is not None else process_logits(logits, spec.sampling)
+        host_hidden, ids = self._to_host(hidden, greedy_ids if drawn is None else drawn)
         target = None if target is None else target.to("cpu")
         forwarded = time.perf_counter()
         verdict = round_verdicts([(session, drafts, q_rows, ids, target)], self.draw_secret)[0]
@@ -303,9 +306,11 @@ class Engine:
             window = [r.session.token_ids[-1], *r.drafts]
             windows.append((r.session.slot, window, r.session.cache.reserve(len(window))))
         out = self.windows.run_batch(windows)
-        num_rows = sum(len(w) for _, w, _ in windows)
-        processed = process_targets([r.session for r in rounds], [len(w) for _, w, _ in windows], out.logits)
-        host_hidden, ids = self._to_host(out.hidden[:num_rows], out.greedy_ids[:num_rows])
+        sessions, window_rows = [r.session for r in rounds], [len(w) for _, w, _ in windows]
+        num_rows = sum(window_rows)
+        drawn = own_tokens(sessions, window_rows, out.logits, out.greedy_ids, [len(s.token_ids) for s in sessions])
+        processed = process_targets(sessions, window_rows, out.logits)  # (probabilistic windows with drafts)
+        host_hidden, ids = self._to_host(out.hidden[:num_rows], (out.greedy_ids if drawn is None else drawn)[:num_rows])
         targets: list[SparseRows | None] = [None] * len(rounds)  # p rows on the host; greedy: None
         for rows, parts in processed:
             rows = rows.to("cpu")  # one copy per sampling group
@@ -395,9 +400,9 @@ class Engine:
 
     def _next_tokens(self, sessions: list[Session], out: WindowOutput, positions: list[int]) -> Tensor:
         """[n] on the device: the token each session's row of a one-row-per-session step decides
-        (greedy ids, or draws: sampled_rounds.plain_tokens), fed to the step that may be
+        (greedy ids, or draws: sampled_rounds.own_tokens), fed to the step that may be
         enqueued next (run_chained / run_batch_chained)."""
-        token_ids = plain_tokens(sessions, out.logits, out.greedy_ids, positions)
+        token_ids = own_tokens(sessions, [1] * len(sessions), out.logits, out.greedy_ids, positions)
         if token_ids is None:
             return out.greedy_ids[: len(sessions)]
         if len(sessions) == 1:

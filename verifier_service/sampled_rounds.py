@@ -1,14 +1,16 @@
-"""Sampled rounds: p's rows processed per sampling group, plain rounds' tokens drawn on the
-device, drafted rounds verified together on the host (DESIGN §2, §3, §11).
+"""Sampled rounds: windows' own tokens drawn on the device (plain rounds, exact mode), p's
+rows processed per sampling group, probabilistic rounds verified together on the host
+(DESIGN §2, §3, §11).
 
 - Sessions of a batch that sample alike share one `process_logits` call over their rows
   (gathered by one small asynchronous index copy): one processing per group, not per session.
-- A plain round's token is drawn where its logits are (`plain_tokens`): the pick stream's u
-  of the position computed on the host (`uniform_at`, plain integers) and the draw by
-  `sample` — what verify_chain emits for a window without drafts, in either mode — so the
-  decode step ahead can be fed the token without a host read.
-- A drafted round is verified from its window's p rows (and the drafter's q rows) on the
-  host. One `verify_chain` call per session costs ~1–2 ms of host time on a small CPU
+- A window's own tokens are drawn where its logits are (`own_tokens`): the pick stream's u of
+  each row's position computed on the host (`uniform_at`, plain integers) and the draw by
+  `sample`. In exact mode the verdict follows from them as from greedy ids, and a plain
+  round's token is the draw verify_chain would make in either mode: neither needs p's rows
+  on the host, and the decode step ahead can be fed the token without a host read.
+- A probabilistic round with drafts is verified from its window's p rows (and the drafter's
+  q rows) on the host. One `verify_chain` call per session costs ~1–2 ms of host time on a small CPU
   whatever the chain's length; `verdicts` verifies a batch's chains with one `verify_chains`
   call per mode: chains padded to the longest (padding rows are never reached: a chain
   accepts at most its own drafts), rows padded to the widest (zero-probability entries
@@ -87,11 +89,12 @@ def _stack(rows: list[SparseRows], rows_per_chain: int, width: int) -> SparseRow
     return SparseRows(token_ids.view(-1, width), probs.view(-1, width))
 
 
-def _groups(sessions: list[Session]) -> dict[SamplingParams, list[int]]:
-    """The sampled sessions' indexes by their sampling parameters (greedy ones left out)."""
+def _groups(sessions: list[Session], num_rows: list[int], drawn: bool) -> dict[SamplingParams, list[int]]:
+    """The sampled sessions' indexes by their sampling parameters: those whose windows are
+    drawn here (drawn=True), or the others."""
     groups: dict[SamplingParams, list[int]] = {}
     for i, session in enumerate(sessions):
-        if not session.spec.sampling.greedy:
+        if not session.spec.sampling.greedy and drawn_here(session, num_rows[i] - 1) == drawn:
             groups.setdefault(session.spec.sampling, []).append(i)
     return groups
 
@@ -101,17 +104,33 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def plain_tokens(sessions: list[Session], logits: Tensor, greedy_ids: Tensor, positions: list[int]) -> Tensor | None:
-    """[n] on the device: the token row i of a one-row-per-session step decides for sessions[i]
-    (at positions[i]): its greedy id or its draw; None when every session is greedy.
+def drawn_here(session: Session, num_drafts: int) -> bool:
+    """Whether a round's verdict follows from its window's own tokens drawn where the logits
+    are: sampled plain rounds (either mode) and sampled exact-mode windows (greedy ones use
+    their argmax; probabilistic windows with drafts need p's rows on the host)."""
+    spec = session.spec
+    return not spec.sampling.greedy and (spec.mode is Mode.EXACT or num_drafts == 0)
 
-    logits: [>= n, vocab], greedy_ids: [>= n] (the step's rows on the device)."""
-    groups = _groups(sessions)
+
+def own_tokens(sessions: list[Session], num_rows: list[int], logits: Tensor, greedy_ids: Tensor,
+               positions: list[int]) -> Tensor | None:
+    """[rows] where the logits are: each window row's own token — for the sessions drawn here
+    (`drawn_here`), the draw from p with the pick stream's u of the position the row decides
+    (positions[i] + j for row j of sessions[i]); for the others the greedy id. In exact mode
+    a window's verdict is then greedy_verdict(drafts, own tokens), verify_chain's verdict
+    (and a plain round's token is its first row's). None when no session is drawn here.
+
+    logits: [>= rows, vocab], greedy_ids: [>= rows]: the windows' rows, consecutive."""
+    starts = [0]
+    for n in num_rows:
+        starts.append(starts[-1] + n)
+    groups = _groups(sessions, num_rows, drawn=True)
     if not groups:
         return None
-    token_ids = greedy_ids[: len(sessions)].clone()
-    for params, rows in groups.items():
-        u = [uniform_at(sessions[row].spec.seed, positions[row]) for row in rows]
+    token_ids = greedy_ids[: starts[-1]].clone()
+    for params, members in groups.items():
+        rows = [row for i in members for row in range(starts[i], starts[i + 1])]
+        u = [uniform_at(sessions[i].spec.seed, positions[i] + j) for i in members for j in range(num_rows[i])]
         if len(rows) == 1:  # u as a kernel argument, the row as a view: nothing to copy
             span = slice(rows[0], rows[0] + 1)
             token_ids[span] = sample(process_logits(logits[span], params), u[0])
@@ -124,14 +143,14 @@ def plain_tokens(sessions: list[Session], logits: Tensor, greedy_ids: Tensor, po
 
 def process_targets(sessions: list[Session], num_rows: list[int], logits: Tensor
                     ) -> list[tuple[SparseRows, list[tuple[int, slice]]]]:
-    """p rows of the sampled sessions' windows (consecutive rows of `logits`, num_rows[i] of
-    them, on the device): one processing per sampling group, with the slice of the group's
-    rows each session takes."""
+    """p rows of the sampled windows not drawn here (probabilistic mode with drafts; windows
+    are consecutive rows of `logits`, num_rows[i] of them, on the device): one processing per
+    sampling group, with the slice of the group's rows each session takes."""
     starts = [0]
     for n in num_rows:
         starts.append(starts[-1] + n)
     processed = []
-    for params, members in _groups(sessions).items():
+    for params, members in _groups(sessions, num_rows, drawn=False).items():
         if len(members) == 1:
             i = members[0]
             rows = logits[starts[i] : starts[i + 1]]

@@ -11,7 +11,8 @@ from kernels.sampling import SamplingParams, SparseRows, draw, process_logits
 from kernels.speculative import Mode, verify_chain
 from shared.model.kv_cache import CacheLength
 from verifier_service.rounds import Session
-from verifier_service.sampled_rounds import Chain, plain_tokens, process_targets, verdicts
+from verifier_service.rounds import greedy_verdict
+from verifier_service.sampled_rounds import Chain, own_tokens, process_targets, verdicts
 
 from .test_engine_paths import spec
 
@@ -51,27 +52,61 @@ def test_a_batch_s_verdicts_are_each_chain_s_verdict_alone():
     assert 0 < sum(num_accepted) < sum(len(c.drafts) for c in chains)
 
 
-def test_plain_tokens_are_the_draws_and_argmaxes_each_session_makes_alone():
+def test_plain_rounds_draw_what_each_session_draws_alone():
     sessions = [session(i, PARAMS[i % 3], length=10 + i) for i in range(9)]
     logits = torch.randn(12, VOCAB, generator=torch.Generator().manual_seed(1)) * 3  # 3 spare rows (a padded bucket)
     positions = [len(s.token_ids) for s in sessions]
-    tokens = plain_tokens(sessions, logits, logits.argmax(-1), positions).tolist()
+    tokens = own_tokens(sessions, [1] * 9, logits, logits.argmax(-1), positions).tolist()
     for i, s in enumerate(sessions):
         expected = draw(process_logits(logits[i : i + 1], s.spec.sampling), s.spec.seed, torch.tensor([positions[i]]))
         assert tokens[i] == int(expected)
-    assert plain_tokens([sessions[2]], logits, logits.argmax(-1), positions[2:3]) is None  # greedy only
+    assert own_tokens([sessions[2]], [1], logits, logits.argmax(-1), positions[2:3]) is None  # greedy only
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+def test_exact_windows_verdicts_follow_from_their_own_tokens(mode):
+    """A window's own tokens drawn where its logits are: in exact mode greedy_verdict over them
+    is verify_chain's verdict; probabilistic windows with drafts keep their greedy ids (their
+    p rows are verified on the host), plain ones are drawn."""
+    rng = random.Random(3)
+    sessions, num_rows = [], []
+    for i in range(12):
+        s = session(i, PARAMS[i % 3], length=20 + i)
+        sessions.append(dataclasses.replace(s, spec=dataclasses.replace(s.spec, mode=mode)))
+        num_rows.append(rng.randrange(1, 6))
+    logits = torch.randn(sum(num_rows), VOCAB, generator=torch.Generator().manual_seed(5)) * 2
+    greedy = logits.argmax(-1)
+    positions = [len(s.token_ids) for s in sessions]
+    tokens = own_tokens(sessions, num_rows, logits, greedy, positions).tolist()
+    start = 0
+    for i, (s, n) in enumerate(zip(sessions, num_rows)):
+        rows = logits[start : start + n]
+        target = process_logits(rows, s.spec.sampling)
+        # drafts: the likeliest tokens, one in three replaced, so windows accept and reject
+        drafts = [int(t) if rng.random() < 0.67 else rng.randrange(VOCAB) for t in rows.argmax(-1)[: n - 1]]
+        mine = tokens[start : start + n]
+        if s.spec.sampling.greedy or (mode is Mode.PROBABILISTIC and drafts):
+            assert mine == greedy[start : start + n].tolist()
+        else:
+            alone = verify_chain(target, drafts, None, mode=mode, seed=s.spec.seed, base_position=positions[i])
+            assert greedy_verdict(drafts, mine) == (alone.emitted(), int(alone.num_accepted[0]))
+        start += n
 
 
 def test_grouped_processing_gives_each_window_its_own_rows():
-    sessions = [session(i, PARAMS[i % 3]) for i in range(7)]
-    num_rows = [1, 3, 2, 5, 1, 4, 2]
+    # probabilistic windows with drafts are processed (two sampling groups); greedy ones,
+    # exact-mode ones and plain rounds are drawn where their logits are instead
+    sessions = [session(i, PARAMS[i % 3]) for i in range(9)]
+    sessions = [dataclasses.replace(s, spec=dataclasses.replace(s.spec, mode=Mode.PROBABILISTIC if i < 7 else Mode.EXACT))
+                for i, s in enumerate(sessions)]
+    num_rows = [1, 3, 2, 5, 1, 4, 2, 3, 3]
     logits = torch.randn(sum(num_rows) + 2, VOCAB, generator=torch.Generator().manual_seed(2))
     processed = process_targets(sessions, num_rows, logits)
     got: dict[int, SparseRows] = {}
     for rows, parts in processed:
         for i, span in parts:
             got[i] = rows[span]
-    assert len(processed) == 2 and sorted(got) == [i for i in range(7) if i % 3 != 2]  # two groups; greedy left out
+    assert len(processed) == 2 and sorted(got) == [1, 3, 6]  # 0, 4: plain; 2, 5, 8: greedy; 7: exact
     start = 0
     for i, n in enumerate(num_rows):
         if i in got:
