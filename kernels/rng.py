@@ -162,9 +162,14 @@ def _few_uniforms(seed: int | Tensor, positions: Tensor, stream: str, token_ids:
     else:
         keys = [seed_key(seed)] * count
     tag_hi = STREAM_TAGS[stream] >> 32
-    out = [philox4x32((p & MASK32, (p >> 32) | tag_hi, t & MASK32, 0), key)[0]
-           for p, t, key in zip(flat_positions, flat_ids, keys)]
-    return ((torch.tensor(out, dtype=torch.float64) + 0.5) / 4294967296.0).reshape(shape)
+    out = [_u(key, p, tag_hi, t) for p, t, key in zip(flat_positions, flat_ids, keys)]
+    return torch.tensor(out, dtype=torch.float64).reshape(shape)
+
+
+def _u(key: tuple[int, int], position: int, tag_hi: int, token_id: int = 0) -> float:
+    """u of one counter (position | stream tag, token id) under a key, in plain integers."""
+    out0 = philox4x32((position & MASK32, (position >> 32) | tag_hi, token_id & MASK32, 0), key)[0]
+    return (out0 + 0.5) / 4294967296.0  # (exact in a double, as in the tensor versions)
 
 
 def _philox4x32_numpy(c0: np.ndarray, c1: np.ndarray, c2: np.ndarray, k0, k1) -> np.ndarray:
@@ -189,7 +194,4 @@ def uniform_at(seed: int, position: int, stream: str = "pick") -> float:
         raise ValueError(f"stream {stream!r} must be one of {sorted(STREAM_TAGS)}")
     if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= MAX_POSITION:
         raise ValueError(f"position {position!r} must be an integer in [0, 2**61)")
-    k0, k1 = seed_key(seed)
-    counter = position & MASK32, (position >> 32) | (STREAM_TAGS[stream] >> 32), 0, 0
-    out0 = philox4x32(counter, (k0, k1))[0]
-    return (out0 + 0.5) / 4294967296.0
+    return _u(seed_key(seed), position, STREAM_TAGS[stream] >> 32)
