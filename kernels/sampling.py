@@ -144,10 +144,10 @@ def process_logits(logits: Tensor, params: SamplingParams) -> SparseRows:
     if num_candidates * 2 > vocab_size or num_candidates > MAX_CANDIDATES:
         order = torch.argsort(scaled, dim=-1, descending=True, stable=True)
         # [rows, vocab]: the definition, every token sorted (the softmax over the sorted row)
-        return _filter(torch.softmax(scaled.gather(-1, order), dim=-1), order, params, width, vocab_size)
+        return _filter(torch.softmax(scaled.gather(-1, order), dim=-1), order, params, top_k, width, vocab_size)
     order = _candidates(scaled, num_candidates)  # [rows, num_candidates]
     probs = torch.softmax(scaled, dim=-1).gather(-1, order)
-    return _filter(probs, order, params, width, vocab_size)
+    return _filter(probs, order, params, top_k, width, vocab_size)
 
 
 def _candidates(scaled: Tensor, num_candidates: int) -> Tensor:
@@ -169,17 +169,20 @@ def _candidates(scaled: Tensor, num_candidates: int) -> Tensor:
     return chosen.gather(-1, ranked)
 
 
-def _filter(probs: Tensor, order: Tensor, params: SamplingParams, width: int, vocab_size: int) -> SparseRows:
+def _filter(probs: Tensor, order: Tensor, params: SamplingParams, top_k: int, width: int, vocab_size: int
+            ) -> SparseRows:
     """top_k → top_p → min_p → the cap on the leading tokens of each row by rank.
 
     probs: [rows, n] softmax probabilities of the tokens `order` [rows, n] (ids), sorted by
-    descending logit; the first max(width, top_k) tokens of every row at least.
+    descending logit; the first max(width, top_k) tokens of every row at least. top_k: 0 when
+    it keeps every token (so the probabilities top_p sees stay the softmax's: n may be less
+    than the vocabulary).
     """
     num_rows, n = probs.shape
     rank = torch.arange(n, device=probs.device).expand(num_rows, n)
     keep = torch.ones_like(probs, dtype=torch.bool)
-    if params.top_k:
-        keep &= rank < params.top_k
+    if top_k:
+        keep &= rank < top_k
         probs = _renormalise(probs, keep)
     if params.top_p < 1:
         mass_before = torch.cumsum(probs, dim=-1) - probs

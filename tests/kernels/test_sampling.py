@@ -207,6 +207,7 @@ CANDIDATE_PARAMS = [
     dict(temperature=0.8, top_k=300, top_p=0.95), dict(temperature=1.0, min_p=0.05),
     dict(temperature=0.6, top_k=100, top_p=0.5, min_p=0.01), dict(temperature=1.0, max_support=8, top_p=0.99),
     dict(temperature=2.0, top_k=1), dict(temperature=1.0, top_k=1500),  # most of the vocabulary: sorted whole
+    dict(temperature=1.0, top_k=5000, top_p=0.9),  # top_k beyond the vocabulary keeps every token
 ]
 
 
