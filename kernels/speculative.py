@@ -115,12 +115,7 @@ def verify_chains(
         # and the first row not accepted (a mismatch, or the bonus) emits the target's token.
         own = draw(target, _per_row(seed, k + 1), positions.reshape(-1), sampler=sampler).view(batch, k + 1)
         accepted = torch.cumprod((own[:, :k] == draft_ids) & retained, dim=-1).bool()
-        num_accepted = accepted.sum(dim=-1)
-        emitted = torch.where(accepted, draft_ids, PAD_ID)
-        emitted = torch.cat([emitted, torch.full((batch, 1), PAD_ID, dtype=torch.int64, device=device)], dim=-1)
-        last = num_accepted.unsqueeze(-1)
-        emitted.scatter_(1, last, own.gather(1, last))
-        return Verdict(emitted, num_accepted + 1, accepted, num_accepted)
+        return _verdict(draft_ids, accepted, own.gather(1, accepted.sum(dim=-1, keepdim=True)).squeeze(-1))
     # Probabilistic: every step's test and correction at once (they depend on their own rows
     # and positions only); which of them counts follows from the first rejection.
     secret_rows = secret.unsqueeze(-1) if isinstance(secret, Tensor) else secret
@@ -152,13 +147,20 @@ def verify_chains(
     bonus_rows = SparseRows(target.token_ids.view(batch, k + 1, -1)[rows, num_accepted],
                             target.probs.view(batch, k + 1, -1)[rows, num_accepted])
     bonus = draw(bonus_rows, seed, base_positions + num_accepted, sampler=sampler)
-    rejected = num_accepted < num_drafts
-    last = num_accepted.unsqueeze(-1)
     if k:
-        bonus = torch.where(rejected, correction.gather(1, last.clamp(max=k - 1)).squeeze(-1), bonus)
+        stopped_at = correction.gather(1, num_accepted.clamp(max=k - 1).unsqueeze(-1)).squeeze(-1)
+        bonus = torch.where(num_accepted < num_drafts, stopped_at, bonus)
+    return _verdict(draft_ids, accepted, bonus)
+
+
+def _verdict(draft_ids: Tensor, accepted: Tensor, final: Tensor) -> Verdict:
+    """The verdict of chains whose drafts [batch, k] were `accepted` (a prefix of each chain)
+    and whose last emitted token is `final` [batch] (the correction, or the bonus)."""
+    batch = draft_ids.shape[0]
+    num_accepted = accepted.sum(dim=-1)
     emitted = torch.cat([torch.where(accepted, draft_ids, PAD_ID),
-                         torch.full((batch, 1), PAD_ID, dtype=torch.int64, device=device)], dim=-1)
-    emitted.scatter_(1, last, bonus.unsqueeze(-1))
+                         torch.full((batch, 1), PAD_ID, dtype=torch.int64, device=draft_ids.device)], dim=-1)
+    emitted.scatter_(1, num_accepted.unsqueeze(-1), final.unsqueeze(-1))
     return Verdict(emitted, num_accepted + 1, accepted, num_accepted)
 
 
