@@ -121,23 +121,20 @@ def own_tokens(sessions: list[Session], num_rows: list[int], logits: Tensor, gre
     (and a plain round's token is its first row's). None when no session is drawn here.
 
     logits: [>= rows, vocab], greedy_ids: [>= rows]: the windows' rows, consecutive."""
-    starts = [0]
-    for n in num_rows:
-        starts.append(starts[-1] + n)
+    starts = _starts(num_rows)
     groups = _groups(sessions, num_rows, drawn=True)
     if not groups:
         return None
     token_ids = greedy_ids[: starts[-1]].clone()
     for params, members in groups.items():
-        rows = [row for i in members for row in range(starts[i], starts[i + 1])]
+        rows, where = _gather(logits, starts, members)
         u = [uniform_at(sessions[i].spec.seed, positions[i] + j) for i in members for j in range(num_rows[i])]
-        if len(rows) == 1:  # u as a kernel argument, the row as a view: nothing to copy
-            span = slice(rows[0], rows[0] + 1)
-            token_ids[span] = sample(process_logits(logits[span], params), u[0])
-            continue
-        index = _to_device(rows, torch.int64, logits.device)
-        drawn = sample(process_logits(logits.index_select(0, index), params), _to_device(u, torch.float64, logits.device))
-        token_ids.index_copy_(0, index, drawn)
+        # one row: u as a kernel argument, nothing to copy
+        drawn = sample(process_logits(rows, params), u[0] if len(u) == 1 else _to_device(u, torch.float64, logits.device))
+        if isinstance(where, slice):
+            token_ids[where] = drawn
+        else:
+            token_ids.index_copy_(0, where, drawn)
     return token_ids
 
 
@@ -146,35 +143,46 @@ def process_targets(sessions: list[Session], num_rows: list[int], logits: Tensor
     """p rows of the sampled windows not drawn here (probabilistic mode with drafts; windows
     are consecutive rows of `logits`, num_rows[i] of them, on the device): one processing per
     sampling group, with the slice of the group's rows each session takes."""
-    starts = [0]
-    for n in num_rows:
-        starts.append(starts[-1] + n)
+    starts = _starts(num_rows)
     processed = []
     for params, members in _groups(sessions, num_rows, drawn=False).items():
-        if len(members) == 1:
-            i = members[0]
-            rows = logits[starts[i] : starts[i + 1]]
-        else:
-            index = [row for i in members for row in range(starts[i], starts[i + 1])]
-            rows = logits.index_select(0, _to_device(index, torch.int64, logits.device))
         parts, at = [], 0
         for i in members:
             parts.append((i, slice(at, at + num_rows[i])))
             at += num_rows[i]
-        processed.append((process_logits(rows, params), parts))
+        processed.append((process_logits(_gather(logits, starts, members)[0], params), parts))
     return processed
+
+
+def _starts(num_rows: list[int]) -> list[int]:
+    """The first row of each window (and, last, the rows in all) when windows are consecutive."""
+    starts = [0]
+    for n in num_rows:
+        starts.append(starts[-1] + n)
+    return starts
+
+
+def _gather(logits: Tensor, starts: list[int], members: list[int]) -> tuple[Tensor, slice | Tensor]:
+    """A group's window rows of `logits`, and where they lie: a slice (one window: a view,
+    nothing copied) or their index (one small asynchronous copy)."""
+    if len(members) == 1:
+        where = slice(starts[members[0]], starts[members[0] + 1])
+        return logits[where], where
+    index = _to_device([row for i in members for row in range(starts[i], starts[i + 1])], torch.int64, logits.device)
+    return logits.index_select(0, index), index
 
 
 def round_verdicts(rounds: list[tuple[Session, list[int], SparseRows | None, list[int], SparseRows | None]],
                    draw_secret: bytes) -> list[tuple[list[int], int]]:
-    """(emitted, accepted) of each round (session, drafts, q rows, greedy ids, p rows on the
-    host or None when greedy): greedy rounds by their ids, sampled ones together."""
+    """(emitted, accepted) of each round (session, drafts, q rows, the window's own tokens, p
+    rows on the host or None): rounds without p rows by their own tokens (greedy ids, or drawn
+    here), the others verified together."""
     out: list[tuple[list[int], int] | None] = [None] * len(rounds)
     chains, members = [], []
-    for i, (session, drafts, q_rows, greedy_ids, target) in enumerate(rounds):
+    for i, (session, drafts, q_rows, own_ids, target) in enumerate(rounds):
         spec = session.spec
         if target is None:
-            out[i] = greedy_verdict(drafts, greedy_ids)
+            out[i] = greedy_verdict(drafts, own_ids)
             continue
         members.append(i)
         chains.append(Chain(target, drafts, q_rows, spec.mode, spec.seed, accept_key(draw_secret, spec.seed),
