@@ -35,8 +35,9 @@ PARAMS = {
 
 def timed(logits: torch.Tensor, params: SamplingParams, route: str, calls: int) -> tuple[float, float]:
     """(device ms per call, host ms to enqueue one call) of one route."""
-    limit = sampling.MAX_CANDIDATES
+    limit, on_cuda = sampling.MAX_CANDIDATES, sampling.SELECT_ON_CUDA
     sampling.MAX_CANDIDATES = limit if route == "candidates" else 0  # 0: every row sorted whole
+    sampling.SELECT_ON_CUDA = route == "candidates"
     try:
         cuda = logits.device.type == "cuda"
         process_logits(logits, params)  # warm
@@ -54,7 +55,7 @@ def timed(logits: torch.Tensor, params: SamplingParams, route: str, calls: int) 
         end.synchronize()
         return start.elapsed_time(end) / calls, host
     finally:
-        sampling.MAX_CANDIDATES = limit
+        sampling.MAX_CANDIDATES, sampling.SELECT_ON_CUDA = limit, on_cuda
 
 
 def main() -> None:
@@ -77,8 +78,9 @@ def main() -> None:
         for name, params in PARAMS.items():
             sampling.MAX_CANDIDATES, limit = 0, sampling.MAX_CANDIDATES
             whole = process_logits(logits, params)
-            sampling.MAX_CANDIDATES = limit
+            sampling.MAX_CANDIDATES, sampling.SELECT_ON_CUDA = limit, True
             picked = process_logits(logits, params)
+            sampling.SELECT_ON_CUDA = False
             same = torch.equal(whole.token_ids, picked.token_ids) and torch.allclose(whole.probs, picked.probs, rtol=1e-12)
             blocks = []
             for block in range(args.blocks):

@@ -238,8 +238,8 @@ def compare_flags(start_service, children, prompts, contexts, greedy, args, resu
     variant = " ".join(filter(None, [f"tree {args.against_tree}" if args.against_tree else "", args.compare])) or "defaults"
     addresses = {"default": start_service("default", []),
                  variant: start_service("variant", shlex.split(args.compare), args.against_tree)}
-    for name, address in addresses.items():
-        asyncio.run(children.wait_serving(name, address, timeout=900))
+    for child, address in zip(["default", "variant"], addresses.values()):
+        asyncio.run(children.wait_serving(child, address, timeout=900))
         client_decode(address, prompts[contexts[0]][:64], GenerationConfig(max_new_tokens=8))  # warm-up
     kinds = args.requests.split(",")
     print(f"\n| context | request | service tokens/s, this tree | service tokens/s, `{variant}` | this / that (median "

@@ -12,7 +12,7 @@ concurrency 1 of the same run, TTFT, time per output token (TPOT: (last − firs
 commits several tokens is one event) at p50/p95/p99, and the verifier's mean batch size.
 
 With --alpha A a synthetic replay drafter (bench/replay_drafter.py: the verifier's own
-greedy continuation, each draft corrupted with probability 1 − A) joins the same verifier;
+continuation — greedy, or sampled with the request's seed (its prompt's index) — each draft corrupted with probability 1 − A) joins the same verifier;
 each concurrency then runs plain and speculative requests in alternating blocks on that one
 service (plain requests ask for no speculation), and reports speculative / plain.
 
@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -69,6 +68,14 @@ def summarise(records: list[dict], wall_s: float) -> dict:
     return out
 
 
+def request_config(new_tokens: int, temperature: float, prompt_index: int, speculation: bool) -> GenerationConfig:
+    """A request's settings. A sampled request's seed is its prompt's index, so a prompt always
+    continues the same way, alone or speculated (exact mode), and the replay drafter's
+    reference for it is that continuation."""
+    return GenerationConfig(max_new_tokens=new_tokens, temperature=temperature, top_p=0.95 if temperature else 1.0,
+                            seed=prompt_index + 1, speculation=speculation, max_draft_tokens=4 if speculation else 0)
+
+
 class Load:
     def __init__(self, address: str, prompts: list[list[int]], new_tokens: int, metrics_port: int,
                  temperature: float = 0.0) -> None:
@@ -78,18 +85,11 @@ class Load:
         self.metrics_port = metrics_port
         self.temperature = temperature
         self.next_prompt = 0
-        self.next_seed = 0
 
-    def prompt(self) -> list[int]:
-        prompt = self.prompts[self.next_prompt % len(self.prompts)]
+    def request(self, speculation: bool) -> tuple[list[int], GenerationConfig]:
+        index = self.next_prompt % len(self.prompts)
         self.next_prompt += 1
-        return prompt
-
-    def config(self, speculation: bool) -> GenerationConfig:
-        self.next_seed += 1  # (sampled requests: a seed each)
-        return GenerationConfig(max_new_tokens=self.new_tokens, temperature=self.temperature,
-                                top_p=0.95 if self.temperature else 1.0, seed=self.next_seed,
-                                speculation=speculation, max_draft_tokens=4 if speculation else 0)
+        return self.prompts[index], request_config(self.new_tokens, self.temperature, index, speculation)
 
     def batch_counts(self) -> tuple[float, float]:
         """(sum, count) of the verifier's tandem_verifier_batch_rounds histogram."""
@@ -105,7 +105,7 @@ class Load:
         before = self.batch_counts()
         async with AsyncVerifierClient(self.address, timeout=1800) as client:
             async def worker() -> list[dict]:
-                return [await one_request(client, self.prompt(), self.config(speculation)) for _ in range(per_client)]
+                return [await one_request(client, *self.request(speculation)) for _ in range(per_client)]
 
             started = time.perf_counter()
             results = await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -122,7 +122,7 @@ class Load:
             started = time.perf_counter()
             tasks = []
             for _ in range(num_requests):
-                tasks.append(asyncio.create_task(one_request(client, self.prompt(), self.config(False))))
+                tasks.append(asyncio.create_task(one_request(client, *self.request(False))))
                 await asyncio.sleep(rng.expovariate(rate))
             records = await asyncio.gather(*tasks)
             wall = time.perf_counter() - started
@@ -154,7 +154,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0,
-                        help="sampled requests at this temperature (top-p 0.95, a seed each); 0 = greedy")
+                        help="sampled requests at this temperature (top-p 0.95, a seed per prompt); 0 = greedy")
     parser.add_argument("--alpha", type=float, default=None, help="add a synthetic replay drafter at this acceptance")
     parser.add_argument("--blocks", type=int, default=1, help="repeats of the whole concurrency sweep")
     parser.add_argument("--max-position-embeddings", type=int, default=0,
@@ -217,19 +217,19 @@ def main() -> None:
 
 
 async def references(children, verifier_argv, address, prompts, args) -> list[dict]:
-    """The verifier's greedy continuation of every prompt (what the replay drafter proposes)."""
+    """The verifier's plain continuation of every prompt, greedy or sampled as the load's
+    requests are (what the replay drafter proposes)."""
     children.start("reference-verifier", verifier_argv)
     try:
         await children.wait_serving("reference-verifier", address, timeout=900)
-        config = GenerationConfig(max_new_tokens=args.new_tokens, temperature=0.0, speculation=False)
         sessions = asyncio.Semaphore(max(int(c) for c in args.concurrency.split(",")))  # its max_sessions
 
-        async def generate(client, prompt):
+        async def generate(client, index, prompt):
             async with sessions:
-                return await client.generate(prompt, config)
+                return await client.generate(prompt, request_config(args.new_tokens, args.temperature, index, False))
 
         async with AsyncVerifierClient(address, timeout=1800) as client:
-            outs = await asyncio.gather(*(generate(client, p) for p in prompts))
+            outs = await asyncio.gather(*(generate(client, i, p) for i, p in enumerate(prompts)))
         return [{"prompt_ids": p, "token_ids": list(o.token_ids)} for p, o in zip(prompts, outs)]
     finally:
         children.stop("reference-verifier")
@@ -243,7 +243,8 @@ def report(results: dict, levels: list[int], rates: list[float], args) -> None:
         best = sorted(runs, key=lambda s: s["tokens_per_s"])[len(runs) // 2]
         return best
 
-    print(f"\nclosed loop: {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, greedy, "
+    print(f"\nclosed loop: {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, "
+          f"{f'sampled (T {args.temperature}, top-p 0.95)' if args.temperature else 'greedy'}, "
           f"{args.requests_per_client} requests per client, {args.blocks} block(s) (median block shown)\n")
     print(HEADER)
     base = median_arm("plain@1")
