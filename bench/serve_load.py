@@ -85,6 +85,7 @@ class Load:
         self.metrics_port = metrics_port
         self.temperature = temperature
         self.next_prompt = 0
+        self.gate_lines: list[str] = []
 
     def request(self, speculation: bool) -> tuple[list[int], GenerationConfig]:
         index = self.next_prompt % len(self.prompts)
@@ -95,6 +96,8 @@ class Load:
         """(sum, count) of the verifier's tandem_verifier_batch_rounds histogram."""
         text = urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
         values = {}
+        self.gate_lines = [line for line in text.splitlines()
+                           if line.startswith(("tandem_verifier_load_gate_epochs_total", "tandem_verifier_gated_rounds_total"))]
         for line in text.splitlines():
             if line.startswith(("tandem_verifier_batch_rounds_sum", "tandem_verifier_batch_rounds_count")):
                 name, value = line.split()
@@ -205,10 +208,15 @@ def main() -> None:
                     results["closed"].setdefault(key, []).append(s)
                     log(f"  block {block} {key}: {s['tokens_per_s']:.1f} tok/s, mean batch {s['mean_batch']:.1f}, "
                         f"TPOT p50 {s['tpot_ms']['p50']:.2f} ms")
+                    if speculation:  # the load gate's counts so far (cumulative)
+                        log("    " + "; ".join(line.removeprefix("tandem_verifier_") for line in load.gate_lines))
         for rate in rates:
             s = asyncio.run(load.open_loop(rate, args.num_requests, seed=int(rate * 1000)))
             results["open"][rate] = s
             log(f"  rate {rate}/s: {s['tokens_per_s']:.1f} tok/s, TTFT p50 {s['ttft_ms']['p50']:.0f} ms")
+        if args.alpha is not None:
+            log("  the verifier's load gate verdicts:\n" + "\n".join(
+                line for line in children.tail("verifier", 100_000).splitlines() if "load gate" in line))
     finally:
         children.stop()
     report(results, levels, rates, args)

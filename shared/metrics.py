@@ -44,6 +44,16 @@ class VerifierMetrics:
                               ["kind"], registry=r)
         self.detaches = Counter("tandem_verifier_drafter_detaches",
                                 "Times a request stopped asking its drafter because speculation did not pay", registry=r)
+        self.gated = Counter("tandem_verifier_gated_rounds",
+                             "Rounds of requests with a drafter that the load gate held plain (speculation did not pay at "
+                             "this load)", registry=r)
+        self.load_gate_epochs = Counter("tandem_verifier_load_gate_epochs",
+                                        "Load gate epochs by regime (speculative: rounds may speculate; plain) and "
+                                        "outcome (measured; moved: the load changed bucket; overran)",
+                                        ["regime", "outcome"], registry=r)
+        self.load_gate_open = Gauge("tandem_verifier_load_gate_open",
+                                    "1 while the load gate lets rounds speculate, 0 while it holds them plain; -1 without "
+                                    "a gate", registry=r)
         self.ahead = Counter("tandem_verifier_ahead_chains",
                              "Chains drafted ahead of a commit: hit (used) or miss (dropped)", ["outcome"], registry=r)
         self.drafter_reachable = Gauge(

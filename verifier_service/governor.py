@@ -202,6 +202,15 @@ class Governor:
             self._decide()  # the next round's kind, from the rounds closed so far
         return self.round_speculated
 
+    def pause(self, now: float) -> None:
+        """The server's load gate holds this round plain (verifier_service/load_gate.py): close
+        the last round (measured up to now) and keep held rounds out of the estimates; the next
+        round let through opens a phase (its first round pays the drafter's catch-up)."""
+        if self.started is not None:
+            self._record(now - self.started, self.tokens)
+        self.started, self.tokens = None, 0
+        self.new_phase = True
+
     def end(self, tokens: int) -> None:
         """The current round committed `tokens`."""
         self.tokens = tokens

@@ -41,6 +41,8 @@ from verifier_service.audit import HonestyAudit, accept_key
 from verifier_service.chains import ChainFault, retain, validate_chain
 from verifier_service.drafter_link import DeadlineTracker, DrafterHealth, DrafterLink, drafter_channel, open_message
 from verifier_service.governor import Governor, GovernorSettings, Ledger
+from verifier_service import load_gate
+from verifier_service.load_gate import LoadGate, LoadGateSettings
 from verifier_service.batcher import BatchSettings, RoundBatcher
 from verifier_service.prefill import PrefillBatcher
 from verifier_service.engine import Engine
@@ -73,14 +75,29 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.governor_settings = GovernorSettings(min_hold=settings.governor_hold,
                                                   probe_share=settings.governor_probe_share)
         self.ledger = Ledger(self.governor_settings)  # what speculation realises lately, all requests
+        epoch_s = settings.load_gate_epoch_ms / 1e3
+        self.metrics = VerifierMetrics()
+        self.gate = LoadGate(LoadGateSettings(epoch_s=epoch_s, settle_s=epoch_s / 5), self._gate_epoch, self._gate_verdict) \
+            if settings.load_gate and settings.drafter else None
+        self.decoding = 0  # requests past their prefill (the load the gate sees)
         self.channel = drafter_channel(settings) if settings.drafter else None
         self.drafter = drafter_pb2_grpc.DrafterStub(self.channel) if self.channel else None
-        self.metrics = VerifierMetrics()
         self.metrics.queued.set_function(lambda: self.admission.queued)
         self.metrics.kv_blocks.set_function(lambda: self.admission.limits.kv_blocks)
         self.metrics.kv_blocks_held.set_function(lambda: self.admission.blocks_held)
         self.drafter_health = DrafterHealth(settings.drafter or "", self.metrics.drafter_reachable, log)
         self.metrics.drafter_reachable.set(-1 if self.channel is None else 0)
+        self.metrics.load_gate_open.set_function(lambda: -1 if self.gate is None else int(self.gate.regime))
+
+    def _gate_epoch(self, regime: bool, outcome: str) -> None:
+        self.metrics.load_gate_epochs.labels("speculative" if regime else "plain", outcome).inc()
+
+    @staticmethod
+    def _gate_verdict(bucket: int, speculation: bool, speculative_rate: float, plain_rate: float) -> None:
+        low, high = load_gate.bucket_range(bucket)
+        log.info("load gate: speculation pays" if speculation else "load gate: rounds held plain",
+                 sessions=f"{low}-{high}", speculative_tokens_per_s=round(speculative_rate, 1),
+                 plain_tokens_per_s=round(plain_rate, 1))
 
     @property
     def active(self) -> int:
@@ -178,6 +195,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         governor: Governor | None = None
         opened: Session | None = None
         completion: Completion | None = None
+        decoding = False
         tracer = telemetry.tracer("tandem.verifier")
         # The request's span is current only between yields, never while this generator is
         # suspended: gRPC may close it from another context (a client gone while an event
@@ -201,6 +219,9 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     await link.open(open_message(session, 0, self.settings.draft_ahead), self._trace_context())
                 completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences, self.tokenizer)
             round_id = 0
+            self.decoding += 1
+            decoding = True
+            gate_open = True  # whether the load gate lets the next round speculate (decided as the last one ended)
             while completion.finish_reason is None:
                 if session.cache.length >= session.cache.max_length:
                     completion.finish_reason = "length"
@@ -210,7 +231,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     break
                 with telemetry.use_span(span), \
                         tracer.start_as_current_span("round", attributes={"tandem.round_id": round_id}) as round_span:
-                    event = await self._round(session, link, governor, completion, stats, round_id, round_span)
+                    event, gate_open = await self._round(session, link, governor, gate_open, completion, stats,
+                                                         round_id, round_span)
                 yield event
                 round_id += 1
             faults = sum(v for k, v in (link.faults if link else {}).items() if k != "resync")
@@ -231,6 +253,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             raise
         finally:
             span.end()
+            if decoding:
+                self.decoding -= 1
             if opened is not None:
                 self.batcher.leave(opened)
                 # On the worker, behind any round of this session still running there: a request
@@ -303,13 +327,21 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         telemetry.inject_context(carrier)
         return carrier
 
-    async def _round(self, session: Session, link: DrafterLink | None, governor: Governor | None, completion: Completion,
-                     stats: RequestStats, round_id: int, span) -> verifier_pb2.GenerateEvent:
-        """One round: chain (bounded wait) → validate → retain → verify → commit."""
+    async def _round(self, session: Session, link: DrafterLink | None, governor: Governor | None, gate_open: bool,
+                     completion: Completion, stats: RequestStats, round_id: int, span
+                     ) -> tuple[verifier_pb2.GenerateEvent, bool]:
+        """One round: chain (bounded wait) → validate → retain → verify → commit. Returns the
+        round's event and whether the load gate lets the next round speculate."""
         spec = session.spec
         started = time.perf_counter()
-        # (a request without a drafter still runs the governor: its rounds teach the server the plain cost)
-        speculate = (governor.begin(started) if governor is not None else True) and link is not None
+        gated = link is not None and not gate_open
+        if gated:  # the load gate holds it plain: the request's governor neither decides nor measures it
+            if governor is not None:
+                governor.pause(started)
+            speculate = False
+            self.metrics.gated.inc()
+        else:  # (a request without a drafter still runs the governor: its rounds teach the server the plain cost)
+            speculate = (governor.begin(started) if governor is not None else True) and link is not None
         chain, raw, wait_ms, bytes_up = None, None, 0.0, 0
         if speculate:
             bytes_up += await link.ask(lambda: open_message(session, round_id, self.settings.draft_ahead), self._trace_context)
@@ -323,8 +355,10 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             chain = self._audited(chain, session, link)
         drafts = chain.token_ids if chain else []
         # A plain round followed by another: let the engine enqueue the next one before this one
-        # is read, unless this round may be the last.
-        next_plain = link is None or (governor is not None and not governor.next_speculates)
+        # is read, unless this round may be the last. (The gate's verdict for the next round is
+        # taken now and kept, so that a step computed ahead is never one the next round skips.)
+        open_next = link is None or self.gate is None or self.gate.open(time.perf_counter(), self.decoding)
+        next_plain = link is None or not open_next or (governor is not None and not governor.next_speculates)
         ahead = not drafts and next_plain and spec.max_new_tokens - len(completion.token_ids) > 1
         outcome = await self.batcher.submit(RoundRequest(session, drafts, chain.q_rows if chain else None, ahead))
         source = chain.source if chain else "NONE"
@@ -337,6 +371,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             self.metrics.ttft_seconds.observe(stats.first_token_at - stats.started)
         if governor is not None:
             governor.end(len(outcome.emitted))
+        if self.gate is not None:
+            self.gate.record(time.perf_counter(), len(outcome.emitted))
         if link is not None and completion.finish_reason is None:  # (told when it is next asked, if not now)
             bytes_up += await link.tell(round_id, outcome, outcome.num_verified, not next_plain, self._trace_context)
         verify_ms = outcome.forward_ms + outcome.verify_ms
@@ -351,7 +387,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             m.drafts.labels(source, "retained").inc(len(drafts))
             m.drafts.labels(source, "accepted").inc(outcome.num_accepted)
         span.set_attributes({
-            "tandem.speculative": speculate, "tandem.source": source, "tandem.proposed": proposed, "tandem.retained": len(drafts),
+            "tandem.speculative": speculate, "tandem.gated": gated, "tandem.source": source, "tandem.proposed": proposed, "tandem.retained": len(drafts),
             "tandem.verified": outcome.num_verified, "tandem.accepted": outcome.num_accepted,
             "tandem.emitted": len(outcome.emitted),
             "tandem.confidences": list(raw.confidences) if raw is not None else [],
@@ -368,7 +404,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 round_id=round_id, source=SOURCE_ENUM[source], proposed=proposed, retained=len(drafts),
                 accepted=outcome.num_accepted, verify_ms=verify_ms, draft_wait_ms=wait_ms, speculative=speculate,
             ),
-        )
+        ), open_next
 
     @staticmethod
     def _finish_span(span, message: verifier_pb2.RequestStats, finish_reason: str) -> None:

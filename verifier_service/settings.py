@@ -46,6 +46,8 @@ class VerifierSettings:
     governor: bool = field(default=True, metadata={"help": "measure what rounds with drafts realise against plain rounds, per request, and decode plainly (probing now and then) while speculation does not pay"})
     governor_hold: int = field(default=16, metadata={"help": "plain rounds of a request after speculation stopped paying before it may probe again"})
     governor_probe_share: float = field(default=0.03, metadata={"help": "of the time spent decoding plainly, what probing a drafter that does not pay may cost (0.03: a useless drafter slows requests by at most 3%, plus one probe)"})
+    load_gate: bool = field(default=True, metadata={"help": "with 2+ sessions decoding, compare what the whole server delivers (tokens/s) while rounds may speculate and while every round is plain, in alternating stretches per load level, and keep the better (probing the other now and then): in a batch, sessions waiting for chains split the forward, which no request's governor sees"})
+    load_gate_epoch_ms: float = field(default=250.0, metadata={"help": "load gate: how long one stretch (one regime) lasts"})
     metrics_port: int = field(default=0, metadata={"help": "port of the Prometheus /metrics endpoint (0 = off)"})
     tls_cert: str | None = field(default=None, metadata={"help": "PEM server certificate: serve TLS (with tls_key)"})
     tls_key: str | None = field(default=None, metadata={"help": "PEM private key of tls_cert"})
@@ -80,6 +82,8 @@ class VerifierSettings:
             raise ValueError(
                 f"max_draft_tokens {self.max_draft_tokens} must lie in [0, max_draft_tokens_limit = {self.max_draft_tokens_limit}]"
             )
+        if not (math.isfinite(self.load_gate_epoch_ms) and self.load_gate_epoch_ms > 0):
+            raise ValueError(f"load_gate_epoch_ms {self.load_gate_epoch_ms!r} must be finite and > 0")
         for name in ("drafter_deadline_ms", "drafter_deadline_margin_ms", "batch_gather_ms"):  # (grace_s: base)
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):

@@ -1,0 +1,175 @@
+"""Speculation under load (DESIGN §9): whether the server lets rounds wait for chains at all.
+
+The per-request governor compares a request's rounds with drafts against its plain rounds.
+In a batch that comparison is blind to what speculation costs the batch: a request's plain
+round waits for the batch's forward like any other, and sessions that wait for their chains
+split the batch (H200, 30B shapes, α = 0.8: at 32 sessions the mean batch fell from 31.3 to
+22.9 and speculation delivered 0.68× of plain decoding, while every request judged its own
+rounds fine). So the gate measures what the server as a whole delivers: committed tokens per
+second of all requests, in stretches ("epochs") during which speculation is allowed (each
+request's governor decides) or not (every round plain), per load bucket (the number of
+sessions decoding), and keeps the regime that delivers more:
+
+- a bucket alternates regimes until each has `min_epochs` measured epochs, then takes the
+  one whose median rate over its last `window` epochs is higher (speculation must win by
+  `margin`), and runs one epoch of the other every `probe_every` epochs (loads change);
+- an epoch's first `settle_s` is left out of its rate (rounds of the other regime still in
+  flight); an epoch during which the load moved to another bucket is dropped, and so is one
+  that ran past twice its length (no request with a drafter started a round to close it);
+- with fewer than `min_sessions` sessions decoding the gate stays open: a request alone is
+  its own batch, and its governor sees everything.
+
+What the gate changes is only whether a round has drafts: in exact mode the committed tokens
+are the same either way, in probabilistic mode the law is (as for any round without a chain).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# Bucket edges (sessions decoding): 2, 3-5, 6-11, 12-23, 24-47, ... — edges between, not at,
+# the round concurrencies people run (8, 16, 32, 64), so a steady load stays in one bucket.
+BUCKET_EDGES = (2, 3, 6, 12, 24, 48, 96, 192, 384, 768)
+
+
+def bucket(sessions: int) -> int:
+    """0 for one session (never gated), then 1, 2, ... by BUCKET_EDGES."""
+    return bisect.bisect_right(BUCKET_EDGES, sessions)
+
+
+def bucket_range(b: int) -> tuple[int, int]:
+    """The sessions of bucket b >= 1, first and last."""
+    return BUCKET_EDGES[b - 1], BUCKET_EDGES[b] - 1 if b < len(BUCKET_EDGES) else 10**9
+
+
+@dataclass(frozen=True)
+class LoadGateSettings:
+    epoch_s: float = 0.25  # one regime's stretch
+    settle_s: float = 0.05  # of each epoch, kept out of its rate
+    min_epochs: int = 3  # measured epochs of each regime in a bucket before it chooses
+    window: int = 6  # a bucket's estimate of a regime: the median of its last epochs
+    probe_every: int = 12  # choosing: one epoch of the other regime after this many
+    margin: float = 0.03  # speculation must deliver this much more than plain decoding
+    min_sessions: int = 2  # fewer sessions decoding: the gate stays open
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.epoch_s) and self.epoch_s > 0):
+            raise ValueError(f"load gate epoch_s {self.epoch_s!r} must be finite and > 0")
+        if not (math.isfinite(self.settle_s) and 0 <= self.settle_s < self.epoch_s):
+            raise ValueError(f"load gate settle_s {self.settle_s!r} must lie in [0, epoch_s = {self.epoch_s})")
+        for name in ("min_epochs", "window", "probe_every", "min_sessions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"load gate {name} {getattr(self, name)} must be >= 1")
+        if self.window < self.min_epochs:
+            raise ValueError(f"load gate window {self.window} must be >= min_epochs {self.min_epochs}")
+        if not (math.isfinite(self.margin) and 0 <= self.margin < 1):
+            raise ValueError(f"load gate margin {self.margin!r} must lie in [0, 1)")
+
+
+class _Bucket:
+    def __init__(self, window: int) -> None:
+        self.rates = {True: deque(maxlen=window), False: deque(maxlen=window)}  # speculation allowed → tokens/s
+        self.since_probe = 0
+
+    def estimate(self, regime: bool) -> float | None:
+        rates = self.rates[regime]
+        return statistics.median(rates) if rates else None
+
+
+class LoadGate:
+    """The server's regime. `open(now, sessions)` before a round: whether its request may
+    speculate; `record(now, tokens)` after it: what it committed. Requests run on one event
+    loop, so no lock; the clock is the caller's (time.perf_counter in the service)."""
+
+    def __init__(self, settings: LoadGateSettings,
+                 on_epoch: Callable[[bool, str], None] | None = None,
+                 on_verdict: Callable[[int, bool, float, float], None] | None = None) -> None:
+        self.settings = settings
+        self.on_epoch = on_epoch  # (regime, "measured" | "moved" | "overran") of every epoch closed
+        self.on_verdict = on_verdict  # (bucket, speculation better, its rate, plain's rate) when a bucket's verdict changes
+        self.verdicts: dict[int, bool] = {}
+        self.buckets: dict[int, _Bucket] = {}
+        self.regime = True  # the current epoch's: speculation allowed
+        self.epoch_bucket: int | None = None  # None: no epoch running (too few sessions)
+        self.moved = False  # the load left the epoch's bucket
+        self.started = 0.0
+        self.tokens = 0  # committed after the epoch settled
+        self.epochs = {True: 0, False: 0}  # measured epochs by regime, all buckets (for metrics)
+        self.probes = 0
+
+    def open(self, now: float, sessions: int) -> bool:
+        """Whether a round starting now may wait for a chain, with `sessions` decoding."""
+        b = bucket(sessions) if sessions >= self.settings.min_sessions else 0
+        if self.epoch_bucket is not None and now - self.started >= self.settings.epoch_s:
+            self._close(now)
+        if b == 0:
+            if self.epoch_bucket is not None:
+                self.moved = True
+            return True
+        if self.epoch_bucket is None:
+            self._start(now, b)
+        elif b != self.epoch_bucket:
+            self.moved = True
+        return self.regime
+
+    def record(self, now: float, tokens: int) -> None:
+        if self.epoch_bucket is not None and now - self.started >= self.settings.settle_s:
+            self.tokens += tokens
+
+    def _close(self, now: float) -> None:
+        measured_s = now - self.started - self.settings.settle_s
+        # (an epoch nobody closed on time ran while no request with a drafter started a round:
+        # its tokens are not the regime's)
+        overran = now - self.started > 2 * self.settings.epoch_s
+        outcome = "moved" if self.moved else "overran" if overran or measured_s <= 0 else "measured"
+        if outcome == "measured":
+            self._bucket(self.epoch_bucket).rates[self.regime].append(self.tokens / measured_s)
+            self.epochs[self.regime] += 1
+            self._note_verdict(self.epoch_bucket)
+        if self.on_epoch is not None:
+            self.on_epoch(self.regime, outcome)
+        self.epoch_bucket = None
+
+    def _note_verdict(self, b: int) -> None:
+        verdict = self.better(b)
+        if verdict is None or self.verdicts.get(b) == verdict:
+            return
+        self.verdicts[b] = verdict
+        if self.on_verdict is not None:
+            state = self.buckets[b]
+            self.on_verdict(b, verdict, state.estimate(True), state.estimate(False))
+
+    def _start(self, now: float, b: int) -> None:
+        self.regime = self.choose(b)
+        self.epoch_bucket, self.started, self.tokens, self.moved = b, now, 0, False
+
+    def _bucket(self, b: int) -> _Bucket:
+        if b not in self.buckets:
+            self.buckets[b] = _Bucket(self.settings.window)
+        return self.buckets[b]
+
+    def choose(self, b: int) -> bool:
+        """The regime of the next epoch in bucket b."""
+        s, state = self.settings, self._bucket(b)
+        counts = {regime: len(rates) for regime, rates in state.rates.items()}
+        if min(counts.values()) < s.min_epochs:  # still measuring: the regime with fewer epochs (speculation first)
+            return counts[True] <= counts[False]
+        best = self.better(b)
+        state.since_probe += 1
+        if state.since_probe > s.probe_every:
+            state.since_probe = 0
+            self.probes += 1
+            return not best
+        return best
+
+    def better(self, b: int) -> bool | None:
+        """Whether speculation delivers more in bucket b (None: not measured enough yet)."""
+        state = self.buckets.get(b)
+        if state is None or min(len(r) for r in state.rates.values()) < self.settings.min_epochs:
+            return None
+        return state.estimate(True) > state.estimate(False) * (1 + self.settings.margin)
