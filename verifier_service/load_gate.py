@@ -10,9 +10,13 @@ second of all requests, in stretches ("epochs") during which speculation is allo
 request's governor decides) or not (every round plain), per load bucket (the number of
 sessions decoding), and keeps the regime that delivers more:
 
-- a bucket alternates regimes until each has `min_epochs` measured epochs, then takes the
-  one whose median rate over its last `window` epochs is higher (speculation must win by
-  `margin`), and runs one epoch of the other every `probe_every` epochs (loads change);
+- a bucket alternates regimes until it has `min_epochs` pairs of neighbouring epochs of the
+  two regimes, then takes speculation if the median of its last `window` paired ratios
+  (speculative / plain tokens/s) exceeds 1 + `margin`, else plain decoding, and runs one
+  epoch of the other every `probe_every` epochs (loads change; a probe makes two pairs).
+  Pairs, as in our benchmarks: an epoch's rate moves a lot with what else happens (prompts
+  prefilling, requests ending; H200, 32 sessions: plain epochs measured 2,477 and 981
+  tokens/s in one run), and its neighbour sees most of the same;
 - an epoch's first `settle_s` is left out of its rate (rounds of the other regime still in
   flight); an epoch during which the load moved to another bucket is dropped, and so is one
   that ran past twice its length (no request with a drafter started a round to close it);
@@ -51,8 +55,8 @@ def bucket_range(b: int) -> tuple[int, int]:
 class LoadGateSettings:
     epoch_s: float = 0.25  # one regime's stretch
     settle_s: float = 0.05  # of each epoch, kept out of its rate
-    min_epochs: int = 3  # measured epochs of each regime in a bucket before it chooses
-    window: int = 6  # a bucket's estimate of a regime: the median of its last epochs
+    min_epochs: int = 3  # pairs of neighbouring epochs (speculative, plain) a bucket needs to choose
+    window: int = 8  # a bucket's verdict: the median of its last paired ratios
     probe_every: int = 12  # choosing: one epoch of the other regime after this many
     margin: float = 0.03  # speculation must deliver this much more than plain decoding
     min_sessions: int = 2  # fewer sessions decoding: the gate stays open
@@ -72,13 +76,25 @@ class LoadGateSettings:
 
 
 class _Bucket:
+    """A bucket's measured epochs: (epoch number, regime, tokens/s), the latest `2 * window`."""
+
     def __init__(self, window: int) -> None:
-        self.rates = {True: deque(maxlen=window), False: deque(maxlen=window)}  # speculation allowed → tokens/s
+        self.epochs: deque[tuple[int, bool, float]] = deque(maxlen=2 * window)
+        self.window = window
         self.since_probe = 0
 
-    def estimate(self, regime: bool) -> float | None:
-        rates = self.rates[regime]
-        return statistics.median(rates) if rates else None
+    def ratios(self) -> list[float]:
+        """speculative / plain of every two consecutive epochs (in the gate's numbering) of
+        different regimes, the latest `window`: neighbours share the load's slow drifts (prompts
+        arriving, requests ending), which unpaired epochs do not."""
+        out = [(b[2] / a[2] if b[1] else a[2] / b[2])
+               for a, b in zip(self.epochs, list(self.epochs)[1:])
+               if b[0] == a[0] + 1 and a[1] != b[1] and min(a[2], b[2]) > 0]
+        return out[-self.window:]
+
+    @property
+    def last_regime(self) -> bool | None:
+        return self.epochs[-1][1] if self.epochs else None
 
 
 class LoadGate:
@@ -88,10 +104,10 @@ class LoadGate:
 
     def __init__(self, settings: LoadGateSettings,
                  on_epoch: Callable[[bool, str], None] | None = None,
-                 on_verdict: Callable[[int, bool, float, float], None] | None = None) -> None:
+                 on_verdict: Callable[[int, bool, float], None] | None = None) -> None:
         self.settings = settings
         self.on_epoch = on_epoch  # (regime, "measured" | "moved" | "overran") of every epoch closed
-        self.on_verdict = on_verdict  # (bucket, speculation better, its rate, plain's rate) when a bucket's verdict changes
+        self.on_verdict = on_verdict  # (bucket, speculation better, median paired ratio) when a bucket's verdict changes
         self.verdicts: dict[int, bool] = {}
         self.buckets: dict[int, _Bucket] = {}
         self.regime = True  # the current epoch's: speculation allowed
@@ -99,7 +115,7 @@ class LoadGate:
         self.moved = False  # the load left the epoch's bucket
         self.started = 0.0
         self.tokens = 0  # committed after the epoch settled
-        self.epochs = {True: 0, False: 0}  # measured epochs by regime, all buckets (for metrics)
+        self.epoch_number = 0  # epochs started, all buckets
         self.probes = 0
 
     def open(self, now: float, sessions: int) -> bool:
@@ -128,8 +144,7 @@ class LoadGate:
         overran = now - self.started > 2 * self.settings.epoch_s
         outcome = "moved" if self.moved else "overran" if overran or measured_s <= 0 else "measured"
         if outcome == "measured":
-            self._bucket(self.epoch_bucket).rates[self.regime].append(self.tokens / measured_s)
-            self.epochs[self.regime] += 1
+            self._bucket(self.epoch_bucket).epochs.append((self.epoch_number, self.regime, self.tokens / measured_s))
             self._note_verdict(self.epoch_bucket)
         if self.on_epoch is not None:
             self.on_epoch(self.regime, outcome)
@@ -141,11 +156,11 @@ class LoadGate:
             return
         self.verdicts[b] = verdict
         if self.on_verdict is not None:
-            state = self.buckets[b]
-            self.on_verdict(b, verdict, state.estimate(True), state.estimate(False))
+            self.on_verdict(b, verdict, statistics.median(self.buckets[b].ratios()))
 
     def _start(self, now: float, b: int) -> None:
         self.regime = self.choose(b)
+        self.epoch_number += 1
         self.epoch_bucket, self.started, self.tokens, self.moved = b, now, 0, False
 
     def _bucket(self, b: int) -> _Bucket:
@@ -156,10 +171,9 @@ class LoadGate:
     def choose(self, b: int) -> bool:
         """The regime of the next epoch in bucket b."""
         s, state = self.settings, self._bucket(b)
-        counts = {regime: len(rates) for regime, rates in state.rates.items()}
-        if min(counts.values()) < s.min_epochs:  # still measuring: the regime with fewer epochs (speculation first)
-            return counts[True] <= counts[False]
         best = self.better(b)
+        if best is None:  # still measuring: the other regime than the bucket's last epoch (speculation first)
+            return state.last_regime is not True
         state.since_probe += 1
         if state.since_probe > s.probe_every:
             state.since_probe = 0
@@ -170,6 +184,7 @@ class LoadGate:
     def better(self, b: int) -> bool | None:
         """Whether speculation delivers more in bucket b (None: not measured enough yet)."""
         state = self.buckets.get(b)
-        if state is None or min(len(r) for r in state.rates.values()) < self.settings.min_epochs:
+        ratios = state.ratios() if state is not None else []
+        if len(ratios) < self.settings.min_epochs:
             return None
-        return state.estimate(True) > state.estimate(False) * (1 + self.settings.margin)
+        return statistics.median(ratios) > 1 + self.settings.margin

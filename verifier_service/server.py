@@ -93,11 +93,10 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.metrics.load_gate_epochs.labels("speculative" if regime else "plain", outcome).inc()
 
     @staticmethod
-    def _gate_verdict(bucket: int, speculation: bool, speculative_rate: float, plain_rate: float) -> None:
+    def _gate_verdict(bucket: int, speculation: bool, ratio: float) -> None:
         low, high = load_gate.bucket_range(bucket)
         log.info("load gate: speculation pays" if speculation else "load gate: rounds held plain",
-                 sessions=f"{low}-{high}", speculative_tokens_per_s=round(speculative_rate, 1),
-                 plain_tokens_per_s=round(plain_rate, 1))
+                 sessions=f"{low}-{high}", speculative_over_plain=round(ratio, 3))
 
     @property
     def active(self) -> int:
