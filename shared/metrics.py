@@ -49,7 +49,8 @@ class VerifierMetrics:
                              "this load)", registry=r)
         self.load_gate_epochs = Counter("tandem_verifier_load_gate_epochs",
                                         "Load gate epochs by regime (speculative: rounds may speculate; plain) and "
-                                        "outcome (measured; moved: the load changed bucket; overran)",
+                                        "outcome (measured; moved: the load changed bucket; idle: no round with a drafter for a while; "
+                                        "short: it never settled)",
                                         ["regime", "outcome"], registry=r)
         self.load_gate_open = Gauge("tandem_verifier_load_gate_open",
                                     "1 while the load gate lets rounds speculate, 0 while it holds them plain; -1 without "

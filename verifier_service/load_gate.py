@@ -17,9 +17,12 @@ sessions decoding), and keeps the regime that delivers more:
   Pairs, as in our benchmarks: an epoch's rate moves a lot with what else happens (prompts
   prefilling, requests ending; H200, 32 sessions: plain epochs measured 2,477 and 981
   tokens/s in one run), and its neighbour sees most of the same;
-- an epoch's first `settle_s` is left out of its rate (rounds of the other regime still in
+- an epoch lasts `epoch_s` and at least `epoch_rounds` rounds per session (a CPU's rounds
+  can be longer than a GPU's epoch); its start is left out of its rate until `settle_s` and
+  `settle_rounds` rounds per session have passed (rounds of the other regime still in
   flight); an epoch during which the load moved to another bucket is dropped, and so is one
-  that ran past twice its length (no request with a drafter started a round to close it);
+  in which no request with a drafter started a round for `idle_s` (the load was not the
+  gate's to judge: e.g. only requests without speculation ran);
 - with fewer than `min_sessions` sessions decoding the gate stays open: a request alone is
   its own batch, and its governor sees everything.
 
@@ -53,8 +56,11 @@ def bucket_range(b: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class LoadGateSettings:
-    epoch_s: float = 0.25  # one regime's stretch
-    settle_s: float = 0.05  # of each epoch, kept out of its rate
+    epoch_s: float = 0.25  # one regime's stretch, at least
+    epoch_rounds: int = 4  # ... and at least this many rounds per session decoding
+    settle_s: float = 0.05  # of each epoch, kept out of its rate, at least
+    settle_rounds: int = 1  # ... and at least this many rounds per session
+    idle_s: float = 2.0  # no round of a request with a drafter for this long: the epoch is dropped
     min_epochs: int = 3  # pairs of neighbouring epochs (speculative, plain) a bucket needs to choose
     window: int = 8  # a bucket's verdict: the median of its last paired ratios
     probe_every: int = 12  # choosing: one epoch of the other regime after this many
@@ -66,6 +72,11 @@ class LoadGateSettings:
             raise ValueError(f"load gate epoch_s {self.epoch_s!r} must be finite and > 0")
         if not (math.isfinite(self.settle_s) and 0 <= self.settle_s < self.epoch_s):
             raise ValueError(f"load gate settle_s {self.settle_s!r} must lie in [0, epoch_s = {self.epoch_s})")
+        if not (math.isfinite(self.idle_s) and self.idle_s > 0):
+            raise ValueError(f"load gate idle_s {self.idle_s!r} must be finite and > 0")
+        if self.epoch_rounds < 1 or self.settle_rounds < 0 or self.settle_rounds >= self.epoch_rounds:
+            raise ValueError(f"load gate epoch_rounds {self.epoch_rounds} must be >= 1 and settle_rounds "
+                             f"{self.settle_rounds} in [0, epoch_rounds)")
         for name in ("min_epochs", "window", "probe_every", "min_sessions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"load gate {name} {getattr(self, name)} must be >= 1")
@@ -106,43 +117,56 @@ class LoadGate:
                  on_epoch: Callable[[bool, str], None] | None = None,
                  on_verdict: Callable[[int, bool, float], None] | None = None) -> None:
         self.settings = settings
-        self.on_epoch = on_epoch  # (regime, "measured" | "moved" | "overran") of every epoch closed
+        self.on_epoch = on_epoch  # (regime, "measured" | "moved" | "idle" | "short") of every epoch closed
         self.on_verdict = on_verdict  # (bucket, speculation better, median paired ratio) when a bucket's verdict changes
         self.verdicts: dict[int, bool] = {}
         self.buckets: dict[int, _Bucket] = {}
         self.regime = True  # the current epoch's: speculation allowed
         self.epoch_bucket: int | None = None  # None: no epoch running (too few sessions)
         self.moved = False  # the load left the epoch's bucket
+        self.idle = False  # no request with a drafter started a round for idle_s
         self.started = 0.0
+        self.sessions = 0  # decoding when the epoch started
+        self.rounds = 0  # recorded since it started
+        self.settled_at: float | None = None
         self.tokens = 0  # committed after the epoch settled
+        self.last_open = 0.0
         self.epoch_number = 0  # epochs started, all buckets
         self.probes = 0
 
     def open(self, now: float, sessions: int) -> bool:
         """Whether a round starting now may wait for a chain, with `sessions` decoding."""
-        b = bucket(sessions) if sessions >= self.settings.min_sessions else 0
-        if self.epoch_bucket is not None and now - self.started >= self.settings.epoch_s:
-            self._close(now)
+        s = self.settings
+        b = bucket(sessions) if sessions >= s.min_sessions else 0
+        if self.epoch_bucket is not None:
+            self.idle |= now - self.last_open > s.idle_s
+            if now - self.started >= s.epoch_s and (
+                    self.moved or self.idle or self.rounds >= s.epoch_rounds * self.sessions):
+                self._close(now)
+        self.last_open = now
         if b == 0:
             if self.epoch_bucket is not None:
                 self.moved = True
             return True
         if self.epoch_bucket is None:
-            self._start(now, b)
+            self._start(now, b, sessions)
         elif b != self.epoch_bucket:
             self.moved = True
         return self.regime
 
     def record(self, now: float, tokens: int) -> None:
-        if self.epoch_bucket is not None and now - self.started >= self.settings.settle_s:
+        """A round ended now, committing `tokens` (any request's, with a drafter or not)."""
+        if self.epoch_bucket is None:
+            return
+        self.rounds += 1
+        if self.settled_at is not None:
             self.tokens += tokens
+        elif now - self.started >= self.settings.settle_s and self.rounds >= self.settings.settle_rounds * self.sessions:
+            self.settled_at = now  # (this round ran across the epoch's start: not counted)
 
     def _close(self, now: float) -> None:
-        measured_s = now - self.started - self.settings.settle_s
-        # (an epoch nobody closed on time ran while no request with a drafter started a round:
-        # its tokens are not the regime's)
-        overran = now - self.started > 2 * self.settings.epoch_s
-        outcome = "moved" if self.moved else "overran" if overran or measured_s <= 0 else "measured"
+        measured_s = now - self.settled_at if self.settled_at is not None else 0.0
+        outcome = "moved" if self.moved else "idle" if self.idle else "short" if measured_s <= 0 else "measured"
         if outcome == "measured":
             self._bucket(self.epoch_bucket).epochs.append((self.epoch_number, self.regime, self.tokens / measured_s))
             self._note_verdict(self.epoch_bucket)
@@ -158,10 +182,11 @@ class LoadGate:
         if self.on_verdict is not None:
             self.on_verdict(b, verdict, statistics.median(self.buckets[b].ratios()))
 
-    def _start(self, now: float, b: int) -> None:
+    def _start(self, now: float, b: int, sessions: int) -> None:
         self.regime = self.choose(b)
         self.epoch_number += 1
-        self.epoch_bucket, self.started, self.tokens, self.moved = b, now, 0, False
+        self.epoch_bucket, self.started, self.sessions = b, now, sessions
+        self.rounds, self.settled_at, self.tokens, self.moved, self.idle = 0, None, 0, False, False
 
     def _bucket(self, b: int) -> _Bucket:
         if b not in self.buckets:

@@ -75,12 +75,30 @@ def test_speculation_within_the_margin_is_not_worth_it():
 
 
 def test_an_epoch_s_rate_leaves_out_its_settling_time():
-    gate = LoadGate(SETTINGS)
+    gate = LoadGate(SETTINGS)  # settle: 0.2 s and 1 round per session (8)
     assert gate.open(0.0, 8) is True
-    gate.record(0.1, 50)  # before settle_s: not counted
-    gate.record(0.6, 80)
-    gate.open(1.0, 8)  # closes the epoch: 80 tokens over 0.8 s
+    for i in range(7):
+        gate.record(0.25 + i * 0.01, 50)  # past settle_s, but fewer rounds than sessions: not counted
+    gate.record(0.4, 50)  # the 8th round settles the epoch (it ran across the start: not counted)
+    for i in range(40):
+        gate.record(0.45 + i * 0.01, 2)
+    gate.open(1.2, 8)  # closes it: 80 tokens over 0.8 s
     assert list(gate.buckets[bucket(8)].epochs) == [(1, True, pytest.approx(100.0))]
+
+
+def test_an_epoch_lasts_enough_rounds_per_session_however_long_a_round_takes():
+    gate = LoadGate(SETTINGS)  # epoch_s 1.0, 4 rounds per session
+    gate.open(0.0, 4)
+    for step in range(1, 4):  # batch steps of 4 sessions, 0.6 s each (a CPU's rounds)
+        for _ in range(4):
+            gate.record(step * 0.6, 1)
+        gate.open(step * 0.6, 4)
+        assert gate.epoch_number == 1  # past epoch_s, but fewer than 4 rounds per session
+    for _ in range(4):
+        gate.record(2.4, 1)
+    gate.open(2.4, 4)  # 16 rounds; it settled at the 4th (0.6 s): 12 tokens over 1.8 s
+    assert gate.epoch_number == 2
+    assert list(gate.buckets[bucket(4)].epochs) == [(1, True, pytest.approx(12 / 1.8))]
 
 
 def test_an_epoch_during_which_the_load_changed_bucket_is_dropped():
@@ -94,13 +112,13 @@ def test_an_epoch_during_which_the_load_changed_bucket_is_dropped():
     assert gate.moved
 
 
-def test_an_epoch_nobody_closed_on_time_is_dropped():
+def test_an_epoch_without_rounds_of_requests_with_a_drafter_is_dropped():
     gate = LoadGate(SETTINGS)
     gate.open(0.0, 8)
     gate.record(0.5, 100)
     gate.record(5.0, 10_000)  # plain requests decoding while no request with a drafter asked
-    gate.open(5.1, 8)
-    assert not gate.buckets[bucket(8)].epochs
+    gate.open(5.1, 8)  # idle for more than idle_s (2 s)
+    assert not gate.buckets[bucket(8)].epochs and gate.epoch_number == 2
 
 
 @pytest.mark.parametrize("spec_share, verdict", [(0.8, False), (1.25, True)])
@@ -156,6 +174,7 @@ def test_throughput_stays_near_the_better_regime_with_noisy_rates(spec_rate):
 
 
 @pytest.mark.parametrize("kwargs", [dict(epoch_s=0), dict(settle_s=1.0, epoch_s=1.0), dict(min_epochs=0),
+                                    dict(idle_s=0), dict(epoch_rounds=0), dict(settle_rounds=4, epoch_rounds=4),
                                     dict(window=2, min_epochs=3), dict(margin=1.0), dict(probe_every=0),
                                     dict(epoch_s=float("nan"))])
 def test_bad_settings_are_refused(kwargs):
