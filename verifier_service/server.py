@@ -41,8 +41,7 @@ from verifier_service.audit import HonestyAudit, accept_key
 from verifier_service.chains import ChainFault, retain, validate_chain
 from verifier_service.drafter_link import DeadlineTracker, DrafterHealth, DrafterLink, drafter_channel, open_message
 from verifier_service.governor import Governor, GovernorSettings, Ledger
-from verifier_service import load_gate
-from verifier_service.load_gate import LoadGate, LoadGateSettings
+from verifier_service.load_gate import LoadGate, LoadGateSettings, bucket_range
 from verifier_service.batcher import BatchSettings, RoundBatcher
 from verifier_service.prefill import PrefillBatcher
 from verifier_service.engine import Engine
@@ -94,7 +93,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
 
     @staticmethod
     def _gate_verdict(bucket: int, speculation: bool, ratio: float) -> None:
-        low, high = load_gate.bucket_range(bucket)
+        low, high = bucket_range(bucket)
         log.info("load gate: speculation pays" if speculation else "load gate: rounds held plain",
                  sessions=f"{low}-{high}", speculative_over_plain=round(ratio, 3))
 
@@ -220,7 +219,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             round_id = 0
             self.decoding += 1
             decoding = True
-            gate_open = True  # whether the load gate lets the next round speculate (decided as the last one ended)
+            # whether the load gate lets the next round speculate (decided as the last one ended)
+            gate_open = link is None or self.gate is None or self.gate.open(time.perf_counter(), self.decoding)
             while completion.finish_reason is None:
                 if session.cache.length >= session.cache.max_length:
                     completion.finish_reason = "length"
@@ -386,7 +386,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             m.drafts.labels(source, "retained").inc(len(drafts))
             m.drafts.labels(source, "accepted").inc(outcome.num_accepted)
         span.set_attributes({
-            "tandem.speculative": speculate, "tandem.gated": gated, "tandem.source": source, "tandem.proposed": proposed, "tandem.retained": len(drafts),
+            "tandem.speculative": speculate, "tandem.gated": gated, "tandem.source": source, "tandem.proposed": proposed,
+            "tandem.retained": len(drafts),
             "tandem.verified": outcome.num_verified, "tandem.accepted": outcome.num_accepted,
             "tandem.emitted": len(outcome.emitted),
             "tandem.confidences": list(raw.confidences) if raw is not None else [],
