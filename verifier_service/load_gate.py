@@ -213,3 +213,19 @@ class LoadGate:
         if len(ratios) < self.settings.min_epochs:
             return None
         return statistics.median(ratios) > 1 + self.settings.margin
+
+
+def service_gate(epoch_ms: float, epochs_counter, log) -> LoadGate:
+    """The verifier's gate: epochs counted in `epochs_counter` (a Prometheus counter labelled
+    regime, outcome), each bucket's change of verdict logged."""
+    epoch_s = epoch_ms / 1e3
+
+    def on_epoch(regime: bool, outcome: str) -> None:
+        epochs_counter.labels("speculative" if regime else "plain", outcome).inc()
+
+    def on_verdict(b: int, speculation: bool, ratio: float) -> None:
+        low, high = bucket_range(b)
+        log.info("load gate: speculation pays" if speculation else "load gate: rounds held plain",
+                 sessions=f"{low}-{high}", speculative_over_plain=round(ratio, 3))
+
+    return LoadGate(LoadGateSettings(epoch_s=epoch_s, settle_s=epoch_s / 5), on_epoch, on_verdict)

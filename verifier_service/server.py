@@ -41,14 +41,14 @@ from verifier_service.audit import HonestyAudit, accept_key
 from verifier_service.chains import ChainFault, retain, validate_chain
 from verifier_service.drafter_link import DeadlineTracker, DrafterHealth, DrafterLink, drafter_channel, open_message
 from verifier_service.governor import Governor, GovernorSettings, Ledger
-from verifier_service.load_gate import LoadGate, LoadGateSettings, bucket_range
+from verifier_service.load_gate import service_gate
 from verifier_service.batcher import BatchSettings, RoundBatcher
 from verifier_service.prefill import PrefillBatcher
 from verifier_service.engine import Engine
 from verifier_service.rounds import RoundRequest, Session
 from verifier_service.requests import RequestError, RequestSpec, parse_request
 from verifier_service.settings import VerifierSettings
-from verifier_service.stats import RequestStats
+from verifier_service.stats import RequestStats, finish_span
 from verifier_service.stops import Completion
 
 log = structlog.get_logger("verifier")
@@ -74,9 +74,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.governor_settings = GovernorSettings(min_hold=settings.governor_hold,
                                                   probe_share=settings.governor_probe_share)
         self.ledger = Ledger(self.governor_settings)  # what speculation realises lately, all requests
-        epoch_s = settings.load_gate_epoch_ms / 1e3
         self.metrics = VerifierMetrics()
-        self.gate = LoadGate(LoadGateSettings(epoch_s=epoch_s, settle_s=epoch_s / 5), self._gate_epoch, self._gate_verdict) \
+        self.gate = service_gate(settings.load_gate_epoch_ms, self.metrics.load_gate_epochs, log) \
             if settings.load_gate and settings.drafter else None
         self.decoding = 0  # requests past their prefill (the load the gate sees)
         self.channel = drafter_channel(settings) if settings.drafter else None
@@ -87,15 +86,6 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.drafter_health = DrafterHealth(settings.drafter or "", self.metrics.drafter_reachable, log)
         self.metrics.drafter_reachable.set(-1 if self.channel is None else 0)
         self.metrics.load_gate_open.set_function(lambda: -1 if self.gate is None else int(self.gate.regime))
-
-    def _gate_epoch(self, regime: bool, outcome: str) -> None:
-        self.metrics.load_gate_epochs.labels("speculative" if regime else "plain", outcome).inc()
-
-    @staticmethod
-    def _gate_verdict(bucket: int, speculation: bool, ratio: float) -> None:
-        low, high = bucket_range(bucket)
-        log.info("load gate: speculation pays" if speculation else "load gate: rounds held plain",
-                 sessions=f"{low}-{high}", speculative_over_plain=round(ratio, 3))
 
     @property
     def active(self) -> int:
@@ -240,7 +230,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 message.ahead_hits, message.ahead_misses = link.ahead["hit"], link.ahead["miss"]
             if governor is not None:
                 message.drafter_detaches = governor.detaches
-            self._finish_span(span, message, completion.finish_reason)
+            finish_span(span, message, completion.finish_reason)
             self.metrics.requests.labels(completion.finish_reason).inc()
             yield verifier_pb2.GenerateEvent(
                 final=verifier_pb2.FinalEvent(finish_reason=completion.finish_reason, stats=message))
@@ -405,20 +395,6 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 accepted=outcome.num_accepted, verify_ms=verify_ms, draft_wait_ms=wait_ms, speculative=speculate,
             ),
         ), open_next
-
-    @staticmethod
-    def _finish_span(span, message: verifier_pb2.RequestStats, finish_reason: str) -> None:
-        span.set_attributes({
-            "tandem.prompt_tokens": message.prompt_tokens, "tandem.completion_tokens": message.completion_tokens,
-            "tandem.rounds": message.rounds, "tandem.proposed": message.proposed, "tandem.retained": message.retained,
-            "tandem.accepted": message.accepted, "tandem.ttft_ms": message.ttft_ms,
-            "tandem.tokens_per_s": message.tokens_per_s,
-            "tandem.mean_accepted_length_with_bonus": message.mean_accepted_length,
-            "tandem.drafter_faults": message.drafter_faults, "tandem.finish_reason": finish_reason,
-            "tandem.speculative_rounds": message.speculative_rounds, "tandem.drafter_detaches": message.drafter_detaches,
-            "tandem.ahead_hits": message.ahead_hits, "tandem.ahead_misses": message.ahead_misses,
-            **{f"tandem.acceptance.{source}": rate for source, rate in message.acceptance_by_source.items()},
-        })
 
     def _checked(self, raw: drafter_pb2.DraftChain, session: Session, round_id: int, link: DrafterLink):
         spec = session.spec

@@ -48,3 +48,18 @@ class RequestStats:
             queue_ms=self.queued_s * 1e3,
             speculative_rounds=self.speculative_rounds,
         )
+
+
+def finish_span(span, message: verifier_pb2.RequestStats, finish_reason: str) -> None:
+    """The request's span gets its final stats (what the final event carries)."""
+    span.set_attributes({
+        "tandem.prompt_tokens": message.prompt_tokens, "tandem.completion_tokens": message.completion_tokens,
+        "tandem.rounds": message.rounds, "tandem.proposed": message.proposed, "tandem.retained": message.retained,
+        "tandem.accepted": message.accepted, "tandem.ttft_ms": message.ttft_ms,
+        "tandem.tokens_per_s": message.tokens_per_s,
+        "tandem.mean_accepted_length_with_bonus": message.mean_accepted_length,
+        "tandem.drafter_faults": message.drafter_faults, "tandem.finish_reason": finish_reason,
+        "tandem.speculative_rounds": message.speculative_rounds, "tandem.drafter_detaches": message.drafter_detaches,
+        "tandem.ahead_hits": message.ahead_hits, "tandem.ahead_misses": message.ahead_misses,
+        **{f"tandem.acceptance.{source}": rate for source, rate in message.acceptance_by_source.items()},
+    })

@@ -213,6 +213,10 @@ async def test_rounds_the_gate_holds_plain_change_no_token_and_the_drafter_hears
     gated = service.metrics.registry.get_sample_value("tandem_verifier_gated_rounds_total")
     speculative = sum(final.stats.speculative_rounds for _, final, _ in outs)
     assert gated > 0 and speculative > 0
+    epochs = [service.metrics.registry.get_sample_value("tandem_verifier_load_gate_epochs_total",
+                                                        {"regime": regime, "outcome": outcome})
+              for regime in ("speculative", "plain") for outcome in ("measured", "moved", "idle", "short")]
+    assert sum(e or 0 for e in epochs) > 0  # the service's gate counts its epochs
     assert len(drafter.sessions) == len(reqs)
     for (tokens, _, _), req, state in zip(outs, reqs, sorted(drafter.sessions, key=lambda s: s.tokens[:5][-1])):
         # every committed token reached the drafter once, in order (held rounds as one commit)
