@@ -85,20 +85,24 @@ class Load:
         self.metrics_port = metrics_port
         self.temperature = temperature
         self.next_prompt = 0
-        self.gate_lines: list[str] = []
 
     def request(self, speculation: bool) -> tuple[list[int], GenerationConfig]:
         index = self.next_prompt % len(self.prompts)
         self.next_prompt += 1
         return self.prompts[index], request_config(self.new_tokens, self.temperature, index, speculation)
 
+    def metrics(self) -> list[str]:
+        return urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode().splitlines()
+
+    def gate_lines(self) -> list[str]:
+        """The verifier's load gate counters (cumulative)."""
+        return [line for line in self.metrics()
+                if line.startswith(("tandem_verifier_load_gate_epochs_total", "tandem_verifier_gated_rounds_total"))]
+
     def batch_counts(self) -> tuple[float, float]:
         """(sum, count) of the verifier's tandem_verifier_batch_rounds histogram."""
-        text = urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
         values = {}
-        self.gate_lines = [line for line in text.splitlines()
-                           if line.startswith(("tandem_verifier_load_gate_epochs_total", "tandem_verifier_gated_rounds_total"))]
-        for line in text.splitlines():
+        for line in self.metrics():
             if line.startswith(("tandem_verifier_batch_rounds_sum", "tandem_verifier_batch_rounds_count")):
                 name, value = line.split()
                 values[name] = float(value)
@@ -209,7 +213,7 @@ def main() -> None:
                     log(f"  block {block} {key}: {s['tokens_per_s']:.1f} tok/s, mean batch {s['mean_batch']:.1f}, "
                         f"TPOT p50 {s['tpot_ms']['p50']:.2f} ms")
                     if speculation:  # the load gate's counts so far (cumulative)
-                        log("    " + "; ".join(line.removeprefix("tandem_verifier_") for line in load.gate_lines))
+                        log("    " + "; ".join(line.removeprefix("tandem_verifier_") for line in load.gate_lines()))
         for rate in rates:
             s = asyncio.run(load.open_loop(rate, args.num_requests, seed=int(rate * 1000)))
             results["open"][rate] = s

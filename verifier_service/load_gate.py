@@ -132,7 +132,6 @@ class LoadGate:
         self.tokens = 0  # committed after the epoch settled
         self.last_open = 0.0
         self.epoch_number = 0  # epochs started, all buckets
-        self.probes = 0
 
     def open(self, now: float, sessions: int) -> bool:
         """Whether a round starting now may wait for a chain, with `sessions` decoding."""
@@ -202,7 +201,6 @@ class LoadGate:
         state.since_probe += 1
         if state.since_probe > s.probe_every:
             state.since_probe = 0
-            self.probes += 1
             return not best
         return best
 
