@@ -131,6 +131,7 @@ class ReplaySession:
     stats: dict = field(default_factory=dict)
     draft_ahead: bool = False
     ahead: drafter_pb2.DraftChain | None = None  # the chain drafted ahead and sent, not yet judged
+    chain_cap: int = 0  # the verifier's cap on the next chain (0: none)
 
     @property
     def on_reference(self) -> bool:
@@ -190,6 +191,7 @@ class ReplayDrafter:
         start = len(session.tokens)
         session.tokens.extend(emitted)
         session.round_id = message.round_id + 1
+        session.chain_cap = message.max_draft_tokens  # the verifier's load gate (0: none)
         if session.on_reference:
             ref = session.reference
             offset = start - len(ref.prompt_ids)
@@ -203,10 +205,11 @@ class ReplayDrafter:
     def _drafts_at(self, session: ReplaySession, base: int) -> list[int]:
         """The (possibly corrupted) reference tokens from absolute position `base` on."""
         drafts: list[int] = []
-        if session.on_reference and session.max_drafts:
+        limit = min(session.max_drafts, session.chain_cap) if session.chain_cap else session.max_drafts
+        if session.on_reference and limit:
             ref = session.reference
             offset = base - len(ref.prompt_ids)
-            for j, token in enumerate(ref.token_ids[offset : offset + session.max_drafts]):
+            for j, token in enumerate(ref.token_ids[offset : offset + limit]):
                 if uniform(self.seed, ref.key, base + j) >= session.alpha:
                     token = corrupt(token, self.vocab_size)
                     session.stats["corrupted"] += 1

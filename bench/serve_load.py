@@ -68,18 +68,20 @@ def summarise(records: list[dict], wall_s: float) -> dict:
     return out
 
 
-def request_config(new_tokens: int, temperature: float, prompt_index: int, speculation: bool) -> GenerationConfig:
+def request_config(new_tokens: int, temperature: float, prompt_index: int, speculation: bool,
+                   draft_tokens: int = 4) -> GenerationConfig:
     """A request's settings. A sampled request's seed is its prompt's index, so a prompt always
     continues the same way, alone or speculated (exact mode), and the replay drafter's
     reference for it is that continuation."""
     return GenerationConfig(max_new_tokens=new_tokens, temperature=temperature, top_p=0.95 if temperature else 1.0,
-                            seed=prompt_index + 1, speculation=speculation, max_draft_tokens=4 if speculation else 0)
+                            seed=prompt_index + 1, speculation=speculation, max_draft_tokens=draft_tokens if speculation else 0)
 
 
 class Load:
     def __init__(self, address: str, prompts: list[list[int]], new_tokens: int, metrics_port: int,
-                 temperature: float = 0.0) -> None:
+                 temperature: float = 0.0, draft_tokens: int = 4) -> None:
         self.address = address
+        self.draft_tokens = draft_tokens
         self.prompts = prompts
         self.new_tokens = new_tokens
         self.metrics_port = metrics_port
@@ -89,7 +91,7 @@ class Load:
     def request(self, speculation: bool) -> tuple[list[int], GenerationConfig]:
         index = self.next_prompt % len(self.prompts)
         self.next_prompt += 1
-        return self.prompts[index], request_config(self.new_tokens, self.temperature, index, speculation)
+        return self.prompts[index], request_config(self.new_tokens, self.temperature, index, speculation, self.draft_tokens)
 
     def metrics(self) -> list[str]:
         return urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode().splitlines()
@@ -163,6 +165,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampled requests at this temperature (top-p 0.95, a seed per prompt); 0 = greedy")
     parser.add_argument("--alpha", type=float, default=None, help="add a synthetic replay drafter at this acceptance")
+    parser.add_argument("--draft-tokens", type=int, default=4, help="max_draft_tokens of the speculative requests")
     parser.add_argument("--blocks", type=int, default=1, help="repeats of the whole concurrency sweep")
     parser.add_argument("--max-position-embeddings", type=int, default=0,
                         help="the random model's context (0: 4,096 or what the requests need)")
@@ -201,7 +204,7 @@ def main() -> None:
             verifier_argv += ["--drafter", f"127.0.0.1:{drafter_port}"]
         children.start("verifier", verifier_argv)
         asyncio.run(children.wait_serving("verifier", address, timeout=900))
-        load = Load(address, prompts, args.new_tokens, metrics_port, args.temperature)
+        load = Load(address, prompts, args.new_tokens, metrics_port, args.temperature, args.draft_tokens)
         asyncio.run(load.closed_loop(1, 1, False))  # warm-up
         arms = [False, True] if args.alpha is not None else [False]
         for block in range(args.blocks):

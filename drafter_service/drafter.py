@@ -135,6 +135,7 @@ class Drafter:
             session.ahead = ahead  # the chain the verifier verifies next: the basis of the next one ahead
         session.suffix.extend(emitted, count=False)  # counted after the chain is sent (settle)
         session.round_id = message.round_id + 1
+        session.chain_cap = message.max_draft_tokens
         if session.mtp is not None:
             self.mtp.defer(session.mtp, hidden, emitted)  # run when MTP drafts, or after the chain is sent
         return hit
@@ -182,9 +183,9 @@ class Drafter:
     def plan(self, session: DraftSession, mtp: bool = True) -> tuple[Plan, SuffixMatch | None]:
         """The next chain's source and length, and the suffix match it may use (loop: no model
         work); mtp=False: without MTP drafts (load shedding)."""
-        match = self._suffix_match(session, session.max_drafts)
+        match = self._suffix_match(session, session.chain_limit)
         mtp_ready = mtp and session.mtp is not None and (session.mtp.next_logits is not None or bool(session.mtp.pending))
-        plan = choose(session.snapshot, limit=session.max_drafts, mtp_available=mtp_ready,
+        plan = choose(session.snapshot, limit=session.chain_limit, mtp_available=mtp_ready,
                       suffix_length=match.length if match else None,
                       suffix_tokens=len(match.continuation) if match else 0, round_id=session.round_id,
                       policy=self.settings.planner)
@@ -279,10 +280,10 @@ class Drafter:
             return None
         assumed = drafts + bonus.continuation[:1]
         with session.suffix.assuming(assumed):
-            match = self._suffix_match(session, session.max_drafts)
+            match = self._suffix_match(session, session.chain_limit)
         if match is None:
             return None
-        plan = choose(session.snapshot, limit=session.max_drafts, mtp_available=False, suffix_length=match.length,
+        plan = choose(session.snapshot, limit=session.chain_limit, mtp_available=False, suffix_length=match.length,
                       suffix_tokens=len(match.continuation), round_id=sent.round_id + 1, policy=self.settings.planner)
         if plan.source != "SUFFIX" or not plan.num_drafts:
             return None

@@ -34,10 +34,16 @@ class DraftSession:
     draft_ahead: bool = False  # the verifier takes chains drafted ahead, and this drafter sends them
     ahead: drafter_pb2.DraftChain | None = None  # the chain drafted ahead and sent, not yet judged
     ahead_plan: Plan | None = None
+    chain_cap: int = 0  # the verifier's cap on the next chain (its load gate; 0: none)
 
     @property
     def tokens(self) -> list[int]:
         return self.suffix.tokens
+
+    @property
+    def chain_limit(self) -> int:
+        """The most drafts the next chain may hold."""
+        return min(self.max_drafts, self.chain_cap) if self.chain_cap else self.max_drafts
 
 
 def session_params(message: drafter_pb2.DraftOpen) -> tuple[SamplingParams, Mode, Gate, RetentionPolicy]:

@@ -256,16 +256,17 @@ class DrafterLink:
         return await self.resync(message_for_open, trace_context)
 
     async def tell(self, round_id: int, outcome: RoundOutcome, num_verified: int, ask_next: bool,
-                   trace_context: Callable[[], dict[str, str]]) -> int:
+                   trace_context: Callable[[], dict[str, str]], draft_cap: int = 0) -> int:
         """After a round: its commit when the next round asks for a chain, else held; held rounds
-        go out with it as one commit (`resume`). Returns the bytes sent."""
+        go out with it as one commit (`resume`). draft_cap: the most drafts the next chain may
+        hold (0: the session's limit). Returns the bytes sent."""
         if not ask_next or self.held:
             self.hold(round_id, outcome.emitted, outcome.hidden_rows)
-            return await self.resume(trace_context()) if ask_next else 0
+            return await self.resume(trace_context(), draft_cap) if ask_next else 0
         return await self.commit(drafter_pb2.DraftCommit(
             round_id=round_id, num_accepted=outcome.num_accepted, emitted_token_ids=outcome.emitted,
             hidden=encode_hidden(outcome.hidden_rows), num_verified=num_verified,
-            verify_ms=outcome.forward_ms + outcome.verify_ms,
+            verify_ms=outcome.forward_ms + outcome.verify_ms, max_draft_tokens=draft_cap,
         ), trace_context())
 
     def hold(self, round_id: int, emitted: list[int], hidden_rows: Tensor) -> None:
@@ -273,7 +274,7 @@ class DrafterLink:
         if self.usable:
             self.held.append((round_id, list(emitted), hidden_rows))
 
-    async def resume(self, trace_context: dict[str, str] | None = None) -> int:
+    async def resume(self, trace_context: dict[str, str] | None = None, draft_cap: int = 0) -> int:
         """Tell the drafter every round it missed, as one commit; returns the bytes sent. Its
         next chain pays for catching up on them, so it gets the first chain's deadline."""
         if not self.held:
@@ -284,6 +285,7 @@ class DrafterLink:
         self.after_open = LENIENT_CHAINS
         return await self.commit(drafter_pb2.DraftCommit(
             round_id=held[-1][0], num_rounds=len(held), emitted_token_ids=emitted, hidden=encode_hidden(hidden),
+            max_draft_tokens=draft_cap,
         ), trace_context)
 
     async def next_chain(self, round_id: int, token_ids: list[int]) -> tuple[drafter_pb2.DraftChain | None, float]:

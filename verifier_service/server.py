@@ -75,7 +75,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                                                   probe_share=settings.governor_probe_share)
         self.ledger = Ledger(self.governor_settings)  # what speculation realises lately, all requests
         self.metrics = VerifierMetrics()
-        self.gate = service_gate(settings.load_gate_epoch_ms, self.metrics.load_gate_epochs, log) \
+        self.gate = service_gate(settings.load_gate_epoch_ms, settings.max_draft_tokens, self.metrics.load_gate_epochs, log) \
             if settings.load_gate and settings.drafter else None
         self.decoding = 0  # requests past their prefill (the load the gate sees)
         self.channel = drafter_channel(settings) if settings.drafter else None
@@ -85,7 +85,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.metrics.kv_blocks_held.set_function(lambda: self.admission.blocks_held)
         self.drafter_health = DrafterHealth(settings.drafter or "", self.metrics.drafter_reachable, log)
         self.metrics.drafter_reachable.set(-1 if self.channel is None else 0)
-        self.metrics.load_gate_open.set_function(lambda: -1 if self.gate is None else int(self.gate.regime))
+        self.metrics.load_gate_cap.set_function(lambda: -1 if self.gate is None or self.gate.cap is None else self.gate.cap)
 
     @property
     def active(self) -> int:
@@ -209,8 +209,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             round_id = 0
             self.decoding += 1
             decoding = True
-            # whether the load gate lets the next round speculate (decided as the last one ended)
-            gate_open = link is None or self.gate is None or self.gate.open(time.perf_counter(), self.decoding)
+            # the load gate's cap on the next round's drafts (decided as the last one ended; None: none)
+            cap = None if link is None or self.gate is None else self.gate.open(time.perf_counter(), self.decoding)
             while completion.finish_reason is None:
                 if session.cache.length >= session.cache.max_length:
                     completion.finish_reason = "length"
@@ -220,7 +220,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     break
                 with telemetry.use_span(span), \
                         tracer.start_as_current_span("round", attributes={"tandem.round_id": round_id}) as round_span:
-                    event, gate_open = await self._round(session, link, governor, gate_open, completion, stats,
+                    event, cap = await self._round(session, link, governor, cap, completion, stats,
                                                          round_id, round_span)
                 yield event
                 round_id += 1
@@ -316,14 +316,14 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         telemetry.inject_context(carrier)
         return carrier
 
-    async def _round(self, session: Session, link: DrafterLink | None, governor: Governor | None, gate_open: bool,
+    async def _round(self, session: Session, link: DrafterLink | None, governor: Governor | None, cap: int | None,
                      completion: Completion, stats: RequestStats, round_id: int, span
                      ) -> tuple[verifier_pb2.GenerateEvent, bool]:
         """One round: chain (bounded wait) → validate → retain → verify → commit. Returns the
-        round's event and whether the load gate lets the next round speculate."""
+        round's event and the load gate's cap on the next round's drafts (0: plain; None: none)."""
         spec = session.spec
         started = time.perf_counter()
-        gated = link is not None and not gate_open
+        gated = link is not None and cap == 0
         if gated:  # the load gate holds it plain: the request's governor neither decides nor measures it
             if governor is not None:
                 governor.pause(started)
@@ -339,15 +339,15 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 chain = self._checked(raw, session, round_id, link)
         proposed = chain.proposed if chain else 0
         if chain is not None:
-            limit = min(spec.max_draft_tokens, session.capacity_left)
+            limit = min(spec.max_draft_tokens, session.capacity_left, spec.max_draft_tokens if cap is None else cap)
             chain = retain(chain, mode=spec.mode, gate=spec.gate, policy=spec.retention, limit=limit)
             chain = self._audited(chain, session, link)
         drafts = chain.token_ids if chain else []
         # A plain round followed by another: let the engine enqueue the next one before this one
         # is read, unless this round may be the last. (The gate's verdict for the next round is
         # taken now and kept, so that a step computed ahead is never one the next round skips.)
-        open_next = link is None or self.gate is None or self.gate.open(time.perf_counter(), self.decoding)
-        next_plain = link is None or not open_next or (governor is not None and not governor.next_speculates)
+        next_cap = None if link is None or self.gate is None else self.gate.open(time.perf_counter(), self.decoding)
+        next_plain = link is None or next_cap == 0 or (governor is not None and not governor.next_speculates)
         ahead = not drafts and next_plain and spec.max_new_tokens - len(completion.token_ids) > 1
         outcome = await self.batcher.submit(RoundRequest(session, drafts, chain.q_rows if chain else None, ahead))
         source = chain.source if chain else "NONE"
@@ -363,7 +363,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         if self.gate is not None:
             self.gate.record(time.perf_counter(), len(outcome.emitted))
         if link is not None and completion.finish_reason is None:  # (told when it is next asked, if not now)
-            bytes_up += await link.tell(round_id, outcome, outcome.num_verified, not next_plain, self._trace_context)
+            bytes_up += await link.tell(round_id, outcome, outcome.num_verified, not next_plain, self._trace_context,
+                                        draft_cap=next_cap or 0)
         verify_ms = outcome.forward_ms + outcome.verify_ms
         draft_ms = raw.costs.draft_ms if raw is not None else 0.0
         m = self.metrics
@@ -394,7 +395,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 round_id=round_id, source=SOURCE_ENUM[source], proposed=proposed, retained=len(drafts),
                 accepted=outcome.num_accepted, verify_ms=verify_ms, draft_wait_ms=wait_ms, speculative=speculate,
             ),
-        ), open_next
+        ), next_cap
 
     def _checked(self, raw: drafter_pb2.DraftChain, session: Session, round_id: int, link: DrafterLink):
         spec = session.spec

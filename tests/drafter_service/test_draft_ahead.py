@@ -62,6 +62,29 @@ def test_a_suffix_chain_is_followed_by_one_drafted_ahead(tiny_mtp_model):
     assert session.ahead is None and session.in_flight is None
 
 
+def test_a_commit_s_cap_bounds_the_next_chains_and_ahead_chains(tiny_mtp_model):
+    # The verifier's load gate (DESIGN §9) says with a commit how many drafts the next chain
+    # may hold; 0 lifts it.
+    for planner in ("suffix", "mtp"):
+        drafter = Drafter(tiny_mtp_model, DrafterSettings(planner=planner))
+        session = open_session(drafter, tiny_mtp_model, PATTERN * 3 + [11, 12], draft_ahead=False)
+        assert len(drafter.propose(session).token_ids) == 3
+        capped = commit(0, [13, 14, 15, 16], 3, tiny_mtp_model)
+        capped.max_draft_tokens = 1
+        drafter.commit(session, capped)
+        assert len(drafter.propose(session).token_ids) == 1
+        drafter.commit(session, commit(1, [17, 18], 1, tiny_mtp_model))
+        assert len(drafter.propose(session).token_ids) == 3
+    drafter = Drafter(tiny_mtp_model, DrafterSettings(planner="suffix"))
+    session = open_session(drafter, tiny_mtp_model, PATTERN * 3 + [11, 12])
+    drafter.commit(session, drafter_pb2.DraftCommit(round_id=0, num_rounds=2, emitted_token_ids=[13, 14],
+                                                    max_draft_tokens=2,
+                                                    hidden=encode_hidden(torch.zeros(2, tiny_mtp_model.config.hidden_size))))
+    chain = drafter.propose(session)
+    assert list(chain.token_ids) == [15, 16]
+    assert list(drafter.propose_ahead(session, chain).token_ids) == [18, 11]  # after [15, 16] and the bonus 17
+
+
 def test_no_chain_ahead_unless_both_sides_want_it(tiny_mtp_model):
     for verifier_wants, drafter_wants in ((False, True), (True, False)):
         drafter = Drafter(tiny_mtp_model, DrafterSettings(planner="suffix", draft_ahead=drafter_wants))
