@@ -9,7 +9,12 @@ experts + dense weights + KV read, over the measured copy bandwidth). Comparing 
 bench/serve_load.py's time per output token at the same concurrency gives the service's
 host overhead per step.
 
-Usage: python bench/batch_step.py [--small] [--batches 1,2,4,8,16,32,64] [--context 512]
+`--moe-table-ab`: instead, the expert kernels finding their groups by comparing routes
+against reading them from the route table (kernels/fused/moe.py, TABLE_MIN_ROUTES), each
+captured in its own graphs on the same weights and KV, timed interleaved (pairs of medians,
+the median of the paired ratios), and their logits compared bit for bit.
+
+Usage: python bench/batch_step.py [--small] [--batches 1,2,4,8,16,32,64] [--context 512] [--moe-table-ab]
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,8,16,32,64")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=64, help="KV block size (0: one block per sequence)")
+    parser.add_argument("--moe-table-ab", action="store_true", help="group lookup by comparison vs the route table, paired")
+    parser.add_argument("--pairs", type=int, default=7)
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     largest = max(batches)
@@ -49,13 +56,17 @@ def main() -> None:
     pool.values.normal_(0, 1, generator=gen)
     slots = [pool.acquire(length)[0] for _ in range(largest)]
     scratch, _ = pool.acquire(1)
-    fused = FusedModel(model, max_rows=max(largest, 2), max_length=length)
-    runner = WindowGraphs(fused, pool, max_rows=1, max_batch_rows=max(largest, 2), scratch_slot=scratch)
-    runner.capture([1], progress=lambda what, s: print(f"  captured {what} in {s:.2f}s", file=sys.stderr, flush=True))
     token_gen = torch.Generator().manual_seed(5)
 
     def random_tokens(n):
         return torch.randint(0, c.vocab_size, (n,), generator=token_gen).tolist()
+
+    if args.moe_table_ab:
+        table_ab(model, pool, slots, scratch, batches, args.context, random_tokens, length, args.pairs)
+        return
+    fused = FusedModel(model, max_rows=max(largest, 2), max_length=length)
+    runner = WindowGraphs(fused, pool, max_rows=1, max_batch_rows=max(largest, 2), scratch_slot=scratch)
+    runner.capture([1], progress=lambda what, s: print(f"  captured {what} in {s:.2f}s", file=sys.stderr, flush=True))
 
     bandwidth = copy_bandwidth()
     dense = weight_bytes_per_token(model)  # with 8 experts per layer
@@ -81,6 +92,49 @@ def main() -> None:
         floor = floor_bytes / bandwidth * 1e3
         print(f"| {b} | {ms:.3f} | {ms / b:.3f} | {b * 1e3 / ms:.0f} | {b * base / ms:.2f} | {experts:.1f} | {floor:.3f} "
               f"| {floor / ms:.2f} |")
+
+
+def table_ab(model, pool, slots, scratch, batches, context, random_tokens, length, pairs) -> None:
+    from kernels.fused import moe
+
+    default = moe.TABLE_MIN_ROUTES
+    largest = max(batches)
+    runners = {}
+    for name, threshold in (("compare", 1 << 30), ("table", 1)):
+        moe.TABLE_MIN_ROUTES = threshold  # read while the graphs are captured
+        try:
+            runner = WindowGraphs(FusedModel(model, max_rows=max(largest, 2), max_length=length), pool, max_rows=1,
+                                  max_batch_rows=max(largest, 2), scratch_slot=scratch)
+            runner.capture([1])
+        finally:
+            moe.TABLE_MIN_ROUTES = default
+        runners[name] = runner
+        print(f"  captured the {name} graphs", file=sys.stderr, flush=True)
+    top_k = model.config.num_experts_per_tok
+    print(f"\nexpert groups: by comparing routes vs from the route table (default from {default} routes); "
+          f"context {context}, {pairs} pairs of 10-replay medians\n")
+    print("| rows | routes | compare ms | table ms | table / compare | logits identical |")
+    print("| ---: | ---: | ---: | ---: | ---: | --- |")
+    for b in batches:
+        windows = [(slot, [t], context) for slot, t in zip(slots[:b], random_tokens(b))]
+        graphs, logits = {}, {}
+        for name, runner in runners.items():
+            if b == 1:
+                out = runner.run(slots[0], windows[0][1], context)
+                graphs[name] = runner.graphs[1][0]
+            else:
+                out = runner.run_batch(windows)
+                graphs[name] = runner.batch_graphs[runner.last_decode_rows][0]
+            logits[name] = out.logits[:b].clone()
+        times = {name: [] for name in graphs}
+        ratios = []
+        for _ in range(pairs):
+            for name, graph in graphs.items():
+                times[name].append(statistics.median(cuda_time(graph.replay, 10)))
+            ratios.append(times["table"][-1] / times["compare"][-1])
+        same = torch.equal(logits["compare"], logits["table"])
+        print(f"| {b} | {b * top_k} | {statistics.median(times['compare']):.3f} | {statistics.median(times['table']):.3f} "
+              f"| {statistics.median(ratios):.3f} | {same} |", flush=True)
 
 
 def distinct_with_batch(runner, windows) -> float:

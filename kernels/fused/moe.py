@@ -5,7 +5,9 @@ float32 row per route), and combine (the routes' weighted sum in rank order, plu
 residual, plus the next RMSNorm). Routes of the same expert are grouped inside the
 kernels (no host sort, no sync): the program of a route that opens a group of up to
 BLOCK_M routes of its expert loads that expert's weight tile once and multiplies it with
-all of them; the other routes' programs exit at once. Every route's row is computed the
+all of them; the other routes' programs exit at once. With many routes the groups come from a
+table one small kernel builds first (each program then reads its own entry), else each program
+finds its group by comparing its route with all of them. Every route's row is computed the
 same way whatever else shares the launch (row invariance).
 
 Weights use the ExpertStore layout: gate_up [E, 2*I, H] (gate rows, then up rows), down
@@ -25,6 +27,11 @@ from kernels.fused.linear import pipeline_stages
 from kernels.fused.norm import add_rmsnorm_reference
 
 BLOCK_M = 16  # routes of one expert per program (tl.dot's smallest M)
+# From this many routes on, the expert kernels read their groups from a table built once per
+# launch (route_table_kernel) instead of each program comparing its route with every route,
+# which grows as routes² (H200, 30B shapes: a 64-row batch step cost 0.49 of its floor).
+TABLE_MIN_ROUTES = 128
+TABLE_CHUNK = 16  # routes per program of the table kernel
 MAX_FUSED_TOKENS = 64  # above this, the grouped (prefill) path is used
 COMBINE_WARPS = 8  # the combine kernel's, per row (H200: 8 and 16 beat 4 and 2 by ~3% of the step)
 
@@ -75,7 +82,8 @@ def _kernels():
     """Triton is imported on first use, so CPU-only installs never need it."""
     from kernels.fused import moe_kernels
 
-    return moe_kernels.gate_up_kernel, moe_kernels.down_kernel, moe_kernels.combine_kernel, moe_kernels.silu_mul_kernel
+    return (moe_kernels.gate_up_kernel, moe_kernels.down_kernel, moe_kernels.combine_kernel, moe_kernels.silu_mul_kernel,
+            moe_kernels.route_table_kernel)
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:  # [R, 2I] (gate columns, then up) -> [R, I]
@@ -108,23 +116,33 @@ def fused_experts(
     num_routes = num_tokens * top_k
     if not (gate_up.is_contiguous() and down.is_contiguous()):
         raise ValueError("fused_experts: expert weights must be contiguous")
-    gate_up_kernel, down_kernel, _, _ = _kernels()
+    gate_up_kernel, down_kernel, _, _, table_kernel = _kernels()
     ids = expert_ids.contiguous()
     r_pad = max(16, next_power_of_2(num_routes))
     ieee = x.dtype == torch.float32
+    table = num_routes >= TABLE_MIN_ROUTES
+    if table:  # the groups, once: routes sorted by expert, and each group's length at its start
+        sorted_routes = torch.empty(num_routes, dtype=torch.int32, device=x.device)
+        tile_len = torch.empty(num_routes, dtype=torch.int32, device=x.device)
+        table_kernel[(cdiv(num_routes, TABLE_CHUNK),)](
+            ids, sorted_routes, tile_len, num_routes, R_PAD=r_pad, CHUNK=TABLE_CHUNK, BLOCK_M=BLOCK_M, PDL=pdl,
+            num_warps=4, **launch_options(pdl),
+        )
+    else:
+        sorted_routes = tile_len = ids  # (unread)
     act = torch.empty((num_routes, inter), dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = moe_config(2 * inter, hidden, x.element_size())
     gate_up_kernel[(num_routes, cdiv(inter, block_n))](
-        x.contiguous(), ids, gate_up, act, num_routes, inter, hidden,
+        x.contiguous(), ids, sorted_routes, tile_len, gate_up, act, num_routes, inter, hidden,
         TOP_K=top_k, R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, PDL=pdl,
-        num_warps=warps, num_stages=stages, **launch_options(pdl),
+        TABLE=table, num_warps=warps, num_stages=stages, **launch_options(pdl),
     )
     out = torch.empty((num_routes, hidden), dtype=torch.float32, device=x.device)
     block_n, block_k, warps, stages = moe_config(hidden, inter, x.element_size())
     down_kernel[(num_routes, cdiv(hidden, block_n))](
-        act, ids, down, out, num_routes, inter, hidden,
+        act, ids, sorted_routes, tile_len, down, out, num_routes, inter, hidden,
         # down follows gate_up, a bandwidth-bound kernel: a dependent launch there measured slower
-        R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, PDL=False,
+        R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, PDL=False, TABLE=table,
         num_warps=warps, num_stages=stages,
     )
     return out

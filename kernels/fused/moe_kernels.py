@@ -21,17 +21,56 @@ def _group(ids_ptr, r, R, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
     return expert, opens, members, member_ok
 
 @triton.jit
+def _tile(ids_ptr, sorted_ptr, tile_len_ptr, g, R, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TABLE: tl.constexpr):
+    """(expert, opens, member routes [BLOCK_M], member ok [BLOCK_M]) of program g's group:
+    from route_table_kernel's table (TABLE), else by comparing route g with every route."""
+    if TABLE:
+        length = tl.load(tile_len_ptr + g)
+        j = tl.arange(0, BLOCK_M)
+        member_ok = j < length
+        members = tl.load(sorted_ptr + g + j, mask=member_ok, other=0)
+        expert = tl.load(ids_ptr + tl.load(sorted_ptr + g))
+        return expert, length > 0, members, member_ok
+    else:
+        return _group(ids_ptr, g, R, R_PAD, BLOCK_M)
+
+
+@triton.jit
+def route_table_kernel(ids_ptr, sorted_ptr, tile_len_ptr, R, R_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                       BLOCK_M: tl.constexpr, PDL: tl.constexpr):
+    """The routes sorted by expert (stable; routes of no expert first) into sorted_ptr, and at
+    the sorted position of every group's first route (every BLOCK_M-th route of an expert) its
+    group's length, 0 elsewhere: the groups _group forms, found once per launch instead of by
+    every program of the expert kernels. CHUNK routes a program."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    r = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    r_ok = r < R
+    e = tl.load(ids_ptr + r, mask=r_ok, other=-1)
+    all_r = tl.arange(0, R_PAD)
+    all_e = tl.load(ids_ptr + all_r, mask=all_r < R, other=1 << 30)
+    same = all_e[None, :] == e[:, None]  # [CHUNK, R_PAD]
+    ordinal = tl.sum((same & (all_r[None, :] < r[:, None])).to(tl.int32), axis=1)
+    count = tl.sum(same.to(tl.int32), axis=1)
+    position = tl.sum((all_e[None, :] < e[:, None]).to(tl.int32), axis=1) + ordinal
+    tl.store(sorted_ptr + position, r, mask=r_ok)
+    length = tl.where((e >= 0) & (ordinal % BLOCK_M == 0), tl.minimum(count - ordinal, BLOCK_M), 0)
+    tl.store(tile_len_ptr + position, length, mask=r_ok)
+
+
+@triton.jit
 def gate_up_kernel(
-    x_ptr, ids_ptr, w_ptr, act_ptr, R, I, H,
+    x_ptr, ids_ptr, sorted_ptr, tile_len_ptr, w_ptr, act_ptr, R, I, H,
     TOP_K: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr,
 ):
     if PDL:  # wait for the predecessor kernel before touching anything it may write or read
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert, opens, members, member_ok = _group(ids_ptr, r, R, R_PAD, BLOCK_M)
+    expert, opens, members, member_ok = _tile(ids_ptr, sorted_ptr, tile_len_ptr, r, R, R_PAD, BLOCK_M, TABLE)
     if opens:
         tokens = members // TOP_K
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -58,16 +97,16 @@ def gate_up_kernel(
 
 @triton.jit
 def down_kernel(
-    act_ptr, ids_ptr, w_ptr, out_ptr, R, I, H,
+    act_ptr, ids_ptr, sorted_ptr, tile_len_ptr, w_ptr, out_ptr, R, I, H,
     R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr,
 ):
     if PDL:  # wait for the predecessor kernel before touching anything it may write or read
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert, opens, members, member_ok = _group(ids_ptr, r, R, R_PAD, BLOCK_M)
+    expert, opens, members, member_ok = _tile(ids_ptr, sorted_ptr, tile_len_ptr, r, R, R_PAD, BLOCK_M, TABLE)
     if opens:
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < H

@@ -184,6 +184,45 @@ def test_fused_experts_match_reference_and_rows_are_invariant(device, dtype, tok
 
 
 @devices_and_dtypes()
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_expert_groups_from_the_table_give_the_same_bits(device, dtype, tokens, monkeypatch):
+    # The table (route_table_kernel) forms the groups that each program otherwise finds by
+    # comparing its route with all: the same routes share a tile, so every row is the same.
+    from kernels.fused import moe
+
+    g = torch.Generator().manual_seed(7 + tokens)
+    num_experts, inter, hidden, top_k = 6, 48, 256, 3
+    gate_up = (0.2 * torch.randn(num_experts, 2 * inter, hidden, generator=g)).to(device, dtype)
+    down = (0.2 * torch.randn(num_experts, hidden, inter, generator=g)).to(device, dtype)
+    x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)])
+    ids[1] = -1  # a padding row: routes of no expert
+    ids = ids.to(device)
+    live = (ids.reshape(-1) >= 0)
+    monkeypatch.setattr(moe, "TABLE_MIN_ROUTES", 1 << 30)
+    compared = fused_experts(x, ids, gate_up, down)[live]
+    monkeypatch.setattr(moe, "TABLE_MIN_ROUTES", 1)
+    tabled = fused_experts(x, ids, gate_up, down)[live]
+    assert torch.equal(compared, tabled)
+
+
+def test_route_table_sorts_routes_by_expert_and_marks_each_group_s_start():
+    from kernels.fused import cdiv, interpreting, moe
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        assert interpreting(), "TRITON_INTERPRET=1 must be set on a CPU-only machine"
+    flat = [2, 0, 2, -1, 2, 1, 2, 2, 0, -1, 2]  # expert 2: 6 routes, groups of BLOCK_M (4 here)
+    ids = torch.tensor(flat, device=device)
+    r = len(flat)
+    sorted_routes = torch.full((r,), -7, dtype=torch.int32, device=device)
+    tile_len = torch.full((r,), -7, dtype=torch.int32, device=device)
+    moe._kernels()[4][(cdiv(r, 4),)](ids, sorted_routes, tile_len, r, R_PAD=16, CHUNK=4, BLOCK_M=4, PDL=False)
+    assert sorted_routes.tolist() == [3, 9, 1, 8, 5, 0, 2, 4, 6, 7, 10]  # stable by expert, no expert first
+    assert tile_len.tolist() == [0, 0, 2, 0, 1, 4, 0, 0, 0, 2, 0]
+
+
+@devices_and_dtypes()
 def test_combine_add_rmsnorm_matches_reference(device, dtype):
     g = torch.Generator().manual_seed(12)
     route_out = torch.randn(12, 64, generator=g).to(device)
