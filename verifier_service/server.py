@@ -377,7 +377,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             m.drafts.labels(source, "retained").inc(len(drafts))
             m.drafts.labels(source, "accepted").inc(outcome.num_accepted)
         span.set_attributes({
-            "tandem.speculative": speculate, "tandem.gated": gated, "tandem.source": source, "tandem.proposed": proposed,
+            "tandem.speculative": speculate, "tandem.gated": gated, "tandem.draft_cap": -1 if cap is None else cap,
+            "tandem.source": source, "tandem.proposed": proposed,
             "tandem.retained": len(drafts),
             "tandem.verified": outcome.num_verified, "tandem.accepted": outcome.num_accepted,
             "tandem.emitted": len(outcome.emitted),

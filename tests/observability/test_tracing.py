@@ -67,6 +67,7 @@ async def test_one_trace_from_client_to_drafter(spans, tiny_mtp_model):
                     "tandem.drafter_slot_misses", "tandem.verifier_slot_misses"):
             assert key in r.attributes, key
         assert r.attributes["tandem.gated"] is False  # (no load gate here: nothing holds a round plain)
+        assert r.attributes["tandem.draft_cap"] == -1  # (nor caps it)
         assert r.parent.span_id == generate.context.span_id
     drafted = [r for r in by_name["round"] if r.attributes["tandem.retained"] > 0]
     assert drafted and all(r.attributes["tandem.bytes_down"] > 0 for r in drafted)
