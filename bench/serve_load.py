@@ -13,8 +13,11 @@ commits several tokens is one event) at p50/p95/p99, and the verifier's mean bat
 
 With --alpha A a synthetic replay drafter (bench/replay_drafter.py: the verifier's own
 continuation — greedy, or sampled with the request's seed (its prompt's index) — each draft corrupted with probability 1 − A) joins the same verifier;
-each concurrency then runs plain and speculative requests in alternating blocks on that one
-service (plain requests ask for no speculation), and reports speculative / plain.
+each concurrency, and each arrival rate (the same arrival times), then runs plain and
+speculative requests in alternating blocks on that one service (plain requests ask for no
+speculation), and reports speculative / plain. An open loop at a steady rate is the load the
+verifier's load gate (--verifier-arg=--load-gate) is for: a closed loop's clients start and
+end together, and their prompts prefill in bursts.
 
 Usage: python bench/serve_load.py [--small] [--concurrency 1,8,32,64] [--rates ...] [--alpha 0.8]
 """
@@ -124,14 +127,14 @@ class Load:
         out["mean_batch"] = (after[0] - before[0]) / max(after[1] - before[1], 1)
         return out
 
-    async def open_loop(self, rate: float, num_requests: int, seed: int) -> dict:
+    async def open_loop(self, rate: float, num_requests: int, seed: int, speculation: bool = False) -> dict:
         rng = random.Random(seed)
         before = self.batch_counts()
         async with AsyncVerifierClient(self.address, timeout=1800) as client:
             started = time.perf_counter()
             tasks = []
             for _ in range(num_requests):
-                tasks.append(asyncio.create_task(one_request(client, *self.request(False))))
+                tasks.append(asyncio.create_task(one_request(client, *self.request(speculation))))
                 await asyncio.sleep(rng.expovariate(rate))
             records = await asyncio.gather(*tasks)
             wall = time.perf_counter() - started
@@ -217,10 +220,15 @@ def main() -> None:
                         f"TPOT p50 {s['tpot_ms']['p50']:.2f} ms")
                     if speculation:  # the load gate's counts so far (cumulative)
                         log("    " + "; ".join(line.removeprefix("tandem_verifier_") for line in load.gate_lines()))
-        for rate in rates:
-            s = asyncio.run(load.open_loop(rate, args.num_requests, seed=int(rate * 1000)))
-            results["open"][rate] = s
-            log(f"  rate {rate}/s: {s['tokens_per_s']:.1f} tok/s, TTFT p50 {s['ttft_ms']['p50']:.0f} ms")
+        for i, rate in enumerate(rates):
+            for speculation in (arms if i % 2 == 0 else arms[::-1]):  # (the same arrival times for both)
+                key = f"{'spec' if speculation else 'plain'}@{rate:g}/s"
+                s = asyncio.run(load.open_loop(rate, args.num_requests, seed=int(rate * 1000), speculation=speculation))
+                results["open"][key] = s
+                log(f"  {key}: {s['tokens_per_s']:.1f} tok/s, mean batch {s['mean_batch']:.1f}, "
+                    f"TTFT p50 {s['ttft_ms']['p50']:.0f} ms, TPOT p50 {s['tpot_ms']['p50']:.2f} ms")
+                if speculation:
+                    log("    " + "; ".join(line.removeprefix("tandem_verifier_") for line in load.gate_lines()))
         if args.alpha is not None:
             log("  the verifier's load gate verdicts:\n" + "\n".join(
                 line for line in children.tail("verifier", 100_000).splitlines() if "load gate" in line))
@@ -278,7 +286,17 @@ def report(results: dict, levels: list[int], rates: list[float], args) -> None:
         print(f"\nopen loop (Poisson arrivals), {args.num_requests} requests per rate\n")
         print(HEADER)
         for rate in rates:
-            print(row(f"{rate:g} requests/s", results["open"][rate], base["tokens_per_s"] if base else None))
+            for kind in ("plain", "spec"):
+                s = results["open"].get(f"{kind}@{rate:g}/s")
+                if s is not None:
+                    print(row(f"{kind}, {rate:g} requests/s", s, base["tokens_per_s"] if base else None))
+        if args.alpha is not None:
+            print("\nspeculative / plain at the same arrival rate (output tokens/s: what the load offers, so the")
+            print("ratio of TPOT p50, plain / speculative, says more when the server keeps up):")
+            for rate in rates:
+                plain, spec = results["open"][f"plain@{rate:g}/s"], results["open"][f"spec@{rate:g}/s"]
+                print(f"- {rate:g} requests/s: tokens/s {spec['tokens_per_s'] / plain['tokens_per_s']:.2f}x, "
+                      f"TPOT p50 plain / spec {plain['tpot_ms']['p50'] / spec['tpot_ms']['p50']:.2f}x")
 
 
 if __name__ == "__main__":
