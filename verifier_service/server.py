@@ -220,8 +220,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     break
                 with telemetry.use_span(span), \
                         tracer.start_as_current_span("round", attributes={"tandem.round_id": round_id}) as round_span:
-                    event, cap = await self._round(session, link, governor, cap, completion, stats,
-                                                         round_id, round_span)
+                    event, cap = await self._round(session, link, governor, cap, completion, stats, round_id,
+                                                   round_span)
                 yield event
                 round_id += 1
             faults = sum(v for k, v in (link.faults if link else {}).items() if k != "resync")
@@ -318,7 +318,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
 
     async def _round(self, session: Session, link: DrafterLink | None, governor: Governor | None, cap: int | None,
                      completion: Completion, stats: RequestStats, round_id: int, span
-                     ) -> tuple[verifier_pb2.GenerateEvent, bool]:
+                     ) -> tuple[verifier_pb2.GenerateEvent, int | None]:
         """One round: chain (bounded wait) → validate → retain → verify → commit. Returns the
         round's event and the load gate's cap on the next round's drafts (0: plain; None: none)."""
         spec = session.spec
