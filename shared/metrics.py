@@ -62,6 +62,18 @@ class VerifierMetrics:
             "1 while the drafter answers (start-up probe, streams, chains), 0 after it failed; -1 without a drafter",
             registry=r)
 
+    def round_done(self, *, tokens: int, emitted: int, seconds: float, speculative: bool, source: str,
+                   retained: int, accepted: int, slot_hit_rate: float) -> None:
+        """A round's counts: tokens delivered, tokens committed (emitted), its drafts by source."""
+        self.tokens.inc(tokens)
+        self.accepted_length.observe(emitted)
+        self.round_seconds.observe(seconds)
+        self.rounds.labels("speculative" if speculative else "plain").inc()
+        self.slot_hit_rate.set(slot_hit_rate)
+        if retained:
+            self.drafts.labels(source, "retained").inc(retained)
+            self.drafts.labels(source, "accepted").inc(accepted)
+
 
 class DrafterMetrics:
     def __init__(self) -> None:

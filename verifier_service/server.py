@@ -367,15 +367,9 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                                         draft_cap=next_cap or 0)
         verify_ms = outcome.forward_ms + outcome.verify_ms
         draft_ms = raw.costs.draft_ms if raw is not None else 0.0
-        m = self.metrics
-        m.tokens.inc(len(tokens))
-        m.accepted_length.observe(len(outcome.emitted))
-        m.round_seconds.observe(time.perf_counter() - started)
-        m.rounds.labels("speculative" if speculate else "plain").inc()
-        m.slot_hit_rate.set(self.engine.slot_hit_rate())
-        if drafts:
-            m.drafts.labels(source, "retained").inc(len(drafts))
-            m.drafts.labels(source, "accepted").inc(outcome.num_accepted)
+        self.metrics.round_done(tokens=len(tokens), emitted=len(outcome.emitted), seconds=time.perf_counter() - started,
+                                speculative=speculate, source=source, retained=len(drafts),
+                                accepted=outcome.num_accepted, slot_hit_rate=self.engine.slot_hit_rate())
         span.set_attributes({
             "tandem.speculative": speculate, "tandem.gated": gated, "tandem.draft_cap": -1 if cap is None else cap,
             "tandem.source": source, "tandem.proposed": proposed,
