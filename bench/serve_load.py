@@ -39,7 +39,9 @@ from pairbench.common import free_port, log  # noqa: E402  (puts the repo and pr
 from pairbench.services import Children  # noqa: E402
 
 from bench.model_baseline import QWEN3_30B_A3B, SMALL  # noqa: E402
-from shared.client import AsyncVerifierClient, GenerationConfig  # noqa: E402
+import grpc  # noqa: E402
+
+from shared.client import AsyncVerifierClient, GenerationConfig, VerifierError  # noqa: E402
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -50,13 +52,20 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def one_request(client: AsyncVerifierClient, prompt: list[int], config: GenerationConfig) -> dict:
+    """A request's token arrival times; `refused` when the verifier turned it away for capacity
+    (an open loop faster than the server: counted, as benchmark_serving counts failures)."""
     sent = time.perf_counter()
     arrivals: list[float] = []
     tokens = 0
-    async for event in client.stream(prompt, config):
-        if event.token_ids:
-            arrivals.append(time.perf_counter())
-            tokens += len(event.token_ids)
+    try:
+        async for event in client.stream(prompt, config):
+            if event.token_ids:
+                arrivals.append(time.perf_counter())
+                tokens += len(event.token_ids)
+    except VerifierError as error:
+        if error.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise
+        return {"sent": sent, "arrivals": [], "tokens": 0, "refused": True}
     return {"sent": sent, "arrivals": arrivals, "tokens": tokens}
 
 
@@ -65,7 +74,9 @@ def summarise(records: list[dict], wall_s: float) -> dict:
     tpot = [(r["arrivals"][-1] - r["arrivals"][0]) * 1e3 / (r["tokens"] - 1) for r in records if r["tokens"] > 1]
     itl = [(b - a) * 1e3 for r in records for a, b in zip(r["arrivals"], r["arrivals"][1:])]
     tokens = sum(r["tokens"] for r in records)
-    out = {"requests": len(records), "tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s}
+    refused = sum(bool(r.get("refused")) for r in records)
+    out = {"requests": len(records) - refused, "refused": refused, "tokens": tokens, "wall_s": wall_s,
+           "tokens_per_s": tokens / wall_s}
     for name, values in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl)):
         out[name] = {f"p{q}": percentile(values, q) for q in (50, 95, 99)}
     return out
@@ -146,6 +157,8 @@ class Load:
 
 def row(label: str, s: dict, base: float | None) -> str:
     ratio = f"{s['tokens_per_s'] / base:.2f}" if base else "–"
+    if s.get("refused"):
+        label += f" ({s['refused']} refused for capacity)"
     return (f"| {label} | {s['requests']} | {s['tokens_per_s']:.1f} | {ratio} | {s['mean_batch']:.1f} | "
             + " | ".join(f"{s[m]['p50']:.1f} / {s[m]['p95']:.1f} / {s[m]['p99']:.1f}" for m in ("ttft_ms", "tpot_ms", "itl_ms"))
             + " |")
@@ -226,7 +239,8 @@ def main() -> None:
                 s = asyncio.run(load.open_loop(rate, args.num_requests, seed=int(rate * 1000), speculation=speculation))
                 results["open"][key] = s
                 log(f"  {key}: {s['tokens_per_s']:.1f} tok/s, mean batch {s['mean_batch']:.1f}, "
-                    f"TTFT p50 {s['ttft_ms']['p50']:.0f} ms, TPOT p50 {s['tpot_ms']['p50']:.2f} ms")
+                    f"TTFT p50 {s['ttft_ms']['p50']:.0f} ms, TPOT p50 {s['tpot_ms']['p50']:.2f} ms, "
+                    f"refused {s['refused']}")
                 if speculation:
                     log("    " + "; ".join(line.removeprefix("tandem_verifier_") for line in load.gate_lines()))
         if args.alpha is not None:
