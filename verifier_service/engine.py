@@ -48,6 +48,7 @@ class Engine:
         fused: str = "off",
         cuda_graphs: bool = True,
         pdl: bool = True,
+        expert_prefetch: bool = False,
         max_sessions: int = 8,
         max_window: int = 17,
         max_batch_rows: int = 64,
@@ -91,7 +92,8 @@ class Engine:
             scratch, _ = pool.acquire(1)
             batch_rows = max(max_window, min(max_batch_rows, max_sessions * max_window))
             fused_model = FusedModel(model, max_rows=batch_rows, max_length=max_context, pdl=None if pdl else False,
-                                     invariant=row_invariant or model.device.type == "cuda")
+                                     invariant=row_invariant or model.device.type == "cuda",
+                                     expert_prefetch=expert_prefetch)
             self.windows = WindowGraphs(fused_model, pool, max_window, max_batch_rows=batch_rows, scratch_slot=scratch,
                                         verify_window=verify_window,
                                         use_graphs=cuda_graphs and model.device.type == "cuda")

@@ -118,7 +118,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         max_context = min(s.max_context or self.model.config.max_position_embeddings, self.model.config.max_position_embeddings)
         self.engine = await self.worker.run(
             Engine, self.model, max_context=max_context, prefill_chunk=s.prefill_chunk, fused=s.fused,
-            cuda_graphs=s.cuda_graphs, pdl=s.pdl != "off", max_sessions=s.max_sessions,
+            cuda_graphs=s.cuda_graphs, pdl=s.pdl != "off", expert_prefetch=s.expert_prefetch, max_sessions=s.max_sessions,
             max_window=s.max_draft_tokens_limit + 1, max_batch_rows=s.max_batch_rows, verify_window=s.max_draft_tokens + 1,
             progress=lambda message: log.info(message), draw_secret=self.draw_secret, row_invariant=s.row_invariant,
             window_sizing=s.window_sizing, kv_block_size=s.kv_block_size, kv_cache_tokens=s.kv_cache_tokens,

@@ -6,6 +6,13 @@ is the residency map handed to routing (`resident_mask`), so MoCE routing prefer
 already on the device. With all experts resident (the default) the store is a plain stacked
 weight tensor and lookups need no host synchronisation.
 
+On CUDA the copies a forward waits for run on a copy stream, and prefetches (`prefetch`:
+experts a later forward will probably need) on a second one, so a prefetch never queues in
+front of a needed copy (the model's stores share the two streams). The compute stream waits
+only for the copies into the slots it is about to read (`ready`). A slot is overwritten only
+after the compute queued before the copy (which may still read it) and any copy still
+writing it are done.
+
 Weights are stacked in nn.Linear layout: gate_up [experts, 2*intermediate, hidden] (gate
 rows first, then up rows) and down [experts, hidden, intermediate].
 """
@@ -35,9 +42,11 @@ def grouped_mm_available(dtype: torch.dtype) -> bool:
 
 @dataclass
 class ExpertCounters:
-    hits: int = 0
-    misses: int = 0
-    bytes_moved: int = 0
+    hits: int = 0  # experts found resident when a forward needed them
+    misses: int = 0  # experts copied in when a forward needed them (the compute waits)
+    bytes_moved: int = 0  # every copy: misses, prefetches and the initial fill
+    prefetched: int = 0  # experts copied in ahead by a prefetch
+    prefetch_hits: int = 0  # prefetched experts a forward then needed (before their eviction)
 
     @property
     def hit_rate(self) -> float:
@@ -53,7 +62,11 @@ class ExpertStore:
         *,
         device: torch.device | str,
         num_slots: int | None = None,
+        copy_stream: torch.cuda.Stream | None = None,
+        prefetch_stream: torch.cuda.Stream | None = None,
     ) -> None:
+        """copy_stream, prefetch_stream: where needed and prefetched experts are copied on CUDA
+        (None: the store makes its own)."""
         num_experts = gate_up.shape[0]
         if down.shape[0] != num_experts or gate_up.shape[2] != down.shape[1] or gate_up.shape[1] != 2 * down.shape[2]:
             raise ValueError(f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} are not one set of experts")
@@ -73,15 +86,19 @@ class ExpertStore:
             self.slot_of_expert = torch.arange(num_experts, device=self.device)
             self._lru: OrderedDict[int, int] = OrderedDict((e, e) for e in range(num_experts))
             return
-        pin = self.device.type == "cuda"
-        self.host_gate_up = gate_up.cpu().pin_memory() if pin else gate_up.cpu()
-        self.host_down = down.cpu().pin_memory() if pin else down.cpu()
+        cuda = self.device.type == "cuda"
+        self.host_gate_up = _to_host(gate_up, pin=cuda)
+        self.host_down = _to_host(down, pin=cuda)
         self.gate_up = torch.empty((num_slots, *gate_up.shape[1:]), dtype=gate_up.dtype, device=self.device)
         self.down = torch.empty((num_slots, *down.shape[1:]), dtype=down.dtype, device=self.device)
         self.slot_of_expert = torch.full((num_experts,), -1, dtype=torch.int64, device=self.device)
         self._lru = OrderedDict()  # expert -> slot, least recently used first
-        for expert in range(num_slots):  # start with the first experts resident
-            self._load(expert, expert)
+        self._prefetched: set[int] = set()  # prefetched, not yet needed
+        self.copy_stream = (copy_stream or torch.cuda.Stream(self.device)) if cuda else None
+        self.prefetch_stream = (prefetch_stream or torch.cuda.Stream(self.device)) if cuda else None
+        self._copied: dict[int, torch.cuda.Event] = {}  # slot -> after its latest copy (until the compute waited)
+        self._copy([(expert, expert) for expert in range(num_slots)])  # start with the first experts resident
+        self.ready()
 
     @property
     def expert_bytes(self) -> int:
@@ -102,39 +119,128 @@ class ExpertStore:
         """Resident experts, least recently used first."""
         return list(self._lru)
 
-    def _load(self, expert: int, slot: int) -> None:
-        self.gate_up[slot].copy_(self.host_gate_up[expert], non_blocking=True)
-        self.down[slot].copy_(self.host_down[expert], non_blocking=True)
-        self.slot_of_expert[expert] = slot
-        self._lru[expert] = slot
-        self.counters.bytes_moved += self.expert_bytes
+    def slot(self, expert: int) -> int:
+        """The device slot holding a resident expert (KeyError if it is not resident)."""
+        return expert if self.all_resident else self._lru[expert]
 
-    def ensure(self, experts: list[int]) -> None:
-        """Make `experts` resident (LRU replacement), counting hits and misses.
+    def _copy(self, moves: list[tuple[int, int]], stream: torch.cuda.Stream | None = None) -> None:
+        """Copy expert -> slot for each (expert, slot) pair, on `stream` (default: the copy stream)
+        where there is one. The slot map is updated in the compute stream's order (what routing
+        and the graph segments read)."""
+        if not moves:
+            return
+        experts, slots = zip(*moves)
+        for expert, slot in moves:
+            self._lru[expert] = slot
+        self.slot_of_expert[list(experts)] = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.counters.bytes_moved += len(moves) * self.expert_bytes
+        stream = stream or self.copy_stream
+        if stream is None:
+            self._copy_weights(moves)
+            return
+        # The compute queued so far may still read the victims' slots, and an earlier copy may
+        # still be writing one: copy after both.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for _, slot in moves:
+            if slot in self._copied:
+                stream.wait_event(self._copied[slot])
+        with torch.cuda.stream(stream):
+            self._copy_weights(moves)
+            event = torch.cuda.Event()
+            event.record(stream)
+        for _, slot in moves:
+            self._copied[slot] = event
+
+    def _copy_weights(self, moves: list[tuple[int, int]]) -> None:
+        for expert, slot in moves:
+            self.gate_up[slot].copy_(self.host_gate_up[expert], non_blocking=True)
+            self.down[slot].copy_(self.host_down[expert], non_blocking=True)
+
+    def ready(self, experts: list[int] | None = None) -> None:
+        """Make the compute stream wait for the copies into these resident experts' slots (None:
+        every slot) before it reads them."""
+        slots = list(self._copied) if experts is None else [self._lru[e] for e in experts]
+        compute = torch.cuda.current_stream(self.device) if self._copied else None
+        for slot in slots:
+            event = self._copied.pop(slot, None)
+            if event is not None:
+                compute.wait_event(event)
+
+    def slots_of(self, expert_ids: Tensor) -> Tensor:
+        """The slot of each routed expert [T, k] (-1 stays -1), on the device without the host:
+        valid once they are resident."""
+        slots = self.slot_of_expert[expert_ids.clamp(min=0)]
+        return torch.where(expert_ids >= 0, slots, -1)
+
+    def _victims(self, count: int, keep: set[int]) -> list[tuple[int, int]]:
+        """(expert, slot) of the `count` least recently used resident experts outside `keep`, evicted."""
+        if not count:
+            return []
+        victims = []
+        for expert in self._lru:
+            if len(victims) == count:
+                break
+            if expert not in keep:
+                victims.append(expert)
+        evicted = [(expert, self._lru.pop(expert)) for expert in victims]
+        self._prefetched.difference_update(victims)
+        self.slot_of_expert[victims] = -1
+        return evicted
+
+    def ensure(self, experts: list[int]) -> int:
+        """Make `experts` resident (LRU replacement), counting hits and misses; the compute
+        stream then waits for their copies (`ready`). Returns the misses (experts copied in).
 
         Raises ValueError if more distinct experts are asked for at once than there are slots.
         """
         wanted = list(dict.fromkeys(experts))
         if len(wanted) > self.num_slots:
             raise ValueError(f"{len(wanted)} distinct experts needed at once but only {self.num_slots} slots")
+        if self.all_resident:
+            self.counters.hits += len(wanted)
+            return 0
+        missing = []
         for expert in wanted:
             if expert in self._lru:
                 self.counters.hits += 1
                 self._lru.move_to_end(expert)
+                if expert in self._prefetched:
+                    self._prefetched.discard(expert)
+                    self.counters.prefetch_hits += 1
+            else:
+                missing.append(expert)
+        self.counters.misses += len(missing)
+        victims = self._victims(len(missing), set(wanted))
+        self._copy([(expert, slot) for expert, (_, slot) in zip(missing, victims)])
+        self.ready(wanted)
+        return len(missing)
+
+    def prefetch(self, experts: list[int], *, limit: int | None = None) -> int:
+        """Start copying in those of `experts` that are not resident (at most `limit` of them),
+        on the prefetch stream, without making the compute wait; returns how many copies
+        started. A prefetched expert counts as just used (so a wrong guess ages out like any
+        other); at most num_slots experts are taken, in order."""
+        if self.all_resident:
+            return 0
+        wanted = list(dict.fromkeys(experts))[: self.num_slots]
+        missing = [e for e in wanted if e not in self._lru][:limit]
         for expert in wanted:
             if expert in self._lru:
-                continue
-            self.counters.misses += 1  # (never with every expert resident: all are in _lru)
-            victim = next(e for e in self._lru if e not in wanted)
-            slot = self._lru.pop(victim)
-            self.slot_of_expert[victim] = -1
-            self._load(expert, slot)
+                self._lru.move_to_end(expert)
+        victims = self._victims(len(missing), set(wanted))
+        self._copy([(expert, slot) for expert, (_, slot) in zip(missing, victims)], self.prefetch_stream)
+        self._prefetched.update(missing)
+        self.counters.prefetched += len(missing)
+        return len(missing)
 
     def default_path(self, device: torch.device) -> str:
-        """dispatch on the CPU; on CUDA with every expert resident, a sync-free path."""
-        if device.type != "cuda" or not self.all_resident:
+        """dispatch on the CPU; on CUDA grouped GEMMs where torch has them (with slots: a group
+        of experts resident at a time), else with every expert resident a gather (sync-free)."""
+        if device.type != "cuda":
             return "dispatch"
-        return "grouped" if grouped_mm_available(self.gate_up.dtype) else "gather"
+        if grouped_mm_available(self.gate_up.dtype):
+            return "grouped"
+        return "gather" if self.all_resident else "dispatch"
 
     def forward(self, hidden: Tensor, expert_ids: Tensor, weights: Tensor, *, path: str | None = None) -> Tensor:
         """MoE output [T, hidden] for routed `expert_ids` / `weights` [T, k].
@@ -147,7 +253,7 @@ class ExpertStore:
         """
         path = path or self.path or self.default_path(hidden.device)
         if path in ("gather", "grouped"):
-            if not self.all_resident:
+            if not self.all_resident and path == "gather":
                 raise ValueError(f"the {path!r} expert path needs every expert resident")
             return self._forward_gather(hidden, expert_ids, weights) if path == "gather" else self._forward_grouped(
                 hidden, expert_ids, weights
@@ -166,7 +272,7 @@ class ExpertStore:
         def run(expert: int, rows: Tensor) -> Tensor:
             if streamed:
                 self.ensure([expert])
-            slot = expert if self.all_resident else self._lru[expert]
+            slot = self.slot(expert)
             gate, up = F.linear(rows, self.gate_up[slot]).chunk(2, dim=-1)
             return F.linear(F.silu(gate) * up, self.down[slot])
 
@@ -178,9 +284,37 @@ class ExpertStore:
         return (per_route * weights.unsqueeze(-1).to(per_route.dtype)).sum(dim=1)
 
     def grouped_routes(self, hidden: Tensor, expert_ids: Tensor) -> Tensor:
-        """Each route's expert output [T*k, hidden], unweighted, in (token, rank) order."""
-        out, rows = self.grouped_sorted(hidden, expert_ids)
-        return out[rows]
+        """Each route's expert output [T*k, hidden], unweighted, in (token, rank) order.
+
+        With slots, the routed experts are made resident in groups of at most num_slots (a
+        synchronisation), and each group's routes run through torch._grouped_mm on the slots:
+        every expert's rows form the same problem, in the same order, in a call over the same
+        number of rows (the other groups' rows sorted behind the last offset, where nothing is
+        computed) as with every expert resident, so the bits are the all-resident ones."""
+        if self.all_resident:
+            out, rows = self.grouped_sorted(hidden, expert_ids)
+            return out[rows]
+        flat = expert_ids.reshape(-1)  # [T*k]
+        top_k = expert_ids.shape[1]
+        experts, counts = torch.unique(flat, return_counts=True)
+        routed = [(e, c) for e, c in zip(experts.tolist(), counts.tolist()) if e >= 0]
+        out = torch.empty((flat.numel(), hidden.shape[1]), dtype=hidden.dtype, device=hidden.device)
+        for start in range(0, len(routed), self.num_slots):
+            group = routed[start : start + self.num_slots]
+            self.ensure([e for e, _ in group])
+            # (the last entry: a dropped route, id -1, sorts behind with the other groups' routes)
+            key_of_expert = torch.full((self.num_experts + 1,), self.num_slots, dtype=torch.int64)
+            key_of_expert[[e for e, _ in group]] = torch.tensor([self.slot(e) for e, _ in group])
+            keys = key_of_expert.to(flat.device, non_blocking=True)[flat]  # [T*k]: slot, or num_slots
+            order = torch.argsort(keys, stable=True)
+            rows = hidden[order // top_k]
+            ends = torch.cumsum(torch.zeros(self.num_slots + 1, dtype=torch.int64, device=flat.device).scatter_add_(
+                0, keys, torch.ones_like(keys))[: self.num_slots], dim=0).to(torch.int32)
+            act = silu_mul(torch._grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends))
+            members = sum(count for _, count in group)
+            part = torch._grouped_mm(act, self.down.transpose(1, 2), offs=ends)[:members]
+            out[order[:members]] = part
+        return out
 
     def grouped_sorted(self, hidden: Tensor, expert_ids: Tensor) -> tuple[Tensor, Tensor]:
         """(route outputs [T*k, hidden] grouped by expert, rows [T*k]: where route t*k + rank's
@@ -208,3 +342,10 @@ class ExpertStore:
         out = torch.bmm(self.down[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [T*k, hidden]
         out = out.view(num_tokens, top_k, -1) * weights.unsqueeze(-1).to(out.dtype)
         return out.sum(dim=1)
+
+
+def _to_host(weights: Tensor, *, pin: bool) -> Tensor:
+    """A host copy of `weights` (pinned for asynchronous copies), filled straight from its device."""
+    host = torch.empty(weights.shape, dtype=weights.dtype, pin_memory=pin)
+    host.copy_(weights)
+    return host

@@ -3,7 +3,9 @@
 Per decoder layer: fused q/k/v projection → q/k norm + RoPE + KV write → split-KV
 attention → o projection → residual add + RMSNorm → router (softmax, top-k, renorm) →
 fused experts → weighted sum + residual + the next RMSNorm. No step synchronises with the
-host and every buffer shape follows the row count, so a forward captures into a CUDA graph.
+host and every buffer shape follows the row count, so a forward captures into a CUDA graph —
+except with experts offloaded to host memory (shared.model.offload: each MoE layer reads its
+routes on the host, and the forward runs eagerly).
 On the CPU each op runs its torch reference (or, under the Triton interpreter, its kernel).
 
 Rows are grouped into sequences (`Rows`): each row has a position and a KV slot; all rows
@@ -28,10 +30,11 @@ from kernels.fused.linear import linear, linear_partials, split_k
 from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, fused_experts, silu_mul
 from kernels.fused.norm import add_rmsnorm, qk_norm_rope_store
 from kernels.fused.router import MoceTables, route
-from shared.model.experts import grouped_mm_available
+from shared.model.experts import ExpertStore, grouped_mm_available
 from shared.model.kv_cache import PagedKV
 from shared.model.layers import DecoderLayer, MoeBlock, RoutingOptions
 from shared.model.model import Qwen3MoeModel
+from shared.model.offload import Offload
 
 
 # Prefill attention backends. cuDNN's is left out: it builds an execution plan for every new
@@ -74,9 +77,6 @@ def unsupported_reason(model: Qwen3MoeModel) -> str | None:
         return f"head_dim {c.head_dim} is not a power of two"
     if c.head_dim < 16 and model.device.type == "cuda":
         return f"head_dim {c.head_dim} is below 16 (the attention kernel's smallest dot on a GPU)"
-    for layer in [*model.layers, *(model.mtp.layers if model.mtp is not None else [])]:
-        if isinstance(layer.mlp, MoeBlock) and not layer.mlp.experts.all_resident:
-            return "expert slots (partial residency) need the dispatch path"
     return None
 
 
@@ -127,14 +127,16 @@ class FusedModel:
     """Decode/verify forward of a loaded Qwen3MoeModel through the fused kernels."""
 
     def __init__(self, model: Qwen3MoeModel, *, max_rows: int, max_length: int, pdl: bool | None = None,
-                 invariant: bool = True) -> None:
+                 invariant: bool = True, expert_prefetch: bool = False) -> None:
         """pdl: launch each kernel as a programmatic dependent of the one before (default: where
         the GPU supports it); kernels then overlap their start with their predecessor's end.
         invariant: a row's bits are its one-row step's whatever shares its window or batch — on
         the GPU by the kernels' launch configurations (at no cost), on the CPU by running the
         rows as one-row forwards (see Qwen3MoeModel.forward). invariant=False: batched rows on
         the CPU, and on the GPU windows of several rows project through cuBLAS, which picks its
-        kernel by the row count (bench/invariance.py's yardstick of what invariance costs)."""
+        kernel by the row count (bench/invariance.py's yardstick of what invariance costs).
+        expert_prefetch: with experts in host memory, prefetch by the routing memory (offload.py;
+        off by default: on the H200 it cost more than it hid, docs/PERFORMANCE.md)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the fused path cannot run this model: {reason}")
@@ -148,6 +150,15 @@ class FusedModel:
         self._tables: dict[tuple[int, float, float, int], MoceTables] = {}
         self.pdl = pdl_supported(model.device) if pdl is None else pdl
         self.invariant = invariant
+        # Experts in host memory with device slots: a synchronisation per MoE layer (no graphs).
+        self.offload = _offload([layer.store if layer.moe else None for layer in self.layers], prefetch=expert_prefetch)
+        self.mtp_offload = None if self.mtp_layer is None else _offload(
+            [self.mtp_layer.store if self.mtp_layer.moe else None], prefetch=False)
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether some experts live in host memory (the forwards then cannot be captured)."""
+        return self.offload is not None or self.mtp_offload is not None
 
     # -- layers -----------------------------------------------------------------------------
 
@@ -163,11 +174,25 @@ class FusedModel:
         return layer.store.resident_mask(), self._tables[key]
 
     def _layer(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor, rows: Rows,
-               keys: Tensor, values: Tensor, tables: Tensor, routing: RoutingOptions | None) -> tuple[Tensor, Tensor]:
-        """(normed for the next layer, residual) after one decoder layer."""
+               keys: Tensor, values: Tensor, tables: Tensor, routing: RoutingOptions | None,
+               offload: tuple[Offload, int] | None = None) -> tuple[Tensor, Tensor]:
+        """(normed for the next layer, residual) after one decoder layer; offload: (the model's
+        Offload, this layer's index in it) when its experts have device slots."""
+        normed, residual = self._attend(layer, normed, residual, rows, keys, values, tables)
+        if not layer.moe:
+            return self._dense(layer, normed, residual, next_norm)
+        expert_ids, weights = self._route(layer, normed, rows, routing)
+        return self._experts(layer, normed, residual, next_norm, expert_ids, weights, offload)
+
+    def _by_rows(self, num_rows: int) -> bool:
+        return not self.invariant and num_rows > 1  # cuBLAS, its kernel chosen by the row count
+
+    def _attend(self, layer: FusedLayer, normed: Tensor, residual: Tensor, rows: Rows, keys: Tensor, values: Tensor,
+                tables: Tensor) -> tuple[Tensor, Tensor]:
+        """Attention through the o projection, the residual add and the post-attention norm."""
         num_rows = normed.shape[0]
         pdl = self.pdl
-        by_rows = not self.invariant and num_rows > 1  # cuBLAS, its kernel chosen by the row count
+        by_rows = self._by_rows(num_rows)
         qkv = F.linear(normed, layer.qkv) if by_rows else linear(normed, layer.qkv, pdl=pdl)
         q = qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, rows.positions, rows.slots,
                                keys, values, tables, layer.num_heads, layer.num_kv_heads, layer.eps, pdl=pdl)
@@ -177,22 +202,37 @@ class FusedModel:
             o_partials = F.linear(attn.view(num_rows, -1), layer.o)
         else:
             o_partials = linear_partials(attn.view(num_rows, -1), layer.o, layer.o_splits, pdl=pdl)
-        normed, residual = add_rmsnorm(o_partials, residual, layer.post_norm, layer.eps, pdl=pdl)
-        if not layer.moe:
-            gate, up = linear(normed, layer.gate_up, pdl=pdl).chunk(2, dim=-1)
-            out = linear(F.silu(gate) * up, layer.down, pdl=pdl)
-            return add_rmsnorm(out, residual, next_norm, layer.eps, pdl=pdl)
+        return add_rmsnorm(o_partials, residual, layer.post_norm, layer.eps, pdl=pdl)
+
+    def _dense(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor) -> tuple[Tensor, Tensor]:
+        gate, up = linear(normed, layer.gate_up, pdl=self.pdl).chunk(2, dim=-1)
+        out = linear(F.silu(gate) * up, layer.down, pdl=self.pdl)
+        return add_rmsnorm(out, residual, next_norm, layer.eps, pdl=self.pdl)
+
+    def _route(self, layer: FusedLayer, normed: Tensor, rows: Rows,
+               routing: RoutingOptions | None) -> tuple[Tensor, Tensor]:
+        """(expert_ids [T, k], weights [T, k] float32) of an MoE layer's router."""
+        num_rows = normed.shape[0]
         resident, tables = self._moce(layer, routing)
         draft_rows = routing.draft_rows if routing is not None and routing.moce else None
-        if by_rows:
+        if self._by_rows(num_rows):
             router_partials = F.linear(normed, layer.router)
         else:
-            router_partials = linear_partials(normed, layer.router, layer.router_splits, pdl=pdl)
-        expert_ids, weights = route(router_partials, layer.top_k, round_to=normed.dtype, normalize=layer.normalize,
-                                    resident=resident, draft_rows=draft_rows, tables=tables, pdl=pdl,
-                                    live=rows.live if num_rows <= MAX_FUSED_TOKENS else None)
-        if num_rows <= MAX_FUSED_TOKENS:
-            route_out = fused_experts(normed, expert_ids, layer.store.gate_up, layer.store.down, pdl=pdl)
+            router_partials = linear_partials(normed, layer.router, layer.router_splits, pdl=self.pdl)
+        return route(router_partials, layer.top_k, round_to=normed.dtype, normalize=layer.normalize,
+                     resident=resident, draft_rows=draft_rows, tables=tables, pdl=self.pdl,
+                     live=rows.live if num_rows <= MAX_FUSED_TOKENS else None)
+
+    def _experts(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor, expert_ids: Tensor,
+                 weights: Tensor, offload: tuple[Offload, int] | None = None) -> tuple[Tensor, Tensor]:
+        """The routed experts' weighted sum, the residual add and the next norm. expert_ids
+        index the store's weights (slot ids where the caller made them resident itself)."""
+        pdl = self.pdl
+        if normed.shape[0] <= MAX_FUSED_TOKENS:
+            def run(ids: Tensor) -> Tensor:  # [T, k] expert (or slot) ids
+                return fused_experts(normed, ids, layer.store.gate_up, layer.store.down, pdl=pdl)
+
+            route_out = run(expert_ids) if offload is None else offload[0].experts(offload[1], normed, expert_ids, run)
             return combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps, pdl=pdl)
         out = layer.store.forward(normed, expert_ids, weights.to(normed.dtype))
         return add_rmsnorm(out, residual, next_norm, layer.eps, pdl=pdl)
@@ -211,15 +251,24 @@ class FusedModel:
                     for i in range(token_ids.shape[0])]
             return torch.cat([logits for logits, _ in outs]), torch.cat([hidden for _, hidden in outs])
         model = self.model
-        x = model.embed_tokens(token_ids)
+        if self.offload is not None:
+            self.offload.begin(token_ids)
         norms = [layer.input_norm for layer in self.layers[1:]] + [model.norm.weight]
-        normed, residual = add_rmsnorm(x, None, self.layers[0].input_norm, self.layers[0].eps, pdl=self.pdl)
-        for layer, next_norm, (keys, values) in zip(self.layers, norms, kv.layers):
+        normed, residual = self.embed(token_ids)
+        for index, (layer, next_norm, (keys, values)) in enumerate(zip(self.layers, norms, kv.layers)):
             normed, residual = self._layer(layer, normed, residual, next_norm, rows, keys, values, kv.block_tables,
-                                           routing)
+                                           routing, None if self.offload is None else (self.offload, index))
+        return self.logits(normed), normed
+
+    def embed(self, token_ids: Tensor) -> tuple[Tensor, Tensor]:  # [T]
+        """(normed, residual) entering the first layer."""
+        first = self.layers[0]
+        return add_rmsnorm(self.model.embed_tokens(token_ids), None, first.input_norm, first.eps, pdl=self.pdl)
+
+    def logits(self, normed: Tensor) -> Tensor:  # [T, hidden] final-norm rows -> [T, vocab] float32
         if not self.invariant and normed.shape[0] > 1:
-            return F.linear(normed, model.lm_head.weight).float(), normed
-        return linear(normed, model.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl), normed
+            return F.linear(normed, self.model.lm_head.weight).float()
+        return linear(normed, self.model.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl)
 
     @torch.inference_mode()
     def prefill(self, token_ids: Tensor, spans: list[tuple[int, int, int]], kv: PagedKV) -> Tensor:
@@ -237,6 +286,7 @@ class FusedModel:
         positions = torch.cat([torch.arange(start, start + count) for start, count, _ in spans]).to(model.device)
         slots = torch.tensor([slot for _, count, slot in spans for _ in range(count)], device=model.device)
         grouped = grouped_mm_available(model.dtype) and model.device.type == "cuda"
+        host_ids = token_ids.tolist() if self.offload is not None and self.offload.prefetch else None
         norms = [layer.input_norm for layer in self.layers[1:]] + [model.norm.weight]
         normed, residual = add_rmsnorm(model.embed_tokens(token_ids), None, self.layers[0].input_norm,
                                        self.layers[0].eps)
@@ -252,10 +302,15 @@ class FusedModel:
                 normed, residual = add_rmsnorm(out, residual, next_norm, layer.eps)
                 continue
             expert_ids, weights = route(F.linear(normed, layer.router), layer.top_k, normalize=layer.normalize)
-            if grouped:
+            if host_ids is not None:  # the prompt's routes: what the window prefetches learn from
+                self.offload.memory.record(index, host_ids, expert_ids.reshape(-1).tolist())
+            if grouped and layer.store.all_resident:
                 route_out, route_rows = layer.store.grouped_sorted(normed, expert_ids)  # [T*k, hidden], [T*k]
                 normed, residual = combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps,
                                                        route_rows=route_rows)
+            elif grouped:  # experts in host memory: groups of them resident in turn, the same bits
+                normed, residual = combine_add_rmsnorm(layer.store.grouped_routes(normed, expert_ids), weights,
+                                                       residual, next_norm, layer.eps)
             else:
                 out = layer.store.forward(normed, expert_ids, weights.to(normed.dtype))
                 normed, residual = add_rmsnorm(out, residual, next_norm, layer.eps)
@@ -301,8 +356,16 @@ class FusedModel:
         x = linear(torch.cat([embedded, prior], dim=-1), mtp.fc.weight, pdl=pdl)
         normed, residual = add_rmsnorm(x, None, layer.input_norm, layer.eps, pdl=pdl)
         (keys, values), = kv.layers
-        normed, _ = self._layer(layer, normed, residual, mtp.norm.weight, rows, keys, values, kv.block_tables, routing)
+        normed, _ = self._layer(layer, normed, residual, mtp.norm.weight, rows, keys, values, kv.block_tables, routing,
+                                None if self.mtp_offload is None else (self.mtp_offload, 0))
         return linear(normed, model.lm_head.weight, out_dtype=torch.float32, pdl=pdl), normed
+
+
+def _offload(stores: list[ExpertStore | None], *, prefetch: bool) -> Offload | None:
+    """An Offload over these stores when some of them keep experts in host memory."""
+    if all(store is None or store.all_resident for store in stores):
+        return None
+    return Offload(stores, prefetch=prefetch)
 
 
 def _one_row(rows: Rows, index: int) -> Rows:

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from shared.model.fast import FusedModel, Rows
 from shared.model.kv_cache import KVPool
+from shared.model.segments import SegmentedForward
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,12 @@ class WindowGraphs:
         self.verify_window = min(verify_window, max_rows)
         self.device = fused.model.device
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        # Offloaded experts: the forward reads each layer's routes on the host, so on CUDA each
+        # window or batch shape runs as graph segments between those reads (captured at first use).
+        self.segments: dict[tuple[int, ...], SegmentedForward] | None = None
+        if fused.offloaded:
+            self.segments = {} if self.use_graphs else None
+            self.use_graphs = False
         pin = self.device.type == "cuda"
         # [ids | positions | slots | sequence slots | sequence starts (R + 1) | real-row mask], R = max_batch_rows
         size = 6 * max_batch_rows + 1
@@ -98,8 +105,20 @@ class WindowGraphs:
             live=self.dev_in[5 * m : 5 * m + num_rows],
         )
 
+    def _trunk(self, rows: Rows, key: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        """The fused forward of the rows in dev_in, by graph segments where the model offloads."""
+        token_ids = self.dev_in[: rows.positions.shape[0]]
+        if self.segments is None:
+            return self.fused.forward(token_ids, rows, self.kv)
+        segmented = self.segments.get(key)
+        if segmented is None:  # the first of this shape: eagerly (which compiles the kernels), then capture
+            output = self.fused.forward(token_ids, rows, self.kv)
+            self.segments[key] = SegmentedForward(self.fused, token_ids, rows, self.kv)
+            return output
+        return segmented.run()
+
     def _forward(self, num_rows: int) -> WindowOutput:
-        logits, hidden = self.fused.forward(self.dev_in[:num_rows], self._rows(num_rows), self.kv)
+        logits, hidden = self._trunk(self._rows(num_rows), (num_rows,))
         output = WindowOutput(logits, hidden, logits.argmax(dim=-1))
         if num_rows == 1:
             self.last_token.copy_(output.greedy_ids)
@@ -112,7 +131,7 @@ class WindowGraphs:
 
     def _batch_forward(self, num_rows: int, num_seqs: int, max_rows_per_seq: int) -> WindowOutput:
         rows = self._batch_rows(num_rows, num_seqs, max_rows_per_seq)
-        logits, hidden = self.fused.forward(self.dev_in[:num_rows], rows, self.kv)
+        logits, hidden = self._trunk(rows, (num_rows, num_seqs, max_rows_per_seq))
         output = WindowOutput(logits, hidden, logits.argmax(dim=-1))
         if max_rows_per_seq == 1:
             self.last_batch_ids[:num_rows].copy_(output.greedy_ids)

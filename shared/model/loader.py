@@ -200,10 +200,12 @@ def load_model(
     ]
     if problems:
         raise ValueError(f"checkpoint {path} does not match its config: " + "; ".join(problems))
+    copy_stream, prefetch_stream = _copy_stream(device, num_expert_slots), _copy_stream(device, num_expert_slots)
     for prefix, block in blocks.items():
         kinds = experts[prefix]
         gate_up = torch.cat([torch.stack(kinds["gate"]), torch.stack(kinds["up"])], dim=1)
-        block.experts = ExpertStore(gate_up, torch.stack(kinds["down"]), device=device, num_slots=num_expert_slots)
+        block.experts = ExpertStore(gate_up, torch.stack(kinds["down"]), device=device, num_slots=num_expert_slots,
+                                    copy_stream=copy_stream, prefetch_stream=prefetch_stream)
     return model
 
 
@@ -221,13 +223,20 @@ def _random_model(
         else:
             param.normal_(0.0, std, generator=generator)
     h, inter, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
-    host = device if num_expert_slots is None else torch.device("cpu")
-    host_generator = generator if host == device else torch.Generator().manual_seed(seed)
+    copy_stream, prefetch_stream = _copy_stream(device, num_expert_slots), _copy_stream(device, num_expert_slots)
+    # On the device even with slots (the store moves them to host memory): the same seed gives
+    # the same experts whatever the residency, and a GPU fills them far faster than the CPU.
     for block in _moe_blocks(model).values():
-        gate_up = torch.empty((e, 2 * inter, h), dtype=dtype, device=host).normal_(0.0, std, generator=host_generator)
-        down = torch.empty((e, h, inter), dtype=dtype, device=host).normal_(0.0, std, generator=host_generator)
-        block.experts = ExpertStore(gate_up, down, device=device, num_slots=num_expert_slots)
+        gate_up = torch.empty((e, 2 * inter, h), dtype=dtype, device=device).normal_(0.0, std, generator=generator)
+        down = torch.empty((e, h, inter), dtype=dtype, device=device).normal_(0.0, std, generator=generator)
+        block.experts = ExpertStore(gate_up, down, device=device, num_slots=num_expert_slots, copy_stream=copy_stream,
+                                    prefetch_stream=prefetch_stream)
     return model
+
+
+def _copy_stream(device: torch.device, num_expert_slots: int | None) -> torch.cuda.Stream | None:
+    """A copy stream all of a model's expert stores share (one for needed copies, one for prefetches)."""
+    return torch.cuda.Stream(device) if device.type == "cuda" and num_expert_slots else None
 
 
 def save_checkpoint(model: Qwen3MoeModel, path: str | Path) -> None:

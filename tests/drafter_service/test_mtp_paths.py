@@ -199,3 +199,29 @@ def test_the_mtp_pool_grows_and_keeps_every_sessions_rows(tiny_mtp_model, monkey
     torch.testing.assert_close(again.next_logits, expected.next_logits, rtol=1e-4, atol=1e-4)
     proposer.release(again)
     assert proposer.pool is fresh  # (a pool at its start size stays)
+
+
+def test_offloaded_mtp_layer_drafts_the_all_resident_chains(tiny_mtp_model):
+    """The drafter with its MTP layer's experts in host memory (2 of 8 slots; the fused path's
+    eager offload) drafts what it drafts with every expert resident (plain routing)."""
+    from shared.model import ModelConfig, load_model
+    from tests.conftest import TINY_MTP
+
+    few = load_model(config=ModelConfig.from_dict(TINY_MTP), random_weights=True, seed=2, num_expert_slots=2)
+    tokens = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(5))
+    _, hidden = tiny_mtp_model(tokens, tiny_mtp_model.new_cache(40))
+    chains = []
+    for model in (tiny_mtp_model, few):
+        fused = FusedModel(model, max_rows=8, max_length=model.config.max_position_embeddings)
+        proposer = MTPProposer(model, None, fused)
+        state = proposer.new_state(64)
+        proposer.catch_up(state, hidden[:20], tokens[1:21].tolist())
+        for end in (22, 25, 29):
+            proposer.catch_up(state, hidden[state.cache.length : end], tokens[state.cache.length + 1 : end + 1].tolist())
+            proposal = proposer.draft(
+                state, 4, sampling=SamplingParams(temperature=0.7), seed=3, base_position=end + 1,
+                mode=Mode.EXACT, gate=Gate.TOP, coupled=False, policy=RetentionPolicy(),
+            )
+            chains.append((proposal.token_ids, proposal.confidences))
+    assert fused.mtp_offload is not None and few.mtp.layers[0].mlp.experts.counters.misses > 0
+    assert chains[:3] == chains[3:]

@@ -176,3 +176,26 @@ def test_exact_rounds_on_the_cpu_give_the_one_row_bits(tiny_mtp_model, fused):
     spec_rows = rows_of(engine(), all_accepted)
     assert len(spec_rows) == len(plain_rows) == 5  # row i: the position of committed token i
     assert torch.equal(spec_rows, plain_rows)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_offloaded_experts_commit_the_all_resident_tokens(tiny_mtp_model, torch_reference_ops, temperature):
+    """Experts in host memory with 2 of 8 slots a layer (routing memory prefetching, windows
+    needing several groups): exact-mode rounds commit what the all-resident engine commits."""
+    from shared.model import ModelConfig, load_model
+    from tests.conftest import TINY_MTP
+
+    few = load_model(config=ModelConfig.from_dict(TINY_MTP), random_weights=True, seed=2, num_expert_slots=2)
+    resident = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="on", max_window=5)
+    offloaded = Engine(few, max_context=128, prefill_chunk=5, fused="on", max_window=5, expert_prefetch=True)
+    assert offloaded.path == "fused" and offloaded.windows.fused.offloaded
+    rng = random.Random(1)
+    prompt = [rng.randrange(97) for _ in range(11)]
+    plain = decode(resident, spec(prompt, temperature=temperature, max_new_tokens=20), lambda ids: [])
+
+    def drafts_of(committed):
+        done = len(committed) - len(prompt)
+        return [t if rng.random() < 0.7 else (t + 1) % 97 for t in plain[done : done + 4]]
+
+    assert decode(offloaded, spec(prompt, temperature=temperature, max_new_tokens=20), drafts_of) == plain
+    assert offloaded.slot_misses() > 0 and offloaded.windows.fused.offload.counters.predicted > 0
