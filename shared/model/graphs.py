@@ -27,6 +27,11 @@ from shared.model.fast import FusedModel, Rows
 from shared.model.kv_cache import KVPool
 from shared.model.segments import SegmentedForward
 
+# Offloaded models: the most window/batch shapes captured as graph segments (each holds a graph
+# per MoE layer and its buffers); shapes beyond them run eagerly. Windows of 1..17 rows and the
+# common decode batches fit.
+MAX_SEGMENTED_SHAPES = 48
+
 
 @dataclass(frozen=True)
 class WindowOutput:
@@ -113,7 +118,8 @@ class WindowGraphs:
         segmented = self.segments.get(key)
         if segmented is None:  # the first of this shape: eagerly (which compiles the kernels), then capture
             output = self.fused.forward(token_ids, rows, self.kv)
-            self.segments[key] = SegmentedForward(self.fused, token_ids, rows, self.kv)
+            if len(self.segments) < MAX_SEGMENTED_SHAPES:
+                self.segments[key] = SegmentedForward(self.fused, token_ids, rows, self.kv)
             return output
         return segmented.run()
 
