@@ -85,6 +85,9 @@ class ExpertStore:
             self.host_gate_up = self.host_down = None
             self.slot_of_expert = torch.arange(num_experts, device=self.device)
             self._lru: OrderedDict[int, int] = OrderedDict((e, e) for e in range(num_experts))
+            self._prefetched: set[int] = set()
+            self.copy_stream = self.prefetch_stream = None
+            self._copied: dict[int, torch.cuda.Event] = {}
             return
         cuda = self.device.type == "cuda"
         self.host_gate_up = _to_host(gate_up, pin=cuda)
@@ -93,10 +96,10 @@ class ExpertStore:
         self.down = torch.empty((num_slots, *down.shape[1:]), dtype=down.dtype, device=self.device)
         self.slot_of_expert = torch.full((num_experts,), -1, dtype=torch.int64, device=self.device)
         self._lru = OrderedDict()  # expert -> slot, least recently used first
-        self._prefetched: set[int] = set()  # prefetched, not yet needed
+        self._prefetched = set()  # prefetched, not yet needed
         self.copy_stream = (copy_stream or torch.cuda.Stream(self.device)) if cuda else None
         self.prefetch_stream = (prefetch_stream or torch.cuda.Stream(self.device)) if cuda else None
-        self._copied: dict[int, torch.cuda.Event] = {}  # slot -> after its latest copy (until the compute waited)
+        self._copied = {}  # slot -> the event after its latest copy (until the compute waited for it)
         self._copy([(expert, expert) for expert in range(num_slots)])  # start with the first experts resident
         self.ready()
 

@@ -4,8 +4,9 @@ Per decoder layer: fused q/k/v projection → q/k norm + RoPE + KV write → spl
 attention → o projection → residual add + RMSNorm → router (softmax, top-k, renorm) →
 fused experts → weighted sum + residual + the next RMSNorm. No step synchronises with the
 host and every buffer shape follows the row count, so a forward captures into a CUDA graph —
-except with experts offloaded to host memory (shared.model.offload: each MoE layer reads its
-routes on the host, and the forward runs eagerly).
+except with experts offloaded to host memory (shared.model.offload: each MoE layer's routes
+are read on the host; on CUDA the window runner replays graph segments between those reads,
+shared.model.segments).
 On the CPU each op runs its torch reference (or, under the Triton interpreter, its kernel).
 
 Rows are grouped into sequences (`Rows`): each row has a position and a KV slot; all rows
@@ -150,14 +151,14 @@ class FusedModel:
         self._tables: dict[tuple[int, float, float, int], MoceTables] = {}
         self.pdl = pdl_supported(model.device) if pdl is None else pdl
         self.invariant = invariant
-        # Experts in host memory with device slots: a synchronisation per MoE layer (no graphs).
+        # Experts in host memory with device slots: the host reads each MoE layer's routes.
         self.offload = _offload([layer.store if layer.moe else None for layer in self.layers], prefetch=expert_prefetch)
         self.mtp_offload = None if self.mtp_layer is None else _offload(
             [self.mtp_layer.store if self.mtp_layer.moe else None], prefetch=False)
 
     @property
     def offloaded(self) -> bool:
-        """Whether some experts live in host memory (the forwards then cannot be captured)."""
+        """Whether some experts live in host memory (a forward is then no longer one graph)."""
         return self.offload is not None or self.mtp_offload is not None
 
     # -- layers -----------------------------------------------------------------------------
@@ -173,21 +174,21 @@ class FusedModel:
                                            protect=routing.protect, device=self.model.device)
         return layer.store.resident_mask(), self._tables[key]
 
-    def _layer(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor, rows: Rows,
+    def decoder_layer(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor, rows: Rows,
                keys: Tensor, values: Tensor, tables: Tensor, routing: RoutingOptions | None,
                offload: tuple[Offload, int] | None = None) -> tuple[Tensor, Tensor]:
         """(normed for the next layer, residual) after one decoder layer; offload: (the model's
         Offload, this layer's index in it) when its experts have device slots."""
-        normed, residual = self._attend(layer, normed, residual, rows, keys, values, tables)
+        normed, residual = self.attend(layer, normed, residual, rows, keys, values, tables)
         if not layer.moe:
-            return self._dense(layer, normed, residual, next_norm)
-        expert_ids, weights = self._route(layer, normed, rows, routing)
-        return self._experts(layer, normed, residual, next_norm, expert_ids, weights, offload)
+            return self.dense(layer, normed, residual, next_norm)
+        expert_ids, weights = self.router(layer, normed, rows, routing)
+        return self.experts(layer, normed, residual, next_norm, expert_ids, weights, offload)
 
     def _by_rows(self, num_rows: int) -> bool:
         return not self.invariant and num_rows > 1  # cuBLAS, its kernel chosen by the row count
 
-    def _attend(self, layer: FusedLayer, normed: Tensor, residual: Tensor, rows: Rows, keys: Tensor, values: Tensor,
+    def attend(self, layer: FusedLayer, normed: Tensor, residual: Tensor, rows: Rows, keys: Tensor, values: Tensor,
                 tables: Tensor) -> tuple[Tensor, Tensor]:
         """Attention through the o projection, the residual add and the post-attention norm."""
         num_rows = normed.shape[0]
@@ -204,12 +205,12 @@ class FusedModel:
             o_partials = linear_partials(attn.view(num_rows, -1), layer.o, layer.o_splits, pdl=pdl)
         return add_rmsnorm(o_partials, residual, layer.post_norm, layer.eps, pdl=pdl)
 
-    def _dense(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor) -> tuple[Tensor, Tensor]:
+    def dense(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor) -> tuple[Tensor, Tensor]:
         gate, up = linear(normed, layer.gate_up, pdl=self.pdl).chunk(2, dim=-1)
         out = linear(F.silu(gate) * up, layer.down, pdl=self.pdl)
         return add_rmsnorm(out, residual, next_norm, layer.eps, pdl=self.pdl)
 
-    def _route(self, layer: FusedLayer, normed: Tensor, rows: Rows,
+    def router(self, layer: FusedLayer, normed: Tensor, rows: Rows,
                routing: RoutingOptions | None) -> tuple[Tensor, Tensor]:
         """(expert_ids [T, k], weights [T, k] float32) of an MoE layer's router."""
         num_rows = normed.shape[0]
@@ -223,7 +224,7 @@ class FusedModel:
                      resident=resident, draft_rows=draft_rows, tables=tables, pdl=self.pdl,
                      live=rows.live if num_rows <= MAX_FUSED_TOKENS else None)
 
-    def _experts(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor, expert_ids: Tensor,
+    def experts(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor, expert_ids: Tensor,
                  weights: Tensor, offload: tuple[Offload, int] | None = None) -> tuple[Tensor, Tensor]:
         """The routed experts' weighted sum, the residual add and the next norm. expert_ids
         index the store's weights (slot ids where the caller made them resident itself)."""
@@ -256,8 +257,9 @@ class FusedModel:
         norms = [layer.input_norm for layer in self.layers[1:]] + [model.norm.weight]
         normed, residual = self.embed(token_ids)
         for index, (layer, next_norm, (keys, values)) in enumerate(zip(self.layers, norms, kv.layers)):
-            normed, residual = self._layer(layer, normed, residual, next_norm, rows, keys, values, kv.block_tables,
-                                           routing, None if self.offload is None else (self.offload, index))
+            normed, residual = self.decoder_layer(layer, normed, residual, next_norm, rows, keys, values,
+                                                  kv.block_tables, routing,
+                                                  None if self.offload is None else (self.offload, index))
         return self.logits(normed), normed
 
     def embed(self, token_ids: Tensor) -> tuple[Tensor, Tensor]:  # [T]
@@ -356,8 +358,8 @@ class FusedModel:
         x = linear(torch.cat([embedded, prior], dim=-1), mtp.fc.weight, pdl=pdl)
         normed, residual = add_rmsnorm(x, None, layer.input_norm, layer.eps, pdl=pdl)
         (keys, values), = kv.layers
-        normed, _ = self._layer(layer, normed, residual, mtp.norm.weight, rows, keys, values, kv.block_tables, routing,
-                                None if self.mtp_offload is None else (self.mtp_offload, 0))
+        normed, _ = self.decoder_layer(layer, normed, residual, mtp.norm.weight, rows, keys, values, kv.block_tables,
+                                       routing, None if self.mtp_offload is None else (self.mtp_offload, 0))
         return linear(normed, model.lm_head.weight, out_dtype=torch.float32, pdl=pdl), normed
 
 

@@ -74,7 +74,7 @@ class SegmentedForward:
             moe = self.moe_layers[segment - 1]
             post, residual, expert_ids, weights = self.outputs[segment - 1]
             slot_ids = layers[moe].store.slots_of(expert_ids)
-            normed, residual = fused._experts(layers[moe], post, residual, self.norms[moe], slot_ids, weights)
+            normed, residual = fused.experts(layers[moe], post, residual, self.norms[moe], slot_ids, weights)
             index = moe + 1
         return self._continue(index, normed, residual)
 
@@ -83,13 +83,13 @@ class SegmentedForward:
         for index in range(index, len(layers)):
             layer = layers[index]
             keys, values = self.kv.layers[index]
-            post, post_residual = fused._attend(layer, normed, residual, self.rows, keys, values, self.kv.block_tables)
+            post, post_residual = fused.attend(layer, normed, residual, self.rows, keys, values, self.kv.block_tables)
             if layer.moe:
-                expert_ids, weights = fused._route(layer, post, self.rows, None)
+                expert_ids, weights = fused.router(layer, post, self.rows, None)
                 segment = self.moe_layers.index(index)
                 self.host_routes[segment][: expert_ids.numel()].copy_(expert_ids.reshape(-1), non_blocking=True)
                 return post, post_residual, expert_ids, weights
-            normed, residual = fused._dense(layer, post, post_residual, self.norms[index])
+            normed, residual = fused.dense(layer, post, post_residual, self.norms[index])
         return fused.logits(normed), normed
 
     @torch.inference_mode()
@@ -128,10 +128,10 @@ class SegmentedForward:
         fused, layers = self.fused, self.fused.layers
         moe = self.moe_layers[segment]
         post, residual, expert_ids, weights = self.outputs[segment]
-        normed, residual = fused._experts(layers[moe], post, residual, self.norms[moe], expert_ids, weights,
+        normed, residual = fused.experts(layers[moe], post, residual, self.norms[moe], expert_ids, weights,
                                           (self.offload, moe))
         for index in range(moe + 1, len(layers)):
             keys, values = self.kv.layers[index]
-            normed, residual = fused._layer(layers[index], normed, residual, self.norms[index], self.rows, keys, values,
-                                            self.kv.block_tables, None, (self.offload, index))
+            normed, residual = fused.decoder_layer(layers[index], normed, residual, self.norms[index], self.rows, keys,
+                                                   values, self.kv.block_tables, None, (self.offload, index))
         return fused.logits(normed), normed
