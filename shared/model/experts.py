@@ -94,7 +94,9 @@ class ExpertStore:
         self.host_down = _to_host(down, pin=cuda)
         self.gate_up = torch.empty((num_slots, *gate_up.shape[1:]), dtype=gate_up.dtype, device=self.device)
         self.down = torch.empty((num_slots, *down.shape[1:]), dtype=down.dtype, device=self.device)
-        self.slot_of_expert = torch.full((num_experts,), -1, dtype=torch.int64, device=self.device)
+        # One entry past the experts, always -1: a dropped route (id -1) indexes it (slots_of).
+        self._slot_table = torch.full((num_experts + 1,), -1, dtype=torch.int64, device=self.device)
+        self.slot_of_expert = self._slot_table[:num_experts]
         self._lru = OrderedDict()  # expert -> slot, least recently used first
         self._prefetched = set()  # prefetched, not yet needed
         self.copy_stream = (copy_stream or torch.cuda.Stream(self.device)) if cuda else None
@@ -170,10 +172,11 @@ class ExpertStore:
                 compute.wait_event(event)
 
     def slots_of(self, expert_ids: Tensor) -> Tensor:
-        """The slot of each routed expert [T, k] (-1 stays -1), on the device without the host:
-        valid once they are resident."""
-        slots = self.slot_of_expert[expert_ids.clamp(min=0)]
-        return torch.where(expert_ids >= 0, slots, -1)
+        """The slot of each routed expert [T, k] (-1 stays -1), on the device without the host, in
+        one gather: valid once they are resident."""
+        if self.all_resident:
+            return expert_ids
+        return self._slot_table[expert_ids]
 
     def _victims(self, count: int, keep: set[int]) -> list[tuple[int, int]]:
         """(expert, slot) of the `count` least recently used resident experts outside `keep`, evicted."""

@@ -200,3 +200,11 @@ def test_segments_run_the_forward_between_route_reads(torch_reference_ops, slots
         got = segmented.run()
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     assert len(segmented.outputs) == 3  # two MoE layers: three segments
+
+
+def test_routes_map_to_slots_on_the_device():
+    s = store()  # resident: 0, 1, 2
+    s.ensure([6])  # evicts 0
+    ids = torch.tensor([[6, -1], [2, 1]])
+    assert s.slots_of(ids).tolist() == [[s.slot(6), -1], [s.slot(2), s.slot(1)]]
+    assert s.resident_mask().tolist() == [e in (1, 2, 6) for e in range(8)]
