@@ -42,11 +42,11 @@ class Drafter:
         self.model = model
         self.settings = settings
         routing = None
-        if settings.moce_scale != 1.0 or settings.expert_slots:
+        if settings.moce_scale not in (0.0, 1.0) or settings.expert_slots:
             if not isinstance(model, Qwen3MoeModel):
                 raise ValueError("moce_scale and expert_slots (MoCE routing, expert slots) are built for the "
                                  "qwen3_moe family only; this checkpoint is qwen3_next")
-            routing = RoutingOptions(moce=True, scale=settings.moce_scale)
+            routing = RoutingOptions(moce=True, scale=settings.moce_base_scale(model.config.num_experts))
         fused = None
         if model.mtp is not None and fused_wanted(model, settings.fused):
             fused = FusedModel(model, max_rows=MAX_FUSED_MTP_ROWS, max_length=model.config.max_position_embeddings)

@@ -21,7 +21,7 @@ class DrafterSettings:
     fused: str = field(default="auto", metadata={"help": "fused-kernel MTP path: auto (on for CUDA when the model allows), on, off (reference path)"})
     max_sessions: int = field(default=256, metadata={"help": "sessions kept; the least recently used is evicted (its verifier re-syncs)"})
     max_streams_per_peer: int = field(default=64, metadata={"help": "Draft streams one peer (client address) may hold open; more get RESOURCE_EXHAUSTED"})
-    moce_scale: float = field(default=1.0, metadata={"help": "MoCE base scale b for the MTP layer's draft rows (m = b*b; 1 = plain routing); with --expert-slots at 25%/50% of the experts, 3/2 halve the misses (docs/PERFORMANCE.md)"})
+    moce_scale: float = field(default=0.0, metadata={"help": "MoCE base scale b for the MTP layer's draft rows (m = b*b; 1 = plain routing); 0 = by the expert slots: plain routing with every expert resident, 3 with --expert-slots at most 25% of the experts, 2 above (the embedded model: misses -54% for -3.8% MTP acceptance at 25%, -57% for -1.1% at 50%; docs/PERFORMANCE.md)"})
     expert_slots: int = field(default=0, metadata={"help": "device expert slots per MoE layer (0 = all resident)"})
     global_index_contexts: int = field(default=1_000_000, metadata={"help": "contexts kept in the cross-session suffix index (about 15 per output token; oldest dropped first)"})
     draft_ahead: bool = field(default=True, metadata={"help": "after a suffix chain, send the next round's chain at once, assuming every draft accepted and the bonus the suffix index expects (used by the verifier only if that is what it commits)"})
@@ -43,10 +43,19 @@ class DrafterSettings:
             raise ValueError(f"max_sessions {self.max_sessions} must be >= 1")
         if self.max_streams_per_peer < 1:
             raise ValueError(f"max_streams_per_peer {self.max_streams_per_peer} must be >= 1")
-        if not (math.isfinite(self.moce_scale) and self.moce_scale > 0):
-            raise ValueError(f"moce_scale {self.moce_scale!r} must be finite and > 0")
+        if not (math.isfinite(self.moce_scale) and self.moce_scale >= 0):
+            raise ValueError(f"moce_scale {self.moce_scale!r} must be finite and > 0 (or 0: by the expert slots)")
         if self.expert_slots < 0 or self.global_index_contexts < 0:
             raise ValueError("expert_slots and global_index_contexts must be >= 0")
+
+    def moce_base_scale(self, num_experts: int) -> float:
+        """The MoCE base scale b for a model of `num_experts` routed experts per layer: the
+        setting, or with 0 the measured best for the slot budget (bench/moce_drafts.py)."""
+        if self.moce_scale:
+            return self.moce_scale
+        if not self.expert_slots or self.expert_slots >= num_experts:
+            return 1.0
+        return 3.0 if self.expert_slots <= num_experts / 4 else 2.0
 
     @property
     def address(self) -> str:

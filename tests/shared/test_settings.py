@@ -47,7 +47,7 @@ def test_bad_verifier_settings_are_named(argv, environ, message):
 @pytest.mark.parametrize(
     "argv,message",
     [(["--planner", "random"], "planner 'random' must be adaptive, mtp or suffix"),
-     (["--moce-scale", "0"], "moce_scale 0.0 must be finite and > 0"),
+     (["--moce-scale", "-1"], "moce_scale -1.0 must be finite and > 0"),
      (["--device", "tpu"], "device 'tpu' must be cpu, cuda or cuda:N")],
 )
 def test_bad_drafter_settings_are_named(argv, message):
@@ -61,3 +61,13 @@ def test_cli_refuses_to_start_with_a_bad_setting(capsys):
 
     assert main(["verifier", "--max-sessions", "0"]) == 2
     assert "max_sessions 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_the_drafters_moce_scale_follows_its_slot_budget_by_default():
+    from drafter_service.settings import DrafterSettings
+
+    assert DrafterSettings().moce_base_scale(16) == 1.0  # every expert resident: plain routing
+    assert DrafterSettings(expert_slots=4).moce_base_scale(16) == 3.0  # 25%
+    assert DrafterSettings(expert_slots=8).moce_base_scale(16) == 2.0  # 50%
+    assert DrafterSettings(expert_slots=16).moce_base_scale(16) == 1.0
+    assert DrafterSettings(expert_slots=4, moce_scale=1.5).moce_base_scale(16) == 1.5  # as set
