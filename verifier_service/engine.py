@@ -99,7 +99,7 @@ class Engine:
                                         use_graphs=cuda_graphs and model.device.type == "cuda")
             self.windows.capture(progress=None if progress is None else
                                  lambda what, s: progress(f"captured {what} in {s:.2f}s"))
-            if self.windows.use_graphs:
+            if self.windows.use_graphs or self.windows.segments is not None:  # (CUDA)
                 self._warm_prefill(progress)
             # Results reach the host through two (pinned) slots, copied in the compute stream: the
             # window in hand, and (decode-ahead) the step enqueued behind it.
