@@ -36,6 +36,11 @@ for _ in range(MAX_MATCH):
     POW.append(POW[-1] * BASE % MOD)
 del _
 
+# A context seen with one next token only is an int: the token, plus (count - 1) << COUNT_SHIFT
+# (a repeat is then an addition, not a dict: text that repeats itself counts 4x faster).
+COUNT_SHIFT = 32
+TOKEN_MASK = (1 << COUNT_SHIFT) - 1
+ONE_MORE = 1 << COUNT_SHIFT
 COUNT_CHUNK = 4096  # tokens counted per job (about 50 ms on a slow CPU)
 MIN_TOKEN_PROB = 0.1  # stop a chain when its estimated probability drops below this
 # A chain holds at most factor × (matched context tokens) + offset drafts. Chosen on a replay
@@ -55,8 +60,9 @@ class SuffixMatch(NamedTuple):  # (a tuple: built on every round's path, cheaper
 class ContextCounts:
     """Context hash → next-token counts, one table per order; optionally bounded.
 
-    A value is the single token seen after the context (count 1), or a dict token → count
-    whose order is recency (a token moves to the end when counted). Bounded tables keep two
+    A value is the single token seen after the context (an int: the token, plus its count - 1
+    shifted left by COUNT_SHIFT), or a dict token → count whose order is recency (a token moves
+    to the end when counted). Bounded tables keep two
     generations: when the current one holds max_contexts // 2 contexts it becomes the old
     one (whose leftovers are dropped), and a context counted again moves to the current."""
 
@@ -89,7 +95,7 @@ class ContextCounts:
                 table[key] = token
                 return
         if type(value) is int:
-            table[key] = {token: 2} if value == token else {value: 1, token: 1}
+            table[key] = value + ONE_MORE if value & TOKEN_MASK == token else _split(value, token)
         else:
             value[token] = value.pop(token, 0) + 1
 
@@ -100,10 +106,15 @@ class ContextCounts:
         return value
 
 
+def _split(single: int, token: int) -> dict[int, int]:
+    """The counts of a context seen only with one token (packed), now followed by another."""
+    return {single & TOKEN_MASK: (single >> COUNT_SHIFT) + 1, token: 1}
+
+
 def _best(value) -> tuple[int, float]:
     """(most frequent next token, its frequency); ties go to the most recently counted."""
     if type(value) is int:
-        return value, 1.0
+        return value & TOKEN_MASK, 1.0
     best, best_count, total = -1, 0, 0
     for token, count in value.items():
         total += count
@@ -146,7 +157,7 @@ def _count_stream(counts: ContextCounts, token_ids: list[int], prefix: list[int]
                 table[key] = token
                 added += 1
             elif type(value) is int:
-                table[key] = {token: 2} if value == token else {value: 1, token: 1}
+                table[key] = value + ONE_MORE if value & TOKEN_MASK == token else _split(value, token)
             else:
                 value[token] = value.pop(token, 0) + 1
     counts._current_size += added
@@ -208,8 +219,8 @@ def _propose(counts: ContextCounts, prefix: list[int], max_tokens: int, min_prob
             next_order = ORDERS[oi + 1]
         if value is None:
             break
-        if type(value) is int:  # seen once: certain under the counts
-            token = value
+        if type(value) is int:  # only ever followed by one token: certain under the counts
+            token = value & TOKEN_MASK
         else:
             token, p = _best(value)
             prob *= p

@@ -17,6 +17,7 @@ from drafter_service.proposers.suffix import (
     SuffixDrafter,
     SuffixIndex,
     SuffixMatch,
+    _best,
 )
 
 
@@ -200,3 +201,16 @@ def test_the_standalone_drafter_picks_the_better_source_and_learns_finished_outp
     with pytest.raises(ValueError, match="not active"):
         drafter.propose("zzz", 4)
     assert "a" not in drafter._requests and len(drafter.global_index) > 0
+
+
+def test_a_context_with_one_continuation_counts_without_a_dict():
+    """Repeats of the only token seen after a context stay an int (token + count); a second
+    token turns it into the recency-ordered dict with the full counts."""
+    counts = ContextCounts()
+    for _ in range(3):
+        counts.count(0, 7, 5)
+    packed = counts.get(0, 7)
+    assert type(packed) is int and _best(packed) == (5, 1.0)
+    counts.count(0, 7, 9)
+    assert counts.get(0, 7) == {5: 3, 9: 1}
+    assert _best(counts.get(0, 7)) == (5, 0.75)
