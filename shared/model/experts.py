@@ -178,8 +178,8 @@ class ExpertStore:
             return expert_ids
         return self._slot_table[expert_ids]
 
-    def _victims(self, count: int, keep: set[int]) -> list[tuple[int, int]]:
-        """(expert, slot) of the `count` least recently used resident experts outside `keep`, evicted."""
+    def _victims(self, count: int, keep: set[int]) -> list[int]:
+        """The slots of the `count` least recently used resident experts outside `keep`, evicted."""
         if not count:
             return []
         victims = []
@@ -188,10 +188,10 @@ class ExpertStore:
                 break
             if expert not in keep:
                 victims.append(expert)
-        evicted = [(expert, self._lru.pop(expert)) for expert in victims]
+        slots = [self._lru.pop(expert) for expert in victims]
         self._prefetched.difference_update(victims)
         self.slot_of_expert[victims] = -1
-        return evicted
+        return slots
 
     def ensure(self, experts: list[int]) -> int:
         """Make `experts` resident (LRU replacement), counting hits and misses; the compute
@@ -216,8 +216,7 @@ class ExpertStore:
             else:
                 missing.append(expert)
         self.counters.misses += len(missing)
-        victims = self._victims(len(missing), set(wanted))
-        self._copy([(expert, slot) for expert, (_, slot) in zip(missing, victims)])
+        self._copy(list(zip(missing, self._victims(len(missing), set(wanted)))))
         self.ready(wanted)
         return len(missing)
 
@@ -233,8 +232,7 @@ class ExpertStore:
         for expert in wanted:
             if expert in self._lru:
                 self._lru.move_to_end(expert)
-        victims = self._victims(len(missing), set(wanted))
-        self._copy([(expert, slot) for expert, (_, slot) in zip(missing, victims)], self.prefetch_stream)
+        self._copy(list(zip(missing, self._victims(len(missing), set(wanted)))), self.prefetch_stream)
         self._prefetched.update(missing)
         self.counters.prefetched += len(missing)
         return len(missing)
@@ -301,7 +299,6 @@ class ExpertStore:
             out, rows = self.grouped_sorted(hidden, expert_ids)
             return out[rows]
         flat = expert_ids.reshape(-1)  # [T*k]
-        top_k = expert_ids.shape[1]
         experts, counts = torch.unique(flat, return_counts=True)
         routed = [(e, c) for e, c in zip(experts.tolist(), counts.tolist()) if e >= 0]
         out = torch.empty((flat.numel(), hidden.shape[1]), dtype=hidden.dtype, device=hidden.device)
@@ -312,33 +309,32 @@ class ExpertStore:
             key_of_expert = torch.full((self.num_experts + 1,), self.num_slots, dtype=torch.int64)
             key_of_expert[[e for e, _ in group]] = torch.tensor([self.slot(e) for e, _ in group])
             keys = key_of_expert.to(flat.device, non_blocking=True)[flat]  # [T*k]: slot, or num_slots
-            order = torch.argsort(keys, stable=True)
-            rows = hidden[order // top_k]
-            ends = torch.cumsum(torch.zeros(self.num_slots + 1, dtype=torch.int64, device=flat.device).scatter_add_(
-                0, keys, torch.ones_like(keys))[: self.num_slots], dim=0).to(torch.int32)
-            act = silu_mul(torch._grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends))
+            part, order = self._grouped_mm(hidden, keys, expert_ids.shape[1])
             members = sum(count for _, count in group)
-            part = torch._grouped_mm(act, self.down.transpose(1, 2), offs=ends)[:members]
-            out[order[:members]] = part
+            out[order[:members]] = part[:members]
         return out
 
     def grouped_sorted(self, hidden: Tensor, expert_ids: Tensor) -> tuple[Tensor, Tensor]:
         """(route outputs [T*k, hidden] grouped by expert, rows [T*k]: where route t*k + rank's
         output lies) by torch._grouped_mm over the routes sorted by expert (every expert resident).
         Consumers read through `rows` rather than un-permuting T*k hidden-sized rows."""
-        flat = expert_ids.reshape(-1)  # [T*k]
-        top_k = expert_ids.shape[1]
-        order = torch.argsort(flat, stable=True)
-        rows = hidden[order // top_k]  # [T*k, hidden], grouped by expert
-        # Counts by scatter_add, not bincount: bincount sizes its output on the host (a sync).
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat)
-        )
-        ends = torch.cumsum(counts, dim=0).to(torch.int32)
-        act = silu_mul(torch._grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends))
-        out = torch._grouped_mm(act, self.down.transpose(1, 2), offs=ends)  # [T*k, hidden]
+        out, order = self._grouped_mm(hidden, expert_ids.reshape(-1), expert_ids.shape[1])
         position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         return out, position
+
+    def _grouped_mm(self, hidden: Tensor, keys: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+        """(outputs [T*k, hidden] of the routes sorted by key, the sort order [T*k]): route r =
+        t*k + rank runs weights[keys[r]]; keys equal to len(weights) sort behind the last offset
+        and are not computed (their rows hold garbage)."""
+        num_groups = self.gate_up.shape[0]
+        order = torch.argsort(keys, stable=True)
+        rows = hidden[order // top_k]  # [T*k, hidden], grouped by key
+        # Counts by scatter_add, not bincount: bincount sizes its output on the host (a sync).
+        counts = torch.zeros(num_groups + 1, dtype=torch.int64, device=keys.device).scatter_add_(
+            0, keys, torch.ones_like(keys))
+        ends = torch.cumsum(counts[:num_groups], dim=0).to(torch.int32)
+        act = silu_mul(torch._grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends))
+        return torch._grouped_mm(act, self.down.transpose(1, 2), offs=ends), order
 
     def _forward_gather(self, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         num_tokens, top_k = expert_ids.shape

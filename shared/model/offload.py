@@ -81,7 +81,7 @@ class Offload:
     start the next MoE layer's predicted copies while a layer runs, at most prefetch_limit of
     them a layer (the most often predicted first: a copy takes longer than a layer's compute)."""
 
-    def __init__(self, stores: list[ExpertStore | None], *, prefetch: bool = True, prefetch_limit: int = 2,
+    def __init__(self, stores: list[ExpertStore | None], *, prefetch: bool = False, prefetch_limit: int = 2,
                  memory_capacity: int = 65536):
         if prefetch_limit < 1:
             raise ValueError(f"prefetch_limit {prefetch_limit} must be >= 1")
