@@ -19,6 +19,7 @@ import time
 
 import torch
 
+import kernels.fused as fused_package
 import kernels.fused.attention as attention
 import kernels.fused.linear as linear
 import kernels.fused.moe as moe
@@ -55,6 +56,18 @@ def variants(model) -> dict[str, list[tuple[object, str, object]]]:
     down_shape = (c.hidden_size, c.moe_intermediate_size)
     lin, moe_cfg, splits = linear.linear_config, moe.moe_config, fast.split_k
     out: dict[str, list] = {}
+    before = [(linear, "PRELOAD_TILES", 0), (fused_package, "EARLY_READS", False)]  # the step before session 15
+    out["nothing before the wait (session 14's kernels)"] = before
+    out["everything before the wait (attention keys, experts down with a dependent launch)"] = [
+        (attention, "EARLY_KEYS", True), (moe, "DOWN_PRELOAD", True), (moe, "DOWN_PDL", True)]
+    out["per-row kernels: inputs after the wait"] = [(fused_package, "EARLY_READS", False)]
+    out["projections: first weight tile after the wait"] = [(linear, "PRELOAD_TILES", 0)]
+    out["projections: two weight tiles before the wait"] = [(linear, "PRELOAD_TILES", 2)]
+    out["experts down: routes and first tile before the wait"] = [(moe, "DOWN_PRELOAD", True)]
+    out["experts down: dependent launch, first tile before the wait"] = [(moe, "DOWN_PRELOAD", True),
+                                                                          (moe, "DOWN_PDL", True)]
+    out["experts down: dependent launch"] = [(moe, "DOWN_PDL", True)]
+    out["attention: rows, block ids and first keys before the wait"] = [(attention, "EARLY_KEYS", True)]
     out["combine: 16 warps"] = [(moe, "COMBINE_WARPS", 16)]
     out["add + rmsnorm: 16 warps"] = [(norm, "NORM_WARPS", 16)]
     out["q/k norm + rope: 4 warps"] = [(norm, "QK_ROPE_WARPS", 4)]
@@ -111,7 +124,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--pairs", type=int, default=9)
-    parser.add_argument("--only", default="", help="run the variants whose name contains this")
+    parser.add_argument("--only", default="",
+                        help="run the variants whose name contains this (or one of these, comma-separated)")
     parser.add_argument("--set", choices=["tune", "previous"], default="tune",
                         help="tune: one setting changed at a time; previous: the settings before this sweep")
     parser.add_argument("--contexts", default="512,4096")
@@ -142,7 +156,7 @@ def main() -> None:
     print("| --- | " + "---: | " * (len(contexts) * len(WINDOWS) + 1), flush=True)
     sets = {"tune": variants, "previous": previous}
     for name, patches in sets[args.set](model).items():
-        if args.only and args.only not in name:
+        if args.only and not any(part in name for part in args.only.split(",")):
             continue
         saved = [(module, attr, getattr(module, attr)) for module, attr, _ in patches]
         t0 = time.perf_counter()

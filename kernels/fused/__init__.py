@@ -65,6 +65,18 @@ def pdl_supported(device: torch.device | str) -> bool:
     return device.type == "cuda" and triton_available() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+# Under PDL a kernel's programs start while the kernel before finishes. What that kernel does not
+# write (weights, the host's inputs, results of kernels further back, which had finished before
+# it passed its own wait) the small per-row kernels read before their wait, so those loads overlap it.
+EARLY_READS = True
+
+
+def early_reads() -> bool:
+    """Whether the per-row kernels read their inputs that the kernel before does not write before
+    waiting for it (a module switch, read at launch: bench/config_sweep.py patches it)."""
+    return EARLY_READS
+
+
 def launch_options(pdl: bool) -> dict[str, bool]:
     """Extra launch arguments of a kernel that takes the PDL constexpr (the interpreter knows none)."""
     return {"launch_pdl": True} if pdl else {}

@@ -20,7 +20,7 @@ import math
 import torch
 from torch import Tensor
 
-from kernels.fused import cdiv, launch_options, next_power_of_2, paged_rows, use_triton
+from kernels.fused import cdiv, early_reads, launch_options, next_power_of_2, paged_rows, use_triton
 
 MIN_BLOCK_M = 16  # query rows × heads per program: a multiple of the GQA group (tl.dot needs >= 16)
 MERGE_SLICE = 32  # head-dim columns per merge program
@@ -31,6 +31,9 @@ SPLIT = 128  # keys per split: short contexts still spread over many programs (H
 # context 512 with 512-key splits, latency-bound in one program per KV head)
 MERGE_CHUNK = 32  # splits merged per step
 SPLIT_WARPS, SPLIT_STAGES, MERGE_WARPS = 4, 3, 1  # (H200, bench/config_sweep.py: 3 stages beat 2 by ~2%)
+# Under PDL each split program reads its rows, block ids and first keys before waiting for the
+# kernel before it (which writes only the window's own keys and q).
+EARLY_KEYS = False
 
 
 def attention_reference(
@@ -57,118 +60,10 @@ def attention_reference(
 
 @functools.cache
 def _kernels():
-    import triton
-    import triton.language as tl
+    """Triton is imported on first use, so CPU-only installs never need it."""
+    from kernels.fused import attention_kernels
 
-    @triton.jit
-    def split_kernel(
-        q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, seq_start_ptr, seq_slot_ptr, o_part_ptr, lse_part_ptr,
-        stride_block, stride_pos, stride_table, sm_scale, num_splits, num_row_blocks,
-        NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
-        ROWS_PER_BLOCK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILES: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-    ):
-        if PDL:  # wait for the predecessor kernel before touching anything it may write or read
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        row_block = pid % num_row_blocks
-        kv_head = (pid // num_row_blocks) % NUM_KV
-        seq = pid // (num_row_blocks * NUM_KV)
-        first = tl.load(seq_start_ptr + seq)
-        end_row = tl.load(seq_start_ptr + seq + 1)
-        slot = tl.load(seq_slot_ptr + seq)
-        m = tl.arange(0, BLOCK_M)
-        row = first + row_block * ROWS_PER_BLOCK + m // GROUP
-        head = kv_head * GROUP + m % GROUP
-        row_ok = (m < ROWS_PER_BLOCK * GROUP) & (row < end_row)
-        pos = tl.load(pos_ptr + row, mask=row_ok, other=-1).to(tl.int32)
-        start = split * SPLIT
-        last = tl.max(pos, axis=0)
-        if start <= last:
-            stop = tl.minimum(start + SPLIT, last + 1)
-            # The split's block ids first, in one load issued with q's: no load in the key loop
-            # waits on another (a dependent load per tile cost ~2% of a decode step at context 512).
-            table = table_ptr + slot * stride_table
-            tile = tl.arange(0, TILES)
-            if BLOCK_SIZE % BLOCK_N == 0:  # a tile lies in one block (tiles start at multiples of BLOCK_N)
-                tile_blocks = tl.load(table + (start + tile * BLOCK_N) // BLOCK_SIZE, mask=start + tile * BLOCK_N <= last,
-                                      other=0).to(tl.int64)  # [TILES]
-            else:
-                keys = start + tile[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                key_blocks = tl.load(table + keys // BLOCK_SIZE, mask=keys <= last, other=0).to(tl.int64)  # [TILES, BLOCK_N]
-            d = tl.arange(0, D)
-            q = tl.load(q_ptr + (row[:, None] * NUM_Q + head[:, None]) * D + d[None, :], mask=row_ok[:, None], other=0.0)
-            m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-            l_i = tl.zeros((BLOCK_M,), tl.float32)
-            acc = tl.zeros((BLOCK_M, D), tl.float32)
-            for n0 in range(start, stop, BLOCK_N):
-                n = n0 + tl.arange(0, BLOCK_N)
-                n_ok = n < stop
-                this = tile == (n0 - start) // BLOCK_N
-                if BLOCK_SIZE % BLOCK_N == 0:
-                    block = tl.sum(tl.where(this, tile_blocks, 0), axis=0)
-                    offs = (block * stride_block + kv_head * D + (n0 % BLOCK_SIZE + tl.arange(0, BLOCK_N))[:, None] * stride_pos
-                            + d[None, :])
-                else:
-                    block = tl.sum(tl.where(this[:, None], key_blocks, 0), axis=0)  # [BLOCK_N]
-                    offs = block[:, None] * stride_block + (n % BLOCK_SIZE)[:, None] * stride_pos + kv_head * D + d[None, :]
-                k = tl.load(k_ptr + offs, mask=n_ok[:, None], other=0.0)
-                if IEEE:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
-                else:
-                    s = tl.dot(q, tl.trans(k)) * sm_scale
-                s = tl.where(n[None, :] <= pos[:, None], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp(m_i - m_safe)
-                p = tl.exp(s - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                v = tl.load(v_ptr + offs, mask=n_ok[:, None], other=0.0)
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
-            has = l_i > 0
-            lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-            out = acc / tl.where(has, l_i, 1.0)[:, None]
-            part = (row * NUM_Q + head) * num_splits + split
-            tl.store(o_part_ptr + part[:, None] * D + d[None, :], out, mask=row_ok[:, None])
-            tl.store(lse_part_ptr + part, lse, mask=row_ok)
-
-    @triton.jit
-    def merge_kernel(
-        o_part_ptr, lse_part_ptr, pos_ptr, out_ptr, num_splits,
-        NUM_Q: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr, SLICE: tl.constexpr,
-        PDL: tl.constexpr,
-    ):
-        if PDL:  # wait for the predecessor kernel before touching anything it may write or read
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        row = tl.program_id(0)
-        head = tl.program_id(1)
-        column = tl.program_id(2) * SLICE
-        used = tl.load(pos_ptr + row).to(tl.int32) // SPLIT + 1  # the splits this row's keys fall in
-        base = (row * NUM_Q + head) * num_splits
-        c = tl.arange(0, CHUNK)
-        top = tl.full((CHUNK,), float("-inf"), tl.float32)
-        for s0 in range(0, used, CHUNK):
-            top = tl.maximum(top, tl.load(lse_part_ptr + base + s0 + c, mask=s0 + c < used, other=float("-inf")))
-        top_all = tl.max(top, axis=0)
-        d = column + tl.arange(0, SLICE)
-        acc = tl.zeros((SLICE,), tl.float32)
-        total = tl.zeros((CHUNK,), tl.float32)
-        for s0 in range(0, used, CHUNK):
-            ok = s0 + c < used
-            w = tl.exp(tl.load(lse_part_ptr + base + s0 + c, mask=ok, other=float("-inf")) - top_all)
-            parts = tl.load(o_part_ptr + (base + s0 + c)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
-            acc += tl.sum(w[:, None] * parts, axis=0)
-            total += w
-        tl.store(out_ptr + (row * NUM_Q + head) * D + d, (acc / tl.sum(total, axis=0)).to(out_ptr.dtype.element_ty))
-
-    return split_kernel, merge_kernel
+    return attention_kernels.split_kernel, attention_kernels.merge_kernel
 
 
 class AttentionWorkspace:
@@ -219,7 +114,7 @@ def decode_attention(
         1.0 / math.sqrt(head_dim), workspace.num_splits, num_row_blocks,
         NUM_Q=num_heads, NUM_KV=num_kv, D=head_dim, GROUP=group, ROWS_PER_BLOCK=rows_per_block,
         SPLIT=workspace.split, BLOCK_SIZE=cache_keys.shape[1], TILES=workspace.split // BLOCK_N, BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N, IEEE=ieee, PDL=pdl,
+        BLOCK_N=BLOCK_N, IEEE=ieee, PDL=pdl, EARLY=EARLY_KEYS,
         num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES, **launch_options(pdl),
     )
     out = torch.empty_like(q)
@@ -227,6 +122,7 @@ def decode_attention(
     merge_kernel[(num_rows, num_heads, head_dim // slice_)](
         workspace.o_part, workspace.lse_part, positions, out, workspace.num_splits,
         NUM_Q=num_heads, D=head_dim, SPLIT=workspace.split, CHUNK=MERGE_CHUNK, SLICE=slice_, PDL=pdl,
+        EARLY=early_reads(),
         num_warps=MERGE_WARPS, **launch_options(pdl),
     )
     return out

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.fused import cdiv, launch_options, next_power_of_2, use_triton
+from kernels.fused import cdiv, early_reads, launch_options, next_power_of_2, use_triton
 from kernels.fused.linear import pipeline_stages
 from kernels.fused.norm import add_rmsnorm_reference
 
@@ -34,6 +34,11 @@ BLOCK_M = 16  # routes of one expert per program (tl.dot's smallest M)
 TABLE_MIN_ROUTES = 128
 TABLE_CHUNK = 16  # routes per program of the table kernel
 MAX_FUSED_TOKENS = 64  # above this, the grouped (prefill) path is used
+# The down kernel follows gate_up, a bandwidth-bound kernel: a plain dependent launch there measured
+# slower (its early programs take SM slots). DOWN_PRELOAD: its programs read their routes and first
+# weight tile before waiting (with DOWN_PDL, while gate_up finishes).
+DOWN_PDL = False
+DOWN_PRELOAD = False
 COMBINE_WARPS = 8  # the combine kernel's, per row (H200: 8 and 16 beat 4 and 2 by ~3% of the step)
 
 
@@ -140,11 +145,11 @@ def fused_experts(
     )
     out = torch.empty((num_routes, hidden), dtype=torch.float32, device=x.device)
     block_n, block_k, warps, stages = moe_config(hidden, inter, x.element_size())
+    down_pdl = pdl and DOWN_PDL
     down_kernel[(num_routes, cdiv(hidden, block_n))](
         act, ids, sorted_routes, tile_len, down, out, num_routes, inter, hidden,
-        # down follows gate_up, a bandwidth-bound kernel: a dependent launch there measured slower
-        R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, PDL=False, TABLE=table,
-        num_warps=warps, num_stages=stages,
+        R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, PDL=down_pdl, TABLE=table,
+        PRELOAD=DOWN_PRELOAD, num_warps=warps, num_stages=stages, **launch_options(down_pdl),
     )
     return out
 
@@ -171,7 +176,8 @@ def combine_add_rmsnorm(
     _kernels()[2][(num_tokens,)](
         route_out, weights.contiguous(), residual.contiguous(), norm_weight, normed, new_residual,
         route_rows if route_rows is not None else weights, hidden, eps,
-        TOP_K=top_k, BLOCK=next_power_of_2(hidden), HAS_ROWS=route_rows is not None, PDL=pdl,
+        TOP_K=top_k, K_PAD=max(2, next_power_of_2(top_k)), BLOCK=next_power_of_2(hidden),
+        HAS_ROWS=route_rows is not None, PDL=pdl, EARLY=early_reads(),
         num_warps=COMBINE_WARPS, **launch_options(pdl),
     )
     return normed, new_residual

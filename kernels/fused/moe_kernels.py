@@ -99,21 +99,35 @@ def gate_up_kernel(
 def down_kernel(
     act_ptr, ids_ptr, sorted_ptr, tile_len_ptr, w_ptr, out_ptr, R, I, H,
     R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr, PRELOAD: tl.constexpr,
 ):
+    r = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    ks = tl.arange(0, BLOCK_K)
+    if PRELOAD:  # the routes (from kernels before gate_up) and the first weight tile, before the wait
+        expert, opens, members, member_ok = _tile(ids_ptr, sorted_ptr, tile_len_ptr, r, R, R_PAD, BLOCK_M, TABLE)
+        w_first = tl.load(w_ptr + tl.maximum(expert, 0).to(tl.int64) * (H * I) + n[:, None] * I + ks[None, :],
+                          mask=opens & n_ok[:, None] & (ks < I)[None, :], other=0.0)
     if PDL:  # wait for the predecessor kernel before touching anything it may write or read
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    r = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    expert, opens, members, member_ok = _tile(ids_ptr, sorted_ptr, tile_len_ptr, r, R, R_PAD, BLOCK_M, TABLE)
+    if not PRELOAD:
+        expert, opens, members, member_ok = _tile(ids_ptr, sorted_ptr, tile_len_ptr, r, R, R_PAD, BLOCK_M, TABLE)
     if opens:
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < H
-        ks = tl.arange(0, BLOCK_K)
         w_base = w_ptr + expert.to(tl.int64) * (H * I)
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, I, BLOCK_K):
+        k_first = 0
+        if PRELOAD:  # the loop's first step on the early tile (same order of sums)
+            a = tl.load(act_ptr + members[:, None] * I + ks[None, :], mask=member_ok[:, None] & (ks < I)[None, :],
+                        other=0.0)
+            if IEEE:
+                acc = tl.dot(a, tl.trans(w_first), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w_first), acc)
+            k_first = BLOCK_K
+        for k0 in range(k_first, I, BLOCK_K):
             kk = k0 + ks
             k_ok = kk < I
             a = tl.load(act_ptr + members[:, None] * I + kk[None, :], mask=member_ok[:, None] & k_ok[None, :], other=0.0)
@@ -127,30 +141,39 @@ def down_kernel(
 @triton.jit
 def combine_kernel(
     route_ptr, weights_ptr, res_ptr, norm_ptr, normed_ptr, res_out_ptr, rows_ptr, H, eps,
-    TOP_K: tl.constexpr, BLOCK: tl.constexpr, HAS_ROWS: tl.constexpr, PDL: tl.constexpr,
+    TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_ROWS: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
-    if PDL:  # wait for the predecessor kernel before touching anything it may write or read
+    if PDL and not EARLY:  # wait for the predecessor kernel before touching anything it may write or read
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
+    # (EARLY: the route weights, the residual and the norm weight come from kernels further back:
+    # read before the wait; only the route outputs come from the kernel before.)
+    ranks = tl.arange(0, K_PAD)
+    route_w = tl.load(weights_ptr + t * TOP_K + ranks, mask=ranks < TOP_K, other=0.0)  # [K_PAD]
+    if HAS_ROWS:  # route outputs in another order (grouped by expert): rows_ptr says where
+        route_rows = tl.load(rows_ptr + t * TOP_K + ranks, mask=ranks < TOP_K, other=0).to(tl.int64)
+    else:
+        route_rows = (t * TOP_K + ranks).to(tl.int64)
+    res = tl.load(res_ptr + t * H + cols, mask=ok, other=0.0)
+    g = tl.load(norm_ptr + cols, mask=ok, other=0.0)
+    if PDL and EARLY:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     mixed = tl.zeros((BLOCK,), tl.float32)
     for rank in tl.static_range(TOP_K):
-        w = tl.load(weights_ptr + t * TOP_K + rank)
-        if HAS_ROWS:  # route outputs in another order (grouped by expert): rows_ptr says where
-            row = tl.load(rows_ptr + t * TOP_K + rank).to(tl.int64)
-        else:
-            row = t * TOP_K + rank
+        w = tl.sum(tl.where(ranks == rank, route_w, 0.0), axis=0)
+        row = tl.sum(tl.where(ranks == rank, route_rows, 0), axis=0)
         mixed += w * tl.load(route_ptr + row * H + cols, mask=ok, other=0.0).to(tl.float32)
-    res = tl.load(res_ptr + t * H + cols, mask=ok, other=0.0)
     dtype = res.dtype
     h = (mixed.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
     tl.store(res_out_ptr + t * H + cols, h, mask=ok)
     y = h.to(tl.float32)
     var = tl.sum(y * y, axis=0) / H
     y = (y * tl.rsqrt(var + eps)).to(dtype)
-    g = tl.load(norm_ptr + cols, mask=ok, other=0.0)
     tl.store(normed_ptr + t * H + cols, (g.to(tl.float32) * y.to(tl.float32)).to(dtype), mask=ok)
 
 

@@ -12,7 +12,7 @@ import functools
 import torch
 from torch import Tensor
 
-from kernels.fused import launch_options, next_power_of_2, paged_rows, use_triton
+from kernels.fused import early_reads, launch_options, next_power_of_2, paged_rows, use_triton
 
 NORM_WARPS = 8  # add_rmsnorm's per row (doubled past 4,096 columns; H200: 8 beat 4 by ~1-2% of the step)
 QK_ROPE_WARPS = 1  # per (row, head)
@@ -68,13 +68,18 @@ def _kernels():
     def add_rmsnorm_kernel(
         x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PARTIALS: tl.constexpr, PDL: tl.constexpr,
+        EARLY: tl.constexpr,
     ):
-        if PDL:  # wait for the predecessor kernel before touching anything it may write or read
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         ok = cols < H
+        if EARLY:  # the weight, and the residual (from kernels further back), before the wait
+            w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(res_ptr + row * H + cols, mask=ok, other=0.0)
+        if PDL:  # wait for the predecessor kernel before touching anything it may write or read
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         if PARTIALS > 0:  # x as split-K partials [T, PARTIALS, H] float32, summed in split order
             acc = tl.zeros((BLOCK,), tl.float32)
             for s in tl.static_range(PARTIALS):
@@ -83,13 +88,15 @@ def _kernels():
         else:
             h = tl.load(x_ptr + row * H + cols, mask=ok, other=0.0)
         if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row * H + cols, mask=ok, other=0.0)
+            if not EARLY:
+                r = tl.load(res_ptr + row * H + cols, mask=ok, other=0.0)
             h = (h.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
             tl.store(res_out_ptr + row * H + cols, h, mask=ok)
         y = h.to(tl.float32)
         var = tl.sum(y * y, axis=0) / H
         y = (y * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+        if not EARLY:
+            w = tl.load(w_ptr + cols, mask=ok, other=0.0)
         tl.store(out_ptr + row * H + cols, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
@@ -97,36 +104,41 @@ def _kernels():
         qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, table_ptr,
         stride_qkv, stride_block, stride_pos, stride_table, eps,
         NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        PDL: tl.constexpr,
+        PDL: tl.constexpr, EARLY: tl.constexpr,
     ):
-        if PDL:  # wait for the predecessor kernel before touching anything it may write or read
+        if PDL and not EARLY:  # wait for the predecessor kernel before touching anything it may write or read
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0)
         head = tl.program_id(1)
         d = tl.arange(0, D)
+        partner = (d + HALF) % D
+        # (EARLY: the position, its cache row, the norm weights and cos/sin come from the host's
+        # inputs and the weights: read before the wait; only qkv comes from the kernel before.)
         pos = tl.load(pos_ptr + t)
         slot = tl.load(slot_ptr + t)
         block = tl.load(table_ptr + slot * stride_table + pos // BLOCK_SIZE).to(tl.int64)
         kv_row = block * stride_block + (pos % BLOCK_SIZE) * stride_pos
+        is_q = head < NUM_Q
+        norm_ptr = tl.where(is_q, qn_ptr, kn_ptr)
+        w = tl.load(norm_ptr + d)
+        wp = tl.load(norm_ptr + partner)
+        c = tl.load(cos_ptr + pos * D + d)
+        s = tl.load(sin_ptr + pos * D + d)
+        if PDL and EARLY:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         base = qkv_ptr + t * stride_qkv + head * D
         x = tl.load(base + d)
         dtype = x.dtype
         if head < NUM_Q + NUM_KV:
-            partner = (d + HALF) % D
             xp = tl.load(base + partner)
             xf = x.to(tl.float32)
             scale = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
-            if head < NUM_Q:
-                w = tl.load(qn_ptr + d)
-                wp = tl.load(qn_ptr + partner)
-            else:
-                w = tl.load(kn_ptr + d)
-                wp = tl.load(kn_ptr + partner)
             y = (w.to(tl.float32) * (xf * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             yp = (wp.to(tl.float32) * (xp.to(tl.float32) * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            c = tl.load(cos_ptr + pos * D + d).to(dtype).to(tl.float32)
-            s = tl.load(sin_ptr + pos * D + d).to(dtype).to(tl.float32)
+            c = c.to(dtype).to(tl.float32)
+            s = s.to(dtype).to(tl.float32)
             rotated = tl.where(d < HALF, -yp, yp)
             out = ((y * c).to(dtype).to(tl.float32) + (rotated * s).to(dtype).to(tl.float32)).to(dtype)
             if head < NUM_Q:
@@ -166,7 +178,8 @@ def add_rmsnorm(
     _kernels()[0][(num_rows,)](
         x, residual.contiguous() if residual is not None else x, weight, normed, new_residual, size, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(size), PARTIALS=partials,
-        PDL=pdl, num_warps=NORM_WARPS if size <= 4096 else 2 * NORM_WARPS, **launch_options(pdl),
+        PDL=pdl, EARLY=early_reads(), num_warps=NORM_WARPS if size <= 4096 else 2 * NORM_WARPS,
+        **launch_options(pdl),
     )
     return normed, new_residual
 
@@ -205,7 +218,7 @@ def qk_norm_rope_store(
         qkv, q, cache_keys, cache_values, q_norm, k_norm, cos, sin, positions, slots, block_tables,
         qkv.stride(0), cache_keys.stride(0), cache_keys.stride(1), block_tables.stride(0), eps,
         NUM_Q=num_heads, NUM_KV=num_kv_heads, D=head_dim, HALF=head_dim // 2, BLOCK_SIZE=block_size, PDL=pdl,
-        num_warps=QK_ROPE_WARPS,
+        EARLY=early_reads(), num_warps=QK_ROPE_WARPS,
         **launch_options(pdl),
     )
     return q

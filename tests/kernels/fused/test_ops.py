@@ -52,6 +52,44 @@ def test_add_rmsnorm_matches_reference(device, dtype):
     assert rel_err(normed_only, add_rmsnorm_reference(x, None, w, 1e-6)[0]) < tolerance(dtype)
 
 
+@devices_and_dtypes()
+def test_per_row_kernels_reading_before_the_wait_give_the_same_bits(device, dtype, monkeypatch):
+    # EARLY_READS moves the loads of what the kernel before does not write (weights, residuals,
+    # positions, cache rows, route weights) ahead of the PDL wait: the same values, the same math.
+    import kernels.fused as fused_package
+
+    g = torch.Generator().manual_seed(8)
+    x, r = (torch.randn(3, 96, generator=g).to(device, dtype) for _ in range(2))
+    partials = torch.randn(3, 2, 96, generator=g).to(device)
+    w = (1 + 0.3 * torch.randn(96, generator=g)).to(device, dtype)
+    top_k = 3
+    route_out = torch.randn(3 * top_k, 96, generator=g).to(device)
+    route_w = torch.rand(3, top_k, generator=g).to(device)
+    route_rows = torch.randperm(3 * top_k, generator=g).to(device)
+    num_heads, num_kv, head_dim = 4, 2, 16
+    qkv = torch.randn(3, (num_heads + 2 * num_kv) * head_dim, generator=g).to(device, dtype)
+    q_norm, k_norm = ((1 + 0.2 * torch.randn(head_dim, generator=g)).to(device, dtype) for _ in range(2))
+    rotary = Rotary(head_dim, 10000.0, 64).to(device)
+    positions, slots = torch.tensor([9, 10, 11], device=device), torch.tensor([1, 1, 1], device=device)
+
+    def run():
+        keys, tables = page(torch.zeros(2, 64, num_kv, head_dim, dtype=dtype, device=device), 4,
+                            torch.Generator().manual_seed(2))
+        values = torch.zeros_like(keys)
+        q = qk_norm_rope_store(qkv, q_norm, k_norm, rotary.cos, rotary.sin, positions, slots, keys, values, tables,
+                               num_heads, num_kv, 1e-6)
+        return (*add_rmsnorm(x, r, w, 1e-6), *add_rmsnorm(partials, r, w, 1e-6), add_rmsnorm(x, None, w, 1e-6)[0],
+                *combine_add_rmsnorm(route_out, route_w, r, w, 1e-6),
+                *combine_add_rmsnorm(route_out, route_w, r, w, 1e-6, route_rows=route_rows), q, keys, values)
+
+    monkeypatch.setattr(fused_package, "EARLY_READS", False)
+    late = run()
+    monkeypatch.setattr(fused_package, "EARLY_READS", True)
+    early = run()
+    for a, b in zip(late, early):
+        assert torch.equal(a, b)
+
+
 def page(contiguous, block_size, generator):
     """A [slots, max_length, Hkv, D] cache in paged form: its blocks shuffled over a pool with a
     spare block; returns (blocks [num_blocks, block_size, Hkv, D], block_tables [slots, max_blocks])."""
@@ -123,6 +161,34 @@ def test_split_attention_matches_reference_and_rows_are_invariant(device, dtype,
         alone = decode_attention(q[i : i + 1], keys, values, tables, positions[i : i + 1], slots[:1], one, slots[:1], 1,
                                  workspace)
         assert_same_row(alone[0], out[i])
+
+
+@devices_and_dtypes()
+@pytest.mark.parametrize("context", [5, 40, 300])  # window keys in the first tile, behind old ones, in a later split
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_split_attention_reading_old_keys_before_the_wait_gives_the_same_bits(device, dtype, context, block_size,
+                                                                               monkeypatch):
+    from kernels.fused import attention
+
+    g = torch.Generator().manual_seed(context + block_size)
+    num_heads, num_kv, head_dim, max_length = 8, 2, 32, 400
+    keys, tables = page(torch.randn(3, max_length, num_kv, head_dim, generator=g).to(device, dtype), block_size,
+                        torch.Generator().manual_seed(1))
+    values, _ = page(torch.randn(3, max_length, num_kv, head_dim, generator=g).to(device, dtype), block_size,
+                     torch.Generator().manual_seed(1))
+    rows = 5
+    q = torch.randn(rows, num_heads, head_dim, generator=g).to(device, dtype)
+    positions = torch.arange(context - rows, context, device=device)
+    slots = torch.full((rows,), 2, device=device)
+    workspace = AttentionWorkspace(rows, num_heads, head_dim, max_length, device)
+    starts = torch.tensor([0, rows], dtype=torch.int32, device=device)
+    outs = []
+    for early in (False, True):
+        monkeypatch.setattr(attention, "EARLY_KEYS", early)
+        outs.append(decode_attention(q, keys, values, tables, positions, slots, starts, slots[:1], rows, workspace))
+    assert torch.equal(outs[0], outs[1])
+    ref = attention_reference(q, keys, values, tables, positions, slots)
+    assert rel_err(outs[1], ref) < tolerance(dtype)
 
 
 @devices_and_dtypes()
@@ -204,6 +270,38 @@ def test_expert_groups_from_the_table_give_the_same_bits(device, dtype, tokens, 
     monkeypatch.setattr(moe, "TABLE_MIN_ROUTES", 1)
     tabled = fused_experts(x, ids, gate_up, down)[live]
     assert torch.equal(compared, tabled)
+
+
+@devices_and_dtypes()
+@pytest.mark.parametrize("splits", [1, 2, 4])  # 4: one tile a split
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_a_weight_tile_loaded_before_the_wait_gives_the_same_bits(device, dtype, splits, tiles, monkeypatch):
+    # Under PDL the projections (and, with DOWN_PRELOAD, the experts' down kernel) load their
+    # first weight tile before waiting for the kernel before them; the first step of the loop then
+    # runs on that tile. The sums are the same, in the same order: the same bits as without.
+    from kernels.fused import linear as linear_module, moe
+    from kernels.fused.linear import linear_partials
+
+    g = torch.Generator().manual_seed(11 + splits)
+    x = torch.randn(5, 512, generator=g).to(device, dtype)
+    w = torch.randn(96, 512, generator=g).to(device, dtype)
+    num_experts, inter, hidden, top_k = 6, 256, 64, 3  # inter = 2 K blocks of the down kernel
+    gate_up = (0.2 * torch.randn(num_experts, 2 * inter, hidden, generator=g)).to(device, dtype)
+    down = (0.2 * torch.randn(num_experts, hidden, inter, generator=g)).to(device, dtype)
+    xe = torch.randn(4, hidden, generator=g).to(device, dtype)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(4)]).to(device)
+
+    def run():
+        return linear_partials(x, w, splits), linear(x, w), fused_experts(xe, ids, gate_up, down)
+
+    monkeypatch.setattr(linear_module, "PRELOAD_TILES", 0)
+    monkeypatch.setattr(moe, "DOWN_PRELOAD", False)
+    plain = run()
+    monkeypatch.setattr(linear_module, "PRELOAD_TILES", tiles)
+    monkeypatch.setattr(moe, "DOWN_PRELOAD", True)
+    early = run()
+    for a, b in zip(plain, early):
+        assert torch.equal(a, b)
 
 
 def test_route_table_sorts_routes_by_expert_and_marks_each_group_s_start():
