@@ -60,6 +60,9 @@ def variants(model) -> dict[str, list[tuple[object, str, object]]]:
     out["nothing before the wait (session 14's kernels)"] = before
     out["everything before the wait (attention keys, experts down with a dependent launch)"] = [
         (attention, "EARLY_KEYS", True), (moe, "DOWN_PRELOAD", True), (moe, "DOWN_PDL", True)]
+    for splits in (2, 4):
+        out[f"qkv: {splits} K splits (partials summed by the q/k norm)"] = [
+            (fast, "qkv_split_k", for_shape(lambda n, k: 1, qkv_shape, splits))]
     out["per-row kernels: inputs after the wait"] = [(fused_package, "EARLY_READS", False)]
     out["projections: first weight tile after the wait"] = [(linear, "PRELOAD_TILES", 0)]
     out["projections: two weight tiles before the wait"] = [(linear, "PRELOAD_TILES", 2)]

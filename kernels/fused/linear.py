@@ -21,7 +21,7 @@ MAX_FUSED_ROWS = 64  # above this (prefill chunks) cuBLAS is faster than re-read
 BLOCK_M = 16  # tl.dot's smallest M; rows past the input are masked
 # Under PDL, each program loads its first PRELOAD_TILES weight tiles (0, 1 or 2) before waiting for
 # the kernel before it (weights never depend on it), so those DRAM round trips overlap that kernel.
-PRELOAD_TILES = 1
+PRELOAD_TILES = 0
 
 
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipelined tiles of a program may take

@@ -37,8 +37,8 @@ MAX_FUSED_TOKENS = 64  # above this, the grouped (prefill) path is used
 # The down kernel follows gate_up, a bandwidth-bound kernel: a plain dependent launch there measured
 # slower (its early programs take SM slots). DOWN_PRELOAD: its programs read their routes and first
 # weight tile before waiting (with DOWN_PDL, while gate_up finishes).
-DOWN_PDL = False
-DOWN_PRELOAD = False
+DOWN_PDL = True
+DOWN_PRELOAD = True
 COMBINE_WARPS = 8  # the combine kernel's, per row (H200: 8 and 16 beat 4 and 2 by ~3% of the step)
 
 

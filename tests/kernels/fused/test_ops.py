@@ -53,6 +53,26 @@ def test_add_rmsnorm_matches_reference(device, dtype):
 
 
 @devices_and_dtypes()
+def test_qk_norm_rope_sums_split_k_partials_of_the_projection(device, dtype):
+    g = torch.Generator().manual_seed(6)
+    num_heads, num_kv, head_dim = 4, 2, 16
+    partials = torch.randn(3, 2, (num_heads + 2 * num_kv) * head_dim, generator=g).to(device)  # float32
+    summed = (partials[:, 0] + partials[:, 1]).to(dtype)
+    q_norm, k_norm = ((1 + 0.2 * torch.randn(head_dim, generator=g)).to(device, dtype) for _ in range(2))
+    rotary = Rotary(head_dim, 10000.0, 64).to(device)
+    positions, slots = torch.tensor([9, 10, 11], device=device), torch.tensor([1, 1, 1], device=device)
+    keys, tables = page(torch.zeros(2, 64, num_kv, head_dim, dtype=dtype, device=device), 4, g)
+    values = torch.zeros_like(keys)
+    q = qk_norm_rope_store(partials, q_norm, k_norm, rotary.cos, rotary.sin, positions, slots, keys, values, tables,
+                           num_heads, num_kv, 1e-6)
+    ref_q, _, ref_v = qk_norm_rope_reference(summed, q_norm, k_norm, rotary.cos, rotary.sin, positions,
+                                             num_heads, num_kv, 1e-6)
+    assert q.dtype == dtype and rel_err(q, ref_q) < tolerance(dtype)
+    written = torch.stack([tables[1, p // 4].long() * 4 + p % 4 for p in (9, 10, 11)])
+    assert torch.equal(values.flatten(0, 1)[written], ref_v)  # v: the partials' sum, rounded once
+
+
+@devices_and_dtypes()
 def test_per_row_kernels_reading_before_the_wait_give_the_same_bits(device, dtype, monkeypatch):
     # EARLY_READS moves the loads of what the kernel before does not write (weights, residuals,
     # positions, cache rows, route weights) ahead of the PDL wait: the same values, the same math.
