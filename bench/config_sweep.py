@@ -42,7 +42,7 @@ def log(*parts: object) -> None:
 
 def for_shape(original, shape: tuple[int, int], value):
     """A config function that answers `value` for one weight shape and defers to `original` otherwise."""
-    return lambda n, k: value if (n, k) == shape else original(n, k)
+    return lambda n, k, *rest: value if (n, k) == shape else original(n, k, *rest)
 
 
 def variants(model) -> dict[str, list[tuple[object, str, object]]]:
@@ -56,21 +56,11 @@ def variants(model) -> dict[str, list[tuple[object, str, object]]]:
     down_shape = (c.hidden_size, c.moe_intermediate_size)
     lin, moe_cfg, splits = linear.linear_config, moe.moe_config, fast.split_k
     out: dict[str, list] = {}
-    before = [(linear, "PRELOAD_TILES", 0), (fused_package, "EARLY_READS", False)]  # the step before session 15
-    out["nothing before the wait (session 14's kernels)"] = before
-    out["everything before the wait (attention keys, experts down with a dependent launch)"] = [
-        (attention, "EARLY_KEYS", True), (moe, "DOWN_PRELOAD", True), (moe, "DOWN_PDL", True)]
-    for splits in (2, 4):
-        out[f"qkv: {splits} K splits (partials summed by the q/k norm)"] = [
-            (fast, "qkv_split_k", for_shape(lambda n, k: 1, qkv_shape, splits))]
-    out["per-row kernels: inputs after the wait"] = [(fused_package, "EARLY_READS", False)]
-    out["projections: first weight tile after the wait"] = [(linear, "PRELOAD_TILES", 0)]
-    out["projections: two weight tiles before the wait"] = [(linear, "PRELOAD_TILES", 2)]
-    out["experts down: routes and first tile before the wait"] = [(moe, "DOWN_PRELOAD", True)]
-    out["experts down: dependent launch, first tile before the wait"] = [(moe, "DOWN_PRELOAD", True),
-                                                                          (moe, "DOWN_PDL", True)]
-    out["experts down: dependent launch"] = [(moe, "DOWN_PDL", True)]
-    out["attention: rows, block ids and first keys before the wait"] = [(attention, "EARLY_KEYS", True)]
+    out["per-row kernels: inputs after the wait (session 14's kernels)"] = [(fused_package, "EARLY_READS", False)]
+    out["experts down: plain launch, routes and first tile after the wait (session 14's)"] = [
+        (moe, "DOWN_PDL", False), (moe, "DOWN_PRELOAD", False)]
+    out["experts down: dependent launch, routes and first tile after the wait"] = [(moe, "DOWN_PRELOAD", False)]
+    out["router top-k: 2 warps"] = [(router, "ROUTE_WARPS", 2)]
     out["combine: 16 warps"] = [(moe, "COMBINE_WARPS", 16)]
     out["add + rmsnorm: 16 warps"] = [(norm, "NORM_WARPS", 16)]
     out["q/k norm + rope: 4 warps"] = [(norm, "QK_ROPE_WARPS", 4)]
@@ -100,12 +90,12 @@ def variants(model) -> dict[str, list[tuple[object, str, object]]]:
     return out
 
 
-def _linear_config_before(num_out: int, num_in: int) -> tuple[int, int, int, int]:
+def _linear_config_before(num_out: int, num_in: int, element_size: int = 2) -> tuple[int, int, int, int]:
     """linear_config before this sweep (2026-12-01, session 3)."""
     return 64 if num_out >= 4096 else 32, min(256, max(16, 1 << (num_in - 1).bit_length())), 4, 3
 
 
-def _moe_config_before(num_out: int, num_in: int) -> tuple[int, int, int, int]:
+def _moe_config_before(num_out: int, num_in: int, element_size: int = 2) -> tuple[int, int, int, int]:
     return 32, min(128, max(16, 1 << (num_in - 1).bit_length())), 4, 4
 
 

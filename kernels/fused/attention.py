@@ -31,9 +31,6 @@ SPLIT = 128  # keys per split: short contexts still spread over many programs (H
 # context 512 with 512-key splits, latency-bound in one program per KV head)
 MERGE_CHUNK = 32  # splits merged per step
 SPLIT_WARPS, SPLIT_STAGES, MERGE_WARPS = 4, 3, 1  # (H200, bench/config_sweep.py: 3 stages beat 2 by ~2%)
-# Under PDL each split program reads its rows, block ids and first keys before waiting for the
-# kernel before it (which writes only the window's own keys and q).
-EARLY_KEYS = False
 
 
 def attention_reference(
@@ -114,7 +111,7 @@ def decode_attention(
         1.0 / math.sqrt(head_dim), workspace.num_splits, num_row_blocks,
         NUM_Q=num_heads, NUM_KV=num_kv, D=head_dim, GROUP=group, ROWS_PER_BLOCK=rows_per_block,
         SPLIT=workspace.split, BLOCK_SIZE=cache_keys.shape[1], TILES=workspace.split // BLOCK_N, BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N, IEEE=ieee, PDL=pdl, EARLY=EARLY_KEYS,
+        BLOCK_N=BLOCK_N, IEEE=ieee, PDL=pdl,
         num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES, **launch_options(pdl),
     )
     out = torch.empty_like(q)

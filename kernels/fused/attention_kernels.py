@@ -43,13 +43,13 @@ def split_kernel(
     stride_block, stride_pos, stride_table, sm_scale, num_splits, num_row_blocks,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
     ROWS_PER_BLOCK: tl.constexpr, SPLIT: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILES: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL and not EARLY:  # wait for the predecessor kernel before touching anything it may write or read
+    # (Reading the rows, block ids and first keys before the wait measured 2% slower: the kernel's
+    # loop then starts a tile later and pipelines less; docs/PERFORMANCE.md, session 15.)
+    if PDL:  # wait for the predecessor kernel before touching anything it may write or read
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    # (EARLY: the rows, their block ids and the split's first keys come from the host's inputs and
-    # earlier steps, not from the kernel before: read them first, then wait.)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     row_block = pid % num_row_blocks
@@ -83,31 +83,8 @@ def split_kernel(
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
-        n0_first = start
-        if EARLY:
-            # Keys before the sequence's first window row were written by earlier steps; the
-            # window's own are written by the kernel before this one (read after the wait).
-            fresh = tl.load(pos_ptr + first).to(tl.int32)
-            n = start + tl.arange(0, BLOCK_N)
-            offs = _tile_offsets(start, start, tile, tile_blocks, key_blocks, kv_head, stride_block, stride_pos, d,
-                                 D, BLOCK_SIZE, BLOCK_N)
-            old = (n < stop) & (n < fresh)
-            k = tl.load(k_ptr + offs, mask=old[:, None], other=0.0)
-            v = tl.load(v_ptr + offs, mask=old[:, None], other=0.0)
-            if PDL:
-                tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
-            if start + BLOCK_N > fresh:  # the tile holds window keys: read it now
-                k = tl.load(k_ptr + offs, mask=(n < stop)[:, None], other=0.0)
-                v = tl.load(v_ptr + offs, mask=(n < stop)[:, None], other=0.0)
-            q = tl.load(q_ptr + (row[:, None] * NUM_Q + head[:, None]) * D + d[None, :], mask=row_ok[:, None],
-                        other=0.0)
-            m_i, l_i, acc = _attend(q, k, v, n, pos, m_i, l_i, acc, sm_scale, IEEE)
-            n0_first = start + BLOCK_N
-        else:
-            q = tl.load(q_ptr + (row[:, None] * NUM_Q + head[:, None]) * D + d[None, :], mask=row_ok[:, None],
-                        other=0.0)
-        for n0 in range(n0_first, stop, BLOCK_N):
+        q = tl.load(q_ptr + (row[:, None] * NUM_Q + head[:, None]) * D + d[None, :], mask=row_ok[:, None], other=0.0)
+        for n0 in range(start, stop, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             n_ok = n < stop
             offs = _tile_offsets(n0, start, tile, tile_blocks, key_blocks, kv_head, stride_block, stride_pos, d,

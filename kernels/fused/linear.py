@@ -19,9 +19,6 @@ from kernels.fused import cdiv, launch_options, next_power_of_2, use_triton
 
 MAX_FUSED_ROWS = 64  # above this (prefill chunks) cuBLAS is faster than re-reading weights per BLOCK_M rows
 BLOCK_M = 16  # tl.dot's smallest M; rows past the input are masked
-# Under PDL, each program loads its first PRELOAD_TILES weight tiles (0, 1 or 2) before waiting for
-# the kernel before it (weights never depend on it), so those DRAM round trips overlap that kernel.
-PRELOAD_TILES = 0
 
 
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipelined tiles of a program may take
@@ -59,7 +56,7 @@ def _kernels():
     def linear_kernel(
         x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, stride_ys,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-        SPLITS: tl.constexpr, PDL: tl.constexpr, PRELOAD: tl.constexpr,
+        SPLITS: tl.constexpr, PDL: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -76,34 +73,9 @@ def _kernels():
             y_ptr += split * stride_ys
             k_start = split * k_per_split
             k_stop = tl.minimum(K, k_start + k_per_split)
-        # The first PRELOAD weight tiles do not depend on the kernels before: load them while those finish.
-        k_second = k_start + BLOCK_K
-        if PRELOAD >= 1:
-            w_first = tl.load(w_ptr + cols[:, None] * stride_wn + (k_start + ks)[None, :],
-                              mask=col_ok[:, None] & ((k_start + ks) < K)[None, :], other=0.0)
-        if PRELOAD >= 2:
-            w_second = tl.load(w_ptr + cols[:, None] * stride_wn + (k_second + ks)[None, :],
-                               mask=col_ok[:, None] & ((k_second + ks) < tl.minimum(K, k_stop))[None, :], other=0.0)
         if PDL:  # everything below reads what earlier kernels wrote
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        if PRELOAD >= 1:  # the loop's first steps, on the tiles loaded early (same order of sums)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + (k_start + ks)[None, :],
-                        mask=row_ok[:, None] & ((k_start + ks) < K)[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(x, tl.trans(w_first), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, tl.trans(w_first), acc)
-            k_start = k_second
-        if PRELOAD >= 2:
-            if k_second < k_stop:
-                x = tl.load(x_ptr + rows[:, None] * stride_xm + (k_second + ks)[None, :],
-                            mask=row_ok[:, None] & ((k_second + ks) < K)[None, :], other=0.0)
-                if IEEE:
-                    acc = tl.dot(x, tl.trans(w_second), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(x, tl.trans(w_second), acc)
-            k_start = k_second + BLOCK_K
         for k0 in range(k_start, k_stop, BLOCK_K):
             kk = k0 + ks
             k_ok = kk < K
@@ -187,7 +159,7 @@ def _launch(x: Tensor, weight: Tensor, out: Tensor, splits: int, pdl: bool) -> N
     _kernels()[grid](
         x, weight, out, num_rows, num_out, num_in, x.stride(0), weight.stride(0), stride_ym, k_per_split, stride_ys,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, SPLITS=splits,
-        PDL=pdl, PRELOAD=PRELOAD_TILES,
+        PDL=pdl,
         num_warps=warps, num_stages=stages, **launch_options(pdl),
     )
 

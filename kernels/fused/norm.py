@@ -104,7 +104,7 @@ def _kernels():
         qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, table_ptr,
         stride_qkv, stride_block, stride_pos, stride_table, eps,
         NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        PARTIALS: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+        PDL: tl.constexpr, EARLY: tl.constexpr,
     ):
         if PDL and not EARLY:  # wait for the predecessor kernel before touching anything it may write or read
             tl.extra.cuda.gdc_wait()
@@ -128,21 +128,10 @@ def _kernels():
         if PDL and EARLY:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        dtype = q_out_ptr.dtype.element_ty
-        if PARTIALS > 0:  # split-K partials [T, PARTIALS, N] float32, summed in split order, rounded
-            width = (NUM_Q + 2 * NUM_KV) * D
-            base = qkv_ptr + t * PARTIALS * width + head * D
-            acc = tl.zeros((D,), tl.float32)
-            acc_p = tl.zeros((D,), tl.float32)
-            for split in tl.static_range(PARTIALS):
-                acc += tl.load(base + split * width + d)
-                acc_p += tl.load(base + split * width + partner)
-            x = acc.to(dtype)
-            xp = acc_p.to(dtype)
-        else:
-            base = qkv_ptr + t * stride_qkv + head * D
-            x = tl.load(base + d)
-            xp = tl.load(base + partner)
+        base = qkv_ptr + t * stride_qkv + head * D
+        x = tl.load(base + d)
+        xp = tl.load(base + partner)
+        dtype = x.dtype
         if head < NUM_Q + NUM_KV:
             xf = x.to(tl.float32)
             scale = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
@@ -196,7 +185,7 @@ def add_rmsnorm(
 
 
 def qk_norm_rope_store(
-    qkv: Tensor,  # [T, (Hq + 2*Hkv) * D], or split-K partials [T, splits, (Hq + 2*Hkv) * D] float32
+    qkv: Tensor,  # [T, (Hq + 2*Hkv) * D]
     q_norm: Tensor,  # [D]
     k_norm: Tensor,  # [D]
     cos: Tensor,  # [max_positions, D] float32
@@ -212,15 +201,8 @@ def qk_norm_rope_store(
     *,
     pdl: bool = False,
 ) -> Tensor:
-    """Norm and rotate q and k, write k and v at (slot, position) of the paged cache; returns q [T, Hq, D].
-    Partials are summed in split order and rounded to the cache's dtype first."""
+    """Norm and rotate q and k, write k and v at (slot, position) of the paged cache; returns q [T, Hq, D]."""
     block_size = cache_keys.shape[1]
-    partials = qkv.shape[1] if qkv.dim() == 3 else 0
-    if partials and not use_triton(qkv):
-        summed = qkv[:, 0]
-        for s in range(1, partials):
-            summed = summed + qkv[:, s]
-        qkv = summed.to(cache_keys.dtype)
     if not use_triton(qkv):
         q, k, v = qk_norm_rope_reference(qkv, q_norm, k_norm, cos, sin, positions, num_heads, num_kv_heads, eps)
         blocks, offsets = paged_rows(block_tables, slots, positions, block_size)
@@ -231,12 +213,12 @@ def qk_norm_rope_store(
     head_dim = q_norm.shape[0]
     if cache_keys.stride() != cache_values.stride() or cache_keys.stride(2) != head_dim or cache_keys.stride(3) != 1:
         raise ValueError("qk_norm_rope_store: cache keys/values must share a [blocks, block_size, heads, D] layout")
-    q = torch.empty((num_rows, num_heads, head_dim), dtype=cache_keys.dtype, device=qkv.device)
+    q = torch.empty((num_rows, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     _kernels()[1][(num_rows, num_heads + 2 * num_kv_heads)](
         qkv, q, cache_keys, cache_values, q_norm, k_norm, cos, sin, positions, slots, block_tables,
         qkv.stride(0), cache_keys.stride(0), cache_keys.stride(1), block_tables.stride(0), eps,
-        NUM_Q=num_heads, NUM_KV=num_kv_heads, D=head_dim, HALF=head_dim // 2, BLOCK_SIZE=block_size,
-        PARTIALS=partials, PDL=pdl, EARLY=early_reads(), num_warps=QK_ROPE_WARPS,
+        NUM_Q=num_heads, NUM_KV=num_kv_heads, D=head_dim, HALF=head_dim // 2, BLOCK_SIZE=block_size, PDL=pdl,
+        EARLY=early_reads(), num_warps=QK_ROPE_WARPS,
         **launch_options(pdl),
     )
     return q

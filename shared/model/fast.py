@@ -96,7 +96,6 @@ class FusedLayer:
         attn = layer.self_attn
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.qkv = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])  # [(Hq + 2 Hkv) * D, H]
-        self.qkv_splits = qkv_split_k(*self.qkv.shape)
         self.o = attn.o_proj.weight
         self.o_splits = split_k(*self.o.shape)  # narrow weights: split-K partials, summed by the consumer
         self.q_norm, self.k_norm = attn.q_norm.weight, attn.k_norm.weight
@@ -112,12 +111,6 @@ class FusedLayer:
         else:
             self.gate_up = _fuse_rows([layer.mlp.gate_proj, layer.mlp.up_proj])  # [2I, H]
             self.down = layer.mlp.down_proj.weight
-
-
-def qkv_split_k(num_out: int, num_in: int) -> int:
-    """K splits of the q/k/v projection (1: unsplit, its output in the model dtype): a function of
-    the weight's shape (bench/config_sweep.py patches it)."""
-    return 1
 
 
 def _fuse_rows(linears: list[nn.Linear]) -> Tensor:
@@ -201,12 +194,7 @@ class FusedModel:
         num_rows = normed.shape[0]
         pdl = self.pdl
         by_rows = self._by_rows(num_rows)
-        if by_rows:
-            qkv = F.linear(normed, layer.qkv)
-        elif layer.qkv_splits > 1:
-            qkv = linear_partials(normed, layer.qkv, layer.qkv_splits, pdl=pdl)  # [T, splits, N] float32
-        else:
-            qkv = linear(normed, layer.qkv, pdl=pdl)
+        qkv = F.linear(normed, layer.qkv) if by_rows else linear(normed, layer.qkv, pdl=pdl)
         q = qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, rows.positions, rows.slots,
                                keys, values, tables, layer.num_heads, layer.num_kv_heads, layer.eps, pdl=pdl)
         attn = decode_attention(q, keys, values, tables, rows.positions, rows.slots, rows.seq_starts, rows.seq_slots,

@@ -53,26 +53,6 @@ def test_add_rmsnorm_matches_reference(device, dtype):
 
 
 @devices_and_dtypes()
-def test_qk_norm_rope_sums_split_k_partials_of_the_projection(device, dtype):
-    g = torch.Generator().manual_seed(6)
-    num_heads, num_kv, head_dim = 4, 2, 16
-    partials = torch.randn(3, 2, (num_heads + 2 * num_kv) * head_dim, generator=g).to(device)  # float32
-    summed = (partials[:, 0] + partials[:, 1]).to(dtype)
-    q_norm, k_norm = ((1 + 0.2 * torch.randn(head_dim, generator=g)).to(device, dtype) for _ in range(2))
-    rotary = Rotary(head_dim, 10000.0, 64).to(device)
-    positions, slots = torch.tensor([9, 10, 11], device=device), torch.tensor([1, 1, 1], device=device)
-    keys, tables = page(torch.zeros(2, 64, num_kv, head_dim, dtype=dtype, device=device), 4, g)
-    values = torch.zeros_like(keys)
-    q = qk_norm_rope_store(partials, q_norm, k_norm, rotary.cos, rotary.sin, positions, slots, keys, values, tables,
-                           num_heads, num_kv, 1e-6)
-    ref_q, _, ref_v = qk_norm_rope_reference(summed, q_norm, k_norm, rotary.cos, rotary.sin, positions,
-                                             num_heads, num_kv, 1e-6)
-    assert q.dtype == dtype and rel_err(q, ref_q) < tolerance(dtype)
-    written = torch.stack([tables[1, p // 4].long() * 4 + p % 4 for p in (9, 10, 11)])
-    assert torch.equal(values.flatten(0, 1)[written], ref_v)  # v: the partials' sum, rounded once
-
-
-@devices_and_dtypes()
 def test_per_row_kernels_reading_before_the_wait_give_the_same_bits(device, dtype, monkeypatch):
     # EARLY_READS moves the loads of what the kernel before does not write (weights, residuals,
     # positions, cache rows, route weights) ahead of the PDL wait: the same values, the same math.
@@ -184,34 +164,6 @@ def test_split_attention_matches_reference_and_rows_are_invariant(device, dtype,
 
 
 @devices_and_dtypes()
-@pytest.mark.parametrize("context", [5, 40, 300])  # window keys in the first tile, behind old ones, in a later split
-@pytest.mark.parametrize("block_size", [16, 64])
-def test_split_attention_reading_old_keys_before_the_wait_gives_the_same_bits(device, dtype, context, block_size,
-                                                                               monkeypatch):
-    from kernels.fused import attention
-
-    g = torch.Generator().manual_seed(context + block_size)
-    num_heads, num_kv, head_dim, max_length = 8, 2, 32, 400
-    keys, tables = page(torch.randn(3, max_length, num_kv, head_dim, generator=g).to(device, dtype), block_size,
-                        torch.Generator().manual_seed(1))
-    values, _ = page(torch.randn(3, max_length, num_kv, head_dim, generator=g).to(device, dtype), block_size,
-                     torch.Generator().manual_seed(1))
-    rows = 5
-    q = torch.randn(rows, num_heads, head_dim, generator=g).to(device, dtype)
-    positions = torch.arange(context - rows, context, device=device)
-    slots = torch.full((rows,), 2, device=device)
-    workspace = AttentionWorkspace(rows, num_heads, head_dim, max_length, device)
-    starts = torch.tensor([0, rows], dtype=torch.int32, device=device)
-    outs = []
-    for early in (False, True):
-        monkeypatch.setattr(attention, "EARLY_KEYS", early)
-        outs.append(decode_attention(q, keys, values, tables, positions, slots, starts, slots[:1], rows, workspace))
-    assert torch.equal(outs[0], outs[1])
-    ref = attention_reference(q, keys, values, tables, positions, slots)
-    assert rel_err(outs[1], ref) < tolerance(dtype)
-
-
-@devices_and_dtypes()
 def test_attention_ragged_sequences_use_their_own_slots(device, dtype):
     g = torch.Generator().manual_seed(9)
     contiguous_keys = torch.randn(3, 320, 2, 16, generator=g).to(device, dtype)
@@ -290,38 +242,6 @@ def test_expert_groups_from_the_table_give_the_same_bits(device, dtype, tokens, 
     monkeypatch.setattr(moe, "TABLE_MIN_ROUTES", 1)
     tabled = fused_experts(x, ids, gate_up, down)[live]
     assert torch.equal(compared, tabled)
-
-
-@devices_and_dtypes()
-@pytest.mark.parametrize("splits", [1, 2, 4])  # 4: one tile a split
-@pytest.mark.parametrize("tiles", [1, 2])
-def test_a_weight_tile_loaded_before_the_wait_gives_the_same_bits(device, dtype, splits, tiles, monkeypatch):
-    # Under PDL the projections (and, with DOWN_PRELOAD, the experts' down kernel) load their
-    # first weight tile before waiting for the kernel before them; the first step of the loop then
-    # runs on that tile. The sums are the same, in the same order: the same bits as without.
-    from kernels.fused import linear as linear_module, moe
-    from kernels.fused.linear import linear_partials
-
-    g = torch.Generator().manual_seed(11 + splits)
-    x = torch.randn(5, 512, generator=g).to(device, dtype)
-    w = torch.randn(96, 512, generator=g).to(device, dtype)
-    num_experts, inter, hidden, top_k = 6, 256, 64, 3  # inter = 2 K blocks of the down kernel
-    gate_up = (0.2 * torch.randn(num_experts, 2 * inter, hidden, generator=g)).to(device, dtype)
-    down = (0.2 * torch.randn(num_experts, hidden, inter, generator=g)).to(device, dtype)
-    xe = torch.randn(4, hidden, generator=g).to(device, dtype)
-    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(4)]).to(device)
-
-    def run():
-        return linear_partials(x, w, splits), linear(x, w), fused_experts(xe, ids, gate_up, down)
-
-    monkeypatch.setattr(linear_module, "PRELOAD_TILES", 0)
-    monkeypatch.setattr(moe, "DOWN_PRELOAD", False)
-    plain = run()
-    monkeypatch.setattr(linear_module, "PRELOAD_TILES", tiles)
-    monkeypatch.setattr(moe, "DOWN_PRELOAD", True)
-    early = run()
-    for a, b in zip(plain, early):
-        assert torch.equal(a, b)
 
 
 def test_route_table_sorts_routes_by_expert_and_marks_each_group_s_start():

@@ -56,22 +56,6 @@ def test_fused_window_matches_reference(model, fused, window):
     assert torch.equal(logits.argmax(-1), ref_logits[20:].argmax(-1))
 
 
-def test_a_split_k_qkv_projection_computes_the_same_window(model, monkeypatch):
-    # The q/k/v projection as split-K partials, summed by the q/k norm kernel (a launch setting of
-    # the GPU path): the same window to float32 rounding.
-    import shared.model.fast as fast
-
-    monkeypatch.setattr(fast, "qkv_split_k", lambda num_out, num_in: 2)
-    split = FusedModel(model, max_rows=8, max_length=64)
-    assert split.layers[0].qkv_splits == 2
-    ids = torch.randint(0, 97, (24,), generator=torch.Generator().manual_seed(3))
-    ref_logits, _ = model(ids, model.new_cache(40))
-    cache = model.new_cache(40)
-    model(ids[:20], cache)
-    logits, _ = split.forward(ids[20:], Rows.window(20, 4, 0, "cpu"), cache.paged())
-    torch.testing.assert_close(logits, ref_logits[20:], rtol=1e-4, atol=1e-4)
-
-
 def test_the_non_invariant_yardstick_computes_the_same_window(model):
     """invariant=False (cuBLAS projections for windows of several rows, bench/invariance.py's
     yardstick) is the same function; only its rounding may follow the window."""
