@@ -34,9 +34,10 @@ BLOCK_M = 16  # routes of one expert per program (tl.dot's smallest M)
 TABLE_MIN_ROUTES = 128
 TABLE_CHUNK = 16  # routes per program of the table kernel
 MAX_FUSED_TOKENS = 64  # above this, the grouped (prefill) path is used
-# The down kernel follows gate_up, a bandwidth-bound kernel: a plain dependent launch there measured
-# slower (its early programs take SM slots). DOWN_PRELOAD: its programs read their routes and first
-# weight tile before waiting (with DOWN_PDL, while gate_up finishes).
+# The down kernel launches as a dependent of gate_up (DOWN_PDL) and its programs read their routes
+# and first weight tile before waiting (DOWN_PRELOAD), while gate_up finishes. H200, whole step:
+# both 0.987-0.998 of a plain launch; the dependent launch alone 0.99-1.007, the early tile alone
+# 1.011-1.014 (docs/PERFORMANCE.md, session 15).
 DOWN_PDL = True
 DOWN_PRELOAD = True
 COMBINE_WARPS = 8  # the combine kernel's, per row (H200: 8 and 16 beat 4 and 2 by ~3% of the step)
