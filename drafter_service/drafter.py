@@ -24,9 +24,9 @@ from drafter_service.proposers.suffix import COUNT_CHUNK, GlobalIndex, SuffixInd
 from drafter_service.session import DraftSession, session_params
 from drafter_service.settings import DrafterSettings
 from kernels.speculative import Mode
-from shared.model import Qwen3MoeModel, RoutingOptions
+from shared.model import RoutingOptions
 from shared.model.experts import ExpertStore
-from shared.model.fast import FusedModel, fused_wanted
+from shared.model.families import build_fused, family_name, fused_wanted
 from shared.protocol import common_pb2, decode_hidden, drafter_pb2
 
 SOURCES = {"MTP": common_pb2.DRAFT_SOURCE_MTP, "SUFFIX": common_pb2.DRAFT_SOURCE_SUFFIX, "NONE": common_pb2.DRAFT_SOURCE_NONE}
@@ -43,13 +43,13 @@ class Drafter:
         self.settings = settings
         routing = None
         if settings.moce_scale not in (0.0, 1.0) or settings.expert_slots:
-            if not isinstance(model, Qwen3MoeModel):
+            if family_name(model) != "qwen3_moe":
                 raise ValueError("moce_scale and expert_slots (MoCE routing, expert slots) are built for the "
-                                 "qwen3_moe family only; this checkpoint is qwen3_next")
+                                 f"qwen3_moe family only; this checkpoint is of the {family_name(model)} family")
             routing = RoutingOptions(moce=True, scale=settings.moce_base_scale(model.config.num_experts))
         fused = None
         if model.mtp is not None and fused_wanted(model, settings.fused):
-            fused = FusedModel(model, max_rows=MAX_FUSED_MTP_ROWS, max_length=model.config.max_position_embeddings)
+            fused = build_fused(model, max_rows=MAX_FUSED_MTP_ROWS, max_length=model.config.max_position_embeddings)
         self.mtp = MTPProposer(model, routing, fused) if model.mtp is not None else None
         self.planner = Planner()
         self.global_index = GlobalIndex(settings.global_index_contexts)

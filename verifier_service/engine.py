@@ -26,9 +26,8 @@ from torch import Tensor
 from kernels.fused import cdiv
 from kernels.sampling import SparseRows, process_logits
 from kernels.speculative import Mode
-from shared.model import Qwen3MoeModel
 from shared.model.experts import ExpertStore
-from shared.model.fast import FusedModel, fused_wanted
+from shared.model.families import build_fused, fused_wanted
 from shared.model.graphs import WindowGraphs, WindowOutput
 from shared.model.kv_cache import KVPool
 from verifier_service.kv_memory import KVPlan, plan_kv
@@ -41,7 +40,7 @@ from verifier_service.window_sizing import RowCost, cut_chains
 class Engine:
     def __init__(
         self,
-        model: Qwen3MoeModel,
+        model,  # a loaded trunk of any family (shared.model.families)
         *,
         max_context: int,
         prefill_chunk: int,
@@ -77,23 +76,30 @@ class Engine:
         c = model.config
         bytes_per_token = KVPool.bytes_per_token(num_layers=model.num_kv_layers, num_kv_heads=c.num_key_value_heads,
                                                  head_dim=c.head_dim, dtype=model.dtype)
+        fused_model = None
+        batch_rows = max(max_window, min(max_batch_rows, max_sessions * max_window))
+        if fused_wanted(model, fused):
+            # Built before the KV plan: its workspaces and the linear-attention states (a slot's
+            # per session and the scratch slot's) come out of the memory the pool may take.
+            fused_model = build_fused(model, max_rows=batch_rows, max_length=max_context, num_state_slots=max_sessions + 1,
+                                      pdl=None if pdl else False, invariant=row_invariant or model.device.type == "cuda",
+                                      expert_prefetch=expert_prefetch)
         # The reference path allocates each session's cache itself: the plan only counts.
         self.kv_plan: KVPlan = plan_kv(requested_tokens=kv_cache_tokens, memory_fraction=kv_memory_fraction,
                                        block_size=kv_block_size, bytes_per_token=bytes_per_token, device=model.device,
                                        max_sessions=max_sessions, max_context=max_context)
         if progress is not None:
             progress(self.kv_plan.describe())
-        if fused_wanted(model, fused):
+            if fused_model is not None and fused_model.states is not None:
+                progress(f"linear-attention states: {fused_model.states.nbytes / 2**30:.2f} GiB for "
+                         f"{max_sessions} sessions and the verify windows' rows")
+        if fused_model is not None:
             # A slot (block table) per session, and a scratch slot of one block for the padded
             # rows of batch graphs.
-            pool = KVPool(num_layers=c.num_hidden_layers, num_slots=max_sessions + 1, max_length=max_context,
+            pool = KVPool(num_layers=model.num_kv_layers, num_slots=max_sessions + 1, max_length=max_context,
                           num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=model.dtype,
                           device=model.device, block_size=kv_block_size, num_blocks=self.kv_plan.num_blocks + 1)
             scratch, _ = pool.acquire(1)
-            batch_rows = max(max_window, min(max_batch_rows, max_sessions * max_window))
-            fused_model = FusedModel(model, max_rows=batch_rows, max_length=max_context, pdl=None if pdl else False,
-                                     invariant=row_invariant or model.device.type == "cuda",
-                                     expert_prefetch=expert_prefetch)
             self.windows = WindowGraphs(fused_model, pool, max_window, max_batch_rows=batch_rows, scratch_slot=scratch,
                                         verify_window=verify_window,
                                         use_graphs=cuda_graphs and model.device.type == "cuda")
@@ -146,6 +152,7 @@ class Engine:
         slot = None
         if self.windows is not None:
             slot, cache = self.windows.pool.acquire(length)
+            self.windows.reset_state(slot)
         else:
             cache = self.model.new_cache(length)
         return Session(spec=spec, cache=cache, token_ids=list(spec.prompt_ids), slot=slot)
@@ -263,14 +270,17 @@ class Engine:
         forwarded = time.perf_counter()
         verdict = round_verdicts([(session, drafts, q_rows, ids, target)], self.draw_secret)[0]
         return self._commit(session, drafts, host_hidden, verdict, forwarded - started,
-                            time.perf_counter() - forwarded, self.slot_misses() - misses)
+                            time.perf_counter() - forwarded, self.slot_misses() - misses, first_row=0)
 
     def _commit(self, session: Session, drafts: list[int], host_hidden: Tensor, verdict: tuple[list[int], int],
-                forward_s: float, verify_s: float, slot_misses: int) -> RoundOutcome:
-        """Commit a round's verdict (emitted tokens, accepted drafts) and its rows to the session."""
+                forward_s: float, verify_s: float, slot_misses: int, first_row: int = 0) -> RoundOutcome:
+        """Commit a round's verdict (emitted tokens, accepted drafts) and its rows to the session;
+        first_row: where its window began in the step's rows (fused path: its kept states)."""
         emitted, accepted = verdict
         base = len(session.token_ids)  # position of the first token this round decides
         session.cache.truncate(base + accepted)  # keep the head's and accepted drafts' rows
+        if self.windows is not None:  # the linear layers' state after the last row kept
+            self.windows.settle(session.slot, first_row + accepted if accepted < len(drafts) else None)
         rows = host_hidden[: accepted + 1].to(torch.bfloat16, copy=True)
         session.hidden_rows.append(rows)
         session.token_ids.extend(emitted)
@@ -328,7 +338,8 @@ class Engine:
         verdicts = round_verdicts([(r.session, r.drafts, r.q_rows, ids[span], target)
                                    for r, span, target in zip(rounds, spans, targets)], self.draw_secret)
         verify_s = time.perf_counter() - started - forward_s
-        return [self._commit(r.session, r.drafts, host_hidden[span], verdict, forward_s, verify_s, 0)
+        return [self._commit(r.session, r.drafts, host_hidden[span], verdict, forward_s, verify_s, 0,
+                             first_row=span.start)
                 for r, span, verdict in zip(rounds, spans, verdicts)]
 
     def _decode_batch(self, rounds: list[RoundRequest]) -> list[RoundOutcome]:
@@ -398,6 +409,7 @@ class Engine:
         forwarded = time.perf_counter()
         session.hidden_rows.append(rows)
         session.token_ids.append(token)
+        self.windows.settle(session.slot)
         return RoundOutcome([token], 0, rows, (forwarded - started) * 1e3, 0.0, 0)
 
     def _next_tokens(self, sessions: list[Session], out: WindowOutput, positions: list[int]) -> Tensor:

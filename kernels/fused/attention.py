@@ -10,6 +10,10 @@ reads each key once. A second kernel merges the splits of each row in a fixed or
 Row invariance: a split's bounds depend only on the cache position, masked keys add exact
 zeros, and the merge walks the splits a row needs in order, so a row's output is the same
 bits alone or in any window.
+
+An output gate (Qwen3-Next's GatedAttention, off by default) is applied in the merge's
+epilogue: out = (attn * sigmoid(gate)) with the module's rounding (attn and sigmoid(gate)
+each rounded to the dtype, then their product).
 """
 
 from __future__ import annotations
@@ -40,8 +44,10 @@ def attention_reference(
     block_tables: Tensor,  # [num_slots, max_blocks] int32
     positions: Tensor,  # [T]
     slots: Tensor,  # [T]
+    gate: Tensor | None = None,  # [T, Hq * D] or [T, Hq, D] in q's dtype (strided views of a wider tensor too)
 ) -> Tensor:
-    """[T, Hq, D]: each row attends to positions 0..positions[i] of its slot (float32 softmax)."""
+    """[T, Hq, D]: each row attends to positions 0..positions[i] of its slot (float32 softmax);
+    with a gate, times sigmoid(gate) as GatedAttention rounds it."""
     num_rows, num_heads, head_dim = q.shape
     group = num_heads // cache_keys.shape[2]
     out = torch.empty_like(q)
@@ -52,7 +58,22 @@ def attention_reference(
         values = cache_values[blocks, offsets].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[i].float(), keys) / math.sqrt(head_dim)
         out[i] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), values).to(q.dtype)
+    if gate is not None:  # as GatedAttention: on [T, Hq * D] rows (CPU ops' bits follow the layout)
+        rows = _gate_heads(gate, q).reshape(num_rows, num_heads * head_dim)
+        out = (out.view(num_rows, -1) * torch.sigmoid(rows)).to(q.dtype).view(num_rows, num_heads, head_dim)
     return out
+
+
+def _gate_heads(gate: Tensor, q: Tensor) -> Tensor:
+    """The gate as a [T, Hq, D] view (columns of each row contiguous; rows and heads may be strided)."""
+    num_rows, num_heads, head_dim = q.shape
+    if gate.dtype != q.dtype:
+        raise ValueError(f"decode_attention: gate dtype {gate.dtype} is not q's {q.dtype}")
+    heads = gate.unflatten(1, (num_heads, head_dim)) if gate.dim() == 2 else gate
+    if tuple(heads.shape) != (num_rows, num_heads, head_dim):
+        raise ValueError(f"decode_attention: gate {tuple(gate.shape)} is not [T, Hq * D] or [T, Hq, D] of q "
+                         f"{tuple(q.shape)}")
+    return heads
 
 
 @functools.cache
@@ -87,10 +108,12 @@ def decode_attention(
     workspace: AttentionWorkspace | None,
     *,
     pdl: bool = False,  # launch as programmatic dependents (kernels.fused.pdl_supported)
+    gate: Tensor | None = None,  # [T, Hq * D] or [T, Hq, D] in q's dtype, rows (heads) strided: out *= sigmoid(gate)
 ) -> Tensor:
-    """Attention output [T, Hq, D]; the keys/values of this window must already be in the cache."""
+    """Attention output [T, Hq, D]; the keys/values of this window must already be in the cache.
+    With a gate, the merge multiplies it by sigmoid(gate) (GatedAttention's rounding)."""
     if not use_triton(q):
-        return attention_reference(q, cache_keys, cache_values, block_tables, positions, slots)
+        return attention_reference(q, cache_keys, cache_values, block_tables, positions, slots, gate)
     num_rows, num_heads, head_dim = q.shape
     num_kv = cache_keys.shape[2]
     if cache_keys.stride() != cache_values.stride() or cache_keys.stride(2) != head_dim or cache_keys.stride(3) != 1:
@@ -115,11 +138,17 @@ def decode_attention(
         num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES, **launch_options(pdl),
     )
     out = torch.empty_like(q)
+    if gate is not None:
+        gate = _gate_heads(gate, q)
+        if gate.stride(2) != 1:
+            gate = gate.contiguous()
     slice_ = min(head_dim, MERGE_SLICE)
     merge_kernel[(num_rows, num_heads, head_dim // slice_)](
         workspace.o_part, workspace.lse_part, positions, out, workspace.num_splits,
+        gate if gate is not None else out, gate.stride(0) if gate is not None else 0,
+        gate.stride(1) if gate is not None else 0,
         NUM_Q=num_heads, D=head_dim, SPLIT=workspace.split, CHUNK=MERGE_CHUNK, SLICE=slice_, PDL=pdl,
-        EARLY=early_reads(),
+        EARLY=early_reads(), HAS_GATE=gate is not None,
         num_warps=MERGE_WARPS, **launch_options(pdl),
     )
     return out

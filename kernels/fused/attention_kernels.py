@@ -101,10 +101,12 @@ def split_kernel(
 
 @triton.jit
 def merge_kernel(
-    o_part_ptr, lse_part_ptr, pos_ptr, out_ptr, num_splits,
+    o_part_ptr, lse_part_ptr, pos_ptr, out_ptr, num_splits, gate_ptr, stride_gate_row, stride_gate_head,
     NUM_Q: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr, SLICE: tl.constexpr,
-    PDL: tl.constexpr, EARLY: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr, HAS_GATE: tl.constexpr,
 ):
+    # HAS_GATE: out = attn * sigmoid(gate) (GatedAttention: attn and the sigmoid rounded to the dtype, then
+    # their product); the gate comes from the q/k/v projection, kernels before the split kernel.
     if PDL and not EARLY:  # wait for the predecessor kernel before touching anything it may write or read
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -112,7 +114,10 @@ def merge_kernel(
     head = tl.program_id(1)
     column = tl.program_id(2) * SLICE
     used = tl.load(pos_ptr + row).to(tl.int32) // SPLIT + 1  # the splits this row's keys fall in
-    if PDL and EARLY:  # (the position is the host's input: read before the wait)
+    d = column + tl.arange(0, SLICE)
+    if HAS_GATE and EARLY:
+        gate = tl.load(gate_ptr + row * stride_gate_row + head * stride_gate_head + d)
+    if PDL and EARLY:  # (the position is the host's input, the gate a kernel's further back: read before the wait)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     base = (row * NUM_Q + head) * num_splits
@@ -121,7 +126,6 @@ def merge_kernel(
     for s0 in range(0, used, CHUNK):
         top = tl.maximum(top, tl.load(lse_part_ptr + base + s0 + c, mask=s0 + c < used, other=float("-inf")))
     top_all = tl.max(top, axis=0)
-    d = column + tl.arange(0, SLICE)
     acc = tl.zeros((SLICE,), tl.float32)
     total = tl.zeros((CHUNK,), tl.float32)
     for s0 in range(0, used, CHUNK):
@@ -130,4 +134,11 @@ def merge_kernel(
         parts = tl.load(o_part_ptr + (base + s0 + c)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
         acc += tl.sum(w[:, None] * parts, axis=0)
         total += w
-    tl.store(out_ptr + (row * NUM_Q + head) * D + d, (acc / tl.sum(total, axis=0)).to(out_ptr.dtype.element_ty))
+    out = (acc / tl.sum(total, axis=0)).to(out_ptr.dtype.element_ty)
+    if HAS_GATE:
+        if not EARLY:
+            gate = tl.load(gate_ptr + row * stride_gate_row + head * stride_gate_head + d)
+        gate = gate.to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
+        out = (out.to(tl.float32) * sig.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + (row * NUM_Q + head) * D + d, out)

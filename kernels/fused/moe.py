@@ -2,7 +2,7 @@
 
 Three kernels: gate_up (x @ [gate; up]^T, then silu(gate) * up), down (act @ down^T, one
 float32 row per route), and combine (the routes' weighted sum in rank order, plus the
-residual, plus the next RMSNorm). Routes of the same expert are grouped inside the
+residual, plus the next RMSNorm, or with `centred` Qwen3-Next's (1 + w) one). Routes of the same expert are grouped inside the
 kernels (no host sort, no sync): the program of a route that opens a group of up to
 BLOCK_M routes of its expert loads that expert's weight tile once and multiplies it with
 all of them; the other routes' programs exit at once. With many routes the groups come from a
@@ -78,10 +78,11 @@ def combine_reference(
     residual: Tensor,  # [T, H]
     norm_weight: Tensor,  # [H]
     eps: float,
+    centred: bool = False,  # the next norm scales by (1 + w) (CenteredRMSNorm)
 ) -> tuple[Tensor, Tensor]:
     num_tokens, top_k = weights.shape
     mixed = (route_out.view(num_tokens, top_k, -1) * weights.unsqueeze(-1)).sum(dim=1).to(residual.dtype)
-    return add_rmsnorm_reference(mixed, residual, norm_weight, eps)
+    return add_rmsnorm_reference(mixed, residual, norm_weight, eps, centred)
 
 
 @functools.cache
@@ -164,12 +165,13 @@ def combine_add_rmsnorm(
     *,
     route_rows: Tensor | None = None,  # [T*k] int64: row of route t*k + rank in route_out (None: that row)
     pdl: bool = False,
+    centred: bool = False,  # the next norm scales by (1 + w) (CenteredRMSNorm)
 ) -> tuple[Tensor, Tensor]:
     """(normed, new_residual): new_residual = residual + Σ_rank w·out (float32, rank order)."""
     if not use_triton(residual):
         if route_rows is not None:
             route_out = route_out[route_rows]
-        return combine_reference(route_out.float(), weights, residual, norm_weight, eps)
+        return combine_reference(route_out.float(), weights, residual, norm_weight, eps, centred)
     num_tokens, top_k = weights.shape
     hidden = residual.shape[1]
     normed = torch.empty_like(residual)
@@ -178,7 +180,7 @@ def combine_add_rmsnorm(
         route_out, weights.contiguous(), residual.contiguous(), norm_weight, normed, new_residual,
         route_rows if route_rows is not None else weights, hidden, eps,
         TOP_K=top_k, K_PAD=max(2, next_power_of_2(top_k)), BLOCK=next_power_of_2(hidden),
-        HAS_ROWS=route_rows is not None, PDL=pdl, EARLY=early_reads(),
+        HAS_ROWS=route_rows is not None, PDL=pdl, EARLY=early_reads(), CENTRED=centred,
         num_warps=COMBINE_WARPS, **launch_options(pdl),
     )
     return normed, new_residual

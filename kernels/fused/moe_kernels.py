@@ -142,7 +142,7 @@ def down_kernel(
 def combine_kernel(
     route_ptr, weights_ptr, res_ptr, norm_ptr, normed_ptr, res_out_ptr, rows_ptr, H, eps,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr, HAS_ROWS: tl.constexpr, PDL: tl.constexpr,
-    EARLY: tl.constexpr,
+    EARLY: tl.constexpr, CENTRED: tl.constexpr,
 ):
     if PDL and not EARLY:  # wait for the predecessor kernel before touching anything it may write or read
         tl.extra.cuda.gdc_wait()
@@ -173,8 +173,12 @@ def combine_kernel(
     tl.store(res_out_ptr + t * H + cols, h, mask=ok)
     y = h.to(tl.float32)
     var = tl.sum(y * y, axis=0) / H
-    y = (y * tl.rsqrt(var + eps)).to(dtype)
-    tl.store(normed_ptr + t * H + cols, (g.to(tl.float32) * y.to(tl.float32)).to(dtype), mask=ok)
+    if CENTRED:  # (1 + g) times the float32 normalised row, one rounding
+        normed = (y * tl.rsqrt(var + eps) * (1.0 + g.to(tl.float32))).to(dtype)
+    else:
+        y = (y * tl.rsqrt(var + eps)).to(dtype)
+        normed = (g.to(tl.float32) * y.to(tl.float32)).to(dtype)
+    tl.store(normed_ptr + t * H + cols, normed, mask=ok)
 
 
 @triton.jit

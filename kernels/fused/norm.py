@@ -3,6 +3,13 @@
 Rounding follows the reference modules (shared.model.layers): the residual sum is rounded
 to the model dtype, normalised in float32, rounded, then scaled by the weight; RoPE uses
 the rotate-half convention with float32 cos/sin tables.
+
+Options of the Qwen3-Next family (shared.model.qwen3_next), each off by default: `centred`
+norms scale the float32 normalised row by (1 + weight) before one rounding to the dtype
+(CenteredRMSNorm); `rotary_dim` rotates only the first rotary_dim dims of each head (the
+rest pass through normed, GatedAttention's partial rotary); `q_head_stride` reads query
+head h at column h * q_head_stride of qkv (the family's q_proj interleaves each head's
+query with its output gate: stride 2 * D), k and v after the Hq query heads.
 """
 
 from __future__ import annotations
@@ -23,38 +30,67 @@ def add_rmsnorm_reference(
     residual: Tensor | None,  # [T, H] or None
     weight: Tensor,  # [H]
     eps: float,
+    centred: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """(normed, new_residual): new_residual = x + residual (x when None), normed = rmsnorm(it)."""
+    """(normed, new_residual): new_residual = x + residual (x when None), normed = rmsnorm(it).
+    centred: normed = (y * (1 + weight)).to(dtype), y the float32 normalised row (CenteredRMSNorm)."""
     h = x if residual is None else residual + x
     y = h.float()
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    if centred:
+        return (y * (1.0 + weight.float())).to(h.dtype), h
     return weight * y.to(h.dtype), h
 
 
+def _qkv_columns(qkv: Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                 q_head_stride: int | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Views (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) of qkv's first columns: query head h at
+    column h * q_head_stride (None: D), then the key heads, then the value heads; columns past
+    them (an output gate) are not read."""
+    q_stride = head_dim if q_head_stride is None else q_head_stride
+    q_cols, kv_cols = num_heads * q_stride, num_kv_heads * head_dim
+    if qkv.shape[1] < q_cols + 2 * kv_cols or q_stride < head_dim:
+        raise ValueError(f"qkv rows of {qkv.shape[1]} columns cannot hold {num_heads} query heads (stride {q_stride}) "
+                         f"and 2 x {num_kv_heads} key/value heads of {head_dim}")
+    q = qkv[:, :q_cols].unflatten(1, (num_heads, q_stride))
+    if q_stride != head_dim:
+        q = q[..., :head_dim]
+    k = qkv[:, q_cols : q_cols + kv_cols].unflatten(1, (num_kv_heads, head_dim))
+    v = qkv[:, q_cols + kv_cols : q_cols + 2 * kv_cols].unflatten(1, (num_kv_heads, head_dim))
+    return q, k, v
+
+
 def qk_norm_rope_reference(
-    qkv: Tensor,  # [T, (Hq + 2*Hkv) * D]
+    qkv: Tensor,  # [T, >= (Hq + 2*Hkv) * D] (columns past k and v, e.g. an output gate, are not read)
     q_norm: Tensor,  # [D]
     k_norm: Tensor,  # [D]
-    cos: Tensor,  # [max_positions, D] float32
-    sin: Tensor,  # [max_positions, D] float32
+    cos: Tensor,  # [max_positions, rotary_dim] float32
+    sin: Tensor,  # [max_positions, rotary_dim] float32
     positions: Tensor,  # [T] int
     num_heads: int,
     num_kv_heads: int,
     eps: float,
+    centred: bool = False,  # (1 + w) norms (CenteredRMSNorm)
+    rotary_dim: int | None = None,  # rotate the first rotary_dim dims of each head (None: all D)
+    q_head_stride: int | None = None,  # columns between query heads in qkv (None: D)
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]): q and k normed per head and rotated."""
-    num_rows = qkv.shape[0]
+    """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]): q and k normed per head and rotated
+    (GatedAttention's rounding with a partial rotary_dim: the rotated dims, then the rest as normed)."""
     head_dim = q_norm.shape[0]
-    q, k, v = qkv.view(num_rows, num_heads + 2 * num_kv_heads, head_dim).split(
-        [num_heads, num_kv_heads, num_kv_heads], dim=1)
-    q, _ = add_rmsnorm_reference(q, None, q_norm, eps)
-    k, _ = add_rmsnorm_reference(k, None, k_norm, eps)
+    q, k, v = _qkv_columns(qkv, num_heads, num_kv_heads, head_dim, q_head_stride)
+    q, _ = add_rmsnorm_reference(q, None, q_norm, eps, centred)
+    k, _ = add_rmsnorm_reference(k, None, k_norm, eps, centred)
+    width = head_dim if rotary_dim is None else rotary_dim
     c = cos[positions].to(qkv.dtype).unsqueeze(1)
     s = sin[positions].to(qkv.dtype).unsqueeze(1)
-    half = head_dim // 2
+    half = width // 2
 
     def rotate(x: Tensor) -> Tensor:
-        return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
+        if width == head_dim:
+            return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
+        part = x[..., :width]
+        rotated = part * c + torch.cat([-part[..., half:], part[..., :half]], dim=-1) * s
+        return torch.cat([rotated, x[..., width:]], dim=-1)
 
     return rotate(q), rotate(k), v.contiguous()
 
@@ -68,7 +104,7 @@ def _kernels():
     def add_rmsnorm_kernel(
         x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, H, eps,
         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PARTIALS: tl.constexpr, PDL: tl.constexpr,
-        EARLY: tl.constexpr,
+        EARLY: tl.constexpr, CENTRED: tl.constexpr,
     ):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -94,25 +130,37 @@ def _kernels():
             tl.store(res_out_ptr + row * H + cols, h, mask=ok)
         y = h.to(tl.float32)
         var = tl.sum(y * y, axis=0) / H
-        y = (y * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
-        if not EARLY:
-            w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-        tl.store(out_ptr + row * H + cols, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
+        if CENTRED:  # (1 + w) times the float32 normalised row, one rounding
+            y = y * tl.rsqrt(var + eps)
+            if not EARLY:
+                w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+            out = (y * (1.0 + w.to(tl.float32))).to(out_ptr.dtype.element_ty)
+        else:
+            y = (y * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
+            if not EARLY:
+                w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+            out = (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * H + cols, out, mask=ok)
 
     @triton.jit
     def qk_rope_kernel(
         qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, table_ptr,
         stride_qkv, stride_block, stride_pos, stride_table, eps,
         NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        PDL: tl.constexpr, EARLY: tl.constexpr,
+        PDL: tl.constexpr, EARLY: tl.constexpr, CENTRED: tl.constexpr, ROT: tl.constexpr, Q_STRIDE: tl.constexpr,
     ):
+        # ROT: the rotated dims of a head (D, or fewer: partial rotary, cos/sin rows of ROT), HALF = ROT // 2;
+        # Q_STRIDE: qkv columns from one query head to the next (D, or more: an interleaved gate)
         if PDL and not EARLY:  # wait for the predecessor kernel before touching anything it may write or read
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         t = tl.program_id(0)
         head = tl.program_id(1)
         d = tl.arange(0, D)
-        partner = (d + HALF) % D
+        if ROT < D:  # partial rotary: dims from ROT on pass through (their partner is themselves)
+            partner = tl.where(d < ROT, (d + HALF) % ROT, d)
+        else:
+            partner = (d + HALF) % D
         # (EARLY: the position, its cache row, the norm weights and cos/sin come from the host's
         # inputs and the weights: read before the wait; only qkv comes from the kernel before.)
         pos = tl.load(pos_ptr + t)
@@ -123,24 +171,38 @@ def _kernels():
         norm_ptr = tl.where(is_q, qn_ptr, kn_ptr)
         w = tl.load(norm_ptr + d)
         wp = tl.load(norm_ptr + partner)
-        c = tl.load(cos_ptr + pos * D + d)
-        s = tl.load(sin_ptr + pos * D + d)
+        if ROT < D:
+            c = tl.load(cos_ptr + pos * ROT + d, mask=d < ROT, other=1.0)
+            s = tl.load(sin_ptr + pos * ROT + d, mask=d < ROT, other=0.0)
+        else:
+            c = tl.load(cos_ptr + pos * D + d)
+            s = tl.load(sin_ptr + pos * D + d)
         if PDL and EARLY:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        base = qkv_ptr + t * stride_qkv + head * D
+        if Q_STRIDE == D:
+            base = qkv_ptr + t * stride_qkv + head * D
+        else:  # query heads Q_STRIDE apart, then the key and value heads
+            column = tl.where(head < NUM_Q, head * Q_STRIDE, NUM_Q * Q_STRIDE + (head - NUM_Q) * D)
+            base = qkv_ptr + t * stride_qkv + column
         x = tl.load(base + d)
         xp = tl.load(base + partner)
         dtype = x.dtype
         if head < NUM_Q + NUM_KV:
             xf = x.to(tl.float32)
             scale = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
-            y = (w.to(tl.float32) * (xf * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            yp = (wp.to(tl.float32) * (xp.to(tl.float32) * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            if CENTRED:  # (1 + w) times the float32 normalised value, one rounding
+                y = (xf * scale * (1.0 + w.to(tl.float32))).to(dtype).to(tl.float32)
+                yp = (xp.to(tl.float32) * scale * (1.0 + wp.to(tl.float32))).to(dtype).to(tl.float32)
+            else:
+                y = (w.to(tl.float32) * (xf * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+                yp = (wp.to(tl.float32) * (xp.to(tl.float32) * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             c = c.to(dtype).to(tl.float32)
             s = s.to(dtype).to(tl.float32)
             rotated = tl.where(d < HALF, -yp, yp)
             out = ((y * c).to(dtype).to(tl.float32) + (rotated * s).to(dtype).to(tl.float32)).to(dtype)
+            if ROT < D:
+                out = tl.where(d < ROT, out, y.to(dtype))
             if head < NUM_Q:
                 tl.store(q_out_ptr + (t * NUM_Q + head) * D + d, out)
             else:
@@ -158,6 +220,7 @@ def add_rmsnorm(
     eps: float,
     *,
     pdl: bool = False,  # launch as a programmatic dependent (kernels.fused.pdl_supported)
+    centred: bool = False,  # (1 + weight) scaling of the float32 normalised row (CenteredRMSNorm)
 ) -> tuple[Tensor, Tensor]:
     """(normed, new_residual) with new_residual = residual + x (x itself when residual is None)."""
     partials = x.shape[1] if x.dim() == 3 else 0
@@ -169,7 +232,7 @@ def add_rmsnorm(
             for s in range(1, partials):
                 summed = summed + x[:, s]
             x = summed.to(residual.dtype)
-        return add_rmsnorm_reference(x, residual, weight, eps)
+        return add_rmsnorm_reference(x, residual, weight, eps, centred)
     x = x.contiguous()
     num_rows, size = x.shape[0], x.shape[-1]
     dtype = residual.dtype if residual is not None else x.dtype
@@ -178,18 +241,18 @@ def add_rmsnorm(
     _kernels()[0][(num_rows,)](
         x, residual.contiguous() if residual is not None else x, weight, normed, new_residual, size, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(size), PARTIALS=partials,
-        PDL=pdl, EARLY=early_reads(), num_warps=NORM_WARPS if size <= 4096 else 2 * NORM_WARPS,
+        PDL=pdl, EARLY=early_reads(), CENTRED=centred, num_warps=NORM_WARPS if size <= 4096 else 2 * NORM_WARPS,
         **launch_options(pdl),
     )
     return normed, new_residual
 
 
 def qk_norm_rope_store(
-    qkv: Tensor,  # [T, (Hq + 2*Hkv) * D]
+    qkv: Tensor,  # [T, >= (Hq + 2*Hkv) * D], its row stride (columns past k and v, e.g. an output gate, are not read)
     q_norm: Tensor,  # [D]
     k_norm: Tensor,  # [D]
-    cos: Tensor,  # [max_positions, D] float32
-    sin: Tensor,  # [max_positions, D] float32
+    cos: Tensor,  # [max_positions, rotary_dim] float32
+    sin: Tensor,  # [max_positions, rotary_dim] float32
     positions: Tensor,  # [T] int64
     slots: Tensor,  # [T] int64: cache slot of each row
     cache_keys: Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -200,25 +263,38 @@ def qk_norm_rope_store(
     eps: float,
     *,
     pdl: bool = False,
+    centred: bool = False,  # (1 + w) q/k norms (CenteredRMSNorm)
+    rotary_dim: int | None = None,  # rotate the first rotary_dim dims of each head (None: all D)
+    q_head_stride: int | None = None,  # columns between query heads in qkv (None: D; 2 D: q and gate interleaved)
 ) -> Tensor:
     """Norm and rotate q and k, write k and v at (slot, position) of the paged cache; returns q [T, Hq, D]."""
     block_size = cache_keys.shape[1]
+    head_dim = q_norm.shape[0]
+    rot = head_dim if rotary_dim is None else rotary_dim
+    if rot % 2 or not 0 < rot <= head_dim or cos.shape[-1] != rot or sin.shape[-1] != rot:
+        raise ValueError(f"qk_norm_rope_store: rotary_dim {rot} must be even, at most head_dim {head_dim}, and the "
+                         f"width of the cos/sin tables ({cos.shape[-1]}, {sin.shape[-1]})")
+    q_stride = head_dim if q_head_stride is None else q_head_stride
+    _qkv_columns(qkv, num_heads, num_kv_heads, head_dim, q_head_stride)  # (checks the width)
     if not use_triton(qkv):
-        q, k, v = qk_norm_rope_reference(qkv, q_norm, k_norm, cos, sin, positions, num_heads, num_kv_heads, eps)
+        q, k, v = qk_norm_rope_reference(qkv, q_norm, k_norm, cos, sin, positions, num_heads, num_kv_heads, eps,
+                                         centred, rotary_dim, q_head_stride)
         blocks, offsets = paged_rows(block_tables, slots, positions, block_size)
         cache_keys[blocks, offsets] = k
         cache_values[blocks, offsets] = v
         return q
     num_rows = qkv.shape[0]
-    head_dim = q_norm.shape[0]
+    if qkv.stride(1) != 1:
+        qkv = qkv.contiguous()
     if cache_keys.stride() != cache_values.stride() or cache_keys.stride(2) != head_dim or cache_keys.stride(3) != 1:
         raise ValueError("qk_norm_rope_store: cache keys/values must share a [blocks, block_size, heads, D] layout")
     q = torch.empty((num_rows, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    cos, sin = cos.contiguous(), sin.contiguous()  # (rows of rot values: the kernel's layout)
     _kernels()[1][(num_rows, num_heads + 2 * num_kv_heads)](
         qkv, q, cache_keys, cache_values, q_norm, k_norm, cos, sin, positions, slots, block_tables,
         qkv.stride(0), cache_keys.stride(0), cache_keys.stride(1), block_tables.stride(0), eps,
-        NUM_Q=num_heads, NUM_KV=num_kv_heads, D=head_dim, HALF=head_dim // 2, BLOCK_SIZE=block_size, PDL=pdl,
-        EARLY=early_reads(), num_warps=QK_ROPE_WARPS,
+        NUM_Q=num_heads, NUM_KV=num_kv_heads, D=head_dim, HALF=rot // 2, BLOCK_SIZE=block_size, PDL=pdl,
+        EARLY=early_reads(), CENTRED=centred, ROT=rot, Q_STRIDE=q_stride, num_warps=QK_ROPE_WARPS,
         **launch_options(pdl),
     )
     return q

@@ -54,6 +54,10 @@ class Rows:
     seq_slots: Tensor  # [num_seqs] int64
     max_rows_per_seq: int
     live: Tensor | None = None  # [T] int: 0 marks padding rows (batch graphs), which run no experts
+    # Families with linear-attention layers: the state buffer each sequence reads, and the one it
+    # writes its state after its last row to (shared.model.families.hybrid.states)
+    state_in: Tensor | None = None  # [num_seqs] int64
+    state_out: Tensor | None = None  # [num_seqs] int64
 
     @staticmethod
     def window(start: int, num_rows: int, slot: int, device: torch.device | str) -> Rows:
@@ -69,8 +73,6 @@ class Rows:
 
 def unsupported_reason(model: Qwen3MoeModel) -> str | None:
     """Why the fused path cannot run this model (None when it can)."""
-    if not isinstance(model, Qwen3MoeModel):
-        return "the fused path runs the qwen3_moe family only (qwen3_next runs the reference path)"
     c = model.config
     if c.attention_bias:
         return "attention_bias is not supported by the fused path"
@@ -79,14 +81,6 @@ def unsupported_reason(model: Qwen3MoeModel) -> str | None:
     if c.head_dim < 16 and model.device.type == "cuda":
         return f"head_dim {c.head_dim} is below 16 (the attention kernel's smallest dot on a GPU)"
     return None
-
-
-def fused_wanted(model: Qwen3MoeModel, setting: str) -> bool:
-    """Whether to run the fused path for a `fused` setting (auto | on | off)."""
-    reason = unsupported_reason(model)
-    if setting == "on" and reason is not None:
-        raise ValueError(f"fused = on, but {reason}")
-    return setting == "on" or (setting == "auto" and model.device.type == "cuda" and reason is None)
 
 
 class FusedLayer:
@@ -126,6 +120,8 @@ def _fuse_rows(linears: list[nn.Linear]) -> Tensor:
 
 class FusedModel:
     """Decode/verify forward of a loaded Qwen3MoeModel through the fused kernels."""
+
+    states = None  # no linear-attention layers: no per-sequence state beside the KV pool
 
     def __init__(self, model: Qwen3MoeModel, *, max_rows: int, max_length: int, pdl: bool | None = None,
                  invariant: bool = True, expert_prefetch: bool = False) -> None:

@@ -68,8 +68,11 @@ class WindowGraphs:
             self.segments = {} if self.use_graphs else None
             self.use_graphs = False
         pin = self.device.type == "cuda"
-        # [ids | positions | slots | sequence slots | sequence starts (R + 1) | real-row mask], R = max_batch_rows
-        size = 6 * max_batch_rows + 1
+        # Linear-attention state buffers (the hybrid family): which each sequence reads and writes.
+        self.states = fused.states
+        # [ids | positions | slots | sequence slots | sequence starts (R + 1) | real-row mask |
+        #  state read | state write], R = max_batch_rows
+        size = 8 * max_batch_rows + 1
         self.host_in = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self.dev_in = torch.zeros(size, dtype=torch.int64, device=self.device)
         self.copied = torch.cuda.Event() if pin else None
@@ -97,7 +100,25 @@ class WindowGraphs:
             seq_starts=self.seq_starts[num_rows],
             seq_slots=self.dev_in[3 * m : 3 * m + 1],
             max_rows_per_seq=num_rows,
+            **self._state_views(1),
         )
+
+    def _state_views(self, num_seqs: int) -> dict[str, Tensor]:
+        """Rows' state_in / state_out views of dev_in (families with linear-attention states)."""
+        if self.states is None:
+            return {}
+        m = self.max_batch_rows
+        return dict(state_in=self.dev_in[6 * m + 1 : 6 * m + 1 + num_seqs],
+                    state_out=self.dev_in[7 * m + 1 : 7 * m + 1 + num_seqs])
+
+    def _swap_states(self, num_seqs: int) -> None:
+        """A chained step reads the state its predecessor wrote and writes the buffer it read
+        (on the device: the step before may be the one just enqueued)."""
+        if self.states is not None:
+            views = self._state_views(num_seqs)
+            read = views["state_in"].clone()
+            views["state_in"].copy_(views["state_out"])
+            views["state_out"].copy_(read)
 
     def _batch_rows(self, num_rows: int, num_seqs: int, max_rows_per_seq: int) -> Rows:
         m = self.max_batch_rows
@@ -108,6 +129,7 @@ class WindowGraphs:
             seq_slots=self.dev_in[3 * m : 3 * m + num_seqs],
             max_rows_per_seq=max_rows_per_seq,
             live=self.dev_in[5 * m : 5 * m + num_rows],
+            **self._state_views(num_seqs),
         )
 
     def _trunk(self, rows: Rows, key: tuple[int, ...]) -> tuple[Tensor, Tensor]:
@@ -133,6 +155,7 @@ class WindowGraphs:
     def _chained_forward(self) -> WindowOutput:
         self.dev_in[:1].copy_(self.last_token)
         self.dev_in[self.max_batch_rows : self.max_batch_rows + 1].add_(1)
+        self._swap_states(1)
         return self._forward(1)
 
     def _batch_forward(self, num_rows: int, num_seqs: int, max_rows_per_seq: int) -> WindowOutput:
@@ -147,6 +170,7 @@ class WindowGraphs:
         m = self.max_batch_rows
         self.dev_in[:num_rows].copy_(self.last_batch_ids[:num_rows])
         self.dev_in[m : m + num_rows].add_(self.dev_in[5 * m : 5 * m + num_rows])
+        self._swap_states(num_rows)
         return self._batch_forward(num_rows, num_rows, 1)
 
     def batch_buckets(self) -> list[int]:
@@ -229,6 +253,7 @@ class WindowGraphs:
         values[m : m + num_rows] = range(start, start + num_rows)
         values[2 * m : 2 * m + num_rows] = slot
         values[3 * m] = slot
+        self._state_values(values, 0, slot)
         self._send()
         self.last_decode_rows = None
         captured = self.graphs.get(num_rows)
@@ -244,6 +269,24 @@ class WindowGraphs:
         if self.copied is not None:
             self.copied.synchronize()
         return self.host_in.numpy()
+
+    def _state_values(self, values, seq: int, slot: int) -> None:
+        """Sequence `seq` of the next step reads the slot's committed state and writes the other buffer."""
+        if self.states is not None:
+            m = self.max_batch_rows
+            values[6 * m + 1 + seq], values[7 * m + 1 + seq] = self.states.buffers(slot)
+
+    def reset_state(self, slot: int) -> None:
+        """A new sequence at `slot` starts from zero linear-attention state (no-op without one)."""
+        if self.states is not None:
+            self.states.reset(slot)
+
+    def settle(self, slot: int, kept_row: int | None = None) -> None:
+        """Keep the last step run for `slot` (its state becomes the committed one); kept_row: the
+        step was a window rolled back to the row at batch row `kept_row`. Every step whose
+        result is used is settled once, in order; a step computed ahead and dropped is not."""
+        if self.states is not None:
+            self.states.settle(slot, kept_row)
 
     def _send(self) -> None:
         self.dev_in.copy_(self.host_in, non_blocking=True)
@@ -273,6 +316,7 @@ class WindowGraphs:
             values[2 * m + row : 2 * m + row + len(ids)] = slot
             values[3 * m + seq] = slot
             values[4 * m + seq] = row
+            self._state_values(values, seq, slot)
             row += len(ids)
         for pad in range(num_rows, padded):  # one-row sequences at position 0 of the scratch slot
             values[pad] = 0
@@ -280,6 +324,7 @@ class WindowGraphs:
             values[2 * m + pad] = self.scratch_slot
             values[3 * m + num_seqs + pad - num_rows] = self.scratch_slot
             values[4 * m + num_seqs + pad - num_rows] = pad
+            self._state_values(values, num_seqs + pad - num_rows, self.scratch_slot)
         used_seqs = num_seqs + padded - num_rows
         values[4 * m + used_seqs : 4 * m + padded + 1] = padded  # the bucket's unused sequences are empty
         values[3 * m + used_seqs : 3 * m + padded] = self.scratch_slot if bucket is not None else 0

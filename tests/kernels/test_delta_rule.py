@@ -80,3 +80,41 @@ def test_the_causal_convolution_matches_a_padded_conv1d_and_carries_its_state():
     _, states = causal_conv(x[17:], weight, state, keep_states=True)  # rollback: the state after each row
     for rows in (1, 5, 13):
         assert torch.equal(states[rows - 1], causal_conv(x[17 : 17 + rows], weight, state)[1])
+
+
+@pytest.mark.parametrize("rows,chunk", [(100, 16), (150, 64)])
+def test_the_chunked_form_stays_finite_and_exact_under_strong_decays(rows, chunk):
+    """Log decays down to -20 a row: within a chunk G_i - G_j reaches hundreds above the diagonal
+    (never exponentiated) and e^{G_i} underflows to 0; the last chunk is padded (rows % chunk)."""
+    q, k, v, _, beta, state = inputs(rows, seed=rows + 1)
+    g = -torch.rand(rows, 4, generator=torch.Generator().manual_seed(rows), dtype=torch.float64) * 20
+    g[::7] = 0.0  # some rows that do not decay at all
+    out, final = recurrent(q, k, v, g, beta, state)
+    out_c, final_c = chunked(q, k, v, g, beta, state, chunk=chunk)
+    assert torch.isfinite(out_c).all() and torch.isfinite(final_c).all()
+    torch.testing.assert_close(out_c, out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(final_c, final, rtol=1e-4, atol=1e-5)
+
+
+def test_padding_rows_change_nothing():
+    """The rows that pad the last chunk (beta = 0, g = 0, q = k = v = 0) leave the state and the
+    outputs of the real rows as they are, in either form."""
+    q, k, v, g, beta, state = inputs(37, seed=11)
+    extra = 11  # 37 + 11 = 48: whole chunks of 8 and 16, a part chunk of 64
+    padded = [torch.cat([x, x.new_zeros((extra, *x.shape[1:]))]) for x in (q, k, v, g, beta)]
+    out, final = recurrent(q, k, v, g, beta, state)
+    out_p, final_p = recurrent(*padded, state)
+    assert torch.equal(final_p, final) and torch.equal(out_p[:37], out) and not out_p[37:].any()
+    for chunk in (8, 16, 64):
+        out_c, final_c = chunked(q, k, v, g, beta, state, chunk=chunk)
+        out_pc, final_pc = chunked(*padded, state, chunk=chunk)
+        torch.testing.assert_close(out_pc[:37], out_c, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(final_pc, final_c, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(final_c, final, rtol=1e-4, atol=1e-5)
+
+
+def test_an_empty_prompt_returns_no_rows_and_the_state_before_it():
+    q, k, v, g, beta, state = inputs(0)
+    out, final = chunked(q, k, v, g, beta, state)
+    assert out.shape == (0, 4, 8) and out.dtype == v.dtype
+    assert torch.equal(final, state.float())

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from shared.model.qwen3_next import Qwen3NextModel
+from shared.model.next_loader import random_next
+from shared.model.qwen3_next import NextConfig, Qwen3NextModel
 
 LAYOUTS = ("qwen3_next", "qwen3_5")
 
@@ -77,3 +78,25 @@ def write_checkpoint(path: Path, model: Qwen3NextModel, layout: str = "qwen3_5",
         config["model_type"] = "qwen3_next"
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
+
+
+# Shapes the fused path runs (head_dim a power of two, the shared expert no wider than a routed
+# one), with an MTP layer: the family on the fast path through the services.
+FUSED_CONFIG = dict(
+    vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    intermediate_size=40, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=8,
+    num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+    linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=128,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    partial_rotary_factor=0.25, rms_norm_eps=1e-6, model_type="qwen3_5_moe_text", mtp_num_hidden_layers=1)
+
+
+def write_fused_checkpoint(path: Path, seed: int = 3) -> Path:
+    """A random Qwen3.5-layout checkpoint of FUSED_CONFIG (non-trivial norms) with its MTP layer."""
+    model = random_next(NextConfig.from_dict(FUSED_CONFIG), dtype=torch.float32, device="cpu", seed=seed, std=0.3)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.2 * torch.randn(param.shape, generator=generator))
+    return write_checkpoint(path, model, "qwen3_5")

@@ -1,0 +1,441 @@
+"""The Qwen3-Next / Qwen3.5-MoE trunk and MTP layer through kernels.fused (DESIGN §6, §11).
+
+The hybrid family's decode/verify windows, decode batches and prefill chunks on the fused,
+graph-capturable path, over the same paged KV pool and `Rows` as qwen3_moe's FusedModel:
+
+- a Gated DeltaNet layer: one GEMV of the in-projections (q|k|v|z|b|a), one kernel for the
+  causal convolution, the gated delta rule over the window's rows, the gated RMSNorm and the
+  output gate (kernels.fused.deltanet), the out-projection as split-K partials summed by the
+  residual add + centred norm;
+- a gated full-attention layer: one GEMV of q (interleaved with its output gate per head), k
+  and v, the centred q/k norms with partial rotary and the KV write, split-KV attention whose
+  merge applies the sigmoid gate, the o-projection;
+- the MoE block: the router with the shared expert's gate logit as one more column; the shared
+  expert runs as expert E of an [E + 1] expert tensor, a (k + 1)-th route weighted by the
+  sigmoid of its gate; combine, residual and the next centred norm in one kernel.
+
+No step reads anything on the host, and every launch configuration follows the weight shapes,
+so windows capture into CUDA graphs and a row's bits do not depend on its window or batch
+(row invariance). A sequence's linear-attention state lives in `LinearStates` (two buffers
+per pool slot; a verify window keeps each row's state for the rollback); `Rows.state_in` and
+`Rows.state_out` say which buffers a step reads and writes.
+
+Fusing re-points the reference modules' parameters at views of the fused tensors (nothing is
+kept twice) and converts Qwen3-Next's grouped in-projections to the split layout (the same
+function, rows permuted), so the reference forward stays what the tests compare with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention import sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+from kernels.delta_rule import causal_conv, chunked
+from kernels.fused import pdl_supported
+from kernels.fused.attention import AttentionWorkspace, decode_attention
+from kernels.fused.deltanet import gated_delta_step
+from kernels.fused.linear import linear, linear_partials, split_k
+from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, experts_reference, fused_experts
+from kernels.fused.norm import add_rmsnorm, qk_norm_rope_store
+from kernels.fused.router import route
+from shared.model.deltanet import GatedDeltaNet
+from shared.model.experts import ExpertStore, grouped_mm_available
+from shared.model.families.hybrid.states import LinearStates
+from shared.model.fast import PREFILL_ATTENTION, Rows
+from shared.model.kv_cache import PagedKV
+from shared.model.layers import RoutingOptions
+from shared.model.qwen3_next import DecoderLayer, Qwen3NextModel, SharedMoe
+
+
+def unsupported_reason(model: Qwen3NextModel) -> str | None:
+    """Why the fused path cannot run this hybrid model (None when it can)."""
+    c = model.config
+    if c.linear_conv_kernel_dim != 4:
+        return f"linear_conv_kernel_dim {c.linear_conv_kernel_dim} (the fused delta-rule kernel keeps 3 inputs)"
+    if c.head_dim & (c.head_dim - 1) or (model.device.type == "cuda" and c.head_dim < 16):
+        return f"head_dim {c.head_dim} must be a power of two (and >= 16 on a GPU)"
+    if c.num_experts and c.shared_expert_intermediate_size > c.moe_intermediate_size:
+        return (f"shared_expert_intermediate_size {c.shared_expert_intermediate_size} exceeds moe_intermediate_size "
+                f"{c.moe_intermediate_size} (the shared expert runs as one more routed expert)")
+    return None
+
+
+class LinearMixer:
+    """A Gated DeltaNet layer's weights in the fused layout."""
+
+    def __init__(self, attn: GatedDeltaNet, index: int) -> None:
+        self.index = index  # among the linear layers (its state buffers)
+        if attn.layout == "grouped":
+            _split_grouped(attn)
+        self.in_proj = _fuse_rows([attn.in_proj_qkv, attn.in_proj_z, attn.in_proj_b, attn.in_proj_a])  # [P, H]
+        self.conv = attn.conv1d.weight[:, 0]  # [C, K]
+        self.A_log, self.dt_bias, self.norm, self.eps = attn.A_log, attn.dt_bias, attn.norm.weight, attn.norm.eps
+        self.out = attn.out_proj.weight  # [H, Hv*dv]
+        self.out_splits = split_k(*self.out.shape)
+        self.shape = dict(num_k_heads=attn.num_k_heads, num_v_heads=attn.num_v_heads, head_k_dim=attn.head_k_dim,
+                          head_v_dim=attn.head_v_dim)
+        self.module = attn
+
+
+class AttentionMixer:
+    """A gated full-attention layer's weights: q (each head's query then its gate), k, v in one matrix."""
+
+    def __init__(self, layer: DecoderLayer, kv_index: int) -> None:
+        attn = layer.self_attn
+        self.kv_index = kv_index  # among the full-attention layers (its KV pool layer)
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.qkv = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])  # [(2 Hq + 2 Hkv) * D, H]
+        self.o = attn.o_proj.weight
+        self.o_splits = split_k(*self.o.shape)
+        self.q_norm, self.k_norm, self.eps = attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps
+
+    def gate(self, qkv: Tensor) -> Tensor:
+        """The output gate [T, Hq, D] as a view of the fused projection's rows."""
+        q_cols = 2 * self.num_heads * self.head_dim
+        return qkv[:, :q_cols].unflatten(1, (self.num_heads, 2 * self.head_dim))[:, :, self.head_dim :]
+
+
+class HybridLayer:
+    """One decoder layer in the fused layout: its token mixer, norms and MLP."""
+
+    def __init__(self, layer: DecoderLayer, *, linear_index: int, kv_index: int) -> None:
+        self.linear = layer.linear
+        self.mixer = LinearMixer(layer.linear_attn, linear_index) if layer.linear else AttentionMixer(layer, kv_index)
+        self.input_norm = layer.input_layernorm.weight
+        self.post_norm = layer.post_attention_layernorm.weight
+        self.eps = layer.input_layernorm.eps
+        self.moe = isinstance(layer.mlp, SharedMoe)
+        if self.moe:
+            self.router, self.store = _fuse_moe(layer.mlp)  # [E + 1, H], experts [E + 1, ...]
+            self.router_splits = split_k(*self.router.shape)
+            self.top_k, self.normalize = layer.mlp.top_k, layer.mlp.normalize
+        else:
+            self.gate_up = _fuse_rows([layer.mlp.gate_proj, layer.mlp.up_proj])  # [2I, H]
+            self.down = layer.mlp.down_proj.weight
+
+
+class HybridFused:
+    """Decode/verify forward of a loaded Qwen3NextModel through the fused kernels."""
+
+    def __init__(self, model: Qwen3NextModel, *, max_rows: int, max_length: int, num_state_slots: int = 0,
+                 pdl: bool | None = None, invariant: bool = True) -> None:
+        """num_state_slots: KV pool slots whose linear-attention states this model keeps (the
+        verifier's sessions; 0 for an MTP layer alone); max_rows: the most rows of a step.
+        pdl, invariant: as FusedModel's (on the CPU, invariant runs a window's rows one at a time)."""
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the fused path cannot run this model: {reason}")
+        self.model = model
+        c = model.config
+        self.layers: list[HybridLayer] = []
+        linear_index = kv_index = 0
+        for layer in model.layers:
+            self.layers.append(HybridLayer(layer, linear_index=linear_index, kv_index=kv_index))
+            linear_index += layer.linear
+            kv_index += not layer.linear
+        self.mtp_layer = None
+        if model.mtp is not None:
+            self.mtp_layer = HybridLayer(model.mtp.layers[0], linear_index=-1, kv_index=0)
+        self.workspace = AttentionWorkspace(max_rows, c.num_attention_heads, c.head_dim, max_length, model.device)
+        self.max_rows = max_rows
+        self.cos, self.sin = model.rotary.cos, model.rotary.sin
+        self.rotary_dim = model.rotary.cos.shape[-1]
+        self.pdl = pdl_supported(model.device) if pdl is None else pdl
+        self.invariant = invariant
+        self.states: LinearStates | None = None
+        if num_state_slots and linear_index:
+            first = next(layer.mixer for layer in self.layers if layer.linear)
+            self.states = LinearStates(
+                num_layers=linear_index, num_slots=num_state_slots, max_rows=max_rows, conv_dim=first.conv.shape[0],
+                conv_width=first.conv.shape[1], num_v_heads=first.shape["num_v_heads"],
+                head_k_dim=first.shape["head_k_dim"], head_v_dim=first.shape["head_v_dim"], dtype=model.dtype,
+                device=model.device)
+
+    offload = None  # experts in host memory are not built for this family
+    offloaded = False
+
+    # -- layers -----------------------------------------------------------------------------
+
+    def mix(self, layer: HybridLayer, normed: Tensor, residual: Tensor, rows: Rows, kv: PagedKV) -> tuple[Tensor, Tensor]:
+        """The token mixer through its output projection, the residual add and the post norm."""
+        if layer.linear:
+            out = self._linear_mixer(layer.mixer, normed, rows)
+        else:
+            out = self._attention_mixer(layer.mixer, normed, rows, kv)
+        return add_rmsnorm(out, residual, layer.post_norm, layer.eps, centred=True, pdl=self.pdl)
+
+    def _linear_mixer(self, mixer: LinearMixer, normed: Tensor, rows: Rows) -> Tensor:
+        if self.states is None or rows.state_in is None:
+            raise ValueError("a linear-attention layer needs its state buffers (num_state_slots, Rows.state_in)")
+        keep = rows.max_rows_per_seq > 1  # a window of several rows may be rolled back
+        conv, rec, kept_conv, kept_rec = self.states.layer(mixer.index, keep=keep)
+        proj = linear(normed, mixer.in_proj, pdl=self.pdl)  # [T, P]
+        core = gated_delta_step(proj, mixer.conv, mixer.A_log, mixer.dt_bias, mixer.norm, conv, rec, rows.seq_starts,
+                                rows.state_in, rows.state_out, eps=mixer.eps, kept_conv=kept_conv, kept_rec=kept_rec,
+                                pdl=self.pdl, **mixer.shape)  # [T, Hv*dv]
+        return linear_partials(core, mixer.out, mixer.out_splits, pdl=self.pdl)
+
+    def _attention_mixer(self, mixer: AttentionMixer, normed: Tensor, rows: Rows, kv: PagedKV) -> Tensor:
+        keys, values = kv.layers[mixer.kv_index]
+        qkv = linear(normed, mixer.qkv, pdl=self.pdl)
+        q = qk_norm_rope_store(qkv, mixer.q_norm, mixer.k_norm, self.cos, self.sin, rows.positions, rows.slots, keys,
+                               values, kv.block_tables, mixer.num_heads, mixer.num_kv_heads, mixer.eps, centred=True,
+                               rotary_dim=self.rotary_dim, q_head_stride=2 * mixer.head_dim, pdl=self.pdl)
+        attn = decode_attention(q, keys, values, kv.block_tables, rows.positions, rows.slots, rows.seq_starts,
+                                rows.seq_slots, rows.max_rows_per_seq, self.workspace, gate=mixer.gate(qkv), pdl=self.pdl)
+        return linear_partials(attn.flatten(1), mixer.o, mixer.o_splits, pdl=self.pdl)
+
+    def mlp(self, layer: HybridLayer, normed: Tensor, residual: Tensor, next_norm: Tensor,
+            rows: Rows) -> tuple[Tensor, Tensor]:
+        """The MLP, the residual add and the next layer's centred norm."""
+        pdl = self.pdl
+        if not layer.moe:
+            gate, up = linear(normed, layer.gate_up, pdl=pdl).chunk(2, dim=-1)
+            out = linear(F.silu(gate) * up, layer.down, pdl=pdl)
+            return add_rmsnorm(out, residual, next_norm, layer.eps, centred=True, pdl=pdl)
+        partials = linear_partials(normed, layer.router, layer.router_splits, pdl=pdl)
+        expert_ids, weights = route(partials, layer.top_k, round_to=normed.dtype, normalize=layer.normalize,
+                                    shared_gate=True, live=rows.live, pdl=pdl)  # [T, k + 1]
+        route_out = fused_experts(normed, expert_ids, layer.store.gate_up, layer.store.down, pdl=pdl)
+        return combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps, centred=True, pdl=pdl)
+
+    # -- forwards ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, token_ids: Tensor, rows: Rows, kv: PagedKV,
+                routing: RoutingOptions | None = None) -> tuple[Tensor, Tensor]:
+        """Trunk rows: logits [T, vocab] float32 and final-norm hidden [T, hidden]. kv: the full-
+        attention layers' paged cache; the linear layers' states are self.states' buffers
+        rows.state_in / rows.state_out (each sequence's state after its last row is written to
+        its state_out buffer; a window of several rows also keeps each row's state)."""
+        if routing is not None and routing.moce:
+            raise ValueError("MoCE routing is built for the qwen3_moe family's expert slots only")
+        if rows.positions.shape[0] > MAX_FUSED_TOKENS:
+            raise ValueError(f"a window of {rows.positions.shape[0]} rows: the fused path runs at most "
+                             f"{MAX_FUSED_TOKENS} (prefill runs longer chunks)")
+        if self.invariant and token_ids.device.type == "cpu" and token_ids.shape[0] > 1:
+            return self._row_by_row(token_ids, rows, kv)
+        normed, residual = add_rmsnorm(self.model.embed_tokens(token_ids), None, self.layers[0].input_norm,
+                                       self.layers[0].eps, centred=True, pdl=self.pdl)
+        norms = [layer.input_norm for layer in self.layers[1:]] + [self.model.norm.weight]
+        for layer, next_norm in zip(self.layers, norms):
+            normed, residual = self.mix(layer, normed, residual, rows, kv)
+            normed, residual = self.mlp(layer, normed, residual, next_norm, rows)
+        return self.logits(normed), normed
+
+    def logits(self, normed: Tensor) -> Tensor:  # [T, hidden] final-norm rows -> [T, vocab] float32
+        return linear(normed, self.model.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl)
+
+    def _row_by_row(self, token_ids: Tensor, rows: Rows, kv: PagedKV) -> tuple[Tensor, Tensor]:
+        """A window or batch on the CPU as one-row steps (the CPU's kernels pick their code path
+        by shape; DESIGN §11), the linear states chained from row to row through the sequence's
+        two buffers: row i reads what row i - 1 wrote and writes the other buffer (no step reads
+        and writes one buffer), the last row writes state_out, and with several rows each row's
+        state is kept as a window's. So the state before a window of several rows is not kept
+        (a verify window always keeps its first row)."""
+        starts = rows.seq_starts.tolist()
+        state_in, state_out = rows.state_in.tolist(), rows.state_out.tolist()
+        keep = rows.max_rows_per_seq > 1
+        outs = []
+        for seq, (first, end) in enumerate(zip(starts, starts[1:])):
+            read = state_in[seq]
+            for row in range(first, end):
+                write = state_out[seq] if read == state_in[seq] else state_in[seq]
+                if row == end - 1 and write != state_out[seq]:  # (read is state_out: move it over)
+                    self._copy_state(state_in[seq], read)
+                    read, write = state_in[seq], state_out[seq]
+                one = replace(_one_row(rows, row), state_in=torch.tensor([read]), state_out=torch.tensor([write]))
+                outs.append(self.forward(token_ids[row : row + 1], one, kv))
+                if keep:
+                    self.states.kept_conv[:, row].copy_(self.states.conv[:, write])
+                    self.states.kept_rec[:, row].copy_(self.states.rec[:, write])
+                read = write
+        return torch.cat([logits for logits, _ in outs]), torch.cat([hidden for _, hidden in outs])
+
+    def _copy_state(self, target: int, source: int) -> None:
+        self.states.conv[:, target].copy_(self.states.conv[:, source])
+        self.states.rec[:, target].copy_(self.states.rec[:, source])
+
+    # -- prefill ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: Tensor, spans: list[tuple[int, int, int]], kv: PagedKV) -> Tensor:
+        """Prompt chunks of one or more sequences in one forward: final-norm hidden [T, hidden].
+
+        spans[i] = (start, count, slot) as FusedModel.prefill's. Projections and experts run as
+        GEMMs over every row (cuBLAS, grouped expert GEMMs), attention per chunk (flash,
+        bottom-right causal), and each linear layer's convolution and chunked delta rule per
+        chunk from the slot's current state buffer, which it updates in place (prefill is never
+        rolled back)."""
+        model = self.model
+        num_rows = token_ids.shape[0]
+        if sum(count for _, count, _ in spans) != num_rows:
+            raise ValueError(f"spans cover {sum(c for _, c, _ in spans)} rows, token_ids has {num_rows}")
+        positions = torch.cat([torch.arange(start, start + count) for start, count, _ in spans]).to(model.device)
+        slots = torch.tensor([slot for _, count, slot in spans for _ in range(count)], device=model.device)
+        norms = [layer.input_norm for layer in self.layers[1:]] + [model.norm.weight]
+        normed, residual = add_rmsnorm(model.embed_tokens(token_ids), None, self.layers[0].input_norm,
+                                       self.layers[0].eps, centred=True)
+        for layer, next_norm in zip(self.layers, norms):
+            if layer.linear:
+                out = self._prefill_linear(layer.mixer, normed, spans)
+            else:
+                out = self._prefill_attention(layer.mixer, normed, positions, slots, spans, kv)
+            normed, residual = add_rmsnorm(out, residual, layer.post_norm, layer.eps, centred=True)
+            if not layer.moe:
+                gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)
+                out = F.linear(F.silu(gate) * up, layer.down)
+                normed, residual = add_rmsnorm(out, residual, next_norm, layer.eps, centred=True)
+                continue
+            expert_ids, weights = route(F.linear(normed, layer.router), layer.top_k, normalize=layer.normalize,
+                                        shared_gate=True)
+            if grouped_mm_available(model.dtype) and model.device.type == "cuda":
+                route_out, route_rows = layer.store.grouped_sorted(normed, expert_ids)  # [T*(k+1), hidden]
+                normed, residual = combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps,
+                                                       route_rows=route_rows, centred=True)
+            else:
+                experts = fused_experts if num_rows <= MAX_FUSED_TOKENS else experts_reference
+                route_out = experts(normed, expert_ids, layer.store.gate_up, layer.store.down)
+                normed, residual = combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps, centred=True)
+        return normed
+
+    def _prefill_linear(self, mixer: LinearMixer, normed: Tensor, spans: list[tuple[int, int, int]]) -> Tensor:
+        """A Gated DeltaNet layer over prompt chunks: the convolution and the chunked delta rule
+        per chunk from (and into) its slot's current state buffer; [T, Hv*dv] into out_proj."""
+        if self.states is None:
+            raise ValueError("prefill of linear-attention layers needs state buffers (num_state_slots)")
+        attn: GatedDeltaNet = mixer.module
+        proj = F.linear(normed, mixer.in_proj)  # [T, P]
+        conv_dim = mixer.conv.shape[0]
+        cores, row = [], 0
+        for _, count, slot in spans:
+            buffer, _ = self.states.buffers(slot)
+            part = proj[row : row + count]
+            row += count
+            conv_state = self.states.conv[mixer.index, buffer]  # [K-1, C]
+            mixed, conv_after = causal_conv(part[:, :conv_dim], mixer.conv, conv_state.transpose(0, 1))
+            q, k, v = mixed.split([attn.key_dim, attn.key_dim, attn.value_dim], dim=-1)
+            z, b, a = part[:, conv_dim:].split([attn.value_dim, attn.num_v_heads, attn.num_v_heads], dim=-1)
+            beta = b.sigmoid()
+            g = -attn.A_log.float().exp() * F.softplus(a.float() + attn.dt_bias)
+            out, final = chunked(q.reshape(count, attn.num_k_heads, -1), k.reshape(count, attn.num_k_heads, -1),
+                                 v.reshape(count, attn.num_v_heads, -1), g, beta, self.states.rec[mixer.index, buffer])
+            cores.append(attn.norm(out.reshape(-1, attn.head_v_dim), z.reshape(-1, attn.head_v_dim)).reshape(count, -1))
+            conv_state.copy_(conv_after.transpose(0, 1))
+            self.states.rec[mixer.index, buffer].copy_(final)
+        return F.linear(torch.cat(cores), mixer.out)
+
+    def _prefill_attention(self, mixer: AttentionMixer, normed: Tensor, positions: Tensor, slots: Tensor,
+                           spans: list[tuple[int, int, int]], kv: PagedKV) -> Tensor:
+        keys, values = kv.layers[mixer.kv_index]
+        qkv = F.linear(normed, mixer.qkv)
+        q = qk_norm_rope_store(qkv, mixer.q_norm, mixer.k_norm, self.cos, self.sin, positions, slots, keys, values,
+                               kv.block_tables, mixer.num_heads, mixer.num_kv_heads, mixer.eps, centred=True,
+                               rotary_dim=self.rotary_dim, q_head_stride=2 * mixer.head_dim)
+        parts, row = [], 0
+        with sdpa_kernel(list(PREFILL_ATTENTION)):
+            for start, count, slot in spans:
+                visible = start + count
+                span_keys, span_values = kv.gather(mixer.kv_index, slot, visible)  # [visible, kv_heads, D]
+                parts.append(F.scaled_dot_product_attention(
+                    q[row : row + count].transpose(0, 1).unsqueeze(0), span_keys.transpose(0, 1).unsqueeze(0),
+                    span_values.transpose(0, 1).unsqueeze(0), attn_mask=causal_lower_right(count, visible),
+                    enable_gqa=mixer.num_heads != mixer.num_kv_heads,
+                ).squeeze(0).transpose(0, 1))  # [count, heads, D]
+                row += count
+        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+        gated = (attn.to(normed.dtype) * torch.sigmoid(mixer.gate(qkv))).to(normed.dtype)
+        return F.linear(gated.flatten(1), mixer.o)
+
+    # -- the MTP layer ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward_mtp(self, hidden: Tensor, next_token_ids: Tensor, rows: Rows, kv: PagedKV,
+                    routing: RoutingOptions | None = None) -> tuple[Tensor, Tensor]:
+        """MTP rows (see Qwen3NextModel.forward_mtp): logits [T, vocab] float32, MTP output
+        hidden [T, hidden]; kv: the MTP layer's paged cache (one layer)."""
+        if routing is not None and routing.moce:
+            raise ValueError("MoCE routing is built for the qwen3_moe family's expert slots only")
+        if self.invariant and hidden.device.type == "cpu" and hidden.shape[0] > 1:
+            outs = [self.forward_mtp(hidden[i : i + 1], next_token_ids[i : i + 1], _one_row(rows, i), kv)
+                    for i in range(hidden.shape[0])]
+            return torch.cat([logits for logits, _ in outs]), torch.cat([out for _, out in outs])
+        mtp = self.model._require_mtp()
+        layer, pdl = self.mtp_layer, self.pdl
+        embedded, _ = add_rmsnorm(self.model.embed_tokens(next_token_ids), None, mtp.pre_fc_norm_embedding.weight,
+                                  layer.eps, centred=True, pdl=pdl)
+        prior, _ = add_rmsnorm(hidden.to(self.model.dtype), None, mtp.pre_fc_norm_hidden.weight, layer.eps,
+                               centred=True, pdl=pdl)
+        x = linear(torch.cat([embedded, prior], dim=-1), mtp.fc.weight, pdl=pdl)
+        normed, residual = add_rmsnorm(x, None, layer.input_norm, layer.eps, centred=True, pdl=pdl)
+        normed, residual = self.mix(layer, normed, residual, rows, kv)
+        normed, _ = self.mlp(layer, normed, residual, mtp.norm.weight, rows)
+        return self.logits(normed), normed
+
+
+def _one_row(rows: Rows, index: int) -> Rows:
+    """Row `index` of a window or batch as a one-row sequence (same position and slot)."""
+    slot = rows.slots[index : index + 1]
+    return Rows(positions=rows.positions[index : index + 1], slots=slot,
+                seq_starts=torch.tensor([0, 1], dtype=rows.seq_starts.dtype, device=slot.device), seq_slots=slot,
+                max_rows_per_seq=1, live=None if rows.live is None else rows.live[index : index + 1])
+
+
+def _fuse_rows(linears: list[nn.Linear]) -> Tensor:
+    """Concatenate nn.Linear weights by rows and re-point each module at its view (no copy kept)."""
+    fused = torch.cat([m.weight.detach() for m in linears], dim=0).contiguous()
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+def _split_grouped(attn: GatedDeltaNet) -> None:
+    """Qwen3-Next's grouped in-projections as Qwen3.5's split ones: the same outputs, their rows
+    permuted (per key head [q, k, its value heads' v, z] and [b, a] → all q, all k, all v, z, b, a)."""
+    hk, group = attn.num_k_heads, attn.num_v_heads // attn.num_k_heads
+    dk, dv = attn.head_k_dim, attn.head_v_dim
+    qkvz = attn.in_proj_qkvz.weight.detach().unflatten(0, (hk, -1))  # [Hk, 2dk + 2 group dv, H]
+    q, k, v, z = qkvz.split([dk, dk, group * dv, group * dv], dim=1)
+    b, a = attn.in_proj_ba.weight.detach().unflatten(0, (hk, 2 * group)).split([group, group], dim=1)
+    hidden = qkvz.shape[-1]
+
+    def linear_of(weight: Tensor) -> nn.Linear:
+        module = nn.Linear(hidden, weight.shape[0], bias=False, device="meta")
+        module.weight = nn.Parameter(weight.reshape(-1, hidden).contiguous(), requires_grad=False)
+        return module
+
+    attn.in_proj_qkv = linear_of(torch.cat([q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)]))
+    attn.in_proj_z, attn.in_proj_b, attn.in_proj_a = linear_of(z), linear_of(b), linear_of(a)
+    del attn.in_proj_qkvz, attn.in_proj_ba
+    attn.layout = "split"
+
+
+def _fuse_moe(mlp: SharedMoe) -> tuple[Tensor, ExpertStore]:
+    """The router with the shared expert's gate as its last row [E + 1, H], and the routed experts
+    with the shared one as expert E (zero-padded to the routed width: zero rows add exact zeros)."""
+    router = _fuse_rows([mlp.gate, mlp.shared_expert_gate])
+    experts, shared = mlp.experts, mlp.shared_expert
+    num_experts, width, hidden = experts.gate_up_proj.shape[0], experts.down_proj.shape[2], experts.down_proj.shape[1]
+    shared_width = shared.gate_proj.weight.shape[0]
+    dtype, device = experts.gate_up_proj.dtype, experts.gate_up_proj.device
+    gate_up = torch.zeros((num_experts + 1, 2 * width, hidden), dtype=dtype, device=device)
+    down = torch.zeros((num_experts + 1, hidden, width), dtype=dtype, device=device)
+    gate_up[:num_experts].copy_(experts.gate_up_proj.detach())
+    down[:num_experts].copy_(experts.down_proj.detach())
+    gate_up[num_experts, :shared_width].copy_(shared.gate_proj.weight.detach())
+    gate_up[num_experts, width : width + shared_width].copy_(shared.up_proj.weight.detach())
+    down[num_experts, :, :shared_width].copy_(shared.down_proj.weight.detach())
+    experts.gate_up_proj = nn.Parameter(gate_up[:num_experts], requires_grad=False)
+    experts.down_proj = nn.Parameter(down[:num_experts], requires_grad=False)
+    shared.gate_proj.weight = nn.Parameter(gate_up[num_experts, :shared_width], requires_grad=False)
+    shared.up_proj.weight = nn.Parameter(gate_up[num_experts, width : width + shared_width], requires_grad=False)
+    shared.down_proj.weight = nn.Parameter(down[num_experts, :, :shared_width], requires_grad=False)
+    return router, ExpertStore(gate_up, down, device=device)
