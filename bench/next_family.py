@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pairbench.common import free_port, log  # noqa: E402  (puts the repo and protocol modules on sys.path)
+from pairbench.common import QWEN3_5_35B_A3B, free_port, log  # noqa: E402  (puts the repo and protocol modules on sys.path)
 from pairbench.services import Children  # noqa: E402
 
 from bench.serve_decode import client_decode  # noqa: E402
@@ -45,14 +45,6 @@ from shared.model.next_loader import random_next  # noqa: E402
 from shared.model.qwen3_next import NextConfig  # noqa: E402
 
 LAYER_PATTERN = ["linear_attention"] * 3 + ["full_attention"]
-QWEN3_5_35B_A3B = dict(  # transformers' Qwen3_5MoeTextConfig defaults (the 35B-A3B checkpoint's text model)
-    vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
-    head_dim=256, intermediate_size=512, moe_intermediate_size=512, shared_expert_intermediate_size=512,
-    num_experts=256, num_experts_per_tok=8, linear_num_key_heads=16, linear_num_value_heads=32,
-    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, rope_theta=10000.0,
-    partial_rotary_factor=0.25, norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=4096,
-    mtp_num_hidden_layers=1, eos_token_id=[], model_type="qwen3_5_moe_text",
-)
 
 
 def copy_bandwidth() -> float:

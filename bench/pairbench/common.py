@@ -22,8 +22,18 @@ QWEN3_30B_A3B = dict(  # bench/model_baseline.py's shapes (no eos: fixed-length 
     head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
     norm_topk_prob=True, max_position_embeddings=4096, rope_theta=1e6, model_type="qwen3_moe",
 )
+QWEN3_5_35B_A3B = dict(  # transformers' Qwen3_5MoeTextConfig defaults (the 35B-A3B checkpoint's text model)
+    vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+    head_dim=256, intermediate_size=512, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    num_experts=256, num_experts_per_tok=8, linear_num_key_heads=16, linear_num_value_heads=32,
+    linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, rope_theta=10000.0,
+    partial_rotary_factor=0.25, norm_topk_prob=True, rms_norm_eps=1e-6, max_position_embeddings=4096,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
+    mtp_num_hidden_layers=1, eos_token_id=[], model_type="qwen3_5_moe_text",
+)
 SHAPES = {
     "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
     # a few-MB model of the same family: smoke-tests the random-weights path anywhere
     "smoke": QWEN3_30B_A3B | dict(vocab_size=4096, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, head_dim=64, intermediate_size=512, moe_intermediate_size=128,

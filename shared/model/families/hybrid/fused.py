@@ -233,28 +233,26 @@ class HybridFused:
 
     def _row_by_row(self, token_ids: Tensor, rows: Rows, kv: PagedKV) -> tuple[Tensor, Tensor]:
         """A window or batch on the CPU as one-row steps (the CPU's kernels pick their code path
-        by shape; DESIGN §11), the linear states chained from row to row through the sequence's
-        two buffers: row i reads what row i - 1 wrote and writes the other buffer (no step reads
-        and writes one buffer), the last row writes state_out, and with several rows each row's
-        state is kept as a window's. So the state before a window of several rows is not kept
-        (a verify window always keeps its first row)."""
+        by shape; DESIGN §11). A sequence's first row reads its state_in buffer and every row
+        writes its state_out buffer; a later row reads the state the row before wrote from a
+        copy in the spare buffer (no step reads and writes one buffer, and state_in keeps the
+        committed state). With several rows each row's state is kept, as a window's is."""
         starts = rows.seq_starts.tolist()
         state_in, state_out = rows.state_in.tolist(), rows.state_out.tolist()
         keep = rows.max_rows_per_seq > 1
+        spare = self.states.spare
         outs = []
         for seq, (first, end) in enumerate(zip(starts, starts[1:])):
-            read = state_in[seq]
             for row in range(first, end):
-                write = state_out[seq] if read == state_in[seq] else state_in[seq]
-                if row == end - 1 and write != state_out[seq]:  # (read is state_out: move it over)
-                    self._copy_state(state_in[seq], read)
-                    read, write = state_in[seq], state_out[seq]
+                read, write = state_in[seq], state_out[seq]
+                if row > first:
+                    self._copy_state(spare, write)
+                    read = spare
                 one = replace(_one_row(rows, row), state_in=torch.tensor([read]), state_out=torch.tensor([write]))
                 outs.append(self.forward(token_ids[row : row + 1], one, kv))
                 if keep:
                     self.states.kept_conv[:, row].copy_(self.states.conv[:, write])
                     self.states.kept_rec[:, row].copy_(self.states.rec[:, write])
-                read = write
         return torch.cat([logits for logits, _ in outs]), torch.cat([hidden for _, hidden in outs])
 
     def _copy_state(self, target: int, source: int) -> None:

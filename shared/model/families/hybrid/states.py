@@ -37,8 +37,11 @@ class LinearStates:
         self.max_rows = max_rows
         conv = (conv_width - 1, conv_dim)
         rec = (num_v_heads, head_k_dim, head_v_dim)
-        self.conv = torch.zeros((num_layers, 2 * num_slots, *conv), dtype=dtype, device=device)  # [L, 2S, K-1, C]
-        self.rec = torch.zeros((num_layers, 2 * num_slots, *rec), dtype=torch.float32, device=device)  # [L, 2S, Hv, dk, dv]
+        # Buffers 2s and 2s + 1 are slot s's; the last one is spare (the CPU's row-by-row windows
+        # pass a row's state to the next through it).
+        self.spare = 2 * num_slots
+        self.conv = torch.zeros((num_layers, 2 * num_slots + 1, *conv), dtype=dtype, device=device)  # [L, 2S+1, K-1, C]
+        self.rec = torch.zeros((num_layers, 2 * num_slots + 1, *rec), dtype=torch.float32, device=device)  # [L, 2S+1, Hv, dk, dv]
         self.kept_conv = torch.zeros((num_layers, max_rows, *conv), dtype=dtype, device=device)  # [L, R, K-1, C]
         self.kept_rec = torch.zeros((num_layers, max_rows, *rec), dtype=torch.float32, device=device)  # [L, R, Hv, dk, dv]
         self._current = [0] * num_slots  # which of a slot's two buffers holds its committed state
@@ -57,6 +60,8 @@ class LinearStates:
 
     def buffers(self, slot: int) -> tuple[int, int]:
         """(read, write): the buffer holding the slot's committed state and the one a step writes."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} outside the {self.num_slots} slots with linear-attention states")
         current = self._current[slot]
         return 2 * slot + current, 2 * slot + 1 - current
 

@@ -35,16 +35,26 @@ def new_model(layout: str, seed: int = 0):
     return model
 
 
-@pytest.fixture(scope="module", params=sorted(LAYOUTS))
-def fused(request):
+def fuse(layout: str):
     """(the reference model, its fused forward keeping states for 6 slots)."""
-    model = new_model(request.param)
+    model = new_model(layout)
     expected = model(torch.arange(12) % 97, model.new_cache(16))[0]
     fused = build_fused(model, max_rows=8, max_length=64, num_state_slots=6)
     assert isinstance(fused, HybridFused)
     again = model(torch.arange(12) % 97, model.new_cache(16))[0]  # fusing keeps the reference the same function
     torch.testing.assert_close(again, expected, rtol=1e-5, atol=1e-5)
     return model, fused
+
+
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def any_layout(request):
+    """Both projection layouts (Qwen3-Next's grouped one is converted to the split one)."""
+    return fuse(request.param)
+
+
+@pytest.fixture(scope="module")
+def fused():
+    return fuse("split")
 
 
 def new_pool(model, num_slots=3):
@@ -71,8 +81,8 @@ def step(fused, pool, slot, tokens, position):
 
 
 @pytest.mark.parametrize("window", [1, 4])
-def test_prefill_and_a_window_match_the_reference(fused, window):
-    model, fused = fused
+def test_prefill_and_a_window_match_the_reference(any_layout, window):
+    model, fused = any_layout
     ids = torch.randint(0, 97, (20 + window,), generator=torch.Generator().manual_seed(window)).tolist()
     ref_logits, ref_hidden = model(torch.tensor(ids), model.new_cache(40))
     pool = new_pool(model)
