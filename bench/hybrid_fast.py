@@ -19,6 +19,11 @@ graphs: exactly what the service runs) and the reference modules on the same wei
   the reference path's eager step on the same weights (paired in this process); decode
   batches of 8 and 32 sequences against their own floor (distinct experts read); prefill
   tokens/s of a `--prefill` prompt (chunks of 2,048, as the service).
+`--part accuracy` — why the fused and the reference logits of the 40-layer model differ: with
+random weights the family is ill-conditioned in bf16 (the reference modules in bf16 stray
+from the same weights in float32 by as much), so each path is compared with the float32
+reference on models of 1 linear-attention layer, 1 full-attention layer and 4 layers (real
+widths): fused bf16 vs float32 beside reference bf16 vs float32.
 `--part service` — `tandem verifier --random-weights` on those shapes in a child process,
 from the client: greedy requests after a 512-token prompt (`--blocks`), a sampled one, and
 one after the longest context; decode tokens/s = tokens after the first / (last arrival -
@@ -153,7 +158,7 @@ class Raw:
                                         max_position_embeddings=max_context)
         config = NextConfig.from_dict(shapes)
         log("building the trunk ...")
-        dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+        dtype = torch.bfloat16 if DEVICE == "cuda" or args.bf16 else torch.float32
         self.model = random_next(replace(config, mtp_num_hidden_layers=0), dtype=dtype, device=DEVICE, parts="trunk")
         self.bandwidth = copy_bandwidth() if DEVICE == "cuda" else 1e12
         log(f"[{elapsed():.0f}s] copy bandwidth {self.bandwidth / 1e12:.2f} TB/s; building the engine ...")
@@ -437,6 +442,54 @@ def report_raw(res: dict) -> None:
     print(f"prefill tokens/s: {res.get('prefill_tokens_per_s')} {res.get('prefill_long_tokens_per_s')}")
 
 
+def run_accuracy(args) -> list[dict]:
+    import copy
+
+    from shared.model.families import build_fused
+    from shared.model.fast import Rows
+    from shared.model.kv_cache import KVPool
+    from shared.model.next_loader import random_next
+    from shared.model.qwen3_next import NextConfig
+
+    out = []
+    for name, types in (("1 linear-attention layer", ["linear_attention"]), ("1 full-attention layer", ["full_attention"]),
+                        ("4 layers", QWEN3_5_35B_A3B["layer_types"][:4])):
+        shapes = QWEN3_5_35B_A3B | (SMALL if args.small else {}) | dict(num_hidden_layers=len(types), layer_types=types,
+                                                                       max_position_embeddings=1024)
+        config = replace(NextConfig.from_dict(shapes), mtp_num_hidden_layers=0)
+        low = random_next(config, dtype=torch.bfloat16, device=DEVICE, parts="trunk")
+        high = copy.deepcopy(low).float()
+        ids = torch.randint(0, config.vocab_size, (517,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+
+        def reference(model):
+            cache = model.new_cache(540)
+            model.prefill(ids[:512], cache)
+            return model(ids[512:], cache, keep_states=True)[0].float()
+
+        truth, ref = reference(high), reference(low)
+        del high
+        fused = build_fused(low, max_rows=8, max_length=1024, num_state_slots=1)
+        pool = KVPool(num_layers=low.num_kv_layers, num_slots=1, max_length=1024, num_kv_heads=config.num_key_value_heads,
+                      head_dim=config.head_dim, dtype=torch.bfloat16, device=DEVICE, block_size=64)
+        slot, _ = pool.acquire(540)
+        if fused.states is not None:
+            fused.states.reset(slot)
+        fused.prefill(ids[:512], [(0, 512, slot)], pool.paged())
+        read, write = fused.states.buffers(slot) if fused.states is not None else (0, 0)
+        rows = Rows.window(512, 5, slot, DEVICE)
+        rows = Rows(**{**rows.__dict__, "state_in": torch.tensor([read], device=DEVICE),
+                       "state_out": torch.tensor([write], device=DEVICE)})
+        logits = fused.forward(ids[512:], rows, pool.paged())[0].float()
+        out.append(dict(model=name, fused_vs_float32=rel_err(logits, truth), reference_vs_float32=rel_err(ref, truth),
+                        fused_vs_reference=rel_err(logits, ref)))
+        log(f"  [{elapsed():.0f}s] {out[-1]}")
+        del low, fused, pool
+        gc.collect()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 def run_service(args) -> dict:
     from pairbench.services import Children
 
@@ -487,7 +540,7 @@ def run_service(args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", choices=("raw", "service"), required=True)
+    parser.add_argument("--part", choices=("raw", "accuracy", "service"), required=True)
     parser.add_argument("--layers", type=int, default=40)
     parser.add_argument("--contexts", default="512,4096,32768")
     parser.add_argument("--windows", default="1,2,3,5,9")
@@ -499,6 +552,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--long-context", type=int, default=32768)
     parser.add_argument("--small", action="store_true", help="raw: small shapes (a smoke test; on a CPU box too)")
+    parser.add_argument("--bf16", action="store_true", help="raw on the CPU: bfloat16 weights (the GPU always is)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
@@ -509,6 +563,14 @@ def main() -> None:
         if args.out:
             args.out.write_text(json.dumps(res, indent=1, default=str))
         report_raw(res)
+    elif args.part == "accuracy":
+        res = run_accuracy(args)
+        print("| model (real widths, window of 5 after 512 tokens) | fused bf16 vs float32 | reference bf16 vs float32 "
+              "| fused vs reference |")
+        print("| --- | ---: | ---: | ---: |")
+        for r in res:
+            print(f"| {r['model']} | {r['fused_vs_float32']:.2e} | {r['reference_vs_float32']:.2e} "
+                  f"| {r['fused_vs_reference']:.2e} |")
     else:
         res = run_service(args)
         if args.out:

@@ -3,14 +3,15 @@ against all of them in shared forwards (the drafter's batcher job), in one proce
 
 The embedded model (`--model embedded`, its trained MTP layer) or the MTP layer at
 Qwen3-30B-A3B shapes with random weights (`--model 30b`; one trunk layer, which drafting
-never runs). Each round every session commits 3 rows (random hidden rows, deferred as the
+never runs), or Qwen3.5-35B-A3B's lean drafter (`--model 35b-hybrid`: embeddings, the gated
+attention + shared-expert MoE MTP layer, lm_head; random weights). Each round every session commits 3 rows (random hidden rows, deferred as the
 drafter defers them) and drafts `--drafts` tokens; the two arms run on separate states fed
 the same inputs, alternating round by round. Reported per session count: ms per round of
 all sessions (wall clock, synchronised: the drafter's kernels run eagerly, so host work is
 part of the cost), the median of paired ratios, and whether every chain was the same in
 both arms.
 
-    python bench/mtp_batch.py [--device cuda] [--model embedded|30b] [--sessions 1,4,16,32] [--rounds 20] [--profile]
+    python bench/mtp_batch.py [--device cuda] [--model embedded|30b|35b-hybrid] [--sessions 1,4,16,32] [--rounds 20] [--profile]
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from kernels.retention import RetentionPolicy  # noqa: E402
 from kernels.sampling import SamplingParams  # noqa: E402
 from kernels.speculative import Gate, Mode  # noqa: E402
 from shared.model import ModelConfig, load_model  # noqa: E402
-from shared.model.fast import FusedModel  # noqa: E402
+from shared.model.families import build_fused  # noqa: E402
 
 PROMPT = 256
 COMMIT = 3
@@ -50,7 +51,7 @@ def sync(device) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--model", default="embedded", choices=["embedded", "30b"])
+    parser.add_argument("--model", default="embedded", choices=["embedded", "30b", "35b-hybrid"])
     parser.add_argument("--sessions", default="1,4,16,32")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--drafts", type=int, default=4)
@@ -61,6 +62,12 @@ def main() -> None:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     if args.model == "embedded":
         model = load_model(device=args.device, dtype=dtype)
+    elif args.model == "35b-hybrid":
+        from bench.pairbench.common import QWEN3_5_35B_A3B
+        from shared.model.next_loader import random_next
+        from shared.model.qwen3_next import NextConfig
+
+        model = random_next(NextConfig.from_dict(QWEN3_5_35B_A3B), dtype=dtype, device=args.device, parts="mtp")
     else:
         config = ModelConfig.from_dict(QWEN3_30B_A3B | dict(num_hidden_layers=1, mtp_num_hidden_layers=1))
         model = load_model(config=config, random_weights=True, device=args.device, dtype=dtype, seed=0)
@@ -80,7 +87,7 @@ def main() -> None:
                    for _ in range(num)]
         arms = {}
         for arm in ("one", "batched"):
-            proposer = MTPProposer(model, None, FusedModel(model, max_rows=64, max_length=c.max_position_embeddings))
+            proposer = MTPProposer(model, None, build_fused(model, max_rows=64, max_length=c.max_position_embeddings))
             states = [proposer.new_state(length) for _ in range(num)]
             for state, (hidden, ids) in zip(states, prompts):
                 proposer.catch_up(state, hidden, ids)

@@ -5,9 +5,9 @@ so this bench profiles replays of the captured window graphs themselves (torch.p
 kernel records) and reads the chain: kernels in the order they ran, and for each kind its
 mean duration and its mean *chain cost* = its end minus the end of the kernel before it (what
 it adds to the step; durations overlap under PDL, chain costs add up to the step). Random bf16
-weights at Qwen3-30B-A3B shapes.
+weights at Qwen3-30B-A3B shapes, or (--family hybrid) Qwen3.5-35B-A3B's.
 
-Usage: python bench/step_profile.py [--layers 48] [--windows 1,5] [--contexts 512,4096] [--replays 20]
+Usage: python bench/step_profile.py [--family qwen3_moe|hybrid] [--layers 48] [--windows 1,5] [--contexts 512,4096] [--replays 20]
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.fused_step import replay_time
 from bench.model_baseline import QWEN3_30B_A3B
+from bench.pairbench.common import QWEN3_5_35B_A3B
 from shared.model import ModelConfig, load_model
-from shared.model.fast import FusedModel
+from shared.model.families import build_fused
 from shared.model.graphs import WindowGraphs
 from shared.model.kv_cache import KVPool
 
@@ -63,7 +64,8 @@ def chain_table(events: list[tuple[str, float, float]], num_replays: int) -> lis
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--family", choices=("qwen3_moe", "hybrid"), default="qwen3_moe")
+    parser.add_argument("--layers", type=int, default=None, help="default: the real depth (48, 40)")
     parser.add_argument("--windows", default="1,5")
     parser.add_argument("--contexts", default="512,4096")
     parser.add_argument("--replays", type=int, default=20)
@@ -71,17 +73,30 @@ def main() -> None:
     windows = [int(w) for w in args.windows.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     max_length = max(contexts) + max(windows) + 8
-    config = ModelConfig.from_dict(QWEN3_30B_A3B | dict(num_hidden_layers=args.layers,
-                                                        max_position_embeddings=max(max_length, 4096 + 64)))
-    model = load_model(config=config, random_weights=True, dtype=torch.bfloat16, device="cuda", seed=0)
-    pool = KVPool(num_layers=config.num_hidden_layers, num_slots=1, max_length=max_length,
+    if args.family == "hybrid":
+        from dataclasses import replace
+
+        from shared.model.next_loader import random_next
+        from shared.model.qwen3_next import NextConfig
+
+        args.layers = args.layers or 40
+        shapes = QWEN3_5_35B_A3B | dict(num_hidden_layers=args.layers, max_position_embeddings=max(max_length, 4160),
+                                        layer_types=QWEN3_5_35B_A3B["layer_types"][: args.layers])
+        config = replace(NextConfig.from_dict(shapes), mtp_num_hidden_layers=0)
+        model = random_next(config, dtype=torch.bfloat16, device="cuda", parts="trunk")
+    else:
+        args.layers = args.layers or 48
+        config = ModelConfig.from_dict(QWEN3_30B_A3B | dict(num_hidden_layers=args.layers,
+                                                            max_position_embeddings=max(max_length, 4096 + 64)))
+        model = load_model(config=config, random_weights=True, dtype=torch.bfloat16, device="cuda", seed=0)
+    pool = KVPool(num_layers=model.num_kv_layers, num_slots=1, max_length=max_length,
                   num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=torch.bfloat16,
                   device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(3)
     pool.keys.normal_(0, 1, generator=gen)
     pool.values.normal_(0, 1, generator=gen)
-    runner = WindowGraphs(FusedModel(model, max_rows=max(windows), max_length=max_length), pool,
-                          max_rows=max(windows))
+    fused = build_fused(model, max_rows=max(windows), max_length=max_length, num_state_slots=1)
+    runner = WindowGraphs(fused, pool, max_rows=max(windows))
     runner.capture(windows)
     for context in contexts:
         for rows in windows:

@@ -237,6 +237,9 @@ class HybridFused:
         writes its state_out buffer; a later row reads the state the row before wrote from a
         copy in the spare buffer (no step reads and writes one buffer, and state_in keeps the
         committed state). With several rows each row's state is kept, as a window's is."""
+        if self.states is None:  # (no linear-attention layers: rows need nothing from each other)
+            outs = [self.forward(token_ids[i : i + 1], _one_row(rows, i), kv) for i in range(token_ids.shape[0])]
+            return torch.cat([logits for logits, _ in outs]), torch.cat([hidden for _, hidden in outs])
         starts = rows.seq_starts.tolist()
         state_in, state_out = rows.state_in.tolist(), rows.state_out.tolist()
         keep = rows.max_rows_per_seq > 1
