@@ -28,7 +28,7 @@ import torch
 from bench.fused_step import distinct_experts_seen, kv_bytes, weight_bytes_per_token
 from bench.model_baseline import QWEN3_30B_A3B, SMALL, copy_bandwidth, cuda_time
 from shared.model import ModelConfig, load_model
-from shared.model.fast import FusedModel
+from shared.model.families.qwen3_moe.fused import FusedModel
 from shared.model.graphs import WindowGraphs
 from shared.model.kv_cache import KVPool
 

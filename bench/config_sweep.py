@@ -25,11 +25,11 @@ import kernels.fused.linear as linear
 import kernels.fused.moe as moe
 import kernels.fused.norm as norm
 import kernels.fused.router as router
-import shared.model.fast as fast
+import shared.model.families.qwen3_moe.fused as fast
 from bench.fused_step import replay_time
 from bench.model_baseline import SMALL
 from shared.model import ModelConfig, load_model
-from shared.model.fast import FusedModel
+from shared.model.families.qwen3_moe.fused import FusedModel
 from shared.model.graphs import WindowGraphs
 from shared.model.kv_cache import KVPool
 

@@ -27,7 +27,8 @@ import torch
 
 from bench.model_baseline import QWEN3_30B_A3B, SMALL, GraphDecoder, copy_bandwidth, cuda_time
 from shared.model import KVCache, ModelConfig, load_model
-from shared.model.fast import FusedModel, Rows
+from shared.model.families.qwen3_moe.fused import FusedModel
+from shared.model.rows import Rows
 from shared.model.graphs import WindowGraphs
 from shared.model.kv_cache import KVPool
 
@@ -254,7 +255,7 @@ def pdl_table(runner, pool, contexts, max_length, random_tokens) -> None:
 def distinct_experts_seen():
     """While open, every eager fused forward appends each MoE layer's count of distinct
     experts (over its rows' routes; padding ids -1 excluded) to the yielded list."""
-    import shared.model.fast as fast
+    import shared.model.families.qwen3_moe.fused as fast
 
     seen: list[int] = []
     original = fast.route

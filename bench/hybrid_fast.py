@@ -50,6 +50,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pairbench.common import QWEN3_5_35B_A3B, free_port, log  # noqa: E402  (puts the repo and protocol modules on sys.path)
 
+from bench.model_baseline import copy_bandwidth  # noqa: E402
+
 STARTED = time.perf_counter()
 CHUNK = 2048  # prefill chunk (the service's default)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (the CPU: --small, a smoke test of the correctness parts)
@@ -65,21 +67,6 @@ def sync() -> None:
 
 def elapsed() -> float:
     return time.perf_counter() - STARTED
-
-
-def copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth, bytes/s (read + write counted), median of 10."""
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() / statistics.median(times)
 
 
 def step_bytes(model, context: int, *, num_seqs: int = 1, experts_read: float | None = None) -> int:
@@ -145,8 +132,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 class Raw:
     def __init__(self, args) -> None:
-        from shared.model.next_loader import random_next
-        from shared.model.qwen3_next import NextConfig
+        from shared.model.families.hybrid.loader import random_next
+        from shared.model.families.hybrid.config import NextConfig
         from verifier_service.engine import Engine
 
         self.args = args
@@ -446,10 +433,10 @@ def run_accuracy(args) -> list[dict]:
     import copy
 
     from shared.model.families import build_fused
-    from shared.model.fast import Rows
+    from shared.model.rows import Rows
     from shared.model.kv_cache import KVPool
-    from shared.model.next_loader import random_next
-    from shared.model.qwen3_next import NextConfig
+    from shared.model.families.hybrid.loader import random_next
+    from shared.model.families.hybrid.config import NextConfig
 
     out = []
     for name, types in (("1 linear-attention layer", ["linear_attention"]), ("1 full-attention layer", ["full_attention"]),

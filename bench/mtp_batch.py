@@ -64,8 +64,8 @@ def main() -> None:
         model = load_model(device=args.device, dtype=dtype)
     elif args.model == "35b-hybrid":
         from bench.pairbench.common import QWEN3_5_35B_A3B
-        from shared.model.next_loader import random_next
-        from shared.model.qwen3_next import NextConfig
+        from shared.model.families.hybrid.loader import random_next
+        from shared.model.families.hybrid.config import NextConfig
 
         model = random_next(NextConfig.from_dict(QWEN3_5_35B_A3B), dtype=dtype, device=args.device, parts="mtp")
     else:

@@ -41,8 +41,8 @@ from pairbench.services import Children  # noqa: E402
 from bench.serve_decode import client_decode  # noqa: E402
 from shared.client import GenerationConfig  # noqa: E402
 from shared.model import resident_bytes  # noqa: E402
-from shared.model.next_loader import random_next  # noqa: E402
-from shared.model.qwen3_next import NextConfig  # noqa: E402
+from shared.model.families.hybrid.loader import random_next  # noqa: E402
+from shared.model.families.hybrid.config import NextConfig  # noqa: E402
 
 LAYER_PATTERN = ["linear_attention"] * 3 + ["full_attention"]
 

@@ -37,7 +37,7 @@ import torch
 
 from bench.model_baseline import QWEN3_30B_A3B
 from shared.model import ModelConfig, load_model
-from shared.model.fast import FusedModel
+from shared.model.families.qwen3_moe.fused import FusedModel
 from shared.model.graphs import WindowGraphs
 from shared.model.kv_cache import KVPool
 from shared.model.offload import RoutingMemory

@@ -32,11 +32,11 @@ import time
 import torch
 from torch.nn.attention import SDPBackend
 
-import shared.model.fast as fast
-import shared.model.layers as layers
+import shared.model.families.qwen3_moe.fused as fast
+import shared.model.families.qwen3_moe.layers as layers
 from bench.model_baseline import QWEN3_30B_A3B, SMALL, copy_bandwidth
 from shared.model import ModelConfig, load_model
-from shared.model.fast import FusedModel
+from shared.model.families.qwen3_moe.fused import FusedModel
 from shared.model.kv_cache import KVPool
 from verifier_service.prefill import plan_chunks
 

@@ -76,8 +76,8 @@ def main() -> None:
     if args.family == "hybrid":
         from dataclasses import replace
 
-        from shared.model.next_loader import random_next
-        from shared.model.qwen3_next import NextConfig
+        from shared.model.families.hybrid.loader import random_next
+        from shared.model.families.hybrid.config import NextConfig
 
         args.layers = args.layers or 40
         shapes = QWEN3_5_35B_A3B | dict(num_hidden_layers=args.layers, max_position_embeddings=max(max_length, 4160),

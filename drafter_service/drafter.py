@@ -26,7 +26,7 @@ from drafter_service.settings import DrafterSettings
 from kernels.speculative import Mode
 from shared.model import RoutingOptions
 from shared.model.experts import ExpertStore
-from shared.model.families import build_fused, family_name, fused_wanted
+from shared.model.families import MOCE, build_fused, family_of, fused_wanted
 from shared.protocol import common_pb2, decode_hidden, drafter_pb2
 
 SOURCES = {"MTP": common_pb2.DRAFT_SOURCE_MTP, "SUFFIX": common_pb2.DRAFT_SOURCE_SUFFIX, "NONE": common_pb2.DRAFT_SOURCE_NONE}
@@ -43,9 +43,10 @@ class Drafter:
         self.settings = settings
         routing = None
         if settings.moce_scale not in (0.0, 1.0) or settings.expert_slots:
-            if family_name(model) != "qwen3_moe":
+            family = family_of(model)
+            if MOCE not in family.capabilities:
                 raise ValueError("moce_scale and expert_slots (MoCE routing, expert slots) are built for the "
-                                 f"qwen3_moe family only; this checkpoint is of the {family_name(model)} family")
+                                 f"qwen3_moe family only; this checkpoint is of the {family.name} family")
             routing = RoutingOptions(moce=True, scale=settings.moce_base_scale(model.config.num_experts))
         fused = None
         if model.mtp is not None and fused_wanted(model, settings.fused):

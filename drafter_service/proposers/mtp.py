@@ -30,7 +30,8 @@ from kernels.retention import RetentionPolicy
 from kernels.sampling import SamplingParams, SparseRows, draw, process_logits
 from kernels.speculative import Gate, Mode, admission_confidences
 from shared.model import Qwen3MoeModel, RoutingOptions
-from shared.model.fast import FusedModel, Rows
+from shared.model.families.qwen3_moe.fused import FusedModel
+from shared.model.rows import Rows
 from shared.model.kv_cache import CacheLength, KVPool
 from drafter_service.proposers import Proposal
 

@@ -2,7 +2,7 @@
 verify windows: from the in-projection rows to the gated-normed output that feeds out_proj,
 with the layer's state read from and written to buffers.
 
-Per row t of a sequence (the same function as shared.model.deltanet.GatedDeltaNet.forward,
+Per row t of a sequence (the same function as shared.model.families.hybrid.deltanet.GatedDeltaNet.forward,
 and kernels.delta_rule's recurrent form), with `proj` columns [q | k | v | z | b | a]:
 
     hist  = [conv state (the K - 1 previous q|k|v inputs, oldest first); proj[t, q|k|v]]

@@ -4,7 +4,7 @@ Rounding follows the reference modules (shared.model.layers): the residual sum i
 to the model dtype, normalised in float32, rounded, then scaled by the weight; RoPE uses
 the rotate-half convention with float32 cos/sin tables.
 
-Options of the Qwen3-Next family (shared.model.qwen3_next), each off by default: `centred`
+Options of the Qwen3-Next family (shared.model.families.hybrid.modules), each off by default: `centred`
 norms scale the float32 normalised row by (1 + weight) before one rounding to the dtype
 (CenteredRMSNorm); `rotary_dim` rotates only the first rotary_dim dims of each head (the
 rest pass through normed, GatedAttention's partial rotary); `q_head_stride` reads query

@@ -1,9 +1,10 @@
 """Model code shared by both services: the Qwen3-MoE trunk, its MTP layer, loading, experts."""
 
-from shared.model.config import ModelConfig
+from shared.model.families.qwen3_moe.config import ModelConfig
 from shared.model.kv_cache import KVCache
 from shared.model.layers import FULL_ROUTING, RoutingOptions
-from shared.model.loader import load_model, resident_bytes, save_checkpoint
-from shared.model.model import Qwen3MoeModel
+from shared.model.families.qwen3_moe.loader import save_checkpoint
+from shared.model.loader import load_model, resident_bytes
+from shared.model.families.qwen3_moe.model import Qwen3MoeModel
 
 __all__ = ["FULL_ROUTING", "KVCache", "ModelConfig", "Qwen3MoeModel", "RoutingOptions", "load_model", "resident_bytes", "save_checkpoint"]

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from shared.model.fast import FusedModel, Rows
+from shared.model.families.qwen3_moe.fused import FusedModel
+from shared.model.rows import Rows
 from shared.model.kv_cache import KVPool
 from shared.model.segments import SegmentedForward
 

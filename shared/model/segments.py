@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from shared.model.fast import FusedModel, Rows
+from shared.model.families.qwen3_moe.fused import FusedModel
+from shared.model.rows import Rows
 from shared.model.kv_cache import PagedKV
 from shared.model.offload import Offload
 

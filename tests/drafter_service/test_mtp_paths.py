@@ -8,7 +8,7 @@ from kernels.retention import RetentionPolicy
 from kernels.sampling import SamplingParams
 from kernels.speculative import Gate, Mode
 from shared.model import RoutingOptions
-from shared.model.fast import FusedModel
+from shared.model.families.qwen3_moe.fused import FusedModel
 
 
 @pytest.mark.parametrize("temperature,moce", [(0.0, False), (0.7, True)])

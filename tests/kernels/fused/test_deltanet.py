@@ -1,5 +1,5 @@
 """The fused Gated DeltaNet step (kernels.fused.deltanet): the Triton kernel against the torch
-reference, the reference against the layer (shared.model.deltanet.GatedDeltaNet) run row by
+reference, the reference against the layer (shared.model.families.hybrid.deltanet.GatedDeltaNet) run row by
 row, row invariance (a row alone from the state before it is the same bits as in its window),
 kept states, empty sequences and untouched buffers, and argument checks."""
 
@@ -8,7 +8,7 @@ import torch
 
 from kernels.fused import pdl_supported
 from kernels.fused.deltanet import gated_delta_step, gated_delta_step_reference
-from shared.model.deltanet import GatedDeltaNet, LinearState
+from shared.model.families.hybrid.deltanet import GatedDeltaNet, LinearState
 
 from .conftest import tolerance
 

@@ -369,12 +369,13 @@ def test_launch_settings_fit_the_gpus_shared_memory(element_size):
 
 # --- the Qwen3-Next / Qwen3.5-MoE family's options (each off by default) -------------------
 # centred (1 + w) norms, partial rotary, q heads interleaved with their output gate or a gate
-# after v, the attention output gate, the shared expert as route k + 1 (shared.model.qwen3_next).
+# after v, the attention output gate, the shared expert as route k + 1 (shared.model.families.hybrid.modules).
 
 def next_modules(dtype, device="cpu", *, hidden=64, num_experts=12, top_k=8, inter=32):
     """A SharedMoe (random weights, dtype) of a tiny Qwen3-Next config, and its fused tensors: the
     router with the shared gate as row E [E + 1, H], the experts with the shared one as expert E."""
-    from shared.model.qwen3_next import NextConfig, SharedMoe
+    from shared.model.families.hybrid.config import NextConfig
+    from shared.model.families.hybrid.modules import SharedMoe
 
     config = NextConfig(
         vocab_size=32, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
@@ -396,7 +397,7 @@ def next_modules(dtype, device="cpu", *, hidden=64, num_experts=12, top_k=8, int
 
 
 def centred_norm_module(weight, eps):
-    from shared.model.qwen3_next import CenteredRMSNorm
+    from shared.model.families.hybrid.modules import CenteredRMSNorm
 
     norm = CenteredRMSNorm(weight.shape[0], eps).to(weight.device, weight.dtype)
     with torch.no_grad():
@@ -606,7 +607,7 @@ def test_shared_expert_runs_as_route_k_plus_one_through_experts_and_combine(devi
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_family_references_match_the_family_modules(dtype, monkeypatch):
-    """The references (the CPU path) compute what shared.model.qwen3_next's modules compute, bit for
+    """The references (the CPU path) compute what shared.model.families.hybrid.modules compute, bit for
     bit: CenteredRMSNorm, GatedAttention's norms + partial rotary and output gate, SharedMoe's routing."""
     from kernels.fused import router as router_module
 

@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from shared.model.next_loader import random_next
-from shared.model.qwen3_next import NextConfig, Qwen3NextModel
+from shared.model.families.hybrid.loader import random_next
+from shared.model.families.hybrid.config import NextConfig
+from shared.model.families.hybrid.modules import Qwen3NextModel
 
 LAYOUTS = ("qwen3_next", "qwen3_5")
 

@@ -1,11 +1,11 @@
-"""The Gated DeltaNet layer (shared.model.deltanet) against transformers' Qwen3-Next layer on
+"""The Gated DeltaNet layer (shared.model.families.hybrid.deltanet) against transformers' Qwen3-Next layer on
 the same weights: a whole sequence, the same rows fed in pieces from the carried state, and
 rollback of a verify window to the state after its accepted rows."""
 
 import pytest
 import torch
 
-from shared.model.deltanet import RECURRENT_ROWS, GatedDeltaNet
+from shared.model.families.hybrid.deltanet import GatedDeltaNet, RECURRENT_ROWS
 
 SHAPES = dict(hidden_size=32, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8, conv_kernel=4, eps=1e-6)
 

@@ -1,4 +1,4 @@
-"""The fused forward (shared.model.fast) against the reference modules, the captured-window
+"""The fused forward (shared.model.families.qwen3_moe.fused) against the reference modules, the captured-window
 runner's eager path, and KV pool slots. On a CPU box the kernels run in Triton's interpreter."""
 
 import os
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from shared.model import ModelConfig, RoutingOptions, load_model
-from shared.model.fast import FusedModel, Rows, unsupported_reason
+from shared.model.families.qwen3_moe.fused import FusedModel, unsupported_reason
+from shared.model.rows import Rows
 from shared.model.graphs import WindowGraphs
 from shared.model.kv_cache import KVPool
 

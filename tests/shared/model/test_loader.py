@@ -148,7 +148,7 @@ def test_each_service_loads_its_part_of_the_embedded_model():
 
 
 def test_the_family_follows_the_config(tmp_path):
-    from shared.model.qwen3_next import Qwen3NextModel
+    from shared.model.families.hybrid.modules import Qwen3NextModel
 
     from .next_checkpoints import write_checkpoint
     from .test_qwen3_next import pair
@@ -158,5 +158,5 @@ def test_the_family_follows_the_config(tmp_path):
     assert isinstance(model, Qwen3NextModel) and model.config.linear_projection == "split"
     random = load_model(tmp_path, random_weights=True, parts="trunk")
     assert isinstance(random, Qwen3NextModel) and random.mtp is None and len(random.layers) == 4
-    with pytest.raises(ValueError, match="expert slots .* not built for the qwen3_next family"):
+    with pytest.raises(ValueError, match="expert slots .* not built for the hybrid family"):
         load_model(tmp_path, num_expert_slots=2)

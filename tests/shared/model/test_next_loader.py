@@ -6,7 +6,7 @@ service loads (parts); bad checkpoints name the tensor."""
 import pytest
 import torch
 
-from shared.model.next_loader import load_next
+from shared.model.families.hybrid.loader import load_next
 
 from .next_checkpoints import with_mtp, write_checkpoint
 from .test_qwen3_next import pair

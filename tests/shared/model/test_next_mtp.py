@@ -1,4 +1,4 @@
-"""The MTP layer of the Qwen3-Next / Qwen3.5-MoE family (shared.model.qwen3_next) against a slow
+"""The MTP layer of the Qwen3-Next / Qwen3.5-MoE family (shared.model.families.hybrid.modules) against a slow
 reference: the pre-fc norms and fc written out here, the decoder layer and its final norm run
 by transformers (its model class of one full-attention layer, fed the fc's output as input
 embeddings, over the whole sequence at once). Ours runs incrementally: a catch-up, then

@@ -6,7 +6,8 @@ import torch
 
 from shared.model import ModelConfig, load_model
 from shared.model.experts import ExpertStore
-from shared.model.fast import FusedModel, Rows
+from shared.model.families.qwen3_moe.fused import FusedModel
+from shared.model.rows import Rows
 from shared.model.graphs import WindowGraphs
 from shared.model.kv_cache import KVPool
 from shared.model.offload import RoutingMemory

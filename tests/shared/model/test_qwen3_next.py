@@ -1,4 +1,4 @@
-"""The Qwen3-Next / Qwen3.5-MoE trunk (shared.model.qwen3_next) against transformers'
+"""The Qwen3-Next / Qwen3.5-MoE trunk (shared.model.families.hybrid.modules) against transformers'
 Qwen3NextForCausalLM and Qwen3_5MoeForCausalLM (text) on the same random weights: logits of a whole sequence (fp32, within 1e-4), and incremental
 decoding with verify windows rolled back after rejected drafts equal to a from-scratch
 forward."""
@@ -6,7 +6,8 @@ forward."""
 import pytest
 import torch
 
-from shared.model.qwen3_next import NextConfig, Qwen3NextModel
+from shared.model.families.hybrid.config import NextConfig
+from shared.model.families.hybrid.modules import Qwen3NextModel
 
 CONFIGS = {
     # linear and full attention interleaved (every 2nd layer full), every layer MoE

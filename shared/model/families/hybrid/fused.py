@@ -43,13 +43,13 @@ from kernels.fused.linear import linear, linear_partials, split_k
 from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, experts_reference, fused_experts
 from kernels.fused.norm import add_rmsnorm, qk_norm_rope_store
 from kernels.fused.router import route
-from shared.model.deltanet import GatedDeltaNet
 from shared.model.experts import ExpertStore, grouped_mm_available
+from shared.model.families.hybrid.deltanet import GatedDeltaNet
+from shared.model.families.hybrid.modules import DecoderLayer, Qwen3NextModel, SharedMoe
 from shared.model.families.hybrid.states import LinearStates
-from shared.model.fast import PREFILL_ATTENTION, Rows
 from shared.model.kv_cache import PagedKV
-from shared.model.layers import RoutingOptions
-from shared.model.qwen3_next import DecoderLayer, Qwen3NextModel, SharedMoe
+from shared.model.layers import RoutingOptions, fuse_linear_rows
+from shared.model.rows import PREFILL_ATTENTION, Rows, one_row
 
 
 def unsupported_reason(model: Qwen3NextModel) -> str | None:
@@ -72,7 +72,7 @@ class LinearMixer:
         self.index = index  # among the linear layers (its state buffers)
         if attn.layout == "grouped":
             _split_grouped(attn)
-        self.in_proj = _fuse_rows([attn.in_proj_qkv, attn.in_proj_z, attn.in_proj_b, attn.in_proj_a])  # [P, H]
+        self.in_proj = fuse_linear_rows([attn.in_proj_qkv, attn.in_proj_z, attn.in_proj_b, attn.in_proj_a])  # [P, H]
         self.conv = attn.conv1d.weight[:, 0]  # [C, K]
         self.A_log, self.dt_bias, self.norm, self.eps = attn.A_log, attn.dt_bias, attn.norm.weight, attn.norm.eps
         self.out = attn.out_proj.weight  # [H, Hv*dv]
@@ -89,7 +89,7 @@ class AttentionMixer:
         attn = layer.self_attn
         self.kv_index = kv_index  # among the full-attention layers (its KV pool layer)
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        self.qkv = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])  # [(2 Hq + 2 Hkv) * D, H]
+        self.qkv = fuse_linear_rows([attn.q_proj, attn.k_proj, attn.v_proj])  # [(2 Hq + 2 Hkv) * D, H]
         self.o = attn.o_proj.weight
         self.o_splits = split_k(*self.o.shape)
         self.q_norm, self.k_norm, self.eps = attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps
@@ -115,7 +115,7 @@ class HybridLayer:
             self.router_splits = split_k(*self.router.shape)
             self.top_k, self.normalize = layer.mlp.top_k, layer.mlp.normalize
         else:
-            self.gate_up = _fuse_rows([layer.mlp.gate_proj, layer.mlp.up_proj])  # [2I, H]
+            self.gate_up = fuse_linear_rows([layer.mlp.gate_proj, layer.mlp.up_proj])  # [2I, H]
             self.down = layer.mlp.down_proj.weight
 
 
@@ -238,7 +238,7 @@ class HybridFused:
         copy in the spare buffer (no step reads and writes one buffer, and state_in keeps the
         committed state). With several rows each row's state is kept, as a window's is."""
         if self.states is None:  # (no linear-attention layers: rows need nothing from each other)
-            outs = [self.forward(token_ids[i : i + 1], _one_row(rows, i), kv) for i in range(token_ids.shape[0])]
+            outs = [self.forward(token_ids[i : i + 1], one_row(rows, i), kv) for i in range(token_ids.shape[0])]
             return torch.cat([logits for logits, _ in outs]), torch.cat([hidden for _, hidden in outs])
         starts = rows.seq_starts.tolist()
         state_in, state_out = rows.state_in.tolist(), rows.state_out.tolist()
@@ -251,7 +251,7 @@ class HybridFused:
                 if row > first:
                     self._copy_state(spare, write)
                     read = spare
-                one = replace(_one_row(rows, row), state_in=torch.tensor([read]), state_out=torch.tensor([write]))
+                one = replace(one_row(rows, row), state_in=torch.tensor([read]), state_out=torch.tensor([write]))
                 outs.append(self.forward(token_ids[row : row + 1], one, kv))
                 if keep:
                     self.states.kept_conv[:, row].copy_(self.states.conv[:, write])
@@ -363,7 +363,7 @@ class HybridFused:
         if routing is not None and routing.moce:
             raise ValueError("MoCE routing is built for the qwen3_moe family's expert slots only")
         if self.invariant and hidden.device.type == "cpu" and hidden.shape[0] > 1:
-            outs = [self.forward_mtp(hidden[i : i + 1], next_token_ids[i : i + 1], _one_row(rows, i), kv)
+            outs = [self.forward_mtp(hidden[i : i + 1], next_token_ids[i : i + 1], one_row(rows, i), kv)
                     for i in range(hidden.shape[0])]
             return torch.cat([logits for logits, _ in outs]), torch.cat([out for _, out in outs])
         mtp = self.model._require_mtp()
@@ -377,25 +377,6 @@ class HybridFused:
         normed, residual = self.mix(layer, normed, residual, rows, kv)
         normed, _ = self.mlp(layer, normed, residual, mtp.norm.weight, rows)
         return self.logits(normed), normed
-
-
-def _one_row(rows: Rows, index: int) -> Rows:
-    """Row `index` of a window or batch as a one-row sequence (same position and slot)."""
-    slot = rows.slots[index : index + 1]
-    return Rows(positions=rows.positions[index : index + 1], slots=slot,
-                seq_starts=torch.tensor([0, 1], dtype=rows.seq_starts.dtype, device=slot.device), seq_slots=slot,
-                max_rows_per_seq=1, live=None if rows.live is None else rows.live[index : index + 1])
-
-
-def _fuse_rows(linears: list[nn.Linear]) -> Tensor:
-    """Concatenate nn.Linear weights by rows and re-point each module at its view (no copy kept)."""
-    fused = torch.cat([m.weight.detach() for m in linears], dim=0).contiguous()
-    start = 0
-    for m in linears:
-        rows = m.weight.shape[0]
-        m.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
-        start += rows
-    return fused
 
 
 def _split_grouped(attn: GatedDeltaNet) -> None:
@@ -422,7 +403,7 @@ def _split_grouped(attn: GatedDeltaNet) -> None:
 def _fuse_moe(mlp: SharedMoe) -> tuple[Tensor, ExpertStore]:
     """The router with the shared expert's gate as its last row [E + 1, H], and the routed experts
     with the shared one as expert E (zero-padded to the routed width: zero rows add exact zeros)."""
-    router = _fuse_rows([mlp.gate, mlp.shared_expert_gate])
+    router = fuse_linear_rows([mlp.gate, mlp.shared_expert_gate])
     experts, shared = mlp.experts, mlp.shared_expert
     num_experts, width, hidden = experts.gate_up_proj.shape[0], experts.down_proj.shape[2], experts.down_proj.shape[1]
     shared_width = shared.gate_proj.weight.shape[0]

@@ -7,11 +7,11 @@ import torch
 
 from shared.model.families import build_fused
 from shared.model.families.hybrid.fused import HybridFused, unsupported_reason
-from shared.model.fast import Rows
+from shared.model.rows import Rows
 from shared.model.graphs import WindowGraphs
 from shared.model.kv_cache import KVPool
-from shared.model.next_loader import random_next
-from shared.model.qwen3_next import NextConfig
+from shared.model.families.hybrid.loader import random_next
+from shared.model.families.hybrid.config import NextConfig
 
 BASE = dict(vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
             head_dim=16, intermediate_size=40, moe_intermediate_size=16, shared_expert_intermediate_size=12,

@@ -1,5 +1,5 @@
 """Load a Qwen3-Next or Qwen3.5-MoE checkpoint (config.json + safetensors) into the CPU
-reference trunk (shared.model.qwen3_next; issue 17).
+reference trunk (shared.model.families.hybrid.modules; issue 17).
 
 Tensor names as the checkpoints have them: `model.*` (Qwen3-Next) or `model.language_model.*`
 (Qwen3.5-MoE's composite checkpoints), `lm_head.weight`; routed experts per expert
@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from shared.model.loader import PARTS, _list_files, _problem
-from shared.model.qwen3_next import NextConfig, Qwen3NextModel
+from shared.model.families.hybrid.config import NextConfig
+from shared.model.families.hybrid.modules import Qwen3NextModel
+from shared.model.loader import PARTS, list_files, problem
 
 PREFIXES = ("model.language_model.", "model.")  # the trunk's tensors, longest first
 EXPERT = re.compile(r"^((?:mtp\.)?layers\.\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -53,7 +54,7 @@ def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: s
     if parts not in PARTS:
         raise ValueError(f"parts {parts!r} must be one of {', '.join(PARTS)}")
     path = Path(path)
-    files = _list_files(path)
+    files = list_files(path)
     has_mtp = any(name.startswith("mtp.") for name in files)
     config = read_config(path, has_mtp=has_mtp and parts != "trunk")
     model = _empty_model(config, dtype=dtype, device=torch.device(device), trunk=parts != "mtp")
@@ -86,12 +87,24 @@ def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: s
                 seen.add(ours)
     _fuse_experts(per_expert, params, seen, misshaped)
     missing = sorted(set(params) - seen)
-    problems = [_problem(kind, names) for kind, names in
+    problems = [problem(kind, names) for kind, names in
                 (("missing", missing), ("unexpected", sorted(unexpected)), ("mis-shaped", misshaped)) if names]
     if problems:
         raise ValueError(f"checkpoint {path} does not match its config: " + "; ".join(problems))
     _rebuild_rotary(model)
     return model.eval().requires_grad_(False)
+
+
+def load_hybrid(path: Path | None, *, device: torch.device, dtype: torch.dtype, num_expert_slots: int | None,
+                random_weights: bool, config: NextConfig | None, seed: int, progress: bool,
+                parts: str) -> Qwen3NextModel:
+    """shared.model.loader.load_model for this family (or its shapes with random weights)."""
+    if num_expert_slots:
+        raise ValueError("expert slots (partial residency) are not built for the hybrid family (Qwen3-Next, Qwen3.5-MoE)")
+    if random_weights:
+        return random_next(config or read_config(path, has_mtp=True), dtype=dtype, device=device, seed=seed,
+                           parts=parts)
+    return load_next(path, dtype=dtype, device=device, parts=parts)
 
 
 def random_next(config: NextConfig, *, dtype: torch.dtype, device: str | torch.device, seed: int = 0,

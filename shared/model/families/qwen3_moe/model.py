@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from shared.model.config import ModelConfig
+from shared.model.families.qwen3_moe.config import ModelConfig
 from shared.model.kv_cache import KVCache
-from shared.model.layers import DecoderLayer, RMSNorm, Rotary, RoutingOptions
+from shared.model.families.qwen3_moe.layers import DecoderLayer
+from shared.model.layers import RMSNorm, Rotary, RoutingOptions
 
 
 class MTPLayer(nn.Module):

@@ -17,12 +17,10 @@ KVCache seen as a single slot of one block.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from kernels.fused import pdl_supported
@@ -33,42 +31,11 @@ from kernels.fused.norm import add_rmsnorm, qk_norm_rope_store
 from kernels.fused.router import MoceTables, route
 from shared.model.experts import ExpertStore, grouped_mm_available
 from shared.model.kv_cache import PagedKV
-from shared.model.layers import DecoderLayer, MoeBlock, RoutingOptions
-from shared.model.model import Qwen3MoeModel
+from shared.model.families.qwen3_moe.layers import DecoderLayer, MoeBlock
+from shared.model.families.qwen3_moe.model import Qwen3MoeModel
+from shared.model.layers import RoutingOptions, fuse_linear_rows
 from shared.model.offload import Offload
-
-
-# Prefill attention backends. cuDNN's is left out: it builds an execution plan for every new
-# (query, key) length, which cost 0.4-1 s on the first prompt of each length (H200), and prompt
-# lengths rarely repeat; flash attention has no per-shape setup.
-PREFILL_ATTENTION = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-
-
-@dataclass(frozen=True)
-class Rows:
-    """Where the rows of a window (or ragged batch) sit: one position and slot per row."""
-
-    positions: Tensor  # [T] int64
-    slots: Tensor  # [T] int64
-    seq_starts: Tensor  # [num_seqs + 1] int32: rows of sequence s are seq_starts[s]:seq_starts[s+1]
-    seq_slots: Tensor  # [num_seqs] int64
-    max_rows_per_seq: int
-    live: Tensor | None = None  # [T] int: 0 marks padding rows (batch graphs), which run no experts
-    # Families with linear-attention layers: the state buffer each sequence reads, and the one it
-    # writes its state after its last row to (shared.model.families.hybrid.states)
-    state_in: Tensor | None = None  # [num_seqs] int64
-    state_out: Tensor | None = None  # [num_seqs] int64
-
-    @staticmethod
-    def window(start: int, num_rows: int, slot: int, device: torch.device | str) -> Rows:
-        """One sequence's rows at positions start..start+num_rows-1 of `slot`."""
-        return Rows(
-            positions=torch.arange(start, start + num_rows, device=device),
-            slots=torch.full((num_rows,), slot, dtype=torch.int64, device=device),
-            seq_starts=torch.tensor([0, num_rows], dtype=torch.int32, device=device),
-            seq_slots=torch.tensor([slot], dtype=torch.int64, device=device),
-            max_rows_per_seq=num_rows,
-        )
+from shared.model.rows import PREFILL_ATTENTION, Rows, one_row
 
 
 def unsupported_reason(model: Qwen3MoeModel) -> str | None:
@@ -89,7 +56,7 @@ class FusedLayer:
     def __init__(self, layer: DecoderLayer) -> None:
         attn = layer.self_attn
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
-        self.qkv = _fuse_rows([attn.q_proj, attn.k_proj, attn.v_proj])  # [(Hq + 2 Hkv) * D, H]
+        self.qkv = fuse_linear_rows([attn.q_proj, attn.k_proj, attn.v_proj])  # [(Hq + 2 Hkv) * D, H]
         self.o = attn.o_proj.weight
         self.o_splits = split_k(*self.o.shape)  # narrow weights: split-K partials, summed by the consumer
         self.q_norm, self.k_norm = attn.q_norm.weight, attn.k_norm.weight
@@ -103,19 +70,8 @@ class FusedLayer:
             self.store = layer.mlp.experts
             self.top_k, self.normalize = layer.mlp.top_k, layer.mlp.normalize
         else:
-            self.gate_up = _fuse_rows([layer.mlp.gate_proj, layer.mlp.up_proj])  # [2I, H]
+            self.gate_up = fuse_linear_rows([layer.mlp.gate_proj, layer.mlp.up_proj])  # [2I, H]
             self.down = layer.mlp.down_proj.weight
-
-
-def _fuse_rows(linears: list[nn.Linear]) -> Tensor:
-    """Concatenate nn.Linear weights by rows and re-point each module at its view (no copy kept)."""
-    fused = torch.cat([m.weight.detach() for m in linears], dim=0).contiguous()
-    start = 0
-    for m in linears:
-        rows = m.weight.shape[0]
-        m.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
-        start += rows
-    return fused
 
 
 class FusedModel:
@@ -244,7 +200,7 @@ class FusedModel:
         token_ids [T]; kv: the paged cache of every trunk layer.
         """
         if self.invariant and token_ids.device.type == "cpu" and token_ids.shape[0] > 1:
-            outs = [self.forward(token_ids[i : i + 1], _one_row(rows, i), kv, routing and routing.row(i))
+            outs = [self.forward(token_ids[i : i + 1], one_row(rows, i), kv, routing and routing.row(i))
                     for i in range(token_ids.shape[0])]
             return torch.cat([logits for logits, _ in outs]), torch.cat([hidden for _, hidden in outs])
         model = self.model
@@ -341,7 +297,7 @@ class FusedModel:
         """MTP rows (see Qwen3MoeModel.forward_mtp): logits [T, vocab] float32, MTP output hidden
         [T, hidden]; kv: the MTP layer's paged cache (one layer)."""
         if self.invariant and hidden.device.type == "cpu" and hidden.shape[0] > 1:  # (as in forward)
-            outs = [self.forward_mtp(hidden[i : i + 1], next_token_ids[i : i + 1], _one_row(rows, i), kv,
+            outs = [self.forward_mtp(hidden[i : i + 1], next_token_ids[i : i + 1], one_row(rows, i), kv,
                                      routing and routing.row(i)) for i in range(hidden.shape[0])]
             return torch.cat([logits for logits, _ in outs]), torch.cat([out for _, out in outs])
         model = self.model
@@ -364,11 +320,3 @@ def _offload(stores: list[ExpertStore | None], *, prefetch: bool) -> Offload | N
     if all(store is None or store.all_resident for store in stores):
         return None
     return Offload(stores, prefetch=prefetch)
-
-
-def _one_row(rows: Rows, index: int) -> Rows:
-    """Row `index` of a window or batch as a one-row sequence (same position and slot)."""
-    slot = rows.slots[index : index + 1]
-    return Rows(positions=rows.positions[index : index + 1], slots=slot,
-                seq_starts=torch.tensor([0, 1], dtype=rows.seq_starts.dtype, device=slot.device), seq_slots=slot,
-                max_rows_per_seq=1, live=None if rows.live is None else rows.live[index : index + 1])
