@@ -31,3 +31,22 @@ def assert_same_row(alone, in_window):
         assert torch.equal(alone, in_window), f"max diff {(alone.double() - in_window.double()).abs().max():.3g}"
     else:
         torch.testing.assert_close(alone, in_window, rtol=2e-5, atol=1e-4)
+
+
+def page(contiguous, block_size, generator):
+    """A [slots, max_length, Hkv, D] cache in paged form: its blocks shuffled over a pool with a
+    spare block; returns (blocks [num_blocks, block_size, Hkv, D], block_tables [slots, max_blocks])."""
+    num_slots, max_length = contiguous.shape[:2]
+    per_slot = -(-max_length // block_size)
+    padded = torch.zeros(num_slots, per_slot * block_size, *contiguous.shape[2:], dtype=contiguous.dtype)
+    padded[:, :max_length] = contiguous.cpu()
+    order = torch.randperm(num_slots * per_slot + 1, generator=generator)  # physical block of each logical one
+    blocks = torch.zeros(num_slots * per_slot + 1, block_size, *contiguous.shape[2:], dtype=contiguous.dtype)
+    blocks[order[:-1]] = padded.reshape(num_slots * per_slot, block_size, *contiguous.shape[2:])
+    tables = order[:-1].reshape(num_slots, per_slot).to(torch.int32)
+    return blocks.to(contiguous.device), tables.to(contiguous.device)
+
+
+def identity_tables(num_slots, device):
+    """Block tables of a contiguous [slots, max_length, ...] cache: one block per slot."""
+    return torch.arange(num_slots, dtype=torch.int32, device=device).unsqueeze(1)
