@@ -32,7 +32,7 @@ import time
 import torch
 from torch.nn.attention import SDPBackend
 
-import shared.model.families.qwen3_moe.fused as fast
+import shared.model.rows as step_rows
 import shared.model.families.qwen3_moe.layers as layers
 from bench.model_baseline import QWEN3_30B_A3B, SMALL, copy_bandwidth
 from shared.model import ModelConfig, load_model
@@ -141,16 +141,16 @@ def fresh_lengths_table(model, args) -> None:
                   head_dim=c.head_dim, dtype=torch.bfloat16, device="cuda")
     fused = FusedModel(model, max_rows=1, max_length=args.length)
     gen = torch.Generator(device="cuda").manual_seed(3)
-    with_cudnn = (SDPBackend.CUDNN_ATTENTION, *fast.PREFILL_ATTENTION)
-    default = fast.PREFILL_ATTENTION
+    with_cudnn = (SDPBackend.CUDNN_ATTENTION, *step_rows.PREFILL_ATTENTION)
+    default = step_rows.PREFILL_ATTENTION
 
     def prefill(length, backends):
         prompt = torch.randint(0, c.vocab_size, (length,), device="cuda", generator=gen)
-        fast.PREFILL_ATTENTION = backends
+        step_rows.PREFILL_ATTENTION = backends
         try:
             return timed(lambda: prefill_sessions(fused, [prompt], pool, 2048))
         finally:
-            fast.PREFILL_ATTENTION = default
+            step_rows.PREFILL_ATTENTION = default
 
     print("\n| prompt tokens | attention backends | first prompt of this length ms | same length again ms |")
     print("| ---: | --- | ---: | ---: |")

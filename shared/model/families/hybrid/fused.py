@@ -32,8 +32,6 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention import sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from kernels.delta_rule import causal_conv, chunked
 from kernels.fused import pdl_supported
@@ -49,7 +47,7 @@ from shared.model.families.hybrid.modules import DecoderLayer, Qwen3NextModel, S
 from shared.model.families.hybrid.states import LinearStates
 from shared.model.kv_cache import PagedKV
 from shared.model.layers import RoutingOptions, fuse_linear_rows
-from shared.model.rows import PREFILL_ATTENTION, Rows, one_row
+from shared.model.rows import Rows, one_row, prefill_attention, prefill_rows
 
 
 def unsupported_reason(model: Qwen3NextModel) -> str | None:
@@ -275,10 +273,7 @@ class HybridFused:
         rolled back)."""
         model = self.model
         num_rows = token_ids.shape[0]
-        if sum(count for _, count, _ in spans) != num_rows:
-            raise ValueError(f"spans cover {sum(c for _, c, _ in spans)} rows, token_ids has {num_rows}")
-        positions = torch.cat([torch.arange(start, start + count) for start, count, _ in spans]).to(model.device)
-        slots = torch.tensor([slot for _, count, slot in spans for _ in range(count)], device=model.device)
+        positions, slots = prefill_rows(spans, num_rows, model.device)
         norms = [layer.input_norm for layer in self.layers[1:]] + [model.norm.weight]
         normed, residual = add_rmsnorm(model.embed_tokens(token_ids), None, self.layers[0].input_norm,
                                        self.layers[0].eps, centred=True)
@@ -338,18 +333,7 @@ class HybridFused:
         q = qk_norm_rope_store(qkv, mixer.q_norm, mixer.k_norm, self.cos, self.sin, positions, slots, keys, values,
                                kv.block_tables, mixer.num_heads, mixer.num_kv_heads, mixer.eps, centred=True,
                                rotary_dim=self.rotary_dim, q_head_stride=2 * mixer.head_dim)
-        parts, row = [], 0
-        with sdpa_kernel(list(PREFILL_ATTENTION)):
-            for start, count, slot in spans:
-                visible = start + count
-                span_keys, span_values = kv.gather(mixer.kv_index, slot, visible)  # [visible, kv_heads, D]
-                parts.append(F.scaled_dot_product_attention(
-                    q[row : row + count].transpose(0, 1).unsqueeze(0), span_keys.transpose(0, 1).unsqueeze(0),
-                    span_values.transpose(0, 1).unsqueeze(0), attn_mask=causal_lower_right(count, visible),
-                    enable_gqa=mixer.num_heads != mixer.num_kv_heads,
-                ).squeeze(0).transpose(0, 1))  # [count, heads, D]
-                row += count
-        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+        attn = prefill_attention(q, kv, mixer.kv_index, spans)  # [T, heads, D]
         gated = (attn.to(normed.dtype) * torch.sigmoid(mixer.gate(qkv))).to(normed.dtype)
         return F.linear(gated.flatten(1), mixer.o)
 

@@ -46,14 +46,6 @@ class LinearStates:
         self.kept_rec = torch.zeros((num_layers, max_rows, *rec), dtype=torch.float32, device=device)  # [L, R, Hv, dk, dv]
         self._current = [0] * num_slots  # which of a slot's two buffers holds its committed state
 
-    @staticmethod
-    def bytes_per_slot(*, num_layers: int, conv_dim: int, conv_width: int, num_v_heads: int, head_k_dim: int,
-                       head_v_dim: int, dtype: torch.dtype) -> int:
-        """Device bytes a slot's two buffers take (what admission and the KV plan account for)."""
-        item = torch.empty((), dtype=dtype).element_size()
-        one = (conv_width - 1) * conv_dim * item + num_v_heads * head_k_dim * head_v_dim * 4
-        return 2 * num_layers * one
-
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.rec, self.kept_conv, self.kept_rec))

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.nn.attention import sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
+from torch import Tensor
 
 from kernels.fused import pdl_supported
 from kernels.fused.attention import AttentionWorkspace, decode_attention
@@ -35,7 +33,7 @@ from shared.model.families.qwen3_moe.layers import DecoderLayer, MoeBlock
 from shared.model.families.qwen3_moe.model import Qwen3MoeModel
 from shared.model.layers import RoutingOptions, fuse_linear_rows
 from shared.model.offload import Offload
-from shared.model.rows import PREFILL_ATTENTION, Rows, one_row
+from shared.model.rows import Rows, one_row, prefill_attention, prefill_rows
 
 
 def unsupported_reason(model: Qwen3MoeModel) -> str | None:
@@ -235,10 +233,7 @@ class FusedModel:
         steps between them. No logits: prompt rows need none."""
         model = self.model
         num_rows = token_ids.shape[0]
-        if sum(count for _, count, _ in spans) != num_rows:
-            raise ValueError(f"spans cover {sum(c for _, c, _ in spans)} rows, token_ids has {num_rows}")
-        positions = torch.cat([torch.arange(start, start + count) for start, count, _ in spans]).to(model.device)
-        slots = torch.tensor([slot for _, count, slot in spans for _ in range(count)], device=model.device)
+        positions, slots = prefill_rows(spans, num_rows, model.device)
         grouped = grouped_mm_available(model.dtype) and model.device.type == "cuda"
         host_ids = token_ids.tolist() if self.offload is not None and self.offload.prefetch else None
         norms = [layer.input_norm for layer in self.layers[1:]] + [model.norm.weight]
@@ -248,7 +243,7 @@ class FusedModel:
             qkv = F.linear(normed, layer.qkv)
             q = qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, positions, slots,
                                    keys, values, kv.block_tables, layer.num_heads, layer.num_kv_heads, layer.eps)
-            attn = self._prefill_attention(layer, q, kv, index, spans)
+            attn = prefill_attention(q, kv, index, spans)
             out = F.linear(attn.reshape(num_rows, -1), layer.o)
             normed, residual = add_rmsnorm(out, residual, layer.post_norm, layer.eps)
             if not layer.moe:
@@ -269,27 +264,6 @@ class FusedModel:
                 out = layer.store.forward(normed, expert_ids, weights.to(normed.dtype))
                 normed, residual = add_rmsnorm(out, residual, next_norm, layer.eps)
         return normed
-
-    @staticmethod
-    def _prefill_attention(layer: FusedLayer, q: Tensor, kv: PagedKV, index: int,
-                           spans: list[tuple[int, int, int]]) -> Tensor:
-        """Causal attention of each chunk's rows [count, heads, head_dim] over its slot's first
-        start + count positions (bottom-right aligned; gathered from their blocks), chunks back
-        to back."""
-        parts, row = [], 0
-        with sdpa_kernel(list(PREFILL_ATTENTION)):
-            for start, count, slot in spans:
-                visible = start + count
-                keys, values = kv.gather(index, slot, visible)  # [visible, kv_heads, head_dim]
-                parts.append(F.scaled_dot_product_attention(
-                    q[row : row + count].transpose(0, 1).unsqueeze(0),  # [1, heads, count, head_dim]
-                    keys.transpose(0, 1).unsqueeze(0),
-                    values.transpose(0, 1).unsqueeze(0),
-                    attn_mask=causal_lower_right(count, visible),
-                    enable_gqa=layer.num_heads != layer.num_kv_heads,
-                ).squeeze(0).transpose(0, 1))  # [count, heads, head_dim]
-                row += count
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @torch.inference_mode()
     def forward_mtp(self, hidden: Tensor, next_token_ids: Tensor, rows: Rows, kv: PagedKV,
