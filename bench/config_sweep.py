@@ -3,11 +3,13 @@
 Per-kernel timings in isolation miss how kernels overlap under programmatic dependent
 launch, so each variant here (module constants or config functions of kernels.fused,
 patched before capture) gets fresh window graphs of a 12-layer model at Qwen3-30B-A3B
-shapes (the full vocabulary), timed against the default graphs on the same weights and KV pool: interleaved
-pairs, median of paired ratios, at 1 and 5 rows and contexts 512 and 4,096. Ratio < 1: the
-variant is faster. Rows print as they finish (a long sweep that is cut short still reports).
+shapes, or with `--family hybrid` Qwen3.5-35B-A3B's (its first 12 layers: 9 Gated DeltaNet, 3
+gated attention), the full vocabulary, timed against the default graphs on the same weights and
+KV pool: interleaved pairs, median of paired ratios, at 1 and 5 rows and contexts 512 and 4,096.
+Ratio < 1: the variant is faster. Rows print as they finish (a long sweep that is cut short
+still reports).
 
-Usage: python bench/config_sweep.py [--layers 12] [--pairs 9] [--only SUBSTRING] [--set tune|previous]
+Usage: python bench/config_sweep.py [--family qwen3_moe|hybrid] [--layers 12] [--pairs 9] [--only SUBSTRING] [--set tune|previous]
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import kernels.fused.linear as linear
 import kernels.fused.moe as moe
 import kernels.fused.norm as norm
 import kernels.fused.router as router
+import shared.model.families.hybrid.fused as hybrid_fast
 import shared.model.families.qwen3_moe.fused as fast
 from bench.fused_step import replay_time
 from bench.model_baseline import SMALL
+from bench.pairbench.common import QWEN3_5_35B_A3B
 from shared.model import ModelConfig, load_model
-from shared.model.families.qwen3_moe.fused import FusedModel
+from shared.model.families import build_fused
 from shared.model.graphs import WindowGraphs
 from shared.model.kv_cache import KVPool
 
@@ -90,6 +94,33 @@ def variants(model) -> dict[str, list[tuple[object, str, object]]]:
     return out
 
 
+def hybrid_variants(model) -> dict[str, list[tuple[object, str, object]]]:
+    """The hybrid family's own shapes: narrow experts (512 wide, 9 routes with the shared one), the
+    257-column router, the linear layers' out-projection; one setting changed at a time."""
+    c = model.config
+    gate_up_shape = (2 * c.moe_intermediate_size, c.hidden_size)
+    down_shape = (c.hidden_size, c.moe_intermediate_size)
+    out_shape = (c.hidden_size, c.linear_num_value_heads * c.linear_value_head_dim)
+    o_shape = (c.hidden_size, c.num_attention_heads * c.head_dim)
+    router_shape = (c.num_experts + 1, c.hidden_size)
+    moe_cfg, splits = moe.moe_config, hybrid_fast.split_k
+    out: dict[str, list] = {}
+    out["router top-k: 2 warps"] = [(router, "ROUTE_WARPS", 2)]
+    out["router top-k: 4 warps"] = [(router, "ROUTE_WARPS", 4)]
+    out["router top-k: argmax and probability in two reductions (before)"] = [(router, "MAX_WITH_INDEX", False)]
+    for shape, name in ((out_shape, "linear out_proj"), (o_shape, "attention o_proj"), (router_shape, "router")):
+        for count in (1, 2, 4, 8, 16):
+            if count != splits(*shape):
+                out[f"{name}: {count} K splits"] = [(hybrid_fast, "split_k", for_shape(splits, shape, count))]
+    for shape, name in ((gate_up_shape, "experts gate_up"), (down_shape, "experts down")):
+        for config in ((16, 128, 4, 4), (16, 256, 4, 3), (16, 128, 2, 4), (32, 256, 4, 3), (32, 64, 4, 6),
+                       (32, 128, 2, 4), (32, 128, 8, 4), (64, 128, 4, 4), (64, 64, 4, 6), (128, 64, 4, 4)):
+            if config != moe_cfg(*shape):
+                out[f"{name}: BN {config[0]} BK {config[1]} warps {config[2]} stages {config[3]}"] = [
+                    (moe, "moe_config", for_shape(moe_cfg, shape, config))]
+    return out
+
+
 def _linear_config_before(num_out: int, num_in: int, element_size: int = 2) -> tuple[int, int, int, int]:
     """linear_config before this sweep (2026-12-01, session 3)."""
     return 64 if num_out >= 4096 else 32, min(256, max(16, 1 << (num_in - 1).bit_length())), 4, 3
@@ -115,6 +146,7 @@ def previous(model) -> dict[str, list[tuple[object, str, object]]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--family", choices=("qwen3_moe", "hybrid"), default="qwen3_moe")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--pairs", type=int, default=9)
     parser.add_argument("--only", default="",
@@ -126,28 +158,39 @@ def main() -> None:
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     max_length = max(args.max_length, max(contexts) + max(WINDOWS) + 8)
-    shapes = SMALL | dict(num_hidden_layers=args.layers, vocab_size=151936, max_position_embeddings=max_length + 64)
-    config = ModelConfig.from_dict(shapes)
-    model = load_model(config=config, random_weights=True, dtype=torch.bfloat16, device="cuda", seed=0)
-    pool = KVPool(num_layers=config.num_hidden_layers, num_slots=1, max_length=max_length,
+    if args.family == "hybrid":
+        from dataclasses import replace
+
+        from shared.model.families.hybrid.config import NextConfig
+        from shared.model.families.hybrid.loader import random_next
+
+        shapes = QWEN3_5_35B_A3B | dict(num_hidden_layers=args.layers, max_position_embeddings=max_length + 64,
+                                        layer_types=QWEN3_5_35B_A3B["layer_types"][: args.layers])
+        config = replace(NextConfig.from_dict(shapes), mtp_num_hidden_layers=0)
+        model = random_next(config, dtype=torch.bfloat16, device="cuda", parts="trunk")
+    else:
+        shapes = SMALL | dict(num_hidden_layers=args.layers, vocab_size=151936, max_position_embeddings=max_length + 64)
+        config = ModelConfig.from_dict(shapes)
+        model = load_model(config=config, random_weights=True, dtype=torch.bfloat16, device="cuda", seed=0)
+    pool = KVPool(num_layers=model.num_kv_layers, num_slots=1, max_length=max_length,
                   num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=torch.bfloat16, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(3)
     pool.keys.normal_(0, 1, generator=gen)
     pool.values.normal_(0, 1, generator=gen)
 
     def runner() -> WindowGraphs:
-        graphs = WindowGraphs(FusedModel(model, max_rows=max(WINDOWS), max_length=max_length), pool,
-                              max_rows=max(WINDOWS))
+        fused = build_fused(model, max_rows=max(WINDOWS), max_length=max_length, num_state_slots=1)
+        graphs = WindowGraphs(fused, pool, max_rows=max(WINDOWS))
         graphs.capture(list(WINDOWS))
         return graphs
 
     base = runner()
     header = " | ".join(f"T={t} ctx {c}" for c in contexts for t in WINDOWS)
-    print(f"\n{args.layers} layers; default step ms: " + ", ".join(
+    print(f"\n{args.family}, {args.layers} layers; default step ms: " + ", ".join(
         f"T={t} ctx {c}: {replay_time(base, t, c):.3f}" for c in contexts for t in WINDOWS), flush=True)
     print(f"\n| variant | variant/default: {header} | mean |")
     print("| --- | " + "---: | " * (len(contexts) * len(WINDOWS) + 1), flush=True)
-    sets = {"tune": variants, "previous": previous}
+    sets = {"tune": hybrid_variants if args.family == "hybrid" else variants, "previous": previous}
     for name, patches in sets[args.set](model).items():
         if args.only and not any(part in name for part in args.only.split(",")):
             continue

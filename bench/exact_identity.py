@@ -17,7 +17,7 @@ Reported: requests whose tokens equal the reference exactly, per set and phase (
 mismatch, where it starts), rounds that verified drafts, output tokens/s of each phase. The
 verifier runs without the governor, so every round asks the drafter.
 
-    python bench/exact_identity.py [--small] [--device cuda] [--prompts 64] [--new-tokens 256] [--concurrency 8]
+    python bench/exact_identity.py [--small | --shapes qwen3.5-35b-a3b] [--device cuda] [--prompts 64] [--new-tokens 256] [--concurrency 8]
 """
 
 from __future__ import annotations
@@ -83,10 +83,10 @@ async def main_async(args) -> None:
                                    "--dtype", dtype, "--port", str(r_port), "--global-index-contexts", "0"])
         await children.wait_serving("drafter", f"127.0.0.1:{r_port}", timeout=900)
     else:
-        shapes = "smoke shapes" if args.small else "qwen3-30b-a3b shapes (random weights)"
+        shapes = "smoke shapes" if args.small else f"{args.shapes} shapes (random weights)"
         model_dir = workdir / "random-shapes"
         model_dir.mkdir()
-        config_json = SHAPES["smoke" if args.small else "qwen3-30b-a3b"] | {"max_position_embeddings": 4096}
+        config_json = SHAPES["smoke" if args.small else args.shapes] | {"max_position_embeddings": 4096}
         (model_dir / "config.json").write_text(json.dumps(config_json, indent=1))
         model_args = ["--model", str(model_dir), "--random-weights"]
         vocab = config_json["vocab_size"]
@@ -184,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="with --drafter real: the checkpoint (default: the embedded one)")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
     parser.add_argument("--small", action="store_true", help="a tiny random model of the same family (a smoke test)")
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-30b-a3b",
+                        help="with the replay drafter: the random model's shapes")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--prompts", type=int, default=64, help="requests per set (greedy, sampled)")
     parser.add_argument("--prompt-length", type=int, default=128)

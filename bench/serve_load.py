@@ -19,7 +19,7 @@ speculation), and reports speculative / plain. An open loop at a steady rate is 
 verifier's load gate (--verifier-arg=--load-gate) is for: a closed loop's clients start and
 end together, and their prompts prefill in bursts.
 
-Usage: python bench/serve_load.py [--small] [--concurrency 1,8,32,64] [--rates ...] [--alpha 0.8]
+Usage: python bench/serve_load.py [--small | --shapes qwen3.5-35b-a3b] [--concurrency 1,8,32,64] [--rates ...] [--alpha 0.8]
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from pathlib import Path
 from urllib.request import urlopen
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pairbench.common import free_port, log  # noqa: E402  (puts the repo and protocol modules on sys.path)
+from pairbench.common import SHAPES, free_port, log  # noqa: E402  (puts the repo and protocol modules on sys.path)
 from pairbench.services import Children  # noqa: E402
 
-from bench.model_baseline import QWEN3_30B_A3B, SMALL  # noqa: E402
+from bench.model_baseline import SMALL  # noqa: E402
 import grpc  # noqa: E402
 
 from shared.client import AsyncVerifierClient, GenerationConfig, VerifierError  # noqa: E402
@@ -171,6 +171,8 @@ HEADER = ("| arm | requests | output tokens/s | × concurrency 1 | mean batch | 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-30b-a3b",
+                        help="the random model's shapes (--small: a tiny one)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--requests-per-client", type=int, default=2)
@@ -190,7 +192,7 @@ def main() -> None:
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     rates = [float(r) for r in args.rates.split(",") if r]
-    shapes = (SMALL if args.small else QWEN3_30B_A3B) | dict(
+    shapes = (SMALL if args.small else SHAPES[args.shapes]) | dict(
         max_position_embeddings=args.max_position_embeddings or max(4096, args.prompt_tokens + args.new_tokens + 64))
     workdir = Path(tempfile.mkdtemp(prefix="serve-load-"))
     (workdir / "model").mkdir()

@@ -38,6 +38,11 @@ SHAPES = {
     "smoke": QWEN3_30B_A3B | dict(vocab_size=4096, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, head_dim=64, intermediate_size=512, moe_intermediate_size=128,
                                   num_experts=16, num_experts_per_tok=2),
+    "smoke-hybrid": QWEN3_5_35B_A3B | dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=64, moe_intermediate_size=128,
+                                           shared_expert_intermediate_size=128, num_experts=16, num_experts_per_tok=2,
+                                           linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+                                           linear_value_head_dim=32, layer_types=["linear_attention"] * 3 + ["full_attention"]),
 }
 MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]

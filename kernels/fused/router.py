@@ -23,6 +23,9 @@ from kernels.fused import launch_options, next_power_of_2, tl_dtype, use_triton
 from kernels.routing import WEIGHT_FLOOR, moce_multipliers, route_topk
 
 ROUTE_WARPS = 1  # per row, up to 256 experts (launch settings are module constants: bench/config_sweep.py)
+# Without MoCE a pick's score is its probability, so one reduction gives both (the max and its
+# lowest index: tl.argmax's own rule); with MoCE the probability is a second reduction.
+MAX_WITH_INDEX = True
 
 
 @functools.cache
@@ -36,7 +39,7 @@ def _kernels():
         row_len,
         TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr,
         MOCE: tl.constexpr, PARTIALS: tl.constexpr, ROUND_TO: tl.constexpr, HAS_LIVE: tl.constexpr, PDL: tl.constexpr,
-        SHARED: tl.constexpr, OUT_K: tl.constexpr,
+        SHARED: tl.constexpr, OUT_K: tl.constexpr, MAX_WITH_INDEX: tl.constexpr,
     ):
         # row_len: logits per row, E (+ 1 with SHARED: column E is the shared expert's gate logit);
         # OUT_K: routes per row, TOP_K (+ 1 with SHARED: expert E, weight sigmoid(logit_E)).
@@ -75,8 +78,11 @@ def _kernels():
                 score = tl.where(resident, remaining * mult, remaining)
             else:
                 score = remaining
-            best = tl.argmax(score, axis=0, tie_break_left=True)
-            prob = tl.sum(tl.where(e == best, p, 0.0), axis=0)
+            if MAX_WITH_INDEX and not MOCE:
+                prob, best = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            else:
+                best = tl.argmax(score, axis=0, tie_break_left=True)
+                prob = tl.sum(tl.where(e == best, p, 0.0), axis=0)
             picked = tl.where(ranks == rank, best.to(tl.int64), picked)
             chosen = tl.where(ranks == rank, prob, chosen)
             remaining = tl.where(e == best, float("-inf"), remaining)
@@ -165,7 +171,7 @@ def route(
         num_experts, WEIGHT_FLOOR, row_len,
         TOP_K=top_k, K_PAD=max(2, next_power_of_2(top_k)), BLOCK_E=max(16, next_power_of_2(num_experts)),
         NORMALIZE=normalize, MOCE=moce, PARTIALS=partials, ROUND_TO=tl_dtype(round_to or router_logits.dtype),
-        HAS_LIVE=live is not None, PDL=pdl, SHARED=shared_gate, OUT_K=num_routes,
+        HAS_LIVE=live is not None, PDL=pdl, SHARED=shared_gate, OUT_K=num_routes, MAX_WITH_INDEX=MAX_WITH_INDEX,
         num_warps=ROUTE_WARPS if num_experts <= 256 else 4, **launch_options(pdl),
     )
     return ids, weights

@@ -183,6 +183,25 @@ def test_router_picks_the_reference_experts(device, dtype, moce):
 
 
 @devices_and_dtypes()
+def test_router_one_reduction_per_pick_is_bit_identical(device, dtype, monkeypatch):
+    """MAX_WITH_INDEX (max and its index in one reduction) against the argmax and a second reduction
+    for the probability: the same ids and bit-identical weights, ties included."""
+    import kernels.fused.router as router
+
+    g = torch.Generator().manual_seed(12)
+    logits = (3 * torch.randn(7, 40, generator=g)).to(device, dtype)
+    logits[1, 3] = logits[1, 30]  # exact ties: the lower id wins either way
+    logits[2, :] = 0.5
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(router, "MAX_WITH_INDEX", fused)
+        results[fused] = route(logits, 6, normalize=True)
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])
+    assert torch.equal(results[True][0], route_topk(logits, 6, normalize=True)[0])
+
+
+@devices_and_dtypes()
 @pytest.mark.parametrize("tokens", [1, 6, 40])
 def test_fused_experts_match_reference_and_rows_are_invariant(device, dtype, tokens):
     g = torch.Generator().manual_seed(tokens)
