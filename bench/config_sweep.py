@@ -23,6 +23,7 @@ import torch
 
 import kernels.fused as fused_package
 import kernels.fused.attention as attention
+import kernels.fused.deltanet as deltanet
 import kernels.fused.linear as linear
 import kernels.fused.moe as moe
 import kernels.fused.norm as norm
@@ -105,6 +106,9 @@ def hybrid_variants(model) -> dict[str, list[tuple[object, str, object]]]:
     router_shape = (c.num_experts + 1, c.hidden_size)
     moe_cfg, splits = moe.moe_config, hybrid_fast.split_k
     out: dict[str, list] = {}
+    for parts in (1, 2, 8):
+        if parts != deltanet.V_SPLITS:
+            out[f"gated delta step: {parts} programs a value head"] = [(deltanet, "V_SPLITS", parts)]
     out["router top-k: 2 warps"] = [(router, "ROUTE_WARPS", 2)]
     out["router top-k: 4 warps"] = [(router, "ROUTE_WARPS", 4)]
     out["router top-k: argmax and probability in two reductions (before)"] = [(router, "MAX_WITH_INDEX", False)]

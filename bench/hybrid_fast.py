@@ -240,6 +240,47 @@ class Raw:
         log(f"  [{elapsed():.0f}s] bit identity at context {context}: {out}")
         return out
 
+    def prefill_sharing(self, lengths=(7, 40, 127, 300)) -> list[dict]:
+        """A prompt prefilled (all but its last token, as the verifier does) alone, and in one
+        forward with two other prompts: are its linear-attention states and KV rows, and the
+        first token's logits (the one-row step of the last token), the same bits? (DESIGN §11:
+        cuBLAS and the grouped expert GEMMs pick their kernels by the forward's row count.)"""
+        runner, fused, rows = self.runner, self.runner.fused, []
+        longest = runner.pool.max_length - 20
+        for length in [n for n in lengths if n <= longest]:
+            prompt, big, small = self.ids(length), self.ids(min(500, longest)), self.ids(33)
+            body = length - 1
+            slots = []
+            for sharing in (False, True):
+                slot, cache = runner.pool.acquire(length + 16)
+                runner.reset_state(slot)
+                others = []
+                if sharing:
+                    others = [runner.pool.acquire(len(big) + 16)[0], runner.pool.acquire(48)[0]]
+                    for o in others:
+                        runner.reset_state(o)
+                parts = [(prompt[:body], slot)] + ([(big, others[0]), (small, others[1])] if sharing else [])
+                ids = torch.tensor([t for tokens, _ in parts for t in tokens], device=DEVICE)
+                cache.reserve(body)
+                fused.prefill(ids, [(0, len(tokens), s) for tokens, s in parts], runner.kv)
+                slots.append((slot, others))
+            (a, _), (b, others) = slots
+            states = fused.states
+            (ra, _), (rb, _) = states.buffers(a), states.buffers(b)
+            same_states = bool(torch.equal(states.conv[:, ra], states.conv[:, rb])
+                               and torch.equal(states.rec[:, ra], states.rec[:, rb]))
+            rec_diff = float((states.rec[:, ra] - states.rec[:, rb]).abs().max())
+            first_a = runner.run(a, [prompt[-1]], body).logits[0].clone()
+            first_b = runner.run(b, [prompt[-1]], body).logits[0].clone()
+            rows.append(dict(prompt_tokens=length, states_identical=same_states, largest_state_difference=rec_diff,
+                             first_logits_identical=bool(torch.equal(first_a, first_b)),
+                             first_token_agrees=int(first_a.argmax()) == int(first_b.argmax())))
+            log(f"  [{elapsed():.0f}s] prefill sharing, {length} tokens: {rows[-1]}")
+            for slot, others in slots:
+                for s in [slot, *others]:
+                    runner.pool.release(s)
+        return rows
+
     def exact_mode(self, new_tokens: int) -> dict:
         """Speculative rounds (drafts from the plain continuation, every third chain spoiled) give
         the plain tokens, through the Engine: greedy and sampled, alone and batched."""
@@ -386,8 +427,12 @@ def run_raw(args) -> dict:
         ("prefill_tokens_per_s", cuda, lambda: {4096: raw.prefill_rate(4096)}),
         ("reference_vs_fused_long", True, lambda: [r for c in raw.contexts[1:] for r in raw.against_reference(c, [1, 5])]),
         ("prefill_long_tokens_per_s", cuda, lambda: {args.prefill: raw.prefill_rate(args.prefill)}),
+        ("prefill_sharing", True, lambda: raw.prefill_sharing()),
     ]
+    chosen = set(args.sections.split(",")) if args.sections else None
     for index, (name, wanted, section) in enumerate(sections):
+        if chosen is not None and name not in chosen:
+            continue
         if not wanted or (index >= 6 and elapsed() > args.budget_s):
             log(f"[{elapsed():.0f}s] skipped: {name}")
             continue
@@ -427,6 +472,12 @@ def report_raw(res: dict) -> None:
               f"| {r['argmax_agree']:.2f} | {r['reference_ms']:.1f} |")
     print(f"\nbit identity: {res.get('bit_identity')}\nexact mode: {res.get('exact_mode')}")
     print(f"prefill tokens/s: {res.get('prefill_tokens_per_s')} {res.get('prefill_long_tokens_per_s')}")
+    if rows_of(res, "prefill_sharing"):
+        print("\n| prompt tokens | states alone = shared | largest state difference | first logits identical | first token agrees |")
+        print("| ---: | --- | ---: | --- | --- |")
+        for r in rows_of(res, "prefill_sharing"):
+            print(f"| {r['prompt_tokens']} | {r['states_identical']} | {r['largest_state_difference']:.3g} "
+                  f"| {r['first_logits_identical']} | {r['first_token_agrees']} |")
 
 
 def run_accuracy(args) -> list[dict]:
@@ -535,6 +586,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=32768)
     parser.add_argument("--exact-tokens", type=int, default=24)
     parser.add_argument("--budget-s", type=float, default=330.0, help="raw: skip the optional sections past this")
+    parser.add_argument("--sections", default="", help="raw: only these sections (comma-separated names)")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--long-context", type=int, default=32768)

@@ -21,9 +21,14 @@ by another sequence of the launch, for every sequence whose state matters: the p
 head's value heads all read its q/k conv inputs and one of them writes them (padding sequences
 may read and write the same garbage buffers among themselves).
 
-Row invariance (DESIGN §11): one program per (sequence, value head) walks its sequence's rows in
-a loop whose bound it reads from `seq_starts` in memory, with a launch configuration that depends
-on the model's shapes only, and no reduction crosses rows; so a row's bits (output and states)
+Programs: one per (sequence, value head), or with an `arrivals` buffer `v_splits(dv)` per head,
+each holding a slice of the state's value columns (less serial work a program, more SMs a step);
+the gated RMSNorm over a head's dv values then runs in the head's last program to finish, which
+it learns from an atomic count (no program waits for another).
+
+Row invariance (DESIGN §11): each program walks its sequence's rows in a loop whose bound it
+reads from `seq_starts` in memory, with a launch configuration that depends on the model's
+shapes only, and no reduction crosses rows; so a row's bits (output and states)
 are the same computed alone, as a one-row step from the state before it, or inside any window
 or batch. The torch reference keeps the same property by computing every row with ops of the
 same shapes.
@@ -47,11 +52,21 @@ QK_NORM_EPS = 1e-6  # the l2 norm of q and k (kernels.delta_rule._l2norm)
 # registers a thread without spills; 8 warps ran slower on the H200, also where nothing spilled.
 STATE_WARPS = 4
 STATE_PER_WARP = 4096
+# Programs a value head's state is split into along dv (given an `arrivals` buffer): each holds a
+# [dk, dv / V_SPLITS] slice, so a step's serial work per program shrinks and more SMs share it;
+# the gated RMSNorm over dv then runs in the head's last program to finish (DESIGN §6).
+V_SPLITS = 4
+MIN_SLICE = 4  # value columns a program keeps at least
 
 
 def state_warps(block_k: int, block_v: int) -> int:
     """num_warps of the kernel for a padded [block_k, block_v] state: a function of the model only."""
     return max(1, min(STATE_WARPS, block_k * block_v // STATE_PER_WARP))
+
+
+def v_splits(head_v_dim: int) -> int:
+    """Programs per value head (a power of two): a function of the model's shape only."""
+    return max(1, min(V_SPLITS, next_power_of_2(head_v_dim) // MIN_SLICE))
 
 
 def gated_delta_step_reference(
@@ -201,6 +216,7 @@ def gated_delta_step(
     num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, eps: float,
     kept_conv: Tensor | None = None,  # [max_rows, K-1, C]: the conv state after row t at kept_conv[t]
     kept_rec: Tensor | None = None,  # [max_rows, Hv, dk, dv] float32: the recurrent state after row t
+    arrivals: Tensor | None = None,  # [>= S*Hv] int32 zeros, kept between launches: split heads along dv
     pdl: bool = False,  # launch as a programmatic dependent (kernels.fused.pdl_supported)
 ) -> Tensor:  # [T, Hv*dv] model dtype: the input of the layer's out_proj
     """Advance each sequence's Gated DeltaNet state by its rows; returns the gated-normed outputs.
@@ -222,13 +238,20 @@ def gated_delta_step(
     kept_conv_t = kept_conv if kept_conv is not None else conv_states
     kept_rec_t = kept_rec if kept_rec is not None else rec_states
     block_k, block_v = next_power_of_2(head_k_dim), next_power_of_2(head_v_dim)
-    _kernels()[(num_seqs, num_v_heads)](
+    parts = 1
+    if arrivals is not None:
+        if arrivals.dtype != torch.int32 or arrivals.dim() != 1 or arrivals.shape[0] < num_seqs * num_v_heads:
+            raise ValueError(f"gated_delta_step: arrivals is {arrivals.dtype} {tuple(arrivals.shape)}, expected int32 "
+                             f"[>= {num_seqs * num_v_heads}] (sequences x value heads)")
+        parts = v_splits(head_v_dim)
+    block_v //= parts
+    _kernels()[(num_seqs, num_v_heads, parts)](
         proj, conv_weight, A_log, dt_bias, norm_weight, conv_states, rec_states, seq_starts, state_in, state_out, out,
-        kept_conv_t, kept_rec_t,
+        kept_conv_t, kept_rec_t, arrivals if arrivals is not None else seq_starts,
         proj.stride(0), conv_weight.stride(0), conv_weight.stride(1), conv_states.stride(0), rec_states.stride(0),
         kept_conv_t.stride(0), kept_rec_t.stride(0), 1.0 / math.sqrt(head_k_dim), QK_NORM_EPS, eps,
         HK=num_k_heads, HV=num_v_heads, DK=head_k_dim, DV=head_v_dim, BLOCK_K=block_k, BLOCK_V=block_v,
-        KEEP_CONV=kept_conv is not None, KEEP_REC=kept_rec is not None, PDL=pdl, EARLY=early_reads(),
+        V_SPLITS=parts, KEEP_CONV=kept_conv is not None, KEEP_REC=kept_rec is not None, PDL=pdl, EARLY=early_reads(),
         num_warps=state_warps(block_k, block_v), **launch_options(pdl),
     )
     return out

@@ -59,15 +59,29 @@ def _conv_silu(h0, h1, h2, x, w0, w1, w2, w3):
 
 
 @triton.jit
+def _gated_norm(o, z, norm_w, eps, DV: tl.constexpr, dtype: tl.constexpr):
+    """rmsnorm(o) * norm_w * silu(z) over a head's DV values (o and z float32; masked lanes zero),
+    each product rounded to the model dtype as the reference does."""
+    y = (o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps)).to(dtype).to(tl.float32)
+    y = (norm_w * y).to(dtype).to(tl.float32)
+    return (y * _silu(z)).to(dtype)
+
+
+@triton.jit
 def gated_delta_kernel(
     proj_ptr, conv_w_ptr, a_log_ptr, dt_bias_ptr, norm_w_ptr, conv_ptr, rec_ptr, starts_ptr, in_ptr, dst_ptr, out_ptr,
-    kept_conv_ptr, kept_rec_ptr,
+    kept_conv_ptr, kept_rec_ptr, arrivals_ptr,
     stride_proj, stride_w0, stride_w1, stride_conv, stride_rec, stride_kept_conv, stride_kept_rec, q_scale,
     qk_eps, eps,
     HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr, KEEP_CONV: tl.constexpr, KEEP_REC: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    BLOCK_V: tl.constexpr, V_SPLITS: tl.constexpr, KEEP_CONV: tl.constexpr, KEEP_REC: tl.constexpr,
+    PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
-    """Program (s, h): value head h of sequence s, over all its rows, its [DK, DV] state in registers."""
+    """Program (s, h, part): value head h of sequence s, over all its rows, its [DK, BLOCK_V] slice
+    of the state (value columns part * BLOCK_V ...) in registers. With V_SPLITS > 1 a program
+    stores its slice of o (model dtype) and counts itself in at arrivals[s, h]; the head's last
+    program to arrive normalises the whole rows (rmsnorm over DV needs every slice) and resets
+    the count. No program waits for another, so any order of execution is correct."""
     if PDL and not EARLY:  # wait for the predecessor kernel before touching anything it may write or read
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -76,11 +90,13 @@ def gated_delta_kernel(
     C = 2 * KEY_DIM + HV * DV  # conv channels q|k|v; proj's z, b, a columns follow them
     s = tl.program_id(0)
     h = tl.program_id(1)
+    part = tl.program_id(2)
     kh = h // GROUP  # the key head of this value head
-    owner = h % GROUP == 0  # writes its key head's q/k conv inputs; the group's other programs only read them
+    # writes its key head's q/k conv inputs; the other programs of the group only read them
+    owner = (h % GROUP == 0) & (part == 0)
     i = tl.arange(0, BLOCK_K)
     i_ok = i < DK
-    j = tl.arange(0, BLOCK_V)
+    j = part * BLOCK_V + tl.arange(0, BLOCK_V)
     j_ok = j < DV
     cq = kh * DK + i  # [BLOCK_K] q channels
     ck = KEY_DIM + kh * DK + i  # [BLOCK_K] k channels
@@ -115,7 +131,6 @@ def gated_delta_kernel(
             xq = tl.load(row + cq, mask=i_ok, other=0.0)  # [BLOCK_K] model dtype
             xk = tl.load(row + ck, mask=i_ok, other=0.0)
             xv = tl.load(row + cv, mask=j_ok, other=0.0)  # [BLOCK_V]
-            z = tl.load(row + C + h * DV + j, mask=j_ok, other=0.0).to(tl.float32)
             b = tl.load(row + C + HV * DV + h)
             a = tl.load(row + C + HV * DV + HV + h).to(tl.float32)
             dtype = xq.dtype
@@ -135,10 +150,13 @@ def gated_delta_kernel(
             recalled = tl.sum(state * k[:, None], axis=0)  # [BLOCK_V]
             delta = beta * (v - recalled)
             state = state + k[:, None] * delta[None, :]
-            o = tl.sum(state * q[:, None], axis=0).to(dtype).to(tl.float32)  # [BLOCK_V]
-            y = (o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps)).to(dtype).to(tl.float32)
-            y = (norm_w * y).to(dtype).to(tl.float32)
-            tl.store(out_ptr + t * (HV * DV) + h * DV + j, (y * _silu(z)).to(dtype), mask=j_ok)
+            o = tl.sum(state * q[:, None], axis=0).to(dtype)  # [BLOCK_V]
+            if V_SPLITS == 1:
+                z = tl.load(row + C + h * DV + j, mask=j_ok, other=0.0).to(tl.float32)
+                tl.store(out_ptr + t * (HV * DV) + h * DV + j, _gated_norm(o.to(tl.float32), z, norm_w, eps, DV, dtype),
+                         mask=j_ok)
+            else:  # the slice of o, normalised below by the head's last program
+                tl.store(out_ptr + t * (HV * DV) + h * DV + j, o, mask=j_ok)
             if KEEP_CONV:  # the conv state after row t
                 kept = kept_conv_ptr + t * stride_kept_conv
                 _store_history(kept, cq, i_ok & owner, q0, q1, q2, C)
@@ -151,3 +169,17 @@ def gated_delta_kernel(
         _store_history(conv_out, ck, i_ok & owner, k0, k1, k2, C)
         _store_history(conv_out, cv, j_ok, v0, v1, v2, C)
         tl.store(rec_ptr + dst * stride_rec + rec_head, state, mask=ij_ok)
+        if V_SPLITS > 1:
+            # (acq_rel at gpu scope: this program's stores of o are visible to the last one to
+            # arrive, and the last one sees everyone's)
+            arrived = tl.atomic_add(arrivals_ptr + s * HV + h, 1, sem="acq_rel")
+            if arrived == V_SPLITS - 1:
+                tl.store(arrivals_ptr + s * HV + h, 0)  # (the next launch counts from zero)
+                jj = tl.arange(0, BLOCK_V * V_SPLITS)
+                jj_ok = jj < DV
+                w = tl.load(norm_w_ptr + jj, mask=jj_ok, other=0.0).to(tl.float32)
+                for t in range(r0, r1):
+                    at = out_ptr + t * (HV * DV) + h * DV + jj
+                    o = tl.load(at, mask=jj_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+                    z = tl.load(proj_ptr + t * stride_proj + C + h * DV + jj, mask=jj_ok, other=0.0).to(tl.float32)
+                    tl.store(at, _gated_norm(o, z, w, eps, DV, out_ptr.dtype.element_ty), mask=jj_ok)

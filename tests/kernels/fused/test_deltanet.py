@@ -19,8 +19,24 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=[
 # Grouped value heads (two per key head, one of which owns the q/k conv inputs); and one value
 # head per key head with dk != dv, dv not a power of two (masked lanes).
 SHAPES = pytest.mark.parametrize("heads", [(2, 4, 16, 8), (2, 2, 16, 12)], ids=["grouped", "ungrouped"])
-KERNEL, REFERENCE = "kernel", "reference"
-IMPLS = pytest.mark.parametrize("impl", [KERNEL, REFERENCE])
+# The kernel with a program per value head, and split along dv (an arrivals buffer given: the
+# shapes above give 2 and 4 programs a head, the last of the 4 slices all masked lanes).
+KERNEL, SPLIT, REFERENCE = "kernel", "kernel split along dv", "reference"
+IMPLS = pytest.mark.parametrize("impl", [KERNEL, SPLIT, REFERENCE])
+
+
+def op_of(impl, num_seqs, num_v_heads):
+    """The op as `impl` runs it: kwargs to add (a fresh arrivals buffer for SPLIT) and a check
+    that the launch left the buffer as it found it (all zeros)."""
+    if impl == REFERENCE:
+        return gated_delta_step_reference, {}, lambda: None
+    if impl == KERNEL:
+        return gated_delta_step, {}, lambda: None
+    arrivals = torch.zeros(num_seqs * num_v_heads + 3, dtype=torch.int32, device=DEVICE)
+
+    def reset():
+        assert not arrivals.any(), "the last program of each head resets its count"
+    return gated_delta_step, {"arrivals": arrivals}, reset
 EPS = 1e-6
 
 
@@ -58,10 +74,11 @@ class Problem:
         if keep:
             kept_conv = torch.full((proj.shape[0], 3, self.channels), float("nan"), dtype=self.dtype, device=DEVICE)
             kept_rec = torch.full((proj.shape[0], self.hv, self.dk, self.dv), float("nan"), device=DEVICE)
-        op = gated_delta_step if impl == KERNEL else gated_delta_step_reference
+        op, extra, check = op_of(impl, len(state_in), self.hv)
         out = op(proj, **self.weights, conv_states=conv, rec_states=rec, seq_starts=tensor(starts, torch.int32),
                  state_in=tensor(state_in), state_out=tensor(state_out), kept_conv=kept_conv, kept_rec=kept_rec,
-                 **self.sizes)
+                 **self.sizes, **extra)
+        check()
         return out, conv, rec, kept_conv, kept_rec
 
 
@@ -71,11 +88,12 @@ def tensor(values, dtype=torch.int64):
 
 @DTYPES
 @SHAPES
-def test_kernel_matches_reference(dtype, heads):
+@pytest.mark.parametrize("kernel", [KERNEL, SPLIT])
+def test_kernel_matches_reference(dtype, heads, kernel):
     # Sequences of 3, 0, 1 and 3 rows.
     p = Problem(heads, dtype, seed=1, rows=7, num_buffers=8)
     args = (p.proj, [0, 3, 3, 4, 7], [0, 1, 2, 3], [4, 5, 6, 7])
-    out, conv, rec, kept_conv, kept_rec = p.run(KERNEL, *args, keep=True)
+    out, conv, rec, kept_conv, kept_rec = p.run(kernel, *args, keep=True)
     ref_out, ref_conv, ref_rec, ref_kept_conv, ref_kept_rec = p.run(REFERENCE, *args, keep=True)
     assert out.shape == (7, p.hv * p.dv) and out.dtype == dtype
     assert rel_err(out, ref_out) < tolerance(dtype)
@@ -137,11 +155,12 @@ def test_op_is_the_layer_run_row_by_row(dtype, heads, impl):
             expected_states[2 * s] = state
     proj = torch.cat(proj)
     before_conv, before_rec = conv_states.clone(), rec_states.clone()
-    op = gated_delta_step if impl == KERNEL else gated_delta_step_reference
+    op, extra, check = op_of(impl, len(lengths), hv)
     with torch.inference_mode():
         out = op(proj, layer.conv1d.weight[:, 0], layer.A_log, layer.dt_bias, layer.norm.weight, conv_states,
                  rec_states, tensor(starts, torch.int32), tensor(state_in), tensor(state_out),
-                 num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, eps=EPS)
+                 num_k_heads=hk, num_v_heads=hv, head_k_dim=dk, head_v_dim=dv, eps=EPS, **extra)
+        check()
         assert rel_err(layer.out_proj(out), torch.cat(expected_out)) < tolerance(dtype)
     for buffer, state in expected_states.items():
         assert torch.equal(conv_states[buffer], state.conv.T)
@@ -186,11 +205,12 @@ def test_an_empty_sequence_writes_nothing_and_other_buffers_stay_untouched(impl)
     kept_conv = torch.full((7, 3, p.channels), nan, dtype=dtype, device=DEVICE)  # 2 rows more than the launch
     kept_rec = torch.full((7, p.hv, p.dk, p.dv), nan, device=DEVICE)
     before_conv, before_rec = conv_states.clone(), rec_states.clone()
-    op = gated_delta_step if impl == KERNEL else gated_delta_step_reference
+    op, extra, check = op_of(impl, 3, p.hv)
     starts = tensor([0, 2, 2, 5])  # int64 this time
     out = op(p.proj, **p.weights, conv_states=conv_states, rec_states=rec_states, seq_starts=starts,
              state_in=tensor([0, 4, 1]), state_out=tensor([2, 5, 3]), kept_conv=kept_conv, kept_rec=kept_rec,
-             **p.sizes)
+             **p.sizes, **extra)
+    check()
     assert out.isfinite().all()
     assert conv_states[[2, 3]].isfinite().all() and rec_states[[2, 3]].isfinite().all()
     assert kept_conv[:5].isfinite().all() and kept_rec[:5].isfinite().all()
@@ -226,6 +246,8 @@ def test_arguments_are_checked():
     raises("kept_rec", kept_rec=torch.zeros(2, 4, 16, 8, device=DEVICE))
     raises("kept_conv", kept_conv=torch.zeros(3, 3, p.channels - 1, device=DEVICE))
     raises("num_v_heads", num_k_heads=3)
+    raises("arrivals", arrivals=torch.zeros(p.hv - 1, dtype=torch.int32, device=DEVICE))
+    raises("arrivals", arrivals=torch.zeros(p.hv, dtype=torch.int64, device=DEVICE))
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and pdl_supported("cuda")), reason="PDL needs a GPU of CC 9.0+")

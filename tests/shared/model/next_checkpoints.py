@@ -92,9 +92,12 @@ FUSED_CONFIG = dict(
     partial_rotary_factor=0.25, rms_norm_eps=1e-6, model_type="qwen3_5_moe_text", mtp_num_hidden_layers=1)
 
 
-def write_fused_checkpoint(path: Path, seed: int = 3) -> Path:
-    """A random Qwen3.5-layout checkpoint of FUSED_CONFIG (non-trivial norms) with its MTP layer."""
-    model = random_next(NextConfig.from_dict(FUSED_CONFIG), dtype=torch.float32, device="cpu", seed=seed, std=0.3)
+def write_fused_checkpoint(path: Path, seed: int = 3, layer_types: list[str] | None = None) -> Path:
+    """A random Qwen3.5-layout checkpoint of FUSED_CONFIG (non-trivial norms) with its MTP layer;
+    layer_types: fewer layers (the interpreter's time grows with them)."""
+    config = FUSED_CONFIG if layer_types is None else FUSED_CONFIG | dict(
+        num_hidden_layers=len(layer_types), layer_types=layer_types)
+    model = random_next(NextConfig.from_dict(config), dtype=torch.float32, device="cpu", seed=seed, std=0.3)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -153,6 +153,9 @@ class HybridFused:
                 conv_width=first.conv.shape[1], num_v_heads=first.shape["num_v_heads"],
                 head_k_dim=first.shape["head_k_dim"], head_v_dim=first.shape["head_v_dim"], dtype=model.dtype,
                 device=model.device)
+            # the Gated DeltaNet kernel's per-(sequence, head) counts (it splits heads along dv):
+            # zeros between launches, one buffer for every layer (they run one after another)
+            self.arrivals = torch.zeros(max_rows * first.shape["num_v_heads"], dtype=torch.int32, device=model.device)
 
     offload = None  # experts in host memory are not built for this family
     offloaded = False
@@ -175,7 +178,7 @@ class HybridFused:
         proj = linear(normed, mixer.in_proj, pdl=self.pdl)  # [T, P]
         core = gated_delta_step(proj, mixer.conv, mixer.A_log, mixer.dt_bias, mixer.norm, conv, rec, rows.seq_starts,
                                 rows.state_in, rows.state_out, eps=mixer.eps, kept_conv=kept_conv, kept_rec=kept_rec,
-                                pdl=self.pdl, **mixer.shape)  # [T, Hv*dv]
+                                arrivals=self.arrivals, pdl=self.pdl, **mixer.shape)  # [T, Hv*dv]
         return linear_partials(core, mixer.out, mixer.out_splits, pdl=self.pdl)
 
     def _attention_mixer(self, mixer: AttentionMixer, normed: Tensor, rows: Rows, kv: PagedKV) -> Tensor:
