@@ -242,9 +242,53 @@ class Raw:
 
     def prefill_sharing(self, lengths=(7, 40, 127, 300)) -> list[dict]:
         """A prompt prefilled (all but its last token, as the verifier does) alone, and in one
-        forward with two other prompts: are its linear-attention states and KV rows, and the
-        first token's logits (the one-row step of the last token), the same bits? (DESIGN §11:
-        cuBLAS and the grouped expert GEMMs pick their kernels by the forward's row count.)"""
+        forward with two other prompts: are its linear-attention states, and the first token's
+        logits (the one-row step of the last token), the same bits? (DESIGN §11: cuBLAS picks its
+        kernel by the forward's row count.) With the projections on prefill_linear's fixed tile
+        and on cuBLAS (INVARIANT_PREFILL), and what each costs: prefill tokens/s of one 4,096-token
+        prompt and of 8 prompts of 512 in one forward, interleaved."""
+        import kernels.fused.linear as linear_module
+
+        rows = []
+        saved = linear_module.INVARIANT_PREFILL
+        try:
+            for invariant in (True, False):
+                linear_module.INVARIANT_PREFILL = invariant
+                rows += [r | {"prefill_gemm": "fixed tile" if invariant else "cuBLAS"} for r in self._sharing(lengths)]
+            if self.model.device.type == "cuda":
+                rates: dict = {}
+                for _ in range(3):
+                    for invariant in (True, False):
+                        linear_module.INVARIANT_PREFILL = invariant
+                        key = "fixed tile" if invariant else "cuBLAS"
+                        rates.setdefault(key, []).append((self.prefill_rate(4096), self.shared_prefill_rate(8, 512)))
+                for key, values in rates.items():
+                    rows.append({"prefill_gemm": key, "tokens_per_s_4096": statistics.median(v[0] for v in values),
+                                 "tokens_per_s_8x512": statistics.median(v[1] for v in values)})
+        finally:
+            linear_module.INVARIANT_PREFILL = saved
+        return rows
+
+    def shared_prefill_rate(self, count: int, length: int) -> float:
+        """Tokens/s of `count` prompts of `length` prefilled in one forward (fresh slots)."""
+        runner = self.runner
+        slots = []
+        for _ in range(count):
+            slot, cache = runner.pool.acquire(length + 16)
+            runner.reset_state(slot)
+            cache.reserve(length)
+            slots.append(slot)
+        ids = torch.tensor(self.ids(count * length), device=DEVICE)
+        sync()
+        started = time.perf_counter()
+        runner.fused.prefill(ids, [(0, length, s) for s in slots], runner.kv)
+        sync()
+        seconds = time.perf_counter() - started
+        for s in slots:
+            runner.pool.release(s)
+        return count * length / seconds
+
+    def _sharing(self, lengths) -> list[dict]:
         runner, fused, rows = self.runner, self.runner.fused, []
         longest = runner.pool.max_length - 20
         for length in [n for n in lengths if n <= longest]:
@@ -473,11 +517,17 @@ def report_raw(res: dict) -> None:
     print(f"\nbit identity: {res.get('bit_identity')}\nexact mode: {res.get('exact_mode')}")
     print(f"prefill tokens/s: {res.get('prefill_tokens_per_s')} {res.get('prefill_long_tokens_per_s')}")
     if rows_of(res, "prefill_sharing"):
-        print("\n| prompt tokens | states alone = shared | largest state difference | first logits identical | first token agrees |")
-        print("| ---: | --- | ---: | --- | --- |")
+        print("\n| prefill GEMMs | prompt tokens | states alone = shared | largest state difference | first logits identical "
+              "| first token agrees |")
+        print("| --- | ---: | --- | ---: | --- | --- |")
         for r in rows_of(res, "prefill_sharing"):
-            print(f"| {r['prompt_tokens']} | {r['states_identical']} | {r['largest_state_difference']:.3g} "
-                  f"| {r['first_logits_identical']} | {r['first_token_agrees']} |")
+            if "prompt_tokens" in r:
+                print(f"| {r['prefill_gemm']} | {r['prompt_tokens']} | {r['states_identical']} "
+                      f"| {r['largest_state_difference']:.3g} | {r['first_logits_identical']} | {r['first_token_agrees']} |")
+        for r in rows_of(res, "prefill_sharing"):
+            if "tokens_per_s_4096" in r:
+                print(f"\nprefill with {r['prefill_gemm']} GEMMs (median of 3, interleaved): one 4,096-token prompt "
+                      f"{r['tokens_per_s_4096']:.0f} tokens/s, 8 prompts of 512 in one forward {r['tokens_per_s_8x512']:.0f}")
 
 
 def run_accuracy(args) -> list[dict]:

@@ -19,6 +19,11 @@ from kernels.fused import cdiv, launch_options, next_power_of_2, use_triton
 
 MAX_FUSED_ROWS = 64  # above this (prefill chunks) cuBLAS is faster than re-reading weights per BLOCK_M rows
 BLOCK_M = 16  # tl.dot's smallest M; rows past the input are masked
+# Prefill's projections (prefill_linear): one tile for every row count, so a prompt's rows are
+# the same bits whatever other prompts share its forward (cuBLAS picks its kernel by the row
+# count). (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages.)
+PREFILL_TILE = (64, 128, 64, 4, 4)
+INVARIANT_PREFILL = True  # False: cuBLAS (bench/hybrid_fast.py --sections prefill_sharing measures both)
 
 
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipelined tiles of a program may take
@@ -116,6 +121,29 @@ def linear(
         raise ValueError("linear: weight rows must be contiguous")
     out = torch.empty((num_rows, num_out), dtype=out_dtype, device=x.device)
     _launch(x, weight, out, 1, pdl)
+    return out
+
+
+def prefill_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ weight^T [M, N] in x's dtype for prompt rows, each row's bits independent of the other
+    rows (PREFILL_TILE for every M); cuBLAS where Triton does not run, or with INVARIANT_PREFILL off."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"prefill_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+    if not (INVARIANT_PREFILL and use_triton(x)):
+        return F.linear(x, weight)
+    if weight.stride(1) != 1:
+        raise ValueError("prefill_linear: weight rows must be contiguous")
+    x = x.contiguous()
+    num_rows, num_in = x.shape
+    num_out = weight.shape[0]
+    out = torch.empty((num_rows, num_out), dtype=x.dtype, device=x.device)
+    if num_rows:
+        block_m, block_n, block_k, warps, stages = PREFILL_TILE
+        _kernels()[(cdiv(num_out, block_n), cdiv(num_rows, block_m), 1)](
+            x, weight, out, num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), num_in, 0,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, SPLITS=1, PDL=False,
+            num_warps=warps, num_stages=stages,
+        )
     return out
 
 

@@ -37,7 +37,7 @@ from kernels.delta_rule import causal_conv, chunked
 from kernels.fused import pdl_supported
 from kernels.fused.attention import AttentionWorkspace, decode_attention
 from kernels.fused.deltanet import gated_delta_step
-from kernels.fused.linear import linear, linear_partials, split_k
+from kernels.fused.linear import linear, linear_partials, prefill_linear, split_k
 from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, experts_reference, fused_experts
 from kernels.fused.norm import add_rmsnorm, qk_norm_rope_store
 from kernels.fused.router import route
@@ -287,11 +287,11 @@ class HybridFused:
                 out = self._prefill_attention(layer.mixer, normed, positions, slots, spans, kv)
             normed, residual = add_rmsnorm(out, residual, layer.post_norm, layer.eps, centred=True)
             if not layer.moe:
-                gate, up = F.linear(normed, layer.gate_up).chunk(2, dim=-1)
-                out = F.linear(F.silu(gate) * up, layer.down)
+                gate, up = prefill_linear(normed, layer.gate_up).chunk(2, dim=-1)
+                out = prefill_linear(F.silu(gate) * up, layer.down)
                 normed, residual = add_rmsnorm(out, residual, next_norm, layer.eps, centred=True)
                 continue
-            expert_ids, weights = route(F.linear(normed, layer.router), layer.top_k, normalize=layer.normalize,
+            expert_ids, weights = route(prefill_linear(normed, layer.router), layer.top_k, normalize=layer.normalize,
                                         shared_gate=True)
             if grouped_mm_available(model.dtype) and model.device.type == "cuda":
                 route_out, route_rows = layer.store.grouped_sorted(normed, expert_ids)  # [T*(k+1), hidden]
@@ -309,7 +309,7 @@ class HybridFused:
         if self.states is None:
             raise ValueError("prefill of linear-attention layers needs state buffers (num_state_slots)")
         attn: GatedDeltaNet = mixer.module
-        proj = F.linear(normed, mixer.in_proj)  # [T, P]
+        proj = prefill_linear(normed, mixer.in_proj)  # [T, P]
         conv_dim = mixer.conv.shape[0]
         cores, row = [], 0
         for _, count, slot in spans:
@@ -327,18 +327,18 @@ class HybridFused:
             cores.append(attn.norm(out.reshape(-1, attn.head_v_dim), z.reshape(-1, attn.head_v_dim)).reshape(count, -1))
             conv_state.copy_(conv_after.transpose(0, 1))
             self.states.rec[mixer.index, buffer].copy_(final)
-        return F.linear(torch.cat(cores), mixer.out)
+        return prefill_linear(torch.cat(cores), mixer.out)
 
     def _prefill_attention(self, mixer: AttentionMixer, normed: Tensor, positions: Tensor, slots: Tensor,
                            spans: list[tuple[int, int, int]], kv: PagedKV) -> Tensor:
         keys, values = kv.layers[mixer.kv_index]
-        qkv = F.linear(normed, mixer.qkv)
+        qkv = prefill_linear(normed, mixer.qkv)
         q = qk_norm_rope_store(qkv, mixer.q_norm, mixer.k_norm, self.cos, self.sin, positions, slots, keys, values,
                                kv.block_tables, mixer.num_heads, mixer.num_kv_heads, mixer.eps, centred=True,
                                rotary_dim=self.rotary_dim, q_head_stride=2 * mixer.head_dim)
         attn = prefill_attention(q, kv, mixer.kv_index, spans)  # [T, heads, D]
         gated = (attn.to(normed.dtype) * torch.sigmoid(mixer.gate(qkv))).to(normed.dtype)
-        return F.linear(gated.flatten(1), mixer.o)
+        return prefill_linear(gated.flatten(1), mixer.o)
 
     # -- the MTP layer ----------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from kernels.fused import pdl_supported
 from kernels.fused.attention import AttentionWorkspace, decode_attention
-from kernels.fused.linear import linear, linear_partials, split_k
+from kernels.fused.linear import linear, linear_partials, prefill_linear, split_k
 from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, fused_experts, silu_mul
 from kernels.fused.norm import add_rmsnorm, qk_norm_rope_store
 from kernels.fused.router import MoceTables, route
@@ -240,17 +240,17 @@ class FusedModel:
         normed, residual = add_rmsnorm(model.embed_tokens(token_ids), None, self.layers[0].input_norm,
                                        self.layers[0].eps)
         for index, (layer, next_norm, (keys, values)) in enumerate(zip(self.layers, norms, kv.layers)):
-            qkv = F.linear(normed, layer.qkv)
+            qkv = prefill_linear(normed, layer.qkv)
             q = qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, positions, slots,
                                    keys, values, kv.block_tables, layer.num_heads, layer.num_kv_heads, layer.eps)
             attn = prefill_attention(q, kv, index, spans)
-            out = F.linear(attn.reshape(num_rows, -1), layer.o)
+            out = prefill_linear(attn.reshape(num_rows, -1), layer.o)
             normed, residual = add_rmsnorm(out, residual, layer.post_norm, layer.eps)
             if not layer.moe:
-                out = F.linear(silu_mul(F.linear(normed, layer.gate_up)), layer.down)
+                out = prefill_linear(silu_mul(prefill_linear(normed, layer.gate_up)), layer.down)
                 normed, residual = add_rmsnorm(out, residual, next_norm, layer.eps)
                 continue
-            expert_ids, weights = route(F.linear(normed, layer.router), layer.top_k, normalize=layer.normalize)
+            expert_ids, weights = route(prefill_linear(normed, layer.router), layer.top_k, normalize=layer.normalize)
             if host_ids is not None:  # the prompt's routes: what the window prefetches learn from
                 self.offload.memory.record(index, host_ids, expert_ids.reshape(-1).tolist())
             if grouped and layer.store.all_resident:
