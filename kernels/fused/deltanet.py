@@ -55,7 +55,7 @@ STATE_PER_WARP = 4096
 # Programs a value head's state is split into along dv (given an `arrivals` buffer): each holds a
 # [dk, dv / V_SPLITS] slice, so a step's serial work per program shrinks and more SMs share it;
 # the gated RMSNorm over dv then runs in the head's last program to finish (DESIGN §6).
-V_SPLITS = 4
+V_SPLITS = 8
 MIN_SLICE = 4  # value columns a program keeps at least
 
 
