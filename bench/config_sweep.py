@@ -109,7 +109,6 @@ def hybrid_variants(model) -> dict[str, list[tuple[object, str, object]]]:
     for parts in (1, 2, 8):
         if parts != deltanet.V_SPLITS:
             out[f"gated delta step: {parts} programs a value head"] = [(deltanet, "V_SPLITS", parts)]
-    out["experts gate_up: K in one part (before)"] = [(moe, "GATE_UP_K_SPLITS", 1)]
     out["router top-k: 2 warps"] = [(router, "ROUTE_WARPS", 2)]
     out["router top-k: 4 warps"] = [(router, "ROUTE_WARPS", 4)]
     out["router top-k: argmax and probability in two reductions (before)"] = [(router, "MAX_WITH_INDEX", False)]

@@ -41,20 +41,6 @@ MAX_FUSED_TOKENS = 64  # above this, the grouped (prefill) path is used
 DOWN_PDL = True
 DOWN_PRELOAD = True
 COMBINE_WARPS = 8  # the combine kernel's, per row (H200: 8 and 16 beat 4 and 2 by ~3% of the step)
-# With a SplitScratch, gate_up's K is summed in this many parts by separate programs (more,
-# smaller programs: a step's few routes then spread evenly over the SMs). Two at most: two
-# addends give the same bits in either order of arrival.
-GATE_UP_K_SPLITS = 2
-
-
-class SplitScratch:
-    """Buffers of the split gate/up kernel, zeros between launches (each launch leaves them so):
-    float32 partial sums [routes, 2I] and arrival counts [routes, column blocks]."""
-
-    def __init__(self, max_routes: int, inter: int, device: torch.device | str) -> None:
-        self.max_routes, self.inter = max_routes, inter
-        self.partial = torch.zeros(max_routes * 2 * inter, dtype=torch.float32, device=device)
-        self.counts = torch.zeros(max_routes * cdiv(inter, 16), dtype=torch.int32, device=device)  # (BN >= 16)
 
 
 def moe_config(num_out: int, num_in: int, element_size: int = 2) -> tuple[int, int, int, int]:
@@ -128,7 +114,6 @@ def fused_experts(
     down: Tensor,  # [E, H, I]
     *,
     pdl: bool = False,  # launch as programmatic dependents (kernels.fused.pdl_supported)
-    scratch: SplitScratch | None = None,  # split gate/up's K (GATE_UP_K_SPLITS parts)
 ) -> Tensor:
     """Per-route expert outputs [T*k, H] float32 (route r = t*k + rank)."""
     if not use_triton(x):
@@ -155,21 +140,10 @@ def fused_experts(
         sorted_routes = tile_len = ids  # (unread)
     act = torch.empty((num_routes, inter), dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = moe_config(2 * inter, hidden, x.element_size())
-    splits = 1
-    if scratch is not None:
-        if GATE_UP_K_SPLITS not in (1, 2):
-            raise ValueError(f"GATE_UP_K_SPLITS must be 1 or 2 (two addends keep the bits), not {GATE_UP_K_SPLITS}")
-        if scratch.inter != inter or scratch.max_routes < num_routes or block_n < 16:
-            raise ValueError(f"fused_experts: scratch for {scratch.max_routes} routes of width {scratch.inter}, "
-                             f"asked for {num_routes} routes of width {inter}")
-        splits = GATE_UP_K_SPLITS
-    k_per_split = cdiv(cdiv(hidden, splits), block_k) * block_k
-    partial, counts = (scratch.partial, scratch.counts) if scratch is not None else (act, ids)  # (unread unsplit)
-    gate_up_kernel[(num_routes, cdiv(inter, block_n), splits)](
-        x.contiguous(), ids, sorted_routes, tile_len, gate_up, act, partial, counts, num_routes, inter, hidden,
-        k_per_split,
+    gate_up_kernel[(num_routes, cdiv(inter, block_n))](
+        x.contiguous(), ids, sorted_routes, tile_len, gate_up, act, num_routes, inter, hidden,
         TOP_K=top_k, R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, PDL=pdl,
-        TABLE=table, K_SPLITS=splits, num_warps=warps, num_stages=stages, **launch_options(pdl),
+        TABLE=table, num_warps=warps, num_stages=stages, **launch_options(pdl),
     )
     out = torch.empty((num_routes, hidden), dtype=torch.float32, device=x.device)
     block_n, block_k, warps, stages = moe_config(hidden, inter, x.element_size())

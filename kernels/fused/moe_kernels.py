@@ -61,14 +61,10 @@ def route_table_kernel(ids_ptr, sorted_ptr, tile_len_ptr, R, R_PAD: tl.constexpr
 
 @triton.jit
 def gate_up_kernel(
-    x_ptr, ids_ptr, sorted_ptr, tile_len_ptr, w_ptr, act_ptr, partial_ptr, count_ptr, R, I, H, k_per_split,
+    x_ptr, ids_ptr, sorted_ptr, tile_len_ptr, w_ptr, act_ptr, R, I, H,
     TOP_K: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr, K_SPLITS: tl.constexpr,
+    BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr,
 ):
-    """Program (g, column block, K part). With K_SPLITS = 2 each part adds its float32 sums into
-    the zeroed partial buffer (two addends: either order of arrival gives the same bits) and
-    counts itself in; the block's second to arrive applies silu(gate) * up and leaves the
-    buffer and the count zeroed again. No program waits for another."""
     if PDL:  # wait for the predecessor kernel before touching anything it may write or read
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -83,12 +79,7 @@ def gate_up_kernel(
         w_base = w_ptr + expert.to(tl.int64) * (2 * I * H)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        k_start = 0
-        k_stop = H
-        if K_SPLITS > 1:
-            k_start = tl.program_id(2) * k_per_split
-            k_stop = tl.minimum(H, k_start + k_per_split)
-        for k0 in range(k_start, k_stop, BLOCK_K):
+        for k0 in range(0, H, BLOCK_K):
             kk = k0 + ks
             k_ok = kk < H
             x = tl.load(x_ptr + tokens[:, None] * H + kk[None, :], mask=member_ok[:, None] & k_ok[None, :], other=0.0)
@@ -100,26 +91,9 @@ def gate_up_kernel(
             else:
                 acc_g = tl.dot(x, tl.trans(wg), acc_g)
                 acc_u = tl.dot(x, tl.trans(wu), acc_u)
-        ok = member_ok[:, None] & n_ok[None, :]
-        if K_SPLITS > 1:
-            at = partial_ptr + members[:, None] * (2 * I) + n[None, :]  # [BLOCK_M, BLOCK_N]: gate, then up at + I
-            tl.atomic_add(at, acc_g, mask=ok, sem="relaxed")
-            tl.atomic_add(at + I, acc_u, mask=ok, sem="relaxed")
-            counter = count_ptr + r * tl.num_programs(1) + pid_n
-            # (acq_rel at gpu scope: the other part's sums are visible to whichever arrives last)
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
-            if arrived == K_SPLITS - 1:
-                acc_g = tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
-                acc_u = tl.load(at + I, mask=ok, other=0.0, cache_modifier=".cg")
-                act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-                tl.store(act_ptr + members[:, None] * I + n[None, :], act.to(act_ptr.dtype.element_ty), mask=ok)
-                zero = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-                tl.store(at, zero, mask=ok)
-                tl.store(at + I, zero, mask=ok)
-                tl.store(counter, 0)
-        else:
-            act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-            tl.store(act_ptr + members[:, None] * I + n[None, :], act.to(act_ptr.dtype.element_ty), mask=ok)
+        act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(act_ptr + members[:, None] * I + n[None, :], act.to(act_ptr.dtype.element_ty),
+                 mask=member_ok[:, None] & n_ok[None, :])
 
 @triton.jit
 def down_kernel(

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from kernels.fused.attention import AttentionWorkspace, attention_reference, decode_attention
 from kernels.fused.linear import linear
-from kernels.fused.moe import SplitScratch, combine_add_rmsnorm, combine_reference, experts_reference, fused_experts, silu_mul
+from kernels.fused.moe import combine_add_rmsnorm, combine_reference, experts_reference, fused_experts, silu_mul
 from kernels.fused.norm import add_rmsnorm, add_rmsnorm_reference, qk_norm_rope_reference, qk_norm_rope_store
 from kernels.fused.router import MoceTables, route
 from kernels.routing import route_topk
@@ -203,10 +203,7 @@ def test_router_one_reduction_per_pick_is_bit_identical(device, dtype, monkeypat
 
 @devices_and_dtypes()
 @pytest.mark.parametrize("tokens", [1, 6, 40])
-@pytest.mark.parametrize("split", [False, True], ids=["one-part", "k-split"])
-def test_fused_experts_match_reference_and_rows_are_invariant(device, dtype, tokens, split):
-    """With a SplitScratch gate/up sums K in two programs (the second to arrive applies the
-    activation), the scratch left zeroed for the next launch."""
+def test_fused_experts_match_reference_and_rows_are_invariant(device, dtype, tokens):
     g = torch.Generator().manual_seed(tokens)
     num_experts, inter, hidden, top_k = 6, 48, 256, 3  # hidden = 2 K blocks of the kernel
     gate_up = (0.2 * torch.randn(num_experts, 2 * inter, hidden, generator=g)).to(device, dtype)
@@ -215,18 +212,13 @@ def test_fused_experts_match_reference_and_rows_are_invariant(device, dtype, tok
     # tokens * top_k routes over 6 experts: with 40 tokens some expert has more than 16 routes,
     # so its group spans several programs
     ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(tokens)]).to(device)
-    scratch = SplitScratch(tokens * top_k, inter, device) if split else None
-    out = fused_experts(x, ids, gate_up, down, scratch=scratch)
+    out = fused_experts(x, ids, gate_up, down)
     ref = experts_reference(x, ids, gate_up, down)
     assert out.dtype == torch.float32 and out.shape == (tokens * top_k, hidden)
     assert rel_err(out, ref) < tolerance(dtype)
     t = tokens // 2
-    alone = fused_experts(x[t : t + 1], ids[t : t + 1], gate_up, down, scratch=scratch)
+    alone = fused_experts(x[t : t + 1], ids[t : t + 1], gate_up, down)
     assert_same_row(alone, out[t * top_k : (t + 1) * top_k])
-    if split:
-        assert not scratch.partial.any() and not scratch.counts.any()
-        with pytest.raises(ValueError, match="scratch"):
-            fused_experts(x, ids, gate_up, down, scratch=SplitScratch(tokens * top_k - 1, inter, device))
 
 
 @devices_and_dtypes()

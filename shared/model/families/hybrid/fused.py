@@ -38,7 +38,7 @@ from kernels.fused import pdl_supported
 from kernels.fused.attention import AttentionWorkspace, decode_attention
 from kernels.fused.deltanet import gated_delta_step
 from kernels.fused.linear import linear, linear_partials, prefill_linear, split_k
-from kernels.fused.moe import MAX_FUSED_TOKENS, SplitScratch, combine_add_rmsnorm, experts_reference, fused_experts
+from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, experts_reference, fused_experts
 from kernels.fused.norm import add_rmsnorm, qk_norm_rope_store
 from kernels.fused.router import route
 from shared.model.experts import ExpertStore, grouped_mm_available
@@ -145,12 +145,6 @@ class HybridFused:
         self.rotary_dim = model.rotary.cos.shape[-1]
         self.pdl = pdl_supported(model.device) if pdl is None else pdl
         self.invariant = invariant
-        # the split gate/up kernel's buffers, one for every MoE layer (they run one after another)
-        moe_layers = [layer for layer in [*self.layers, self.mtp_layer] if layer is not None and layer.moe]
-        self.expert_scratch = None
-        if moe_layers:
-            self.expert_scratch = SplitScratch(max_rows * (moe_layers[0].top_k + 1), moe_layers[0].store.down.shape[2],
-                                               model.device)
         self.states: LinearStates | None = None
         if num_state_slots and linear_index:
             first = next(layer.mixer for layer in self.layers if layer.linear)
@@ -208,8 +202,7 @@ class HybridFused:
         partials = linear_partials(normed, layer.router, layer.router_splits, pdl=pdl)
         expert_ids, weights = route(partials, layer.top_k, round_to=normed.dtype, normalize=layer.normalize,
                                     shared_gate=True, live=rows.live, pdl=pdl)  # [T, k + 1]
-        route_out = fused_experts(normed, expert_ids, layer.store.gate_up, layer.store.down, pdl=pdl,
-                                  scratch=self.expert_scratch)
+        route_out = fused_experts(normed, expert_ids, layer.store.gate_up, layer.store.down, pdl=pdl)
         return combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps, centred=True, pdl=pdl)
 
     # -- forwards ---------------------------------------------------------------------------
