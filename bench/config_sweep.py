@@ -111,6 +111,16 @@ def hybrid_variants(model) -> dict[str, list[tuple[object, str, object]]]:
             out[f"gated delta step: {parts} programs a value head"] = [(deltanet, "V_SPLITS", parts)]
     out["router top-k: 2 warps"] = [(router, "ROUTE_WARPS", 2)]
     out["router top-k: 4 warps"] = [(router, "ROUTE_WARPS", 4)]
+    lin = linear.linear_config
+    in_shape = (2 * c.linear_num_key_heads * c.linear_key_head_dim + 2 * c.linear_num_value_heads * c.linear_value_head_dim
+                + 2 * c.linear_num_value_heads, c.hidden_size)
+    qkv_shape = ((2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim, c.hidden_size)
+    for shape, name in ((in_shape, "linear in_proj"), (qkv_shape, "attention qkv"), ((c.vocab_size, c.hidden_size), "lm_head")):
+        for config in ((32, 256, 4, 4), (32, 256, 4, 5), (128, 256, 4, 3), (128, 128, 8, 4), (64, 128, 4, 6),
+                       (64, 512, 4, 3), (64, 256, 8, 4)):
+            if config != lin(*shape):
+                out[f"{name}: BN {config[0]} BK {config[1]} warps {config[2]} stages {config[3]}"] = [
+                    (linear, "linear_config", for_shape(lin, shape, config))]
     out["router top-k: argmax and probability in two reductions (before)"] = [(router, "MAX_WITH_INDEX", False)]
     for shape, name in ((out_shape, "linear out_proj"), (o_shape, "attention o_proj"), (router_shape, "router")):
         for count in (1, 2, 4, 8, 16):

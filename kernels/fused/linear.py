@@ -35,12 +35,20 @@ def pipeline_stages(wanted: int, tile_bytes: int) -> int:
     return max(2, min(wanted, 1 + SMEM_BUDGET // tile_bytes))
 
 
+# Settings measured for one weight shape (num_out, num_in) on the H200 that beat the rule in
+# linear_config (bench/config_sweep.py, the whole captured step; docs/PERFORMANCE.md).
+MEASURED: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+
+
 def linear_config(num_out: int, num_in: int, element_size: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight [num_out, num_in] of element_size bytes.
 
     A function of the weight (shape and dtype) only, never of the row count: that is what keeps
     rows batch-invariant. Small N gets narrow column blocks so enough programs fill the GPU.
     """
+    measured = MEASURED.get((num_out, num_in)) if element_size == 2 else None
+    if measured is not None:
+        return measured
     # Measured on the H200 (docs/PERFORMANCE.md; bench/config_sweep.py times the whole captured
     # step): BK 256, BN 64 and 4 stages from 2,048 outputs (qkv, o_proj; o_proj then takes 4 K
     # splits), 3 stages for the lm_head as measured; BK 128 for narrow outputs (the router: 16 K
