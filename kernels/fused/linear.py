@@ -37,7 +37,10 @@ def pipeline_stages(wanted: int, tile_bytes: int) -> int:
 
 # Settings measured for one weight shape (num_out, num_in) on the H200 that beat the rule in
 # linear_config (bench/config_sweep.py, the whole captured step; docs/PERFORMANCE.md).
-MEASURED: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+MEASURED: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (12352, 2048): (128, 256, 4, 3),  # Qwen3.5-35B-A3B: a linear layer's in-projection (q|k|v|z|b|a)
+    (9216, 2048): (128, 128, 8, 4),  # Qwen3.5-35B-A3B: a gated attention layer's q (with gates) | k | v
+}
 
 
 def linear_config(num_out: int, num_in: int, element_size: int = 2) -> tuple[int, int, int, int]:

@@ -1,5 +1,6 @@
-"""Prefill's projections (kernels.fused.linear.prefill_linear): one tile for every row count, so
-a prompt's rows are the same bits alone or in a forward shared with other prompts (DESIGN §11)."""
+"""kernels.fused.linear: prefill_linear, one tile for every row count, so a prompt's rows are the
+same bits alone or in a forward shared with other prompts (DESIGN §11); the table of settings
+measured per weight shape."""
 
 import pytest
 import torch
@@ -34,3 +35,15 @@ def test_off_it_is_cublas_and_shapes_are_checked(monkeypatch):
     with pytest.raises(ValueError, match="do not match"):
         prefill_linear(x, torch.randn(3, 7))
     assert prefill_linear(x[:0], weight).shape == (0, 3)
+
+
+def test_measured_settings_are_well_formed_and_win_over_the_rule():
+    """Every MEASURED entry is a launch the kernel can take (power-of-two blocks, its pipelined
+    tiles within the shared-memory budget) and is what linear_config answers for that shape."""
+    for (num_out, num_in), config in linear_module.MEASURED.items():
+        block_n, block_k, warps, stages = config
+        for size in (block_n, block_k, warps):
+            assert size & (size - 1) == 0, f"{config} for [{num_out}, {num_in}]"
+        assert stages >= 2
+        assert (stages - 1) * (linear_module.BLOCK_M + block_n) * block_k * 2 <= linear_module.SMEM_BUDGET
+        assert linear_module.linear_config(num_out, num_in) == config
