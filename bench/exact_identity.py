@@ -92,6 +92,11 @@ async def main_async(args) -> None:
         vocab = config_json["vocab_size"]
         prompts = {kind: random_prompts(vocab, args.prompts, args.prompt_length, seed)
                    for seed, kind in enumerate(SETS, start=1)}
+        if args.drafter == "random-mtp":  # tandem's drafter, its MTP layer random too: real costs, noise drafts
+            children.start("drafter", [sys.executable, "-m", "shared.cli", "drafter", *model_args, "--device",
+                                       args.device, "--dtype", dtype, "--port", str(r_port), "--planner", "mtp",
+                                       "--global-index-contexts", "0"])
+            await children.wait_serving("drafter", f"127.0.0.1:{r_port}", timeout=900)
     max_prompt = max(len(p) for ps in prompts.values() for p in ps)
     children.start("verifier", [sys.executable, "-m", "shared.cli", "verifier", *model_args,
                                 "--device", args.device, "--dtype", dtype, "--port", str(v_port),
@@ -150,7 +155,8 @@ async def main_async(args) -> None:
     if args.out is not None:
         args.out.write_text(json.dumps({"reference": list(reference.values()), "phases": results, "walls": walls}))
     ref_tokens = sum(len(r["token_ids"]) for r in reference.values())
-    drafter = "tandem's drafter" if args.drafter == "real" else f"synthetic drafter alpha {args.alpha}"
+    drafter = {"real": "tandem's drafter", "random-mtp": "tandem's drafter, random MTP layer"}.get(
+        args.drafter, f"synthetic drafter alpha {args.alpha}")
     prompt_kind = "code prompts" if args.drafter == "real" else f"{args.prompt_length}-token random prompts"
     print(f"### exact_identity: {time.strftime('%Y-%m-%d')}, device {args.device}, {dtype}, {shapes}, "
           f"{args.prompts} greedy + {args.prompts} sampled (T {args.temperature}, top-p 0.95) requests, "
@@ -178,9 +184,10 @@ async def main_async(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--drafter", default="replay", choices=("replay", "real"),
-                        help="replay: random 30B-shape weights and the synthetic drafter; real: the embedded model "
-                             "(or --model) with tandem's drafter, on code prompts")
+    parser.add_argument("--drafter", default="replay", choices=("replay", "real", "random-mtp"),
+                        help="replay: random weights at --shapes and the synthetic drafter; real: the embedded model "
+                             "(or --model) with tandem's drafter, on code prompts; random-mtp: random weights at "
+                             "--shapes for both services, tandem's drafter (MTP only: its drafts are noise)")
     parser.add_argument("--model", default=None, help="with --drafter real: the checkpoint (default: the embedded one)")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
     parser.add_argument("--small", action="store_true", help="a tiny random model of the same family (a smoke test)")

@@ -58,7 +58,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             # trunk's hidden rows from the verifier).
             self.model = await self.worker.run(
                 load_model, path, device=self.settings.device, dtype=DTYPES[self.settings.dtype],
-                num_expert_slots=self.settings.expert_slots or None, parts="mtp",
+                num_expert_slots=self.settings.expert_slots or None, random_weights=self.settings.random_weights,
+                parts="mtp",
             )
         self.drafter = Drafter(self.model, self.settings)
         model_bytes = resident_bytes(self.model)

@@ -16,6 +16,7 @@ class DrafterSettings:
     model: str | None = field(default=None, metadata={"help": "checkpoint directory or model name; none = the embedded demo model"})
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind (loopback unless told otherwise)"})
     port: int = field(default=50052, metadata={"help": "port to bind; 0 picks a free one"})
+    random_weights: bool = field(default=False, metadata={"help": "benchmarks: random weights from the model directory's config.json (no safetensors needed; drafts are then noise, their cost is real)"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16 or float16"})
     fused: str = field(default="auto", metadata={"help": "fused-kernel MTP path: auto (on for CUDA when the model allows), on, off (reference path)"})

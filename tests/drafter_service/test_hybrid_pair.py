@@ -46,3 +46,23 @@ async def test_moce_settings_are_refused_for_the_family(checkpoint):
             await server.wait_loaded()
     finally:
         await server.stop(0)
+
+
+async def test_both_services_on_random_weights_from_a_config_alone(pair, tmp_path):
+    """`--random-weights` on both services (benchmarks at real shapes without a checkpoint): the
+    verifier builds its trunk and the drafter its lean part from config.json alone, and MTP
+    drafts (noise here) still leave exact mode token-identical to plain decoding."""
+    import json
+
+    from ..shared.model.next_checkpoints import FUSED_CONFIG
+
+    (tmp_path / "config.json").write_text(json.dumps(FUSED_CONFIG))
+    stub = await pair.start(None, model=str(tmp_path), random_weights=True,
+                            drafter_settings={"planner": "mtp", "model": str(tmp_path), "random_weights": True})
+    drafter, verifier = pair.drafter.service, pair.verifier.service
+    assert drafter.drafter.mtp is not None and len(drafter.model.layers) == 0
+    assert verifier.model.mtp is None and len(verifier.model.layers) == FUSED_CONFIG["num_hidden_layers"]
+    assert any(p.abs().sum() > 0 for p in drafter.model.mtp.parameters())  # weights made, not left empty
+    spec, plain, final, rounds = await same_with_and_without(stub, PROMPT, 8, 0.0, 0)
+    assert spec == plain and spec
+    assert final.stats.proposed > 0 and any(r.source == common_pb2.DRAFT_SOURCE_MTP for r in rounds)
