@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         args.threads = 1 if args.setup.startswith("cpu") else 0
     args.dtype_given = args.dtype is not None
     args.dtype = args.dtype or "float32"
+    if args.mode == "probabilistic" and not any("probabilistic-drafters" in a for a in args.verifier_arg):
+        # the bench's drafters are ours: measure the probabilistic rule, not the untrusted default's exact one
+        args.verifier_arg.append("--probabilistic-drafters=any")
     if args.blocks < 1 or args.prompts < 1 or args.max_new_tokens < 1 or args.max_draft_tokens < 1:
         parser.error("--blocks, --prompts, --max-new-tokens and --max-draft-tokens must be >= 1")
     try:

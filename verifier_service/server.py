@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 import time
 import uuid
@@ -168,6 +169,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         if refusal is not None:
             del request  # not kept alive by the abort's traceback (see generate_raw)
             await context.abort(*refusal)
+        asked_mode = spec.mode
+        spec = self._verified_as(spec)
         arrived = time.perf_counter()
         kv_blocks = self.engine.kv_blocks(spec)
         try:
@@ -188,7 +191,9 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         # The request's span is current only between yields, never while this generator is
         # suspended: gRPC may close it from another context (a client gone while an event
         # waits to be sent), where a context entered here could not be left.
-        span = tracer.start_span("Generate", attributes={"tandem.request_id": spec.request_id})
+        span = tracer.start_span("Generate", attributes={"tandem.request_id": spec.request_id,
+                                                         "tandem.mode": asked_mode.value,
+                                                         "tandem.verified_as": spec.mode.value})
         try:
             with telemetry.use_span(span):
                 stats = RequestStats(len(spec.prompt_ids), arrived, queued_s)
@@ -285,14 +290,25 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             async for event in events:
                 yield event
 
-    def _may_draft(self, spec: RequestSpec) -> bool:
-        """Exact mode may use any drafter; probabilistic mode only one the audit has not
-        rejected (and, if so configured, only an authenticated one)."""
-        if spec.mode != Mode.PROBABILISTIC:
-            return True
+    def _drafter_trusted(self) -> bool:
+        """Whether the probabilistic rule may take this verifier's drafter at its word (DESIGN §10)."""
         s = self.settings
         authenticated = s.drafter_token is not None or s.drafter_tls_cert is not None
-        return self.audit.rejected is None and (s.probabilistic_drafters == "any" or authenticated)
+        return s.probabilistic_drafters == "any" or (s.probabilistic_drafters == "authenticated" and authenticated)
+
+    def _verified_as(self, spec: RequestSpec) -> RequestSpec:
+        """The request as its chains are verified: a probabilistic request with an untrusted
+        drafter by the coupled exact rule (a draft is accepted only if it equals the target's own
+        keyed draw, which the drafter is given to match), so no drafter can move its output law;
+        decided once, at its start, from the settings alone."""
+        if spec.mode != Mode.PROBABILISTIC or not spec.speculate or self.drafter is None or self._drafter_trusted():
+            return spec
+        return dataclasses.replace(spec, mode=Mode.EXACT, gate=Gate.TOP, coupled=True)
+
+    def _may_draft(self, spec: RequestSpec) -> bool:
+        """Exact mode may use any drafter; probabilistic mode (a trusted drafter) only one the
+        honesty audit has not rejected."""
+        return spec.mode != Mode.PROBABILISTIC or self.audit.rejected is None
 
     def _audited(self, chain, session: Session, link: DrafterLink):
         """The chain if probabilistic mode may use it; its draws feed the honesty audit."""

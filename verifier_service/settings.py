@@ -55,7 +55,7 @@ class VerifierSettings:
     tls_client_ca: str | None = field(default=None, metadata={"help": "PEM CA bundle: require client certificates signed by it (mutual TLS)"})
     auth_token: str | None = field(default=None, metadata={"help": "bearer token Generate callers must send (authorization: Bearer ...); none = no auth"})
     draw_secret: str | None = field(default=None, metadata={"help": "secret keying probabilistic mode's accept/residual draws (drafters never see it); none = a random one per process"})
-    probabilistic_drafters: str = field(default="any", metadata={"help": "drafters probabilistic requests may use: any, or authenticated (a drafter token or mutual TLS configured)"})
+    probabilistic_drafters: str = field(default="none", metadata={"help": "drafters trusted with the probabilistic rule: none (every chain of a probabilistic request is verified by the coupled exact rule, so its output law is the target's whatever a drafter sends), authenticated (a drafter token or mutual TLS configured), or any"})
     drafter_token: str | None = field(default=None, metadata={"help": "bearer token sent to the drafter on Draft streams (its --auth-token)"})
     drafter_tls_ca: str | None = field(default=None, metadata={"help": "PEM CA bundle to verify the drafter's certificate (TLS to the drafter)"})
     drafter_tls_cert: str | None = field(default=None, metadata={"help": "PEM client certificate for mutual TLS to the drafter"})
@@ -75,8 +75,8 @@ class VerifierSettings:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 0")
         if self.pdl not in ("auto", "off"):
             raise ValueError(f"pdl {self.pdl!r} must be auto or off")
-        if self.probabilistic_drafters not in ("any", "authenticated"):
-            raise ValueError(f"probabilistic_drafters {self.probabilistic_drafters!r} must be any or authenticated")
+        if self.probabilistic_drafters not in ("none", "authenticated", "any"):
+            raise ValueError(f"probabilistic_drafters {self.probabilistic_drafters!r} must be none, authenticated or any")
         if self.draw_secret is not None and not self.draw_secret:
             raise ValueError("draw_secret must not be empty (leave it unset for a random one)")
         if not 0 <= self.max_draft_tokens <= self.max_draft_tokens_limit:

@@ -93,7 +93,7 @@ async def test_mtp_accepts_on_held_out_code(pair, demo_model):
 
 async def test_probabilistic_mode_through_the_pair_matches_the_target_law(pair, tiny_mtp_model):
     """N = 1500 requests, chi-square at alpha = 1e-3 against the exact law of two tokens."""
-    stub = await pair.start(tiny_mtp_model, drafter_settings={"planner": "mtp"})
+    stub = await pair.start(tiny_mtp_model, drafter_settings={"planner": "mtp"}, probabilistic_drafters="any")
     law, _ = target_law_two_tokens(tiny_mtp_model, SamplingParams(temperature=1.0, top_k=3))
     outcomes = []
     n = 1500

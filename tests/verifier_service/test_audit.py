@@ -106,7 +106,8 @@ async def test_the_steering_attack_is_stopped(servers, tiny_model):
     steered token is accepted at ~every round; after, outputs equal decoding without drafts
     token for token, so the attack moves the output law only during detection (at most 64
     audited drafts, each able to add one steered token)."""
-    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(steering), max_draft_tokens=1)
+    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(steering), max_draft_tokens=1,
+                               probabilistic_drafters="any")  # trusted: the audit is what stops it
     audit = servers.verifier.service.audit
     steered_before = steered_after = plain_count = 0
     rejected_at = None
@@ -130,7 +131,8 @@ async def test_the_steering_attack_is_stopped(servers, tiny_model):
 
 async def test_an_honest_drafter_keeps_drafting_in_probabilistic_mode(servers, tiny_model):
     q = {1: 0.4, 2: 0.35, 3: 0.25}
-    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(lambda s: sampled_chain(s, q, 3)), max_draft_tokens=3)
+    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(lambda s: sampled_chain(s, q, 3)), max_draft_tokens=3,
+                               probabilistic_drafters="any")
     for seed in range(12):  # seeds repeat (0..5 twice): the audit must count a draw once (FreshPositions)
         req = request(PROMPT, 16, temperature=1.0, seed=seed % 6, mode=common_pb2.MODE_PROBABILISTIC)
         _, final, _ = await generate(stub, req)
@@ -140,12 +142,50 @@ async def test_an_honest_drafter_keeps_drafting_in_probabilistic_mode(servers, t
 
 
 @pytest.mark.parametrize("configured", [False, True])
-async def test_probabilistic_mode_can_require_an_authenticated_drafter(servers, tiny_model, configured):
+async def test_probabilistic_mode_can_trust_authenticated_drafters_only(servers, tiny_model, configured):
+    """`authenticated`: with a drafter token the probabilistic rule verifies the drafts (the
+    output then differs from decoding without drafts for some seed); without one the same
+    drafts are verified by the exact rule: every output equals decoding without drafts."""
     q = {1: 0.5, 2: 0.5}
     extra = {"drafter_token": "t"} if configured else {}
     stub = await servers.start(tiny_model, drafter=ScriptedDrafter(lambda s: sampled_chain(s, q, 2)),
                                max_draft_tokens=2, probabilistic_drafters="authenticated", **extra)
-    _, final, _ = await generate(stub, request(PROMPT, 8, temperature=1.0, mode=common_pb2.MODE_PROBABILISTIC))
-    assert (final.stats.proposed > 0) == configured
-    _, final, _ = await generate(stub, request(PROMPT, 8, temperature=1.0))  # exact mode: any drafter
-    assert final.stats.proposed > 0
+    differing = 0
+    for seed in range(6):
+        req = request(PROMPT, 8, temperature=1.0, seed=seed, mode=common_pb2.MODE_PROBABILISTIC)
+        tokens, final, _ = await generate(stub, req)
+        assert final.stats.proposed > 0  # drafts verified either way
+        req.speculation.disable = True
+        plain, _, _ = await generate(stub, req)
+        differing += tokens != plain
+    assert (differing > 0) == configured
+
+
+async def test_by_default_no_drafter_moves_a_probabilistic_request(servers, tiny_model):
+    """The default trusts no drafter: the steering attacker's chains (drafts it chose, q rows
+    that would make the probabilistic rule accept them) are verified by the coupled exact
+    rule, so each of 16 probabilistic requests at T = 1 (seeds 0..15) gives exactly the
+    tokens of decoding without drafts; and the chains were verified, not dropped. With the
+    attacker trusted instead (`any`, before the audit notices) the steered token takes over
+    (checked in test_the_steering_attack_is_stopped)."""
+    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(steering), max_draft_tokens=1)
+    proposed = 0
+    for seed in range(16):
+        req = request(PROMPT, 12, temperature=1.0, seed=seed, mode=common_pb2.MODE_PROBABILISTIC)
+        tokens, final, _ = await generate(stub, req)
+        proposed += final.stats.proposed
+        req.speculation.disable = True
+        plain, _, _ = await generate(stub, req)
+        assert tokens == plain, f"seed {seed}"
+    assert proposed >= 16 * 6
+    assert servers.verifier.service.audit.rejected is None  # nothing to audit: no draft was taken at its word
+
+
+def test_the_trust_setting_is_checked_and_safe_by_default():
+    from verifier_service.settings import VerifierSettings
+
+    assert VerifierSettings().probabilistic_drafters == "none"
+    for value in ("none", "authenticated", "any"):
+        VerifierSettings(probabilistic_drafters=value)
+    with pytest.raises(ValueError, match="probabilistic_drafters 'all' must be none, authenticated or any"):
+        VerifierSettings(probabilistic_drafters="all")

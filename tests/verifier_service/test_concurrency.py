@@ -145,7 +145,7 @@ async def test_probabilistic_requests_batch_like_alone(servers, tiny_model):
 
     q = {3: 0.4, 9: 0.3, 27: 0.2, 81: 0.1}
     stub = await servers.start(tiny_model, drafter=ScriptedDrafter(lambda state: sampled_chain(state, q, 3)),
-                               fused="on", max_sessions=4, batch_gather_ms=20.0)
+                               fused="on", max_sessions=4, batch_gather_ms=20.0, probabilistic_drafters="any")
 
     def probabilistic(seed):
         return request([7, 14, 21], 12, temperature=0.9, seed=seed, mode=common_pb2.MODE_PROBABILISTIC,

@@ -45,7 +45,8 @@ FAULTS = {
 async def test_malformed_chains_are_dropped(servers, tiny_model, kind, mode):
     # a chain for a later round waits in the queue, so each round waits out its deadline: short here
     deadline = {"drafter_deadline_ms": 100.0} if kind == "wrong_round_id" else {}
-    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(FAULTS[kind]), max_draft_tokens=4, **deadline)
+    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(FAULTS[kind]), max_draft_tokens=4, **deadline,
+                               probabilistic_drafters="any")  # (probabilistic chains checked as such)
     req = request(PROMPT, 6, temperature=0.9, seed=11, mode=mode)
     tokens, final, rounds = await generate(stub, req)
     req.speculation.disable = True
