@@ -38,6 +38,14 @@ class ValidChain:
     proposed: int  # drafts the drafter sent (before retention)
 
 
+def max_chain_bytes(max_drafts: int, max_support: int) -> int:
+    """An upper bound on a valid DraftDown's serialised size: max_drafts drafts, each with a q row
+    of max_support (id, float64) pairs (at most 5 + 8 bytes a pair, 32 bytes of tags and lengths
+    a row), a confidence each, up to max_drafts + 1 assumed tokens, and 4 KiB for the rest (costs,
+    ids, tags). The drafter link refuses messages past it before parsing them."""
+    return 4096 + max_drafts * (32 + 13 * max_support + 4 + 5) + 5 * (max_drafts + 1)
+
+
 def validate_chain(
     chain: drafter_pb2.DraftChain,
     *,
@@ -52,14 +60,20 @@ def validate_chain(
         raise ChainFault(f"round_id {chain.round_id} is not the round being verified ({round_id})")
     if chain.base_length != base_length:
         raise ChainFault(f"base_length {chain.base_length} does not match the committed length {base_length}")
+    # every repeated field bounded by what a valid chain holds (before any is turned into lists)
+    for name, count, limit in (("token_ids", len(chain.token_ids), max_drafts), ("q_rows", len(chain.q_rows), max_drafts),
+                               ("confidences", len(chain.confidences), max_drafts),
+                               ("assumed_token_ids", len(chain.assumed_token_ids), max_drafts + 1)):
+        if count > limit:
+            raise ChainFault(f"{name} holds {count} entries; a chain of at most {max_drafts} drafts holds {limit}")
+    if chain.confidences and len(chain.confidences) != len(chain.token_ids):
+        raise ChainFault(f"{len(chain.confidences)} confidences for {len(chain.token_ids)} drafts")
     tokens = list(chain.token_ids)
     if not tokens:
         return None
     source = SOURCE_NAMES.get(chain.source)
     if source not in ("MTP", "SUFFIX"):
         raise ChainFault(f"source {chain.source} cannot carry drafts")
-    if len(tokens) > max_drafts:
-        raise ChainFault(f"{len(tokens)} drafts exceed max_draft_tokens {max_drafts}")
     for index, token in enumerate(tokens):
         if token >= vocab_size:
             raise ChainFault(f"token_ids[{index}] = {token} is out of range [0, {vocab_size})")

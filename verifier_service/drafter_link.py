@@ -29,6 +29,7 @@ from torch import Tensor
 from shared import security
 from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, drafter_pb2_grpc, encode_hidden
 from shared.service import MESSAGE_OPTIONS
+from verifier_service.chains import max_chain_bytes
 from verifier_service.rounds import RoundOutcome, Session
 from verifier_service.settings import VerifierSettings
 
@@ -54,7 +55,12 @@ def drafter_channel(settings: VerifierSettings) -> grpc.aio.Channel:
     """One channel to the drafter address; round_robin spreads streams over resolved replicas."""
     config = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
     credentials = security.channel_credentials(settings.drafter_tls_ca, settings.drafter_tls_cert, settings.drafter_tls_key)
-    return security.open_channel(settings.drafter, credentials, [*CHANNEL_OPTIONS, ("grpc.service_config", config)])
+    # (a message larger than any valid chain is refused by gRPC before it is parsed: the stream
+    # fails, the round goes plain, and the link reopens as after any broken stream)
+    limit = max_chain_bytes(settings.max_draft_tokens_limit, settings.max_support_limit)
+    options = [*[o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"],
+               ("grpc.max_receive_message_length", limit), ("grpc.service_config", config)]
+    return security.open_channel(settings.drafter, credentials, options)
 
 
 class DeadlineTracker:

@@ -94,8 +94,9 @@ def parse_request(
 
     s = request.sampling
     top_p = s.top_p if s.HasField("top_p") else 1.0
-    if s.max_support < 0:
-        raise _invalid(f"sampling.max_support must be >= 0 (0 = default {DEFAULT_MAX_SUPPORT}); got {s.max_support}")
+    if not 0 <= s.max_support <= settings.max_support_limit:
+        raise _invalid(f"sampling.max_support must lie in [0, max_support_limit = {settings.max_support_limit}] "
+                       f"(0 = default {DEFAULT_MAX_SUPPORT}); got {s.max_support}")
     try:
         sampling = SamplingParams(
             temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(top_p), min_p=float(s.min_p),

@@ -392,7 +392,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             "tandem.retained": len(drafts),
             "tandem.verified": outcome.num_verified, "tandem.accepted": outcome.num_accepted,
             "tandem.emitted": len(outcome.emitted),
-            "tandem.confidences": list(raw.confidences) if raw is not None else [],
+            "tandem.confidences": list(raw.confidences[: spec.max_draft_tokens]) if raw is not None else [],
             "tandem.draft_ms": draft_ms, "tandem.rpc_ms": max(wait_ms - draft_ms, 0.0), "tandem.wait_ms": wait_ms,
             "tandem.verify_ms": verify_ms, "tandem.bytes_up": bytes_up,
             "tandem.bytes_down": raw.ByteSize() if raw is not None else 0,

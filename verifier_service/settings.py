@@ -40,6 +40,7 @@ class VerifierSettings:
     batch_gather_ms: float = field(default=2.0, metadata={"help": "how long a batch waits for the sessions of the last one to submit their next round"})
     max_draft_tokens: int = field(default=4, metadata={"help": "drafts per round when a request does not say"})
     max_draft_tokens_limit: int = field(default=16, metadata={"help": "largest max_draft_tokens a request may ask for"})
+    max_support_limit: int = field(default=1024, metadata={"help": "largest sampling.max_support a request may ask for; with max_draft_tokens_limit it bounds a valid chain, and the drafter link refuses messages larger than that"})
     drafter_deadline_ms: float = field(default=0.0, metadata={"help": "fixed per-round wait for a chain (0 = adaptive: recent p95 of MTP chains' waits + margin)"})
     drafter_deadline_margin_ms: float = field(default=5.0, metadata={"help": "adaptive deadline: margin above the recent p95"})
     drafter_deadline_max_ms: float = field(default=1000.0, metadata={"help": "adaptive deadline: upper bound (also the first round's wait)"})
@@ -66,7 +67,7 @@ class VerifierSettings:
     def __post_init__(self) -> None:
         base.validate_service(self)
         positive = ("governor_hold", "max_sessions", "max_new_tokens_limit", "prefill_chunk", "max_draft_tokens_limit",
-                    "max_batch_rows", "kv_block_size")
+                    "max_support_limit", "max_batch_rows", "kv_block_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")

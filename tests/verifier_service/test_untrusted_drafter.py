@@ -10,12 +10,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared.protocol import PROTOCOL_VERSION, drafter_pb2
+from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2
 from verifier_service import drafter_link
 from verifier_service.drafter_link import MAX_QUEUED_CHAINS, DeadlineTracker, DrafterLink
 from verifier_service.settings import VerifierSettings
 
-from .conftest import CLOSE, ScriptedDrafter, chain, generate, request
+from .conftest import CLOSE, ScriptedDrafter, chain, generate, q_row, request
 
 PROMPT = [3, 14, 15, 92, 65]
 
@@ -107,6 +107,58 @@ async def test_malformed_request_bytes_are_invalid_argument(servers, tiny_model)
             pass
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "malformed GenerateRequest" in error.value.details()
+
+
+def test_a_maximal_valid_chain_fits_the_link_s_message_limit():
+    """max_chain_bytes bounds every valid chain: 16 drafts, q rows of 1,024 pairs with the largest
+    ids, every field at its widest, fit under it (and not by orders of magnitude)."""
+    from verifier_service.chains import max_chain_bytes
+
+    big = 2**32 - 1
+    row = common_pb2.SparseRow(token_ids=[big - i for i in range(1024)], probs=[1 / 3] * 1024)
+    chain_message = drafter_pb2.DraftChain(
+        round_id=2**64 - 1, base_length=2**64 - 1, source=common_pb2.DRAFT_SOURCE_MTP, token_ids=[big] * 16,
+        q_rows=[row] * 16, confidences=[0.5] * 16, assumed_token_ids=[big] * 17,
+        costs=drafter_pb2.DrafterCosts(draft_ms=1e300, expert_slot_misses=big))
+    size = drafter_pb2.DraftDown(protocol_version=2**32 - 1, chain=chain_message).ByteSize()
+    assert size <= max_chain_bytes(16, 1024) <= 1.2 * size
+
+
+def oversized(state, kind):
+    drafts = [1, 2]
+    if kind == "10,000 confidences":
+        return chain(state, drafts, confidences=[1.0] * 10_000)
+    if kind == "64 q rows for 2 drafts":
+        return chain(state, drafts, q_rows=[q_row({1: 0.5, 2: 0.5})] * 64)
+    # a message past the link's limit (16 drafts x 1,024 pairs): refused by gRPC unparsed
+    return chain(state, drafts, q_rows=[q_row({t: 1 / 100_000 for t in range(100_000)})] * 2)
+
+
+@pytest.mark.parametrize("kind", ["10,000 confidences", "64 q rows for 2 drafts", "a 2.6 MB message"])
+async def test_oversized_chains_are_faults_and_cost_nothing_else(servers, tiny_model, kind):
+    """Chains bigger than a valid one are dropped (a fault each; a message past the link's limit
+    breaks the stream, which reopens): every round goes plain, the output is decoding's own."""
+    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(lambda state: oversized(state, kind)),
+                               max_draft_tokens=4, drafter_deadline_ms=200.0)
+    req = request(PROMPT, 5, temperature=0.9, seed=2)
+    tokens, final, rounds = await generate(stub, req)
+    req.speculation.disable = True
+    plain, _, _ = await generate(stub, req)
+    assert tokens == plain
+    assert final.stats.drafter_faults >= 1 and final.stats.retained == 0
+
+
+async def test_max_support_is_bounded_by_the_setting(servers, tiny_model):
+    stub = await servers.start(tiny_model, max_support_limit=128)
+    req = request(PROMPT, 4)
+    req.sampling.max_support = 129
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await generate(stub, req)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.max_support must lie in [0, max_support_limit = 128]" in error.value.details()
+    req.sampling.max_support = 128
+    tokens, _, _ = await generate(stub, req)
+    assert len(tokens) == 4
 
 
 @pytest.mark.parametrize("case", ["huge prompt_ids", "long schedule", "arabic digit", "long request_id"])
