@@ -127,8 +127,11 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         if self.drafter is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter model is still loading")
         session: DraftSession | None = None
-        peer = peer_host(context.peer())
-        if self.streams_by_peer.get(peer, 0) >= self.settings.max_streams_per_peer:
+        # The cap is per address for callers nobody vouched for; a caller that passed the token
+        # or a client certificate is a verifier of this deployment, with as many streams as it
+        # has sessions (one address may be a whole verifier, or an attacker beside it).
+        peer = "authenticated" if authenticates(self.settings) else peer_host(context.peer())
+        if peer != "authenticated" and self.streams_by_peer.get(peer, 0) >= self.settings.max_streams_per_peer:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{peer} holds {self.settings.max_streams_per_peer} Draft streams (max_streams_per_peer)")
         self.streams_by_peer[peer] = self.streams_by_peer.get(peer, 0) + 1
@@ -255,6 +258,16 @@ def peer_host(peer: str) -> str:
     return peer.rsplit(":", 1)[0] if peer.count(":") >= 2 else peer
 
 
+def authenticates(settings: DrafterSettings) -> bool:
+    """Whether every Draft call is authenticated before it reaches the handler (a bearer token
+    checked by the interceptor, or client certificates checked in the TLS handshake)."""
+    return bool(settings.auth_token) or settings.tls_client_ca is not None
+
+
+def loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 class DrafterServer(ServiceServer):
     """A drafter on a real port: start(), wait_loaded(), stop(grace)."""
 
@@ -270,6 +283,9 @@ class DrafterServer(ServiceServer):
     def preflight(self) -> None:
         if self.service.model is None:
             require_model(self.settings.model)
+        if not authenticates(self.settings) and not loopback(self.settings.host):
+            log.warning("the drafter accepts any client: it listens beyond loopback without --auth-token or "
+                        "--tls-client-ca (README, Deploy and scale)", host=self.settings.host)
 
     def register(self) -> None:
         drafter_pb2_grpc.add_DrafterServicer_to_server(self.service, self.server)

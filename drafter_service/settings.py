@@ -21,7 +21,7 @@ class DrafterSettings:
     dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16 or float16"})
     fused: str = field(default="auto", metadata={"help": "fused-kernel MTP path: auto (on for CUDA when the model allows), on, off (reference path)"})
     max_sessions: int = field(default=256, metadata={"help": "sessions kept; the least recently used is evicted (its verifier re-syncs)"})
-    max_streams_per_peer: int = field(default=64, metadata={"help": "Draft streams one peer (client address) may hold open; more get RESOURCE_EXHAUSTED"})
+    max_streams_per_peer: int = field(default=64, metadata={"help": "Draft streams one unauthenticated peer (client address) may hold open; more get RESOURCE_EXHAUSTED. Callers authenticated by --auth-token or --tls-client-ca are not capped by address"})
     moce_scale: float = field(default=0.0, metadata={"help": "MoCE base scale b for the MTP layer's draft rows (m = b*b; 1 = plain routing); 0 = by the expert slots: plain routing with every expert resident, 3 with --expert-slots at most 25% of the experts, 2 above (the embedded model: misses -54% for -3.8% MTP acceptance at 25%, -57% for -1.1% at 50%; docs/PERFORMANCE.md)"})
     expert_slots: int = field(default=0, metadata={"help": "device expert slots per MoE layer (0 = all resident)"})
     global_index_contexts: int = field(default=1_000_000, metadata={"help": "contexts kept in the cross-session suffix index (about 15 per output token; oldest dropped first)"})

@@ -154,6 +154,39 @@ async def test_streams_per_peer_are_capped(tiny_mtp_model):
         await server.stop(0)
 
 
+async def test_callers_with_the_token_are_not_capped_by_address(tiny_mtp_model):
+    """A verifier holding the drafter's token may hold more streams than max_streams_per_peer
+    from one address (its sessions), so a neighbour on that address cannot starve it."""
+    from shared import security
+
+    server = DrafterServer(DrafterSettings(port=0, max_streams_per_peer=2, auth_token="secret"), model=tiny_mtp_model)
+    port = await server.start()
+    await server.wait_loaded()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = drafter_pb2_grpc.DrafterStub(channel)
+    try:
+        held = []
+        for i in range(4):
+            call = stub.Draft(metadata=security.bearer_metadata("secret"))
+            await call.write(open_up(tiny_mtp_model, [1, 2, 3], session_id=f"s{i}"))
+            assert (await call.read()).HasField("chain")
+            held.append(call)
+        for call in held:
+            call.cancel()
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_an_open_drafter_beyond_loopback_says_so_at_start(tiny_mtp_model):
+    from structlog.testing import capture_logs
+
+    for host, auth, warned in (("0.0.0.0", {}, True), ("127.0.0.1", {}, False), ("0.0.0.0", {"auth_token": "t"}, False)):
+        with capture_logs() as logs:
+            DrafterServer(DrafterSettings(host=host, port=0, **auth), model=tiny_mtp_model).preflight()
+        assert any("accepts any client" in entry["event"] for entry in logs) == warned, (host, auth)
+
+
 async def test_concurrent_opens_count_each_eviction_once(tiny_mtp_model):
     """300 concurrent opens once counted 990 evictions for 44 real ones (issue 15): each
     handler took a before/after difference of the store's counter across its await."""
