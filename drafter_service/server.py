@@ -44,6 +44,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.drafter: Drafter | None = None
         self.sessions = SessionStore(settings.max_sessions)
         self.streams_by_peer: dict[str, int] = {}
+        self.draining = False  # SIGTERM: open streams run on, new ones are refused
         self.metrics = DrafterMetrics()
         self._background: set[asyncio.Task] = set()  # global-index additions in progress
         self.worker_load = WorkerLoad()
@@ -126,6 +127,8 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
     async def Draft(self, request_iterator, context: grpc.aio.ServicerContext):
         if self.drafter is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter model is still loading")
+        if self.draining:  # (the verifier decodes plainly and re-opens on another replica)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter is shutting down")
         session: DraftSession | None = None
         # The cap is per address for callers nobody vouched for; a caller that passed the token
         # or a client certificate is a verifier of this deployment, with as many streams as it
@@ -296,6 +299,14 @@ class DrafterServer(ServiceServer):
     @property
     def metrics_registry(self):
         return self.service.metrics.registry
+
+    def begin_drain(self, finish_by: float) -> None:
+        """Refuse new Draft streams; the open ones (their verifiers' requests) run on until
+        they end or the grace period does, health NOT_SERVING meanwhile."""
+        self.service.draining = True
+
+    def in_flight(self) -> int:
+        return sum(self.service.streams_by_peer.values())
 
     async def close(self) -> None:
         await self.service.mtp_batcher.close()

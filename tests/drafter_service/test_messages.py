@@ -187,6 +187,42 @@ async def test_an_open_drafter_beyond_loopback_says_so_at_start(tiny_mtp_model):
         assert any("accepts any client" in entry["event"] for entry in logs) == warned, (host, auth)
 
 
+async def test_a_stopping_drafter_serves_its_open_streams_and_says_not_serving(tiny_mtp_model):
+    """SIGTERM's drain: while a Draft stream is open the port stays open, health says
+    NOT_SERVING and new streams get UNAVAILABLE; the open stream still gets its chains; the
+    server stops once it ends (well before the grace period)."""
+    import time
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    server = DrafterServer(DrafterSettings(port=0), model=tiny_mtp_model)
+    port = await server.start()
+    await server.wait_loaded()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = drafter_pb2_grpc.DrafterStub(channel)
+    try:
+        held = stub.Draft()
+        await held.write(open_up(tiny_mtp_model, [1, 2, 3], session_id="held"))
+        assert (await held.read()).HasField("chain")
+        started = time.monotonic()
+        stopping = asyncio.create_task(server.stop(30.0))
+        await asyncio.sleep(0.2)
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = await health.Check(health_pb2.HealthCheckRequest(service="tandem.v1.Drafter"))
+        assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await exchange(stub, [open_up(tiny_mtp_model, [1, 2, 3], session_id="late")])
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.value.details()
+        assert not stopping.done()
+        await held.done_writing()
+        while await held.read() is not grpc.aio.EOF:
+            pass
+        await asyncio.wait_for(stopping, 10)
+        assert time.monotonic() - started < 10
+    finally:
+        await channel.close()
+
+
 async def test_concurrent_opens_count_each_eviction_once(tiny_mtp_model):
     """300 concurrent opens once counted 990 evictions for 44 real ones (issue 15): each
     handler took a before/after difference of the store's counter across its await."""
