@@ -30,6 +30,7 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         if not self.verifier:
             raise ValueError("verifier must name an address (host:port)")
+        base.validate_address(self.verifier, "verifier")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port {self.port} must lie in [0, 65535]")
         if self.default_max_tokens < 1:

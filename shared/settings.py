@@ -94,6 +94,39 @@ DTYPES = ("float32", "bfloat16", "float16")
 FUSED_CHOICES = ("auto", "on", "off")  # the fused-kernel path: auto = on for CUDA when the model allows
 
 
+ADDRESS_FORMS = "host:port, [ipv6]:port, dns:///name:port, ipv4:a:p,b:p, ipv6:[a]:p or unix:path"
+
+
+def validate_address(value: str, name: str) -> None:
+    """A gRPC target a service dials, checked at start: every host with a port in [1, 65535]
+    (gRPC would dial 443 without one, and wraps larger numbers to another port), no URL
+    schemes gRPC does not resolve (http://...)."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"{name} {value!r} {why} (forms: {ADDRESS_FORMS})")
+
+    if value.startswith(("unix:", "unix-abstract:")):
+        if not value.split(":", 1)[1]:
+            raise bad("names no socket path")
+        return
+    if value.startswith("dns:"):
+        rest = value[len("dns:"):]
+        if rest.startswith("//"):  # dns://[authority]/name:port
+            _, slash, rest = rest[2:].partition("/")
+            if not slash:
+                raise bad("needs dns:///name:port")
+        targets = [rest]
+    elif value.startswith(("ipv4:", "ipv6:")):
+        targets = value.split(":", 1)[1].split(",")
+    elif "://" in value or "/" in value:
+        raise bad("is not a gRPC target")
+    else:
+        targets = [value]
+    for target in targets:
+        host, colon, port = target.rpartition(":")
+        if not (colon and host and port.isdigit() and 1 <= int(port) <= 65535):
+            raise bad(f"has {target!r} where host:port with a port in [1, 65535] is needed")
+
+
 def validate_service(settings: Any) -> None:
     """Checks every service's settings share: ports, device, dtype, TLS pairs, grace."""
     for name in ("port", "metrics_port"):

@@ -76,6 +76,8 @@ class VerifierSettings:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 0")
         if self.pdl not in ("auto", "off"):
             raise ValueError(f"pdl {self.pdl!r} must be auto or off")
+        if self.drafter is not None:
+            base.validate_address(self.drafter, "drafter")
         if self.probabilistic_drafters not in ("none", "authenticated", "any"):
             raise ValueError(f"probabilistic_drafters {self.probabilistic_drafters!r} must be none, authenticated or any")
         if self.draw_secret is not None and not self.draw_secret:

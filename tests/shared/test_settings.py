@@ -71,3 +71,30 @@ def test_the_drafters_moce_scale_follows_its_slot_budget_by_default():
     assert DrafterSettings(expert_slots=8).moce_base_scale(16) == 2.0  # 50%
     assert DrafterSettings(expert_slots=16).moce_base_scale(16) == 1.0
     assert DrafterSettings(expert_slots=4, moce_scale=1.5).moce_base_scale(16) == 1.5  # as set
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:50052", "drafter:50052", "[::1]:50052", "dns:///tandem-drafter:50052",
+                                     "dns://10.0.0.1/drafters.internal:1", "ipv4:10.0.0.5:50052,10.0.0.6:50052",
+                                     "ipv6:[::1]:5,[::2]:6", "unix:/tmp/drafter.sock"])
+def test_addresses_grpc_resolves_are_accepted(address):
+    from gateway_service.settings import GatewaySettings
+
+    assert verifier_settings.VerifierSettings(drafter=address).drafter == address
+    assert GatewaySettings(verifier=address).verifier == address
+
+
+@pytest.mark.parametrize("address, shown", [
+    ("localhost", "'localhost' where host:port"),  # gRPC would dial port 443
+    ("127.0.0.1:99999", "'127.0.0.1:99999' where host:port"),  # gRPC wraps it to another port
+    ("http://verifier:1", "is not a gRPC target"),
+    ("dns:///drafters.internal", "'drafters.internal' where host:port"),
+    ("ipv4:10.0.0.5:50052,10.0.0.6", "'10.0.0.6' where host:port"),
+    ("unix:", "names no socket path"),
+])
+def test_addresses_are_checked_at_start(address, shown):
+    from gateway_service.settings import GatewaySettings
+
+    with pytest.raises(ValueError, match=f"drafter {address!r} .*{shown}".replace("[", r"\[").replace("?", r"\?")):
+        verifier_settings.VerifierSettings(drafter=address)
+    with pytest.raises(ValueError, match="verifier "):
+        GatewaySettings(verifier=address)
