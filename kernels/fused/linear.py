@@ -149,12 +149,7 @@ def prefill_linear(x: Tensor, weight: Tensor) -> Tensor:
     num_out = weight.shape[0]
     out = torch.empty((num_rows, num_out), dtype=x.dtype, device=x.device)
     if num_rows:
-        block_m, block_n, block_k, warps, stages = PREFILL_TILE
-        _kernels()[(cdiv(num_out, block_n), cdiv(num_rows, block_m), 1)](
-            x, weight, out, num_rows, num_out, num_in, x.stride(0), weight.stride(0), out.stride(0), num_in, 0,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, SPLITS=1, PDL=False,
-            num_warps=warps, num_stages=stages,
-        )
+        _launch(x, weight, out, 1, False, tile=PREFILL_TILE)
     return out
 
 
@@ -187,17 +182,23 @@ def linear_partials(
     return out
 
 
-def _launch(x: Tensor, weight: Tensor, out: Tensor, splits: int, pdl: bool) -> None:
+def _launch(x: Tensor, weight: Tensor, out: Tensor, splits: int, pdl: bool,
+            tile: tuple[int, int, int, int, int] | None = None) -> None:
+    """tile: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for every row count (prefill, no
+    K splits); None: BLOCK_M rows and the weight's linear_config."""
     num_rows, num_in = x.shape
     num_out = weight.shape[0]
-    block_n, block_k, warps, stages = linear_config(num_out, num_in, x.element_size())
+    if tile is None:
+        block_m, (block_n, block_k, warps, stages) = BLOCK_M, linear_config(num_out, num_in, x.element_size())
+    else:
+        block_m, block_n, block_k, warps, stages = tile
     k_per_split = _k_per_split(num_out, num_in, splits)
-    grid = (cdiv(num_out, block_n), cdiv(num_rows, BLOCK_M), splits)
+    grid = (cdiv(num_out, block_n), cdiv(num_rows, block_m), splits)
     stride_ym = out.stride(0)
     stride_ys = out.stride(1) if splits > 1 else 0
     _kernels()[grid](
         x, weight, out, num_rows, num_out, num_in, x.stride(0), weight.stride(0), stride_ym, k_per_split, stride_ys,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, SPLITS=splits,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, SPLITS=splits,
         PDL=pdl,
         num_warps=warps, num_stages=stages, **launch_options(pdl),
     )
