@@ -9,7 +9,7 @@ import torch
 from drafter_service.proposers.suffix import SuffixIndex
 from drafter_service.drafter import Drafter
 from drafter_service.settings import DrafterSettings
-from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, encode_hidden
+from shared.protocol import common_pb2, drafter_pb2, encode_hidden
 
 from ..verifier_service.conftest import generate, request
 

@@ -131,6 +131,8 @@ async def test_a_refused_request_is_not_kept_alive_by_the_abort(servers, tiny_mo
                   and o.f_code in (VerifierService.Generate.__code__, VerifierService.generate_raw.__code__,
                                    VerifierService._parse.__code__)]  # the last: through the RequestError's traceback
         assert frames  # the frames do outlive the calls: the test sees what it should
-        assert all(not {"raw", "request"} & set(frame.f_locals) for frame in frames)
+        holding = [(frame.f_code.co_name, frame.f_lineno, sorted({"raw", "request"} & set(frame.f_locals)))
+                   for frame in frames if {"raw", "request"} & set(frame.f_locals)]
+        assert not holding
     finally:
         gc.enable()
