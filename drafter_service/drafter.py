@@ -45,8 +45,8 @@ class Drafter:
         if settings.moce_scale not in (0.0, 1.0) or settings.expert_slots:
             family = family_of(model)
             if MOCE not in family.capabilities:
-                raise ValueError("moce_scale and expert_slots (MoCE routing, expert slots) are built for the "
-                                 f"qwen3_moe family only; this checkpoint is of the {family.name} family")
+                raise ValueError("moce_scale and expert_slots (MoCE routing, expert slots) are not built for the "
+                                 f"{family.name} family")
             routing = RoutingOptions(moce=True, scale=settings.moce_base_scale(model.config.num_experts))
         fused = None
         if model.mtp is not None and fused_wanted(model, settings.fused):

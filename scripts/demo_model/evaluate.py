@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from shared.model import FULL_ROUTING, load_model
-from shared.model.families.qwen3_moe.layers import MoeBlock
+from shared.model.moe import MoeBlock
 
 from .common import log
 from .twin import Twin

@@ -15,6 +15,10 @@ writing it are done.
 
 Weights are stacked in nn.Linear layout: gate_up [experts, 2*intermediate, hidden] (gate
 rows first, then up rows) and down [experts, hidden, intermediate].
+
+Fixed experts (`with_fixed`: the hybrid family's shared expert) sit after the slots in the
+same device tensors, resident for good, so one fused kernel launch runs routed and shared
+routes alike: fixed expert i is slot num_slots + i, and route id num_experts + i names it.
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ class ExpertStore:
         self.counters = ExpertCounters()
         self.all_resident = num_slots == num_experts
         self.path: str | None = None  # expert path override (benchmarks); None = default_path
+        self.num_fixed = 0  # experts kept after the slots for good (with_fixed)
+        self.fixed_weights: tuple[Tensor, Tensor] | None = None  # [num_slots + num_fixed, ...] (with_fixed)
         if self.all_resident:
             self.gate_up = gate_up.to(self.device)
             self.down = down.to(self.device)
@@ -104,6 +110,23 @@ class ExpertStore:
         self._copied = {}  # slot -> the event after its latest copy (until the compute waited for it)
         self._copy([(expert, expert) for expert in range(num_slots)])  # start with the first experts resident
         self.ready()
+
+    def with_fixed(self, gate_up: Tensor, down: Tensor) -> tuple[Tensor, Tensor]:
+        """Device weights [num_slots + n, ...]: the slots, then n fixed experts (gate_up
+        [n, 2I, H], down [n, H, I]) resident for good, slot num_slots + i (route id num_experts + i).
+        The slots become views of them (nothing kept twice); a store takes fixed experts once."""
+        if self.num_fixed:
+            raise ValueError("this store already has its fixed experts")
+        if gate_up.shape[1:] != self.gate_up.shape[1:] or down.shape[1:] != self.down.shape[1:]:
+            raise ValueError(f"fixed experts {tuple(gate_up.shape)}, {tuple(down.shape)} do not match the slots "
+                             f"{tuple(self.gate_up.shape)}, {tuple(self.down.shape)}")
+        self.ready()  # copies still landing in the slots finish before the slots are copied over
+        all_gate_up = torch.cat([self.gate_up.detach(), gate_up.to(self.device, self.gate_up.dtype)])
+        all_down = torch.cat([self.down.detach(), down.to(self.device, self.down.dtype)])
+        self.gate_up, self.down = all_gate_up[: self.num_slots], all_down[: self.num_slots]
+        self.num_fixed = gate_up.shape[0]
+        self.fixed_weights = (all_gate_up, all_down)
+        return all_gate_up, all_down
 
     @property
     def expert_bytes(self) -> int:
@@ -344,6 +367,14 @@ class ExpertStore:
         out = torch.bmm(self.down[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [T*k, hidden]
         out = out.view(num_tokens, top_k, -1) * weights.unsqueeze(-1).to(out.dtype)
         return out.sum(dim=1)
+
+
+def copy_streams(device: torch.device, num_slots: int | None) -> tuple[torch.cuda.Stream | None, ...]:
+    """(copy stream, prefetch stream) that all of a model's expert stores share (None off CUDA
+    or with every expert resident)."""
+    if device.type != "cuda" or not num_slots:
+        return None, None
+    return torch.cuda.Stream(device), torch.cuda.Stream(device)
 
 
 def _to_host(weights: Tensor, *, pin: bool) -> Tensor:

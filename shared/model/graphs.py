@@ -63,10 +63,11 @@ class WindowGraphs:
         self.device = fused.model.device
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         # Offloaded experts: the forward reads each layer's routes on the host, so on CUDA each
-        # window or batch shape runs as graph segments between those reads (captured at first use).
+        # window or batch shape runs as graph segments between those reads (captured at first use)
+        # where the family's forward has them, else eagerly.
         self.segments: dict[tuple[int, ...], SegmentedForward] | None = None
         if fused.offloaded:
-            self.segments = {} if self.use_graphs else None
+            self.segments = {} if self.use_graphs and fused.segmented_offload else None
             self.use_graphs = False
         pin = self.device.type == "cuda"
         # Linear-attention state buffers (the hybrid family): which each sequence reads and writes.

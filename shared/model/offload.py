@@ -8,7 +8,9 @@ expert kernels on the slots. A route's result does not depend on which slot or w
 routes share the launch, so the output is bit-for-bit the all-resident forward's (no route is
 ever dropped: routing is never changed here, so verification stays lossless). When a window
 needs more distinct experts than there are slots, its routes run in groups of at most
-num_slots experts, one group resident at a time.
+num_slots experts, one group resident at a time. A route id at or past the store's
+num_experts names a fixed expert (ExpertStore.with_fixed: the hybrid family's shared expert),
+resident for good: it runs in the first group.
 
 Prefetch: a verify window's tokens (the head and the drafts) are known before it runs, and an
 MoE layer routes a token much as it did the last time it saw that token (most strongly in
@@ -118,10 +120,10 @@ class Offload:
         """A layer's routes, read on the host (flat, T*k): the distinct experts in groups of at
         most num_slots. Counts the hints, teaches the memory."""
         store = self.stores[layer]
-        wanted = list(dict.fromkeys(e for e in flat if e >= 0))
+        wanted = list(dict.fromkeys(e for e in flat if 0 <= e < store.num_experts))
         self._count(layer, wanted)
-        if self.memory is not None:
-            self.memory.record(layer, self._token_ids, flat)
+        if self.memory is not None:  # (routed experts only: a fixed one is always resident)
+            self.memory.record(layer, self._token_ids, [e if e < store.num_experts else -1 for e in flat])
         groups = [wanted[i : i + store.num_slots] for i in range(0, len(wanted), store.num_slots)] or [[]]
         self._routes[layer] = flat, groups
         return groups
@@ -139,7 +141,11 @@ class Offload:
         self.make_resident(layer, group, first=first)
         store = self.stores[layer]
         members = set(group)
-        return [store.slot(e) if e in members else -1 for e in flat]
+        if not store.num_fixed:
+            return [store.slot(e) if e in members else -1 for e in flat]
+        fixed_slot = store.num_slots - store.num_experts  # route id num_experts + i -> slot num_slots + i
+        return [store.slot(e) if e in members else e + fixed_slot if first and e >= store.num_experts else -1
+                for e in flat]
 
     def experts(self, layer: int, normed: Tensor, expert_ids: Tensor, run) -> Tensor:
         """Per-route outputs [T*k, H] float32 of layer `layer`'s routes `expert_ids` [T, k];
@@ -153,7 +159,7 @@ class Offload:
             part = run(ids.to(expert_ids.device, non_blocking=True).view_as(expert_ids))
             if out is None:
                 out = part
-            else:  # each route is computed in exactly one group
+            else:  # each route is computed in exactly one group (a fixed expert's in the first)
                 members = set(group)
                 in_group = torch.tensor([e in members for e in flat]).to(part.device, non_blocking=True)
                 out = torch.where(in_group[:, None], part, out)
@@ -165,3 +171,10 @@ class Offload:
         if hinted is not None:
             self.counters.predicted += len(hinted)
             self.counters.correct += len(hinted.intersection(wanted))
+
+
+def offload_over(stores: list[ExpertStore | None], *, prefetch: bool) -> Offload | None:
+    """An Offload over these stores (one per layer, None: dense) when some keep experts in host memory."""
+    if all(store is None or store.all_resident for store in stores):
+        return None
+    return Offload(stores, prefetch=prefetch)

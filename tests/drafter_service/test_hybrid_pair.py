@@ -35,17 +35,23 @@ async def test_mtp_drafts_through_the_pair_are_lossless(pair, checkpoint, temper
         assert any(r.source == common_pb2.DRAFT_SOURCE_MTP for r in rounds)
 
 
-async def test_moce_settings_are_refused_for_the_family(checkpoint):
-    from drafter_service.server import DrafterServer
-    from drafter_service.settings import DrafterSettings
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+async def test_a_drafter_with_experts_in_host_memory_and_moce_stays_lossless(pair, checkpoint, temperature):
+    """The lean drafter with 2 of its MTP layer's 8 experts on the device and MoCE on its draft
+    rows (scale 3): drafts change, the output does not — exact mode token-identical to plain."""
+    from shared.model.families.hybrid.loader import expert_modules
 
-    server = DrafterServer(DrafterSettings(port=0, model=str(checkpoint), moce_scale=1.5))
-    await server.start()
-    try:
-        with pytest.raises(ValueError, match="qwen3_moe family only"):
-            await server.wait_loaded()
-    finally:
-        await server.stop(0)
+    stub = await pair.start(None, model=str(checkpoint), drafter_settings={
+        "planner": "mtp", "model": str(checkpoint), "expert_slots": 2, "moce_scale": 3.0})
+    drafter = pair.drafter.service
+    assert drafter.drafter.mtp.routing.moce and drafter.drafter.mtp.routing.scale == 3.0
+    stores = [experts.store for experts in expert_modules(drafter.model)]
+    assert stores and all(store.num_slots == 2 and not store.all_resident for store in stores)
+    spec, plain, final, rounds = await same_with_and_without(stub, PROMPT, 16, temperature, 0)
+    assert spec == plain and spec
+    assert final.stats.proposed > 0 and final.stats.drafter_faults == 0
+    assert any(r.source == common_pb2.DRAFT_SOURCE_MTP for r in rounds)
+    assert sum(store.counters.hits + store.counters.misses for store in stores) > 0
 
 
 async def test_both_services_on_random_weights_from_a_config_alone(pair, tmp_path):

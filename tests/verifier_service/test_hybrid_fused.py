@@ -55,3 +55,29 @@ async def test_fused_verifier_windows_roll_back_like_plain_decoding(servers, che
     if temperature == 0:
         accepted = sorted({r.accepted for r in rounds if r.retained})
         assert accepted[0] < 2 and accepted[-1] >= 2  # rollbacks to several rows of the window
+
+
+async def test_fused_verifier_with_experts_in_host_memory_decodes_like_plain(servers, checkpoint, reference):
+    """2 of 8 experts a block on the device (the rest in host memory, copied in as routed): the
+    fused verifier's windows, rolled back after partly accepted drafts, still give what plain
+    decoding gives."""
+    from shared.model.families.hybrid.loader import expert_modules
+
+    def propose(state):
+        drafts = greedy_continuation(reference, state.tokens, 3)
+        drafts[1 + state.round_id % 2] = (drafts[1 + state.round_id % 2] + 1) % 97
+        return chain(state, drafts)
+
+    stub = await servers.start(None, drafter=ScriptedDrafter(propose), model=str(checkpoint), max_draft_tokens=3,
+                               fused="on", max_sessions=2, num_expert_slots=2)
+    engine = servers.verifier.service.engine
+    assert engine.path == "fused"
+    stores = [experts.store for experts in expert_modules(servers.verifier.service.model)]
+    assert stores and all(store.num_slots == 2 and store.num_fixed == 1 for store in stores)
+    req = request(PROMPT, 6, temperature=0.0, seed=1, max_draft_tokens=3)
+    spec, final, _ = await generate(stub, req)
+    req.speculation.disable = True
+    plain, _, _ = await generate(stub, req)
+    assert spec == plain and len(spec) == 6
+    assert final.stats.accepted > 0
+    assert sum(store.counters.misses for store in stores) > 0

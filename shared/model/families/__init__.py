@@ -5,9 +5,12 @@ its fused forward (the GPU's decode/verify windows, batches and prefill over the
 and its loader, and registers one `Family` here:
 
 - `qwen3_moe`: Qwen3-MoE trunks (`families/qwen3_moe/`), with an MTP layer where the checkpoint
-  has one; experts in an ExpertStore (device slots, MoCE routing on draft rows);
+  has one;
 - `hybrid`: Qwen3-Next / Qwen3.5-MoE (`families/hybrid/`): Gated DeltaNet and gated attention,
   routed experts plus a shared one, the `mtp.*` layer; per-sequence linear-attention states.
+
+Both keep their routed experts in ExpertStores (device slots: EXPERT_SLOTS) and route draft
+rows with MoCE (MOCE); only qwen3_moe's offloaded forward replays as graph segments.
 
 Services ask the registry (never a model's class) whether a model runs the fused path, what it
 can do, and build its fused forward. Adding a family is adding a folder and an entry below.
@@ -81,7 +84,7 @@ def _hybrid_fused(model, *, max_rows, max_length, num_state_slots=0, pdl=None, i
     from shared.model.families.hybrid.fused import HybridFused
 
     if expert_prefetch:
-        raise ValueError("expert prefetch needs experts in host memory, which the hybrid family does not offload")
+        raise ValueError("expert prefetch is built for the qwen3_moe family's segmented forward only")
     return HybridFused(model, max_rows=max_rows, max_length=max_length, num_state_slots=num_state_slots, pdl=pdl,
                        invariant=invariant)
 
@@ -96,7 +99,7 @@ FAMILIES = (
     Family("qwen3_moe", ("qwen3_moe",), _qwen3_moe_class, _qwen3_moe_load, _qwen3_moe_fused, _qwen3_moe_unsupported,
            frozenset({EXPERT_SLOTS, MOCE})),
     Family("hybrid", ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"), _hybrid_class, _hybrid_load, _hybrid_fused,
-           _hybrid_unsupported, frozenset()),
+           _hybrid_unsupported, frozenset({EXPERT_SLOTS, MOCE})),
 )
 
 

@@ -47,6 +47,9 @@ from shared.model.families.hybrid.modules import DecoderLayer, Qwen3NextModel, S
 from shared.model.families.hybrid.states import LinearStates
 from shared.model.kv_cache import PagedKV
 from shared.model.layers import RoutingOptions, fuse_linear_rows
+from shared.model.moe import MoceOptions
+from shared.model.mtp import fused_mtp_inputs
+from shared.model.offload import Offload, offload_over
 from shared.model.rows import Rows, one_row, prefill_attention, prefill_rows
 
 
@@ -109,9 +112,15 @@ class HybridLayer:
         self.eps = layer.input_layernorm.eps
         self.moe = isinstance(layer.mlp, SharedMoe)
         if self.moe:
-            self.router, self.store = _fuse_moe(layer.mlp)  # [E + 1, H], experts [E + 1, ...]
+            self.router = fuse_linear_rows([layer.mlp.gate, layer.mlp.shared_expert_gate])  # [E + 1, H]
             self.router_splits = split_k(*self.router.shape)
             self.top_k, self.normalize = layer.mlp.top_k, layer.mlp.normalize
+            self.store = layer.mlp.store  # the routed experts: residency (MoCE), slots (offload)
+            # the kernels' weights [slots + 1, ...]: the slots, then the shared expert
+            self.gate_up, self.down = _with_shared_expert(layer.mlp)
+            # every expert resident: prefill's grouped GEMMs over all E + 1
+            self.grouped = ExpertStore(self.gate_up, self.down, device=self.gate_up.device) \
+                if self.store.all_resident else None
         else:
             self.gate_up = fuse_linear_rows([layer.mlp.gate_proj, layer.mlp.up_proj])  # [2I, H]
             self.down = layer.mlp.down_proj.weight
@@ -156,9 +165,19 @@ class HybridFused:
             # the Gated DeltaNet kernel's per-(sequence, head) counts (it splits heads along dv):
             # zeros between launches, one buffer for every layer (they run one after another)
             self.arrivals = torch.zeros(max_rows * first.shape["num_v_heads"], dtype=torch.int32, device=model.device)
+        self.moce = MoceOptions(model.device)
+        # Experts in host memory with device slots: the host reads each MoE layer's routes.
+        self.offload = offload_over([layer.store if layer.moe else None for layer in self.layers], prefetch=False)
+        self.mtp_offload = None if self.mtp_layer is None else offload_over(
+            [self.mtp_layer.store if self.mtp_layer.moe else None], prefetch=False)
 
-    offload = None  # experts in host memory are not built for this family
-    offloaded = False
+    # An offloaded forward runs eagerly (shared.model.segments' graph segments follow qwen3_moe's layers).
+    segmented_offload = False
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether some experts live in host memory (a forward then reads routes on the host)."""
+        return self.offload is not None or self.mtp_offload is not None
 
     # -- layers -----------------------------------------------------------------------------
 
@@ -191,18 +210,25 @@ class HybridFused:
                                 rows.seq_slots, rows.max_rows_per_seq, self.workspace, gate=mixer.gate(qkv), pdl=self.pdl)
         return linear_partials(attn.flatten(1), mixer.o, mixer.o_splits, pdl=self.pdl)
 
-    def mlp(self, layer: HybridLayer, normed: Tensor, residual: Tensor, next_norm: Tensor,
-            rows: Rows) -> tuple[Tensor, Tensor]:
-        """The MLP, the residual add and the next layer's centred norm."""
+    def mlp(self, layer: HybridLayer, normed: Tensor, residual: Tensor, next_norm: Tensor, rows: Rows,
+            routing: RoutingOptions | None = None, offload: tuple[Offload, int] | None = None) -> tuple[Tensor, Tensor]:
+        """The MLP, the residual add and the next layer's centred norm. routing: MoCE on draft rows
+        (the drafter's MTP layer); offload: (the Offload, this layer's index in it) with slots."""
         pdl = self.pdl
         if not layer.moe:
             gate, up = linear(normed, layer.gate_up, pdl=pdl).chunk(2, dim=-1)
             out = linear(F.silu(gate) * up, layer.down, pdl=pdl)
             return add_rmsnorm(out, residual, next_norm, layer.eps, centred=True, pdl=pdl)
         partials = linear_partials(normed, layer.router, layer.router_splits, pdl=pdl)
+        resident, tables, draft_rows = self.moce(layer.store, layer.top_k, routing)
         expert_ids, weights = route(partials, layer.top_k, round_to=normed.dtype, normalize=layer.normalize,
-                                    shared_gate=True, live=rows.live, pdl=pdl)  # [T, k + 1]
-        route_out = fused_experts(normed, expert_ids, layer.store.gate_up, layer.store.down, pdl=pdl)
+                                    shared_gate=True, resident=resident, draft_rows=draft_rows, tables=tables,
+                                    live=rows.live, pdl=pdl)  # [T, k + 1]
+
+        def run(ids: Tensor) -> Tensor:  # [T, k + 1] slot ids (the shared expert's: the last slot)
+            return fused_experts(normed, ids, layer.gate_up, layer.down, pdl=pdl)
+
+        route_out = run(expert_ids) if offload is None else offload[0].experts(offload[1], normed, expert_ids, run)
         return combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps, centred=True, pdl=pdl)
 
     # -- forwards ---------------------------------------------------------------------------
@@ -214,32 +240,35 @@ class HybridFused:
         attention layers' paged cache; the linear layers' states are self.states' buffers
         rows.state_in / rows.state_out (each sequence's state after its last row is written to
         its state_out buffer; a window of several rows also keeps each row's state)."""
-        if routing is not None and routing.moce:
-            raise ValueError("MoCE routing is built for the qwen3_moe family's expert slots only")
         if rows.positions.shape[0] > MAX_FUSED_TOKENS:
             raise ValueError(f"a window of {rows.positions.shape[0]} rows: the fused path runs at most "
                              f"{MAX_FUSED_TOKENS} (prefill runs longer chunks)")
         if self.invariant and token_ids.device.type == "cpu" and token_ids.shape[0] > 1:
-            return self._row_by_row(token_ids, rows, kv)
+            return self._row_by_row(token_ids, rows, kv, routing)
+        if self.offload is not None:
+            self.offload.begin(token_ids)
         normed, residual = add_rmsnorm(self.model.embed_tokens(token_ids), None, self.layers[0].input_norm,
                                        self.layers[0].eps, centred=True, pdl=self.pdl)
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.model.norm.weight]
-        for layer, next_norm in zip(self.layers, norms):
+        for index, (layer, next_norm) in enumerate(zip(self.layers, norms)):
             normed, residual = self.mix(layer, normed, residual, rows, kv)
-            normed, residual = self.mlp(layer, normed, residual, next_norm, rows)
+            normed, residual = self.mlp(layer, normed, residual, next_norm, rows, routing,
+                                        None if self.offload is None else (self.offload, index))
         return self.logits(normed), normed
 
     def logits(self, normed: Tensor) -> Tensor:  # [T, hidden] final-norm rows -> [T, vocab] float32
         return linear(normed, self.model.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl)
 
-    def _row_by_row(self, token_ids: Tensor, rows: Rows, kv: PagedKV) -> tuple[Tensor, Tensor]:
+    def _row_by_row(self, token_ids: Tensor, rows: Rows, kv: PagedKV,
+                    routing: RoutingOptions | None) -> tuple[Tensor, Tensor]:
         """A window or batch on the CPU as one-row steps (the CPU's kernels pick their code path
         by shape; DESIGN §11). A sequence's first row reads its state_in buffer and every row
         writes its state_out buffer; a later row reads the state the row before wrote from a
         copy in the spare buffer (no step reads and writes one buffer, and state_in keeps the
         committed state). With several rows each row's state is kept, as a window's is."""
         if self.states is None:  # (no linear-attention layers: rows need nothing from each other)
-            outs = [self.forward(token_ids[i : i + 1], one_row(rows, i), kv) for i in range(token_ids.shape[0])]
+            outs = [self.forward(token_ids[i : i + 1], one_row(rows, i), kv, routing and routing.row(i))
+                    for i in range(token_ids.shape[0])]
             return torch.cat([logits for logits, _ in outs]), torch.cat([hidden for _, hidden in outs])
         starts = rows.seq_starts.tolist()
         state_in, state_out = rows.state_in.tolist(), rows.state_out.tolist()
@@ -253,7 +282,7 @@ class HybridFused:
                     self._copy_state(spare, write)
                     read = spare
                 one = replace(one_row(rows, row), state_in=torch.tensor([read]), state_out=torch.tensor([write]))
-                outs.append(self.forward(token_ids[row : row + 1], one, kv))
+                outs.append(self.forward(token_ids[row : row + 1], one, kv, routing and routing.row(row)))
                 if keep:
                     self.states.kept_conv[:, row].copy_(self.states.conv[:, write])
                     self.states.kept_rec[:, row].copy_(self.states.rec[:, write])
@@ -280,7 +309,7 @@ class HybridFused:
         norms = [layer.input_norm for layer in self.layers[1:]] + [model.norm.weight]
         normed, residual = add_rmsnorm(model.embed_tokens(token_ids), None, self.layers[0].input_norm,
                                        self.layers[0].eps, centred=True)
-        for layer, next_norm in zip(self.layers, norms):
+        for index, (layer, next_norm) in enumerate(zip(self.layers, norms)):
             if layer.linear:
                 out = self._prefill_linear(layer.mixer, normed, spans)
             else:
@@ -293,14 +322,19 @@ class HybridFused:
                 continue
             expert_ids, weights = route(prefill_linear(normed, layer.router), layer.top_k, normalize=layer.normalize,
                                         shared_gate=True)
-            if grouped_mm_available(model.dtype) and model.device.type == "cuda":
-                route_out, route_rows = layer.store.grouped_sorted(normed, expert_ids)  # [T*(k+1), hidden]
+            if layer.grouped is not None and grouped_mm_available(model.dtype) and model.device.type == "cuda":
+                route_out, route_rows = layer.grouped.grouped_sorted(normed, expert_ids)  # [T*(k+1), hidden]
                 normed, residual = combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps,
                                                        route_rows=route_rows, centred=True)
-            else:
-                experts = fused_experts if num_rows <= MAX_FUSED_TOKENS else experts_reference
-                route_out = experts(normed, expert_ids, layer.store.gate_up, layer.store.down)
-                normed, residual = combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps, centred=True)
+                continue
+            experts = fused_experts if num_rows <= MAX_FUSED_TOKENS else experts_reference
+
+            def run(ids: Tensor, layer: HybridLayer = layer, experts=experts) -> Tensor:  # [T*(k+1), hidden] f32
+                return experts(normed, ids, layer.gate_up, layer.down)
+
+            # with slots: the routed experts resident a group at a time (the same bits per route)
+            route_out = run(expert_ids) if self.offload is None else self.offload.experts(index, normed, expert_ids, run)
+            normed, residual = combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps, centred=True)
         return normed
 
     def _prefill_linear(self, mixer: LinearMixer, normed: Tensor, spans: list[tuple[int, int, int]]) -> Tensor:
@@ -346,23 +380,18 @@ class HybridFused:
     def forward_mtp(self, hidden: Tensor, next_token_ids: Tensor, rows: Rows, kv: PagedKV,
                     routing: RoutingOptions | None = None) -> tuple[Tensor, Tensor]:
         """MTP rows (see Qwen3NextModel.forward_mtp): logits [T, vocab] float32, MTP output
-        hidden [T, hidden]; kv: the MTP layer's paged cache (one layer)."""
-        if routing is not None and routing.moce:
-            raise ValueError("MoCE routing is built for the qwen3_moe family's expert slots only")
+        hidden [T, hidden]; kv: the MTP layer's paged cache (one layer); routing: MoCE on draft rows."""
         if self.invariant and hidden.device.type == "cpu" and hidden.shape[0] > 1:
-            outs = [self.forward_mtp(hidden[i : i + 1], next_token_ids[i : i + 1], one_row(rows, i), kv)
-                    for i in range(hidden.shape[0])]
+            outs = [self.forward_mtp(hidden[i : i + 1], next_token_ids[i : i + 1], one_row(rows, i), kv,
+                                     routing and routing.row(i)) for i in range(hidden.shape[0])]
             return torch.cat([logits for logits, _ in outs]), torch.cat([out for _, out in outs])
         mtp = self.model._require_mtp()
         layer, pdl = self.mtp_layer, self.pdl
-        embedded, _ = add_rmsnorm(self.model.embed_tokens(next_token_ids), None, mtp.pre_fc_norm_embedding.weight,
-                                  layer.eps, centred=True, pdl=pdl)
-        prior, _ = add_rmsnorm(hidden.to(self.model.dtype), None, mtp.pre_fc_norm_hidden.weight, layer.eps,
-                               centred=True, pdl=pdl)
-        x = linear(torch.cat([embedded, prior], dim=-1), mtp.fc.weight, pdl=pdl)
-        normed, residual = add_rmsnorm(x, None, layer.input_norm, layer.eps, centred=True, pdl=pdl)
+        normed, residual = fused_mtp_inputs(mtp, self.model.embed_tokens(next_token_ids), hidden, layer.input_norm,
+                                            layer.eps, centred=True, pdl=pdl)
         normed, residual = self.mix(layer, normed, residual, rows, kv)
-        normed, _ = self.mlp(layer, normed, residual, mtp.norm.weight, rows)
+        normed, _ = self.mlp(layer, normed, residual, mtp.norm.weight, rows, routing,
+                             None if self.mtp_offload is None else (self.mtp_offload, 0))
         return self.logits(normed), normed
 
 
@@ -387,24 +416,24 @@ def _split_grouped(attn: GatedDeltaNet) -> None:
     attn.layout = "split"
 
 
-def _fuse_moe(mlp: SharedMoe) -> tuple[Tensor, ExpertStore]:
-    """The router with the shared expert's gate as its last row [E + 1, H], and the routed experts
-    with the shared one as expert E (zero-padded to the routed width: zero rows add exact zeros)."""
-    router = fuse_linear_rows([mlp.gate, mlp.shared_expert_gate])
-    experts, shared = mlp.experts, mlp.shared_expert
-    num_experts, width, hidden = experts.gate_up_proj.shape[0], experts.down_proj.shape[2], experts.down_proj.shape[1]
+def _with_shared_expert(mlp: SharedMoe) -> tuple[Tensor, Tensor]:
+    """The kernels' expert weights: the routed experts' slots, then the shared expert as one
+    more (zero-padded to the routed width: zero rows add exact zeros), resident for good in the
+    store (ExpertStore.with_fixed); the reference modules re-pointed at views (nothing kept twice)."""
+    store, shared = mlp.store, mlp.shared_expert
+    if store.num_fixed:  # fused before (another forward over the same model)
+        return store.fixed_weights
+    width, hidden = store.down.shape[2], store.down.shape[1]
     shared_width = shared.gate_proj.weight.shape[0]
-    dtype, device = experts.gate_up_proj.dtype, experts.gate_up_proj.device
-    gate_up = torch.zeros((num_experts + 1, 2 * width, hidden), dtype=dtype, device=device)
-    down = torch.zeros((num_experts + 1, hidden, width), dtype=dtype, device=device)
-    gate_up[:num_experts].copy_(experts.gate_up_proj.detach())
-    down[:num_experts].copy_(experts.down_proj.detach())
-    gate_up[num_experts, :shared_width].copy_(shared.gate_proj.weight.detach())
-    gate_up[num_experts, width : width + shared_width].copy_(shared.up_proj.weight.detach())
-    down[num_experts, :, :shared_width].copy_(shared.down_proj.weight.detach())
-    experts.gate_up_proj = nn.Parameter(gate_up[:num_experts], requires_grad=False)
-    experts.down_proj = nn.Parameter(down[:num_experts], requires_grad=False)
-    shared.gate_proj.weight = nn.Parameter(gate_up[num_experts, :shared_width], requires_grad=False)
-    shared.up_proj.weight = nn.Parameter(gate_up[num_experts, width : width + shared_width], requires_grad=False)
-    shared.down_proj.weight = nn.Parameter(down[num_experts, :, :shared_width], requires_grad=False)
-    return router, ExpertStore(gate_up, down, device=device)
+    gate_up = torch.zeros((1, 2 * width, hidden), dtype=store.gate_up.dtype, device=store.device)
+    down = torch.zeros((1, hidden, width), dtype=store.down.dtype, device=store.device)
+    gate_up[0, :shared_width].copy_(shared.gate_proj.weight.detach())
+    gate_up[0, width : width + shared_width].copy_(shared.up_proj.weight.detach())
+    down[0, :, :shared_width].copy_(shared.down_proj.weight.detach())
+    all_gate_up, all_down = store.with_fixed(gate_up, down)
+    mlp.experts.adopt(store)
+    slot = store.num_slots
+    shared.gate_proj.weight = nn.Parameter(all_gate_up[slot, :shared_width], requires_grad=False)
+    shared.up_proj.weight = nn.Parameter(all_gate_up[slot, width : width + shared_width], requires_grad=False)
+    shared.down_proj.weight = nn.Parameter(all_down[slot, :, :shared_width], requires_grad=False)
+    return all_gate_up, all_down

@@ -6,7 +6,8 @@ Tensor names as the checkpoints have them: `model.*` (Qwen3-Next) or `model.lang
 (`mlp.experts.{e}.gate_proj.weight`, ...) or already fused (`mlp.experts.gate_up_proj`,
 `down_proj`, as transformers saves them); the MTP layer under `mtp.*` (its experts per expert
 too), built when the checkpoint has those tensors (transformers drops them when it saves).
-The vision tower (`model.visual.*`) is not served. `parts` loads what a service runs: "trunk"
+The vision tower (`model.visual.*`) is not served. With `num_expert_slots` the routed experts
+go to host memory behind that many device slots per MoE block (ExpertStore). `parts` loads what a service runs: "trunk"
 (the verifier: no MTP layer), "mtp" (a lean drafter: embeddings, the MTP layer if there is
 one, and lm_head; never the trunk), or "all". Every missing, unexpected or mis-shaped tensor is named in one
 error.
@@ -23,7 +24,8 @@ import torch
 from safetensors import safe_open
 
 from shared.model.families.hybrid.config import NextConfig
-from shared.model.families.hybrid.modules import Qwen3NextModel
+from shared.model.experts import copy_streams
+from shared.model.families.hybrid.modules import Experts, Qwen3NextModel, SharedMoe
 from shared.model.loader import PARTS, list_files, problem
 
 PREFIXES = ("model.language_model.", "model.")  # the trunk's tensors, longest first
@@ -50,14 +52,20 @@ def read_config(path: Path, *, has_mtp: bool) -> NextConfig:
 
 
 def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-              parts: str = "all") -> Qwen3NextModel:
+              parts: str = "all", num_expert_slots: int | None = None) -> Qwen3NextModel:
+    """num_expert_slots: device slots per MoE layer, the routed experts in host memory (None:
+    every expert resident; with slots they are read into host memory, never the device's)."""
     if parts not in PARTS:
         raise ValueError(f"parts {parts!r} must be one of {', '.join(PARTS)}")
     path = Path(path)
+    device = torch.device(device)
     files = list_files(path)
     has_mtp = any(name.startswith("mtp.") for name in files)
     config = read_config(path, has_mtp=has_mtp and parts != "trunk")
-    model = _empty_model(config, dtype=dtype, device=torch.device(device), trunk=parts != "mtp")
+    model = _empty_model(config, dtype=dtype, device=device, trunk=parts != "mtp")
+    if num_expert_slots:
+        for experts in expert_modules(model):
+            experts.to_empty(device="cpu")
     params = dict(model.named_parameters())  # (a tied lm_head is embed_tokens: listed once)
     per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     unexpected, misshaped, seen = [], [], set()
@@ -92,19 +100,36 @@ def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: s
     if problems:
         raise ValueError(f"checkpoint {path} does not match its config: " + "; ".join(problems))
     _rebuild_rotary(model)
+    offload_experts(model, num_expert_slots, device)
     return model.eval().requires_grad_(False)
+
+
+def expert_modules(model: Qwen3NextModel) -> list[Experts]:
+    """The routed experts of every MoE block: the trunk's, then the MTP layer's."""
+    layers = list(model.layers) + ([] if model.mtp is None else list(model.mtp.layers))
+    return [layer.mlp.experts for layer in layers if isinstance(layer.mlp, SharedMoe)]
+
+
+def offload_experts(model: Qwen3NextModel, num_slots: int | None, device: torch.device) -> None:
+    """Move every MoE block's routed experts to host memory with `num_slots` device slots (None
+    or 0: leave them resident). The blocks share one copy stream and one prefetch stream."""
+    if not num_slots:
+        return
+    copy_stream, prefetch_stream = copy_streams(device, num_slots)
+    for experts in expert_modules(model):
+        experts.offload(num_slots, device=device, copy_stream=copy_stream, prefetch_stream=prefetch_stream)
 
 
 def load_hybrid(path: Path | None, *, device: torch.device, dtype: torch.dtype, num_expert_slots: int | None,
                 random_weights: bool, config: NextConfig | None, seed: int, progress: bool,
                 parts: str) -> Qwen3NextModel:
     """shared.model.loader.load_model for this family (or its shapes with random weights)."""
-    if num_expert_slots:
-        raise ValueError("expert slots (partial residency) are not built for the hybrid family (Qwen3-Next, Qwen3.5-MoE)")
     if random_weights:
-        return random_next(config or read_config(path, has_mtp=True), dtype=dtype, device=device, seed=seed,
-                           parts=parts)
-    return load_next(path, dtype=dtype, device=device, parts=parts)
+        model = random_next(config or read_config(path, has_mtp=True), dtype=dtype, device=device, seed=seed,
+                            parts=parts)
+        offload_experts(model, num_expert_slots, device)  # (made on the device: the same seed, the same experts)
+        return model
+    return load_next(path, dtype=dtype, device=device, parts=parts, num_expert_slots=num_expert_slots)
 
 
 def random_next(config: NextConfig, *, dtype: torch.dtype, device: str | torch.device, seed: int = 0,

@@ -2,8 +2,10 @@
 linear-attention (Gated DeltaNet) and gated full-attention layers per `layer_types`,
 zero-centred RMSNorms, routed experts plus a sigmoid-gated shared expert. Checked against
 transformers' Qwen3NextForCausalLM and Qwen3_5MoeForCausalLM (text); the checkpoints' loader
-is shared.model.families.hybrid.loader. The services serve it through the engine's reference path (the
-fused GPU path does not run this family yet).
+is shared.model.families.hybrid.loader; the fused GPU path is shared.model.families.hybrid.fused.
+Routed experts run through an ExpertStore (all resident, or device slots with the experts in
+host memory) and route as qwen3_moe's do (shared.model.moe.MoeBlock: MoCE on a drafter's
+draft rows where asked).
 
 A sequence's memory (`HybridCache`) is the KV rows of the full-attention layers and the
 state of each linear-attention layer. A window run with keep_states (the default of
@@ -25,11 +27,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels.fused.moe import MAX_FUSED_TOKENS, fused_experts
 from shared.model.families.hybrid.config import NextConfig
 from shared.model.families.hybrid.deltanet import GatedDeltaNet, LinearState
 from shared.model.kv_cache import KVCache
+from shared.model.experts import ExpertStore
 from shared.model.layers import DenseMLP, Rotary, RoutingOptions
+from shared.model.moe import MoeBlock
+from shared.model.mtp import MTPLayer
 
 
 class CenteredRMSNorm(nn.Module):
@@ -84,48 +88,67 @@ class GatedAttention(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts as [E, 2I, H] gate/up and [E, H, I] down tensors."""
+    """Routed experts as [E, 2I, H] gate/up and [E, H, I] down parameters (the checkpoints'
+    names, so state dicts load), run by an ExpertStore (`store`): over these very tensors with
+    every expert resident, or after `offload` through device slots, the parameters then the
+    store's host copies."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, intermediate))
+        self._store: ExpertStore | None = None
 
-    def forward(self, x: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
-        """x [T, H]; expert_ids, weights [T, k] -> the weighted sum of each row's experts [T, H]."""
-        out = torch.zeros_like(x)
-        for expert in expert_ids.unique().tolist():
-            rows, slot = torch.where(expert_ids == expert)
-            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            routed = F.linear(F.silu(gate) * up, self.down_proj[expert]) * weights[rows, slot, None]
-            out.index_add_(0, rows, routed.to(out.dtype))
-        return out
+    @property
+    def store(self) -> ExpertStore:
+        if self._store is None:
+            self._store = ExpertStore(self.gate_up_proj, self.down_proj, device=self.gate_up_proj.device)
+        return self._store
+
+    def offload(self, num_slots: int, *, device: torch.device, copy_stream: torch.cuda.Stream | None = None,
+                prefetch_stream: torch.cuda.Stream | None = None) -> ExpertStore:
+        """Keep the experts in host memory with `num_slots` device slots (the parameters become
+        the store's host copies: nothing is kept twice)."""
+        store = ExpertStore(self.gate_up_proj.detach(), self.down_proj.detach(), device=device, num_slots=num_slots,
+                            copy_stream=copy_stream, prefetch_stream=prefetch_stream)
+        if not store.all_resident:
+            self.gate_up_proj = nn.Parameter(store.host_gate_up, requires_grad=False)
+            self.down_proj = nn.Parameter(store.host_down, requires_grad=False)
+        self._store = store
+        return store
+
+    def adopt(self, store: ExpertStore) -> None:
+        """Point the parameters at the store's weights again after it moved them (with_fixed)."""
+        if store.all_resident:
+            self.gate_up_proj = nn.Parameter(store.gate_up, requires_grad=False)
+            self.down_proj = nn.Parameter(store.down, requires_grad=False)
+
+    def _apply(self, fn, recurse=True):
+        # A move or cast (model.to) makes new parameters: an all-resident store is rebuilt over
+        # them; experts in host memory stay where their store keeps them.
+        if self._store is not None and not self._store.all_resident:
+            raise ValueError("experts offloaded to host memory do not move with the model")
+        self._store = None
+        return super()._apply(fn, recurse)
 
 
-class SharedMoe(nn.Module):
-    """Softmax top-k routing over the experts plus a shared expert scaled by a sigmoid gate."""
+class SharedMoe(MoeBlock):
+    """The routed experts (softmax top-k, MoCE on draft rows where asked) plus a shared expert
+    scaled by a sigmoid gate."""
 
     def __init__(self, c: NextConfig) -> None:
-        super().__init__()
         h = c.hidden_size
-        self.top_k, self.normalize = c.num_experts_per_tok, c.norm_topk_prob
-        self.gate = nn.Linear(h, c.num_experts, bias=False)
+        super().__init__(h, c.num_experts, c.num_experts_per_tok, normalize=c.norm_topk_prob)
         self.experts = Experts(c.num_experts, h, c.moe_intermediate_size)
         self.shared_expert = DenseMLP(h, c.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(h, 1, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        logits = self.gate(x)
-        weights, expert_ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
-        if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if x.is_cuda and x.shape[0] <= MAX_FUSED_TOKENS:
-            # qwen3_moe's fused expert kernels: each selected expert read once, no host sync
-            # (the loop below reads the routing on the host, once per layer)
-            routes = fused_experts(x, expert_ids, self.experts.gate_up_proj, self.experts.down_proj)  # [T*k, H] f32
-            routed = (routes.view(*expert_ids.shape, -1) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
-        else:
-            routed = self.experts(x, expert_ids, weights.to(logits.dtype))
+    @property
+    def store(self) -> ExpertStore:
+        return self.experts.store
+
+    def forward(self, x: Tensor, routing: RoutingOptions | None = None) -> Tensor:
+        routed = super().forward(x, routing)
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
@@ -148,21 +171,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = CenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def attend(self, x: Tensor, positions: Tensor, keys: Tensor, values: Tensor, rotary: Rotary,
-               visible: int) -> Tensor:
+               visible: int, routing: RoutingOptions | None = None) -> Tensor:
         """A full-attention layer's whole step: x [T, hidden] → x [T, hidden]."""
         x = x + self.self_attn(self.input_layernorm(x), positions, keys, values, rotary, visible)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class MTPLayer(nn.Module):
-    def __init__(self, c: NextConfig) -> None:
-        super().__init__()
-        h = c.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=False)
-        self.pre_fc_norm_embedding = CenteredRMSNorm(h, c.rms_norm_eps)
-        self.pre_fc_norm_hidden = CenteredRMSNorm(h, c.rms_norm_eps)
-        self.layers = nn.ModuleList([DecoderLayer(c, 0, mtp=True)])
-        self.norm = CenteredRMSNorm(h, c.rms_norm_eps)
+        return x + self.mlp(self.post_attention_layernorm(x), routing)
 
 
 class HybridCache:
@@ -212,7 +224,8 @@ class Qwen3NextModel(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.mtp = MTPLayer(c) if c.mtp_num_hidden_layers else None
+        self.mtp = MTPLayer(c.hidden_size, c.rms_norm_eps, norm=CenteredRMSNorm, layer=DecoderLayer(c, 0, mtp=True)) \
+            if c.mtp_num_hidden_layers else None
         rotary_dim = int(c.head_dim * c.partial_rotary_factor)
         self.rotary = Rotary(rotary_dim, c.rope_theta, c.max_position_embeddings)
 
@@ -304,15 +317,10 @@ class Qwen3NextModel(nn.Module):
                     routing: RoutingOptions | None = None) -> tuple[Tensor, Tensor]:
         """MTP rows (hidden [T, hidden], the token after each [T]) appended to the MTP cache:
         logits [T, vocab] float32 for the token after next, and the MTP output hidden [T, hidden].
-        routing: the MTP proposer's argument; this family routes by its plain top-k only (MoCE
-        routing is built for qwen3_moe, and the drafter refuses its settings for this family)."""
-        if routing is not None:
-            raise ValueError("MoCE routing options are not built for the qwen3_next family; run the drafter with "
-                             "--moce-scale 1 and no expert slots")
+        routing: the MTP proposer's (MoCE routing of its draft rows; None: full routing)."""
         mtp = self._require_mtp()
         start = cache.reserve(hidden.shape[0])
         positions = torch.arange(start, start + hidden.shape[0], device=self.device)
-        embedded = mtp.pre_fc_norm_embedding(self.embed_tokens(next_token_ids))
-        x = mtp.fc(torch.cat([embedded, mtp.pre_fc_norm_hidden(hidden.to(self.dtype))], dim=-1))
-        out = mtp.norm(mtp.layers[0].attend(x, positions, *cache.layer(0), self.rotary, start + hidden.shape[0]))
+        x = mtp.inputs(self.embed_tokens(next_token_ids), hidden)
+        out = mtp.norm(mtp.layers[0].attend(x, positions, *cache.layer(0), self.rotary, start + hidden.shape[0], routing))
         return self.lm_head(out).float(), out

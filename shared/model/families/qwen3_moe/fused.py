@@ -26,13 +26,15 @@ from kernels.fused.attention import AttentionWorkspace, decode_attention
 from kernels.fused.linear import linear, linear_partials, prefill_linear, split_k
 from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, fused_experts, silu_mul
 from kernels.fused.norm import add_rmsnorm, qk_norm_rope_store
-from kernels.fused.router import MoceTables, route
-from shared.model.experts import ExpertStore, grouped_mm_available
+from kernels.fused.router import route
+from shared.model.experts import grouped_mm_available
 from shared.model.kv_cache import PagedKV
-from shared.model.families.qwen3_moe.layers import DecoderLayer, MoeBlock
+from shared.model.families.qwen3_moe.layers import DecoderLayer
+from shared.model.moe import MoceOptions, MoeBlock
+from shared.model.mtp import fused_mtp_inputs
 from shared.model.families.qwen3_moe.model import Qwen3MoeModel
 from shared.model.layers import RoutingOptions, fuse_linear_rows
-from shared.model.offload import Offload
+from shared.model.offload import Offload, offload_over
 from shared.model.rows import Rows, one_row, prefill_attention, prefill_rows
 
 
@@ -76,6 +78,7 @@ class FusedModel:
     """Decode/verify forward of a loaded Qwen3MoeModel through the fused kernels."""
 
     states = None  # no linear-attention layers: no per-sequence state beside the KV pool
+    segmented_offload = True  # offloaded forwards replay as graph segments (shared.model.segments)
 
     def __init__(self, model: Qwen3MoeModel, *, max_rows: int, max_length: int, pdl: bool | None = None,
                  invariant: bool = True, expert_prefetch: bool = False) -> None:
@@ -98,12 +101,12 @@ class FusedModel:
         self.workspace = AttentionWorkspace(max_rows, c.num_attention_heads, c.head_dim, max_length, model.device)
         self.max_rows = max_rows
         self.cos, self.sin = model.rotary.cos, model.rotary.sin
-        self._tables: dict[tuple[int, float, float, int], MoceTables] = {}
+        self.moce = MoceOptions(model.device)
         self.pdl = pdl_supported(model.device) if pdl is None else pdl
         self.invariant = invariant
         # Experts in host memory with device slots: the host reads each MoE layer's routes.
-        self.offload = _offload([layer.store if layer.moe else None for layer in self.layers], prefetch=expert_prefetch)
-        self.mtp_offload = None if self.mtp_layer is None else _offload(
+        self.offload = offload_over([layer.store if layer.moe else None for layer in self.layers], prefetch=expert_prefetch)
+        self.mtp_offload = None if self.mtp_layer is None else offload_over(
             [self.mtp_layer.store if self.mtp_layer.moe else None], prefetch=False)
 
     @property
@@ -112,17 +115,6 @@ class FusedModel:
         return self.offload is not None or self.mtp_offload is not None
 
     # -- layers -----------------------------------------------------------------------------
-
-    def _moce(self, layer: FusedLayer, routing: RoutingOptions | None) -> tuple[Tensor | None, MoceTables | None]:
-        if routing is None or not routing.moce:
-            return None, None
-        if routing.prompt_packed is not None:
-            raise ValueError("the fused path does not take packed prompt routing (prefill uses the reference path)")
-        key = (layer.top_k, routing.scale, routing.r1_scale, routing.protect)
-        if key not in self._tables:
-            self._tables[key] = MoceTables(layer.top_k, scale=routing.scale, r1_scale=routing.r1_scale,
-                                           protect=routing.protect, device=self.model.device)
-        return layer.store.resident_mask(), self._tables[key]
 
     def decoder_layer(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor, rows: Rows,
                keys: Tensor, values: Tensor, tables: Tensor, routing: RoutingOptions | None,
@@ -164,8 +156,7 @@ class FusedModel:
                routing: RoutingOptions | None) -> tuple[Tensor, Tensor]:
         """(expert_ids [T, k], weights [T, k] float32) of an MoE layer's router."""
         num_rows = normed.shape[0]
-        resident, tables = self._moce(layer, routing)
-        draft_rows = routing.draft_rows if routing is not None and routing.moce else None
+        resident, tables, draft_rows = self.moce(layer.store, layer.top_k, routing)
         if self._by_rows(num_rows):
             router_partials = F.linear(normed, layer.router)
         else:
@@ -278,19 +269,10 @@ class FusedModel:
         mtp = model._require_mtp()
         layer = self.mtp_layer
         pdl = self.pdl
-        embedded, _ = add_rmsnorm(model.embed_tokens(next_token_ids), None, mtp.pre_fc_norm_embedding.weight, layer.eps,
-                                  pdl=pdl)
-        prior, _ = add_rmsnorm(hidden.to(model.dtype), None, mtp.pre_fc_norm_hidden.weight, layer.eps, pdl=pdl)
-        x = linear(torch.cat([embedded, prior], dim=-1), mtp.fc.weight, pdl=pdl)
-        normed, residual = add_rmsnorm(x, None, layer.input_norm, layer.eps, pdl=pdl)
+        normed, residual = fused_mtp_inputs(mtp, model.embed_tokens(next_token_ids), hidden, layer.input_norm,
+                                            layer.eps, centred=False, pdl=pdl)
         (keys, values), = kv.layers
         normed, _ = self.decoder_layer(layer, normed, residual, mtp.norm.weight, rows, keys, values, kv.block_tables,
                                        routing, None if self.mtp_offload is None else (self.mtp_offload, 0))
         return linear(normed, model.lm_head.weight, out_dtype=torch.float32, pdl=pdl), normed
 
-
-def _offload(stores: list[ExpertStore | None], *, prefetch: bool) -> Offload | None:
-    """An Offload over these stores when some of them keep experts in host memory."""
-    if all(store is None or store.all_resident for store in stores):
-        return None
-    return Offload(stores, prefetch=prefetch)

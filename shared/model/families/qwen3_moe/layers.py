@@ -1,7 +1,8 @@
 """Building blocks of the Qwen3-MoE decoder: attention, the MoE block and the decoder layer.
 
 Parameter names mirror the Hugging Face checkpoint (`self_attn.q_proj`, `mlp.gate`, ...), so
-a state dict maps onto the modules one to one; routed experts live in an ExpertStore.
+a state dict maps onto the modules one to one; routed experts live in an ExpertStore
+(shared.model.moe.MoeBlock, the MoE block both families use).
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.bias import causal_lower_right
 
-from kernels.routing import route_prompt_topk, route_topk
-from shared.model.experts import ExpertStore
 from shared.model.families.qwen3_moe.config import ModelConfig
-from shared.model.layers import DenseMLP, FULL_ROUTING, RMSNorm, Rotary, RoutingOptions
+from shared.model.layers import DenseMLP, RMSNorm, Rotary, RoutingOptions
+from shared.model.moe import MoeBlock
 
 
 class Attention(nn.Module):
@@ -72,40 +72,15 @@ class Attention(nn.Module):
         )
         return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(num_rows, -1))
 
-class MoeBlock(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.top_k = config.num_experts_per_tok
-        self.normalize = config.norm_topk_prob
-        self.experts: ExpertStore | None = None  # attached by the loader
-
-    def route(self, x: Tensor, routing: RoutingOptions) -> tuple[Tensor, Tensor]:
-        router_logits = F.linear(x, self.gate.weight).float()  # [T, experts]
-        if routing.prompt_packed is not None:
-            return route_prompt_topk(
-                router_logits, self.top_k, resident=self.experts.resident_mask(),
-                packed=routing.prompt_packed, normalize=self.normalize,
-            )
-        resident = self.experts.resident_mask() if routing.moce else None
-        return route_topk(
-            router_logits, self.top_k, resident=resident, scale=routing.scale, r1_scale=routing.r1_scale,
-            protect=routing.protect, draft_rows=routing.draft_rows, normalize=self.normalize,
-        )
-
-    def forward(self, x: Tensor, routing: RoutingOptions | None = None) -> Tensor:
-        routing = routing or FULL_ROUTING
-        expert_ids, weights = self.route(x, routing)
-        path = None
-        if routing.prompt_packed is not None and routing.prompt_packed < 0:
-            path = "dispatch"  # dropped (-1) routes go through dispatch, which never indexes with them
-        return self.experts.forward(x, expert_ids, weights.to(x.dtype), path=path)
-
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, dense: bool) -> None:
         super().__init__()
         self.self_attn = Attention(config)
-        self.mlp: nn.Module = DenseMLP(config.hidden_size, config.intermediate_size) if dense else MoeBlock(config)
+        if dense:
+            self.mlp: nn.Module = DenseMLP(config.hidden_size, config.intermediate_size)
+        else:
+            self.mlp = MoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                                normalize=config.norm_topk_prob)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -16,9 +16,9 @@ from safetensors import safe_open
 from torch import Tensor
 from tqdm import tqdm
 
-from shared.model.experts import ExpertStore
+from shared.model.experts import ExpertStore, copy_streams
 from shared.model.families.qwen3_moe.config import ModelConfig
-from shared.model.families.qwen3_moe.layers import MoeBlock
+from shared.model.moe import MoeBlock
 from shared.model.families.qwen3_moe.model import Qwen3MoeModel
 from shared.model.loader import list_files, problem
 from shared.model.registry import resolve_model
@@ -130,7 +130,7 @@ def load_qwen3_moe(path: Path | None, *, device: torch.device, dtype: torch.dtyp
     ]
     if problems:
         raise ValueError(f"checkpoint {path} does not match its config: " + "; ".join(problems))
-    copy_stream, prefetch_stream = _copy_stream(device, num_expert_slots), _copy_stream(device, num_expert_slots)
+    copy_stream, prefetch_stream = copy_streams(device, num_expert_slots)
     for prefix, block in blocks.items():
         kinds = experts[prefix]
         gate_up = torch.cat([torch.stack(kinds["gate"]), torch.stack(kinds["up"])], dim=1)
@@ -152,7 +152,7 @@ def _random_model(
         else:
             param.normal_(0.0, std, generator=generator)
     h, inter, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
-    copy_stream, prefetch_stream = _copy_stream(device, num_expert_slots), _copy_stream(device, num_expert_slots)
+    copy_stream, prefetch_stream = copy_streams(device, num_expert_slots)
     # On the device even with slots (the store moves them to host memory): the same seed gives
     # the same experts whatever the residency, and a GPU fills them far faster than the CPU.
     for block in _moe_blocks(model).values():
@@ -161,11 +161,6 @@ def _random_model(
         block.experts = ExpertStore(gate_up, down, device=device, num_slots=num_expert_slots, copy_stream=copy_stream,
                                     prefetch_stream=prefetch_stream)
     return model
-
-
-def _copy_stream(device: torch.device, num_expert_slots: int | None) -> torch.cuda.Stream | None:
-    """A copy stream all of a model's expert stores share (one for needed copies, one for prefetches)."""
-    return torch.cuda.Stream(device) if device.type == "cuda" and num_expert_slots else None
 
 
 def save_checkpoint(model: Qwen3MoeModel, path: str | Path) -> None:

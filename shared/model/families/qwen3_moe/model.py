@@ -16,17 +16,7 @@ from shared.model.families.qwen3_moe.config import ModelConfig
 from shared.model.kv_cache import KVCache
 from shared.model.families.qwen3_moe.layers import DecoderLayer
 from shared.model.layers import RMSNorm, Rotary, RoutingOptions
-
-
-class MTPLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        h = config.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=False)
-        self.pre_fc_norm_embedding = RMSNorm(h, config.rms_norm_eps)
-        self.pre_fc_norm_hidden = RMSNorm(h, config.rms_norm_eps)
-        self.layers = nn.ModuleList([DecoderLayer(config, dense=False)])
-        self.norm = RMSNorm(h, config.rms_norm_eps)
+from shared.model.mtp import MTPLayer
 
 
 class Qwen3MoeModel(nn.Module):
@@ -43,7 +33,8 @@ class Qwen3MoeModel(nn.Module):
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.mtp = MTPLayer(config) if config.has_mtp else None
+        self.mtp = MTPLayer(h, config.rms_norm_eps, norm=RMSNorm, layer=DecoderLayer(config, dense=False)) \
+            if config.has_mtp else None
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.max_position_embeddings)
 
     # -- caches ---------------------------------------------------------------------------
@@ -150,8 +141,7 @@ class Qwen3MoeModel(nn.Module):
         """
         mtp = self._require_mtp()
         positions, visible = self._window(cache, hidden.shape[0], positions)
-        embedded = mtp.pre_fc_norm_embedding(self.embed_tokens(next_token_ids))
-        x = mtp.fc(torch.cat([embedded, mtp.pre_fc_norm_hidden(hidden.to(self.dtype))], dim=-1))
+        x = mtp.inputs(self.embed_tokens(next_token_ids), hidden)
         keys, values = cache.layer(0)
         x = mtp.layers[0](x, positions, keys, values, self.rotary, visible, routing)
         out = mtp.norm(x)

@@ -1,0 +1,116 @@
+"""The hybrid family's routed experts in host memory (device slots) and MoCE on its draft rows
+(issue 34): offloading changes no bit of the trunk, the MTP layer or prefill, on the reference
+modules and on the fused path alike; MoCE moves draft rows only, the same on both paths. On a
+CPU box the fused kernels run in Triton's interpreter."""
+
+import pytest
+import torch
+
+from shared.model import RoutingOptions
+from shared.model.families import build_fused
+from shared.model.families.hybrid.config import NextConfig
+from shared.model.families.hybrid.loader import expert_modules, offload_experts, random_next
+from shared.model.kv_cache import KVPool
+from shared.model.rows import Rows
+
+CONFIG = dict(model_type="qwen3_5_moe_text", vocab_size=97, hidden_size=32, num_hidden_layers=2,
+              num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=40,
+              moe_intermediate_size=16, shared_expert_intermediate_size=12, num_experts=8, num_experts_per_tok=2,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4, max_position_embeddings=128,
+              layer_types=["linear_attention", "full_attention"], partial_rotary_factor=0.25, rms_norm_eps=1e-6,
+              mtp_num_hidden_layers=1)
+SLOTS = 3  # of 8 experts a block
+TOKENS = torch.tensor([5, 17, 3, 88, 41, 9, 60, 23, 71, 2, 33, 50])
+
+
+def new_model(slots: int | None):
+    """The same random weights (std 0.2: routes that matter), experts all resident or in slots."""
+    model = random_next(NextConfig.from_dict(CONFIG), dtype=torch.float32, device="cpu", seed=4, std=0.2)
+    offload_experts(model, slots, torch.device("cpu"))
+    return model
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(every expert resident, SLOTS of 8 resident) with the same weights."""
+    return new_model(None), new_model(SLOTS)
+
+
+def misses(model) -> int:
+    return sum(experts.store.counters.misses for experts in expert_modules(model))
+
+
+def test_the_reference_modules_compute_the_same_bits_with_experts_in_host_memory(models):
+    resident, few = models
+    assert all(not e.store.all_resident and e.store.num_slots == SLOTS for e in expert_modules(few))
+    want, hidden = resident(TOKENS, resident.new_cache(16))
+    got, hidden_few = few(TOKENS, few.new_cache(16))
+    assert torch.equal(got, want) and torch.equal(hidden_few, hidden)
+    mtp_want, _ = resident.forward_mtp(hidden[:-1], TOKENS[1:], resident.new_mtp_cache(16))
+    mtp_got, _ = few.forward_mtp(hidden[:-1], TOKENS[1:], few.new_mtp_cache(16))
+    assert torch.equal(mtp_got, mtp_want)
+    assert misses(few) > 0 and misses(resident) == 0
+
+
+def _run_fused(model, routing=None):
+    """Prefill 8 tokens, a 4-row verify window, then MTP rows: (window logits, MTP logits)."""
+    fused = build_fused(model, max_rows=8, max_length=64, num_state_slots=2)
+    c = model.config
+    pool = KVPool(num_layers=model.num_kv_layers, num_slots=2, max_length=64, num_kv_heads=c.num_key_value_heads,
+                  head_dim=c.head_dim, dtype=model.dtype, device="cpu", block_size=8)
+    slot, length = pool.acquire(64)
+    fused.states.reset(slot)
+    length.reserve(8)
+    hidden = fused.prefill(TOKENS[:8], [(0, 8, slot)], pool.paged())
+    read, write = fused.states.buffers(slot)
+    rows = Rows.window(8, 4, slot, "cpu")
+    rows = Rows(**{**rows.__dict__, "state_in": torch.tensor([read]), "state_out": torch.tensor([write])})
+    logits, _ = fused.forward(TOKENS[8:], rows, pool.paged())
+    mtp_pool = KVPool(num_layers=1, num_slots=1, max_length=64, num_kv_heads=c.num_key_value_heads,
+                      head_dim=c.head_dim, dtype=model.dtype, device="cpu", block_size=8)
+    mtp_slot, _ = mtp_pool.acquire(64)
+    mtp_logits, _ = fused.forward_mtp(hidden[:6], TOKENS[1:7], Rows.window(0, 6, mtp_slot, "cpu"), mtp_pool.paged(),
+                                      routing)
+    return fused, logits, mtp_logits
+
+
+def test_the_fused_path_computes_the_same_bits_with_experts_in_host_memory(models):
+    resident, few = models
+    fused_all, want, mtp_want = _run_fused(resident)
+    before = misses(few)
+    fused_few, got, mtp_got = _run_fused(few)
+    assert fused_all.offload is None and fused_few.offload is not None and fused_few.mtp_offload is not None
+    assert torch.equal(got, want) and torch.equal(mtp_got, mtp_want)
+    assert misses(few) > before  # (8 prompt rows route to more experts than 3 slots: groups in turn)
+
+
+def test_moce_routes_draft_rows_toward_resident_experts_alike_on_both_paths(models):
+    """MoCE (scale 3) on the MTP layer of the model with 3 of 8 experts resident, row by row from
+    the same residency map on both paths (a forward's misses change the map): the fused path's
+    logits are the reference's, they differ from full routing's, and at scale 1 (no boost) MoCE
+    is full routing bit for bit."""
+    _, few = models
+    store = few.mtp.layers[0].mlp.store
+    hidden = few(TOKENS, few.new_cache(16))[1]
+    c = few.config
+    fused = build_fused(few, max_rows=8, max_length=64)
+    pool = KVPool(num_layers=1, num_slots=1, max_length=64, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                  dtype=few.dtype, device="cpu", block_size=8)
+    slot, _ = pool.acquire(64)
+    draft = RoutingOptions(moce=True, scale=3.0, draft_rows=torch.ones(1, dtype=torch.bool))
+    unboosted = RoutingOptions(moce=True, scale=1.0, draft_rows=torch.ones(1, dtype=torch.bool))
+    caches = {name: few.new_mtp_cache(16) for name in ("moce", "unboosted", "full")}
+    moved = 0
+    for i in range(6):
+        h, token = hidden[i : i + 1], TOKENS[i + 1 : i + 2]
+        store.ensure([1, 4, 6])
+        want, _ = few.forward_mtp(h, token, caches["moce"], routing=draft)
+        store.ensure([1, 4, 6])
+        got, _ = fused.forward_mtp(h, token, Rows.window(i, 1, slot, "cpu"), pool.paged(), draft)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        full, _ = few.forward_mtp(h, token, caches["full"])
+        plain, _ = few.forward_mtp(h, token, caches["unboosted"], routing=unboosted)
+        assert torch.equal(plain, full)
+        moved += not torch.allclose(want, full, rtol=1e-3, atol=1e-4)
+    assert moved > 0
