@@ -7,7 +7,11 @@ round's start (wait, verify, streaming: everything) per committed token. Specula
 are compared with plain ones:
 
 - a request starts speculating, unless the server's recent rounds say speculation does not
-  pay (then it starts plain, detached);
+  pay (then it starts plain, detached); while they do not say either way yet (a fresh
+  server, a new drafter), at most `max_explorers` requests at a time speculate to find out and
+  the others start plain, looking again every few rounds: a drafter that does not pay is then
+  learned by a few requests, not paid for by every request that arrives together (their plain
+  rounds also give the explorers the plain cost they judge against);
 - after `judge_rounds` speculative rounds it judges; if the plain cost is unknown (no plain
   round here or on the server yet), `judge_rounds` plain rounds calibrate it first;
 - speculation slower than plain (by more than `margin`, and beyond `confidence_z` standard
@@ -49,9 +53,11 @@ class GovernorSettings:
     window: int = 16  # a request's estimate: its last rounds of a kind
     confidence_z: float = 0.5  # detach only when slower by this many standard errors (one round's luck is not a trend)
     server_window: int = 64  # the server's estimate: the last rounds of a kind, all requests
+    max_explorers: int = 2  # requests speculating at once while the server's rounds give no verdict
+    verdict_rounds: int = 4  # plain rounds between looks at the server's verdict (a request waiting for it)
 
     def __post_init__(self) -> None:
-        for name in ("min_hold", "window", "server_window"):
+        for name in ("min_hold", "window", "server_window", "max_explorers", "verdict_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"governor {name} {getattr(self, name)} must be >= 1")
         if self.judge_rounds < 2:
@@ -125,18 +131,32 @@ class Ledger:
         self.speculative = CostWindow(settings.server_window)
         self.plain = CostWindow(settings.server_window)
         self.credit_s = 0.0  # what probes may still lose
+        self.explorers = 0  # requests speculating to give the server its first verdict
         # what the first round of a speculative phase loses against plain: the drafter's (re)open
         # or catch-up on the rounds it missed, kept out of the estimates but not out of a probe's cost
         self.opening_excess_s = 0.0
         self._lock = threading.Lock()
 
     def pays(self) -> bool | None:
-        """Whether speculation has paid lately (None: too few rounds of either kind to say)."""
-        enough = max(1, self.settings.server_window // 4)
+        """Whether speculation has paid lately (None: too few rounds of either kind to say). As
+        many rounds as one request judges on suffice: the server's verdict is its requests'."""
+        enough = min(self.settings.judge_rounds - 1, self.settings.server_window)
         if len(self.speculative) < enough or len(self.plain) < enough:
             return None
         s = self.settings  # the same rule as a request's detach: slower by the margin, beyond noise
         return not self.speculative.slower(self.plain.per_token() * (1 + s.margin), s.confidence_z)
+
+    def explore(self) -> bool:
+        """Take one of the `max_explorers` places (False: all taken)."""
+        with self._lock:
+            if self.explorers >= self.settings.max_explorers:
+                return False
+            self.explorers += 1
+            return True
+
+    def explored(self) -> None:
+        with self._lock:
+            self.explorers -= 1
 
     def earn(self, plain_seconds: float) -> None:
         with self._lock:
@@ -171,8 +191,15 @@ class Governor:
         self.drafting = drafting  # False: the request never drafts; its plain rounds still teach the ledger
         self.speculative = CostWindow(settings.window)
         self.plain = CostWindow(settings.window)
-        self.speculating = drafting and ledger.pays() is not False  # the kind of the next round
-        self.phase_length = settings.judge_rounds if self.speculating else settings.min_hold
+        self.exploring = False  # speculating to give the server a verdict (holds a Ledger.explore place)
+        self.awaiting = False  # plain until the server's rounds give a verdict (no explorer place was free)
+        verdict = ledger.pays() if drafting else False
+        if verdict is None:
+            self.exploring = ledger.explore()
+            self.awaiting = not self.exploring
+        self.speculating = drafting and (verdict is True or self.exploring)  # the kind of the next round
+        self.phase_length = settings.judge_rounds if self.speculating else \
+            settings.verdict_rounds if self.awaiting else settings.min_hold
         self.calibrating = False  # this plain phase measures the plain cost, then judges at once
         self.probing = False  # this speculative phase is a probe (charged to the ledger's budget)
         self.reserved_s = 0.0  # per probe round, the share of the probe's reservation
@@ -252,9 +279,19 @@ class Governor:
         opening = max(self.ledger.opening_excess_s, 0.0)
         return max(excess or 0.0, 0.0) * (self.settings.judge_rounds - 1) + opening
 
+    def close(self) -> None:
+        """The request ended (or went away): give back an explorer's place."""
+        if self.exploring:
+            self.exploring = False
+            self.ledger.explored()
+
     def _decide(self) -> None:
+        if self.awaiting:
+            self._look_for_verdict()
+            return
         speculative, plain = self.estimate(True), self.estimate(False)
         if self.speculating:
+            self.close()  # an explorer's first judgement is its contribution
             if plain is None:
                 self._switch(False, self.settings.judge_rounds, calibrating=True)
             elif speculative is not None and self._slower(plain):
@@ -275,6 +312,20 @@ class Governor:
                 self.probes += 1
                 self._switch(True, self.settings.judge_rounds)
                 self.probing, self.reserved_s = True, expected / self.settings.judge_rounds
+
+    def _look_for_verdict(self) -> None:
+        """A request waiting for the server's verdict: speculate where it pays (or where an
+        explorer's place is free again), stay plain — as if detached — where it does not."""
+        verdict = self.ledger.pays()
+        if verdict is None and not self.ledger.explore():
+            self.phase_rounds = 0  # look again in verdict_rounds
+            return
+        self.awaiting = False
+        if verdict is False:
+            self._switch(False, self.settings.min_hold)
+            return
+        self.exploring = verdict is None
+        self._switch(True, self.settings.judge_rounds)
 
     def _detach(self) -> None:
         self.detaches += 1

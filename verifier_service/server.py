@@ -258,6 +258,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             self.admission.release(kv_blocks)  # (the worker frees the blocks before any later begin)
             self.metrics.active.dec()
             if governor is not None:  # (cancelled requests too)
+                governor.close()
                 self.metrics.detaches.inc(governor.detaches)
             if link is not None:
                 for kind, count in link.faults.items():

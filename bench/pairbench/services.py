@@ -98,12 +98,15 @@ class Children:
 
 
 class Tap:
-    """A pass-through proxy of Drafter.Draft that keeps every message's raw bytes."""
+    """A pass-through proxy of Drafter.Draft that keeps every message's raw bytes; delay_s: each
+    message from the drafter reaches the verifier that much later (a far drafter: another host
+    or region), in order."""
 
     METHOD = "/tandem.v1.Drafter/Draft"
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, *, delay_s: float = 0.0) -> None:
         self.target = target
+        self.delay_s = delay_s
         self.streams: list[dict] = []
         self.server: grpc.aio.Server | None = None
         self.channel: grpc.aio.Channel | None = None
@@ -129,11 +132,32 @@ class Tap:
                 yield raw
 
         call = self.forward(upstream())
+        if not self.delay_s:
+            try:
+                async for raw in call:
+                    record["down"].append(raw)
+                    yield raw
+            finally:
+                call.cancel()
+            return
+        arrivals: asyncio.Queue = asyncio.Queue()
+
+        async def receive() -> None:
+            try:
+                async for raw in call:
+                    record["down"].append(raw)
+                    arrivals.put_nowait((time.monotonic(), raw))
+            finally:  # (the stream's end or error ends the verifier's side too)
+                arrivals.put_nowait(None)
+
+        reader = asyncio.create_task(receive())
         try:
-            async for raw in call:
-                record["down"].append(raw)
+            while (item := await arrivals.get()) is not None:
+                arrived, raw = item
+                await asyncio.sleep(max(0.0, arrived + self.delay_s - time.monotonic()))
                 yield raw
         finally:
+            reader.cancel()
             call.cancel()
 
     async def stop(self) -> None:

@@ -249,3 +249,51 @@ def test_the_server_s_verdict_follows_the_same_noise_rule():
             ledger.speculative.add(0.0061, chain_tokens(rng))
             ledger.plain.add(0.0033, 1)
         assert ledger.pays() is True, seed
+
+
+def round_robin(governors: list[Governor], rounds: int, cost) -> list[list[bool]]:
+    """Requests running together: one round of each in turn, each on its own clock."""
+    clocks = [[0.0] for _ in governors]
+    kinds: list[list[bool]] = [[] for _ in governors]
+    for _ in range(rounds):
+        for governor, clock, seen in zip(governors, clocks, kinds):
+            seen.extend(run(governor, 1, cost, clock))
+    return kinds
+
+
+@pytest.mark.parametrize("paying", [False, True])
+def test_requests_arriving_together_send_two_explorers_and_the_rest_follow_the_verdict(paying):
+    """8 requests on a fresh server: 2 speculate to find out (max_explorers), 6 start plain and
+    look at the server's verdict every verdict_rounds rounds. A drafter that does not pay is
+    then paid for by the 2 alone; one that pays has every request speculating within two looks."""
+    ledger = Ledger(SETTINGS)
+    governors = [Governor(SETTINGS, ledger) for _ in range(8)]
+    assert [g.next_speculates for g in governors] == [True] * 2 + [False] * 6
+    kinds = round_robin(governors, 40, fast_drafter if paying else slow_drafter)
+    waiting = kinds[2:]
+    if paying:
+        assert ledger.pays() is True
+        assert all(seen.index(True) <= 2 * SETTINGS.verdict_rounds for seen in waiting)
+        assert all(all(seen[2 * SETTINGS.verdict_rounds:]) for seen in waiting)  # and they stay
+    else:
+        assert ledger.pays() is False
+        assert not any(any(seen) for seen in waiting)  # (the budget holds no probe yet)
+        assert sum(g.detaches for g in governors) == 2
+    assert ledger.explorers == 0  # both explorers judged: their places are free again
+
+
+def test_an_explorer_that_ends_before_judging_gives_its_place_back():
+    ledger = Ledger(SETTINGS)
+    first, second = Governor(SETTINGS, ledger), Governor(SETTINGS, ledger)
+    third = Governor(SETTINGS, ledger)
+    assert (first.next_speculates, second.next_speculates, third.next_speculates) == (True, True, False)
+    run(first, 2, slow_drafter)
+    first.close()  # the request ended (or was cancelled) before its judgement
+    first.close()  # (twice is once)
+    assert ledger.explorers == 1
+    assert Governor(SETTINGS, ledger).next_speculates
+    assert ledger.explorers == 2
+    # a waiting request takes a place freed while it waits, at its next look
+    second.close()
+    kinds = run(third, SETTINGS.verdict_rounds + 1, slow_drafter)
+    assert kinds == [False] * SETTINGS.verdict_rounds + [True] and third.exploring
