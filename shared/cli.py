@@ -15,6 +15,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from importlib import metadata
 
 _FORMATTER = argparse.ArgumentDefaultsHelpFormatter
@@ -89,21 +90,42 @@ def _run_service(name: str, args: argparse.Namespace) -> int:
 # --- tandem demo ------------------------------------------------------------------------
 
 
+class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, except where there is none to show (the help text says what happens)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def _at_least(low: float, kind: type) -> Callable[[str], float]:
+    """An argparse type: a finite `kind` >= low (argparse names the option in its error)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
+        if not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(f"{text} must be >= {low:g}")
+        return value
+
+    return parse
+
+
 def _add_demo(subcommands) -> None:
     parser = subcommands.add_parser(
         "demo",
         help="start a drafter and a verifier on localhost with the embedded model and stream a completion",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsShown,
     )
     parser.add_argument("--prompt", default="import os\n\n\ndef read_lines(path):", help="text prompt (\\n for newlines)")
-    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--max-new-tokens", type=_at_least(1, int), default=160, help="tokens to generate")
     # Seeded sampling by default: greedy decoding of the small embedded model soon loops.
-    parser.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--temperature", type=_at_least(0, float), default=0.7, help="0 = greedy")
+    parser.add_argument("--seed", type=int, default=1, help="the request's seed (sampling is reproducible)")
     parser.add_argument("--mode", choices=("exact", "probabilistic"), default="exact",
                         help="exact mode drafts coupled to the target's own draws (same tokens as plain decoding)")
-    parser.add_argument("--max-draft-tokens", type=int, default=4)
-    parser.add_argument("--model", default=None, help="checkpoint directory or name (default: the embedded model)")
+    parser.add_argument("--max-draft-tokens", type=_at_least(0, int), default=4, help="drafts per round, at most")
+    parser.add_argument("--model", default=None, help="checkpoint directory or name; the embedded model when not given")
     parser.add_argument("--markers", choices=("auto", "color", "brackets", "none"), default="auto",
                         help="how accepted drafts are marked: auto = color on a terminal, none otherwise (plain text)")
     parser.set_defaults(handler=_run_demo)
@@ -332,7 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     if handler is None:
         parser.print_help(sys.stderr)
         return 2
-    return handler(args)
+    try:
+        return handler(args)
+    except KeyboardInterrupt:  # Ctrl-C before a service took over SIGINT (imports, loading, binding)
+        print(f"tandem {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 
-from shared.client import GenerationConfig, VerifierClient
+from shared.client import GenerationConfig, VerifierClient, VerifierError
 from shared.health import wait_serving
 from shared.model.registry import resolve_model
 from shared.tokenizer import load_tokenizer
@@ -31,7 +31,38 @@ def _start(kind: str, args: list[str]) -> subprocess.Popen:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    model_dir = resolve_model(args.model)
+    """Exit status: 0; 2 for a model that cannot be found; 1 for a request the verifier refused;
+    130 on Ctrl-C, 143 on SIGTERM (the two services stopped in every case)."""
+    try:
+        model_dir = resolve_model(args.model)
+    except FileNotFoundError as error:
+        print(f"error: model = {args.model}: {error}", file=sys.stderr)
+        return 2
+    # SIGTERM ends the demo as Ctrl-C does: through the `finally` below that stops both services.
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        return _run(args, model_dir)
+    except VerifierError as error:  # a request the verifier refused (e.g. beyond its limits)
+        print(f"\nerror: the verifier refused the request: {error.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except _Terminated:
+        return 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
+def _run(args: argparse.Namespace, model_dir) -> int:
     tokenizer = load_tokenizer(model_dir)
     prompt = args.prompt.encode().decode("unicode_escape")
     drafter_port, verifier_port = _free_port(), _free_port()

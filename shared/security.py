@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import hmac
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,9 @@ def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCred
     RuntimeError when the address cannot be bound (in use, bad address) or, with TLS, when
     the certificate and key do not load (mismatched pair, corrupt PEM).
     """
+    busy = _port_in_use(address)
+    if busy:  # (gRPC's core would log a raw error line before raising: say it once, plainly)
+        raise RuntimeError(f"could not bind {address}: {busy}")
     try:
         if credentials is None:
             port = server.add_insecure_port(address)
@@ -327,3 +331,26 @@ def make_test_pki(directory: Path, *, days: int = 30) -> dict[str, Path]:
         "other_client_cert": write_cert("other-client.pem", other_client_cert),
         "other_client_key": write_key("other-client.key", other_client_key),
     }
+
+
+def _port_in_use(address: str) -> str | None:
+    """Why `address` (host:port) cannot be bound because something listens there (None: it can,
+    or the check cannot tell and gRPC's bind will say). SO_REUSEADDR as gRPC's own bind sets it:
+    a port held only by connections closing (TIME_WAIT) is not in use."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") or None
+    if not port.isdigit() or int(port) == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return None
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(sockaddr)
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    return "the port is in use (another process listens on it)"
+    return None

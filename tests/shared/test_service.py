@@ -61,6 +61,7 @@ def test_cli_start_up_failures_are_one_line_and_exit_2(service):
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert len(errors) == 1 and fragment in errors[0], result.stderr
         assert "Traceback" not in result.stderr
+        assert "add_port" not in result.stderr  # (gRPC core's raw log line of a failed bind)
 
 
 class PeerEcho(ServiceServer):
@@ -120,3 +121,25 @@ def test_help_lists_every_setting(service):
     assert result.returncode == 0, result.stderr
     for field in dataclasses.fields(cls):
         assert "--" + field.name.replace("_", "-") in result.stdout
+
+
+@pytest.mark.parametrize("after_s", [1.5, 3.0])  # (past the interpreter's own start, into tandem's)
+def test_ctrl_c_during_start_up_ends_the_service_without_a_traceback(after_s):
+    """Ctrl-C while a service imports, loads or binds (before it handles SIGINT itself, which
+    drains): one line and status 130 — or, once it handles SIGINT, a drain and status 0."""
+    import signal
+    import time
+
+    service = subprocess.Popen([sys.executable, "-m", "shared.cli", "verifier", "--port", "0"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(after_s)
+        service.send_signal(signal.SIGINT)
+        _, err = service.communicate(timeout=60)
+    finally:
+        if service.poll() is None:
+            service.kill()
+    # (130, or ended by the SIGINT itself, which a shell reports as 130 too)
+    assert service.returncode in (0, 130, -signal.SIGINT) and "Traceback" not in err, err
+    if service.returncode != 0:
+        assert "tandem verifier: interrupted" in err
