@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from shared.model.experts import ExpertStore
+from shared.model.moe import MoeBlock
 from shared.model.registry import resolve_model
 
 SINGLE_FILE = "model.safetensors"
@@ -99,9 +99,11 @@ def resident_bytes(model: torch.nn.Module) -> int:
     seen, total = set(), 0
     tensors = [*model.parameters(), *model.buffers()]
     for module in model.modules():
-        store = getattr(module, "experts", None)
-        if isinstance(store, ExpertStore):
+        if isinstance(module, MoeBlock) and module.store is not None:
+            store = module.store
             tensors += [store.gate_up, store.down]
+            if not store.all_resident:  # its experts' host copies (a hybrid block's parameters) are not counted
+                seen.update(t.untyped_storage().data_ptr() for t in (store.host_gate_up, store.host_down))
     for tensor in tensors:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in seen:

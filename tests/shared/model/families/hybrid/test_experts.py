@@ -114,3 +114,14 @@ def test_moce_routes_draft_rows_toward_resident_experts_alike_on_both_paths(mode
         assert torch.equal(plain, full)
         moved += not torch.allclose(want, full, rtol=1e-3, atol=1e-4)
     assert moved > 0
+
+
+def test_the_resident_bytes_count_the_device_slots_not_the_host_copies(models):
+    from shared.model.loader import resident_bytes
+
+    resident, few = models
+    expert = expert_modules(resident)[0].store.expert_bytes
+    blocks = len(expert_modules(resident))
+    # every block keeps SLOTS of its 8 experts (and, once fused, the shared expert beside them)
+    fixed = sum(e.store.num_fixed for e in expert_modules(few)) - sum(e.store.num_fixed for e in expert_modules(resident))
+    assert resident_bytes(resident) - resident_bytes(few) == (8 - SLOTS) * blocks * expert - fixed * expert
