@@ -108,3 +108,19 @@ def test_bad_configs_name_the_field():
         NextConfig.from_dict(dict(CONFIGS["hybrid"], layer_types=["linear_attention", "mamba"] * 2))
     with pytest.raises(ValueError, match="config.json"):
         NextConfig.from_dict({"hidden_size": 32})
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("hidden_size", 0, "hidden_size = 0 must be a positive integer"),
+    ("num_attention_heads", True, "num_attention_heads = True must be a positive integer"),
+    ("linear_conv_kernel_dim", -4, "linear_conv_kernel_dim = -4"),
+    ("num_key_value_heads", 3, "not a multiple of num_key_value_heads = 3"),
+    ("linear_num_value_heads", 3, "linear_num_value_heads = 3 is not a multiple"),
+    ("num_experts_per_tok", 99, "num_experts_per_tok = 99 exceeds num_experts"),
+])
+def test_bad_sizes_name_the_field(field, value, says):
+    """Sizes are checked as qwen3_moe's are (a zero, a json true or a mismatch once loaded as
+    shapes): a ValueError naming the field, not a failure deep in the model's construction."""
+    with pytest.raises(ValueError, match=says.replace("(", r"\(")):
+        NextConfig.from_dict(dict(CONFIGS["hybrid"], layer_types=["linear_attention", "full_attention"] * 2,
+                                  **{field: value}))

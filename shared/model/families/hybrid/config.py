@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from shared.model.config_fields import eos_token_ids, require_positive
+
 
 @dataclass(frozen=True)
 class NextConfig:
@@ -39,6 +41,21 @@ class NextConfig:
     eos_token_ids: tuple[int, ...] = ()  # config.json's eos_token_id (one id or a list)
 
     def __post_init__(self) -> None:
+        require_positive(self, (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
+            "num_experts_per_tok", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+            "linear_value_head_dim", "linear_conv_kernel_dim", "max_position_embeddings", "decoder_sparse_step"),
+            zero_ok=("num_experts", "shared_expert_intermediate_size", "intermediate_size"))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"config num_attention_heads = {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads = {self.num_key_value_heads}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"config linear_num_value_heads = {self.linear_num_value_heads} is not a multiple of "
+                             f"linear_num_key_heads = {self.linear_num_key_heads}")
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"config num_experts_per_tok = {self.num_experts_per_tok} exceeds "
+                             f"num_experts = {self.num_experts}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(f"config layer_types has {len(self.layer_types)} entries for "
                              f"num_hidden_layers = {self.num_hidden_layers}")
@@ -59,9 +76,7 @@ class NextConfig:
         overrides: fields set whatever the file says (the loader's mtp_num_hidden_layers)."""
         composite, raw = raw, raw.get("text_config") or raw
         values = dict(raw)
-        eos = raw.get("eos_token_id", composite.get("eos_token_id"))
-        if eos is not None:
-            values["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (eos,)
+        values["eos_token_ids"] = eos_token_ids(raw, composite)
         if str(raw.get("model_type") or composite.get("model_type", "")).startswith("qwen3_5"):
             values["linear_projection"] = "split"
         values.update({k: v for k, v in (raw.get("rope_parameters") or {}).items()

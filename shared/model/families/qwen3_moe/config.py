@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.model.config_fields import eos_token_ids, require_positive
+
 SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
 REQUIRED_KEYS = (
     "vocab_size",
@@ -48,15 +50,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        positive = (
+        require_positive(self, (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "head_dim", "moe_intermediate_size", "num_experts", "num_experts_per_tok", "decoder_sparse_step",
-            "max_position_embeddings",
-        )
-        for name in positive:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"config {name} = {value!r} must be a positive integer")
+            "max_position_embeddings"))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"config num_attention_heads = {self.num_attention_heads} is not a multiple of "
@@ -105,8 +102,7 @@ class ModelConfig:
         if rope_type != "default" or (scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default")):
             raise ValueError(f"config rope type {rope_type!r} / rope_scaling {scaling!r} is not supported (default RoPE only)")
         heads = raw["num_attention_heads"]
-        eos = raw.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        eos_ids = eos_token_ids(raw)
         return cls(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
