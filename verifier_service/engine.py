@@ -26,10 +26,10 @@ from torch import Tensor
 from kernels.fused import cdiv
 from kernels.sampling import SparseRows, process_logits
 from kernels.speculative import Mode
-from shared.model.experts import ExpertStore
 from shared.model.families import build_fused, fused_wanted
 from shared.model.graphs import WindowGraphs, WindowOutput
 from shared.model.kv_cache import KVPool
+from shared.model.moe import MoeBlock
 from verifier_service.kv_memory import KVPlan, plan_kv
 from verifier_service.requests import RequestSpec
 from verifier_service.rounds import Ahead, RoundOutcome, RoundRequest, Session
@@ -69,9 +69,7 @@ class Engine:
         self.draw_secret = draw_secret  # keys the accept/residual draws (verifier_service.audit)
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
-        # (the qwen3_next family's experts are plain parameters: no slots to count)
-        self.stores = [layer.mlp.experts for layer in model.layers
-                       if isinstance(getattr(layer.mlp, "experts", None), ExpertStore)]
+        self.stores = [layer.mlp.store for layer in model.layers if isinstance(layer.mlp, MoeBlock)]  # (both families)
         self.windows: WindowGraphs | None = None
         c = model.config
         bytes_per_token = KVPool.bytes_per_token(num_layers=model.num_kv_layers, num_kv_heads=c.num_key_value_heads,
