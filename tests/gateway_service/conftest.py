@@ -95,3 +95,43 @@ def assert_openai_error(answer: dict, param: str | None) -> dict:
     assert set(answer) == {"error"} and set(answer["error"]) == {"message", "type", "param", "code"}, answer
     assert answer["error"]["param"] == param, answer
     return answer["error"]
+
+
+class EventStream:
+    """A streamed completion read event by event off a raw connection (the `openai` client
+    raises on an error event; these tests look at the events themselves)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, status: int) -> None:
+        self.reader, self.writer, self.status = reader, writer, status
+
+    @classmethod
+    async def open(cls, port: int, body: dict, path: str = "/v1/completions") -> "EventStream":
+        raw = json.dumps({**body, "stream": True}).encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write((f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                      f"Content-Length: {len(raw)}\r\n\r\n").encode() + raw)
+        status = int((await reader.readline()).split()[1])
+        while await reader.readline() not in (b"\r\n", b""):  # headers
+            pass
+        return cls(reader, writer, status)
+
+    async def next(self) -> dict | str | None:
+        """The next event's data (parsed JSON, or "[DONE]"); None at the end of the stream."""
+        while True:
+            line = await self.reader.readline()
+            if not line:
+                return None
+            line = line.strip()
+            if line.startswith(b"data: "):
+                data = line[len(b"data: "):].decode()
+                return data if data == "[DONE]" else json.loads(data)
+            # (chunked-encoding size lines and blank separators carry no event)
+
+    async def rest(self) -> list:
+        events = []
+        while (event := await self.next()) is not None:
+            events.append(event)
+        return events
+
+    def close(self) -> None:
+        self.writer.close()

@@ -1,0 +1,148 @@
+"""Stopping (issue 38): the gateway drains as the verifier does. On SIGTERM `/health` answers
+503 on a port that stays open, new requests get 503, requests that finish within the grace
+period finish, and those still running near its end are ended in OpenAI's shape (a stream:
+an error event, then [DONE]; a whole reply: a 503); then the process exits 0, without a
+traceback. A request the verifier itself ends while it drains (finish reason "shutdown")
+reaches the client the same way."""
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import openai
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from shared.protocol import verifier_pb2, verifier_pb2_grpc
+
+from .conftest import MODEL, PROMPT, EventStream, assert_openai_error, post
+
+TICK_S = 0.02  # the fake verifier's time per token
+
+
+class SteadyVerifier(verifier_pb2_grpc.VerifierServicer):
+    """Streams "a" every TICK_S until max_new_tokens; counts the calls its clients cancelled."""
+
+    def __init__(self) -> None:
+        self.cancelled = 0
+
+    async def Generate(self, request, context):
+        try:
+            for _ in range(request.max_new_tokens):
+                await asyncio.sleep(TICK_S)
+                yield verifier_pb2.GenerateEvent(token_ids=[7], text_delta="a")
+            yield verifier_pb2.GenerateEvent(final=verifier_pb2.FinalEvent(
+                finish_reason="length", stats=verifier_pb2.RequestStats(completion_tokens=request.max_new_tokens)))
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+async def start_steady_verifier() -> tuple[grpc.aio.Server, SteadyVerifier, int]:
+    servicer = SteadyVerifier()
+    server = grpc.aio.server()
+    verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+    checks = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    await checks.set("tandem.v1.Verifier", health_pb2.HealthCheckResponse.SERVING)
+    return server, servicer, port
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+async def health_status(port: int) -> tuple[int | None, dict | None]:
+    """(status, answer) of GET /health; (None, None) when the connection is refused."""
+    def fetch():
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+        except OSError:
+            return None, None
+
+    return await asyncio.to_thread(fetch)
+
+
+async def test_sigterm_drains_open_requests_and_ends_them_in_openais_shape():
+    verifier, servicer, vport = await start_steady_verifier()
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "gateway_service", "--port", str(port),
+                                "--verifier", f"127.0.0.1:{vport}", "--grace-s", "4"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while (await health_status(port))[0] != 200:
+            assert time.monotonic() < deadline and process.poll() is None, process.stdout.read()
+            await asyncio.sleep(0.2)
+        body = {"model": MODEL, "prompt": PROMPT}
+        endless = await EventStream.open(port, {**body, "max_tokens": 100_000})
+        short = await EventStream.open(port, {**body, "max_tokens": 40})  # done well within the grace
+        assert endless.status == short.status == 200
+        assert (await endless.next())["choices"][0]["text"] == "a"
+        whole = asyncio.create_task(post(port, "/v1/completions", {**body, "max_tokens": 100_000}))
+        await asyncio.sleep(0.5)  # (the whole reply's request is under way)
+
+        process.send_signal(signal.SIGTERM)
+        status, answer = await health_status(port)
+        for _ in range(50):  # the port stays open and says why
+            if status == 503:
+                break
+            await asyncio.sleep(0.05)
+            status, answer = await health_status(port)
+        assert status == 503 and answer["error"]["code"] == "shutdown", answer
+        refused, answer = await post(port, "/v1/completions", {**body, "max_tokens": 4})
+        assert refused == 503 and answer["error"]["code"] == "shutdown"
+
+        finished = await short.rest()
+        assert finished[-2]["choices"][0]["finish_reason"] == "length" and finished[-1] == "[DONE]"
+        ended = await endless.rest()  # near the end of the grace: an error event, then [DONE]
+        assert assert_openai_error(ended[-2], None)["code"] == "shutdown"
+        assert ended[-1] == "[DONE]" and all("choices" in event for event in ended[:-2])
+        status, answer = await whole
+        assert status == 503 and assert_openai_error(answer, None)["code"] == "shutdown"
+
+        output = (await asyncio.to_thread(process.communicate, timeout=30))[0]
+        assert process.returncode == 0, output
+        assert "gateway stopped" in output and "Traceback" not in output and "CancelledError" not in output, output
+        assert servicer.cancelled == 2  # the gateway let go of the verifier's calls it ended
+        endless.close()
+        short.close()
+    finally:
+        process.kill()
+        await verifier.stop(0)
+
+
+async def test_a_request_the_verifier_ends_as_it_drains_is_a_503_not_a_finish_reason(edge, embedded):
+    """The verifier's finish reason "shutdown" is no OpenAI value: the reply is a 503 (which
+    OpenAI's clients retry), in a stream an error event and [DONE]."""
+    client = await edge.start(embedded)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1900}
+    stream = await EventStream.open(edge.port, body)
+    assert stream.status == 200 and "choices" in await stream.next()
+    whole = asyncio.create_task(client.completions.create(**body))
+    while edge.verifier.service.active < 2:
+        await asyncio.sleep(0.05)
+    verifier, edge.verifier = edge.verifier, None
+    await verifier.stop(2.0)  # requests still running in its last half second end with "shutdown"
+    ended = await stream.rest()
+    assert assert_openai_error(ended[-2], None)["code"] == "shutdown" and ended[-1] == "[DONE]"
+    stream.close()
+    try:
+        await whole
+    except openai.APIStatusError as error:
+        assert error.status_code == 503 and error.body["code"] == "shutdown"
+    else:
+        raise AssertionError("a reply the verifier cut short came back as a success")
