@@ -33,10 +33,12 @@ STATUS = {  # gRPC status of the verifier → (HTTP status, OpenAI error type)
 
 
 class ClientNames:
-    """The names this client used for the fields the verifier reports under other names."""
+    """The names this client used for the fields the verifier reports under other names, and
+    whether max_tokens was the gateway's default (a refusal of it should say so)."""
 
-    def __init__(self, *, prompt: str = "prompt", max_tokens: str = "max_tokens") -> None:
+    def __init__(self, *, prompt: str = "prompt", max_tokens: str = "max_tokens", default_max_tokens: bool = False) -> None:
         self.names = {"prompt": prompt, "max_tokens": max_tokens}
+        self.default_max_tokens = default_max_tokens
 
     def __getitem__(self, name: str) -> str:
         return self.names.get(name, name)
@@ -68,6 +70,8 @@ class ApiError(Exception):
                     param = names[ours]
                     if ours != "prompt":  # "prompt has N tokens" reads true of a chat's rendered prompt too
                         message = param + message[len(theirs):]
+                    if ours == "max_tokens" and names.default_max_tokens:
+                        message += f" ({param} was not sent: this is the gateway's default; send a smaller one)"
                     break
         return cls(status, message, param=param, kind=kind, code=error.code.name.lower())
 

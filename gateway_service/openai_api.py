@@ -100,8 +100,8 @@ def check_fields(body: object, endpoint: str) -> dict:
 
 
 def client_names(body: dict, *, chat: bool) -> ClientNames:
-    return ClientNames(prompt="messages" if chat else "prompt",
-                       max_tokens="max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens")
+    sent = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return ClientNames(prompt="messages" if chat else "prompt", max_tokens=sent, default_max_tokens=body.get(sent) is None)
 
 
 def parse(body: dict, *, served_model: str, default_max_tokens: int, request_id: str,

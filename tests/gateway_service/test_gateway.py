@@ -125,6 +125,10 @@ def test_settings_are_validated():
         GatewaySettings(timeout_s=0)
     with pytest.raises(ValueError, match="verifier_tls_cert and verifier_tls_key"):
         GatewaySettings(verifier_tls_cert="c.pem")
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="max_body_mb"):
+            GatewaySettings(max_body_mb=bad)
+    assert GatewaySettings(max_body_mb=0.5).max_body_bytes == 1 << 19
 
 
 async def test_streamed_chunks_are_not_held_by_nagle():

@@ -76,6 +76,11 @@ async def test_max_tokens_beyond_the_context_is_refused_not_cut(edge, embedded):
             await client.completions.create(model=MODEL, prompt=[5] * 100, max_tokens=2000, stream=stream)
         assert error.value.body["param"] == "max_tokens"
         assert "the context holds 2048 tokens and the prompt has 100, so at most 1948" in error.value.body["message"]
+    # not sent: the gateway's default (256 for chat) did not fit, and the message says so
+    messages = [{"role": "user", "content": "x " * 1900}]  # 1,908 tokens rendered
+    with pytest.raises(openai.BadRequestError) as error:
+        await client.chat.completions.create(model=MODEL, messages=messages)
+    assert error.value.body["param"] == "max_tokens" and "max_tokens was not sent" in error.value.body["message"]
 
 
 @pytest.mark.parametrize("endpoint, change, param, status", [
