@@ -28,6 +28,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
 
 from gateway_service import openai_api
 from gateway_service.body import decoded, read_body
@@ -201,6 +202,8 @@ class Gateway:
             prepared = await decoded(raw, lambda body: self._prepare(body, chat=chat, request_id=request_id))
         except ApiError as error:
             return error.response(request_id)
+        except ClientDisconnect:  # gone while sending its body
+            return Response(status_code=CLIENT_GONE)
         del raw
         reply = Reply(request_id, self.model_name, chat=chat, names=prepared.names)
         # A child of the framework's HTTP span where one exists, else of the caller's trace

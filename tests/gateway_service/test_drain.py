@@ -30,9 +30,10 @@ class SteadyVerifier(verifier_pb2_grpc.VerifierServicer):
     """Streams "a" every TICK_S until max_new_tokens; counts the calls its clients cancelled."""
 
     def __init__(self) -> None:
-        self.cancelled = 0
+        self.started = self.cancelled = 0
 
     async def Generate(self, request, context):
+        self.started += 1
         try:
             for _ in range(request.max_new_tokens):
                 await asyncio.sleep(TICK_S)
@@ -93,7 +94,8 @@ async def test_sigterm_drains_open_requests_and_ends_them_in_openais_shape():
         assert endless.status == short.status == 200
         assert (await endless.next())["choices"][0]["text"] == "a"
         whole = asyncio.create_task(post(port, "/v1/completions", {**body, "max_tokens": 100_000}))
-        await asyncio.sleep(0.5)  # (the whole reply's request is under way)
+        while servicer.started < 3:  # the whole reply's request is under way too
+            await asyncio.sleep(0.02)
 
         process.send_signal(signal.SIGTERM)
         status, answer = await health_status(port)
@@ -117,6 +119,10 @@ async def test_sigterm_drains_open_requests_and_ends_them_in_openais_shape():
         output = (await asyncio.to_thread(process.communicate, timeout=30))[0]
         assert process.returncode == 0, output
         assert "gateway stopped" in output and "Traceback" not in output and "CancelledError" not in output, output
+        for _ in range(100):  # (the cancellations reach this process's server in their own time)
+            if servicer.cancelled == 2:
+                break
+            await asyncio.sleep(0.05)
         assert servicer.cancelled == 2  # the gateway let go of the verifier's calls it ended
         endless.close()
         short.close()

@@ -228,3 +228,20 @@ async def test_a_client_gone_before_the_reply_cancels_the_verifier_call(edge, em
     assert settled() and edge.verifier.service.active == 0
     # the call ended early: cancelled in the verifier, or before the verifier began it
     assert verifier.get_sample_value("tandem_verifier_requests_total", {"finish_reason": "length"}) is None
+
+
+async def test_a_client_gone_while_sending_its_body_is_counted_not_failed(edge, embedded):
+    await edge.start(embedded)
+    reader, writer = await asyncio.open_connection("127.0.0.1", edge.port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{\"model\": ")  # and then nothing
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+    registry = edge.gateway.metrics.registry
+    labels = {"endpoint": "completions", "status": "499"}
+    for _ in range(200):
+        if registry.get_sample_value("tandem_gateway_requests_total", labels) == 1:
+            break
+        await asyncio.sleep(0.05)
+    assert registry.get_sample_value("tandem_gateway_requests_total", labels) == 1
