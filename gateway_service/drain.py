@@ -14,7 +14,6 @@ cancelled and its session freed at once instead of generating for nobody.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
@@ -104,7 +103,14 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _cancel(task: asyncio.Future) -> None:
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    """Cancel `task` and wait for it to end (its verifier call closed), without swallowing a
+    cancellation of the caller itself."""
+    if task.done():
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
