@@ -17,8 +17,12 @@ import urllib.request
 
 import grpc
 import openai
+import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from gateway_service.server import Gateway, start_in_loop
+from gateway_service.settings import GatewaySettings
+from shared.model.registry import resolve_model
 from shared.protocol import verifier_pb2, verifier_pb2_grpc
 
 from .conftest import MODEL, PROMPT, EventStream, assert_openai_error, post
@@ -40,13 +44,13 @@ class SteadyVerifier(verifier_pb2_grpc.VerifierServicer):
                 yield verifier_pb2.GenerateEvent(token_ids=[7], text_delta="a")
             yield verifier_pb2.GenerateEvent(final=verifier_pb2.FinalEvent(
                 finish_reason="length", stats=verifier_pb2.RequestStats(completion_tokens=request.max_new_tokens)))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # (GeneratorExit: cancelled while at its yield)
             self.cancelled += 1
             raise
 
 
-async def start_steady_verifier() -> tuple[grpc.aio.Server, SteadyVerifier, int]:
-    servicer = SteadyVerifier()
+async def start_steady_verifier(servicer: SteadyVerifier | None = None) -> tuple[grpc.aio.Server, SteadyVerifier, int]:
+    servicer = servicer or SteadyVerifier()
     server = grpc.aio.server()
     verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
     checks = health.aio.HealthServicer()
@@ -131,24 +135,34 @@ async def test_sigterm_drains_open_requests_and_ends_them_in_openais_shape():
         await verifier.stop(0)
 
 
-async def test_a_request_the_verifier_ends_as_it_drains_is_a_503_not_a_finish_reason(edge, embedded):
+class DrainingVerifier(SteadyVerifier):
+    """Ends every request after a few tokens as a draining verifier does: finish reason "shutdown"."""
+
+    async def Generate(self, request, context):
+        for _ in range(3):
+            yield verifier_pb2.GenerateEvent(token_ids=[7], text_delta="a")
+        yield verifier_pb2.GenerateEvent(final=verifier_pb2.FinalEvent(
+            finish_reason="shutdown", stats=verifier_pb2.RequestStats(completion_tokens=3)))
+
+
+async def test_a_request_the_verifier_ends_as_it_drains_is_a_503_not_a_finish_reason():
     """The verifier's finish reason "shutdown" is no OpenAI value: the reply is a 503 (which
     OpenAI's clients retry), in a stream an error event and [DONE]."""
-    client = await edge.start(embedded)
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1900}
-    stream = await EventStream.open(edge.port, body)
-    assert stream.status == 200 and "choices" in await stream.next()
-    whole = asyncio.create_task(client.completions.create(**body))
-    while edge.verifier.service.active < 2:
-        await asyncio.sleep(0.05)
-    verifier, edge.verifier = edge.verifier, None
-    await verifier.stop(2.0)  # requests still running in its last half second end with "shutdown"
-    ended = await stream.rest()
-    assert assert_openai_error(ended[-2], None)["code"] == "shutdown" and ended[-1] == "[DONE]"
-    stream.close()
+    verifier, _, vport = await start_steady_verifier(DrainingVerifier())
+    gateway = Gateway(GatewaySettings(verifier=f"127.0.0.1:{vport}", port=0), model_dir=resolve_model(None))
+    server, task, port = await start_in_loop(gateway)
     try:
-        await whole
-    except openai.APIStatusError as error:
-        assert error.status_code == 503 and error.body["code"] == "shutdown"
-    else:
-        raise AssertionError("a reply the verifier cut short came back as a success")
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 100}
+        stream = await EventStream.open(port, body)
+        events = await stream.rest()
+        stream.close()
+        assert stream.status == 200 and [e["choices"][0]["text"] for e in events[:3]] == ["a"] * 3
+        assert assert_openai_error(events[3], None)["code"] == "shutdown" and events[4:] == ["[DONE]"]
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as error:
+            await client.completions.create(**body)
+        assert error.value.status_code == 503 and error.value.body["code"] == "shutdown"
+    finally:
+        server.should_exit = True
+        await task
+        await verifier.stop(0)
