@@ -20,6 +20,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import structlog
 from fastapi import FastAPI, Request
@@ -70,12 +71,15 @@ class BearerAuth:
         await self.app(scope, receive, send)
 
 
+@dataclass(frozen=True)
 class Prepared:
     """A request's fields, checked: what `_handle` needs to call the verifier."""
 
-    def __init__(self, config: GenerationConfig, prompt: str | list[int], stream: bool, include_usage: bool,
-                 names: ClientNames) -> None:
-        self.config, self.prompt, self.stream, self.include_usage, self.names = config, prompt, stream, include_usage, names
+    config: GenerationConfig
+    prompt: str | list[int]
+    stream: bool
+    include_usage: bool
+    names: ClientNames
 
 
 class Gateway:
