@@ -49,11 +49,13 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     TANDEM_MODELS_DIR=/opt/tandem/models \
     TANDEM_VERIFIER_HOST=0.0.0.0 \
-    TANDEM_DRAFTER_HOST=0.0.0.0
+    TANDEM_DRAFTER_HOST=0.0.0.0 \
+    TANDEM_GATEWAY_HOST=0.0.0.0
 USER 10001
 WORKDIR /home/tandem
 # gRPC: verifier 50051, drafter 50052. Prometheus /metrics (when METRICS_PORT is set, as in
-# compose.yaml and deploy/k8s): verifier 9091, drafter 9092.
-EXPOSE 50051 50052 9091 9092
+# compose.yaml and deploy/k8s): verifier 9091, drafter 9092. HTTP: the gateway's OpenAI API
+# (and its /metrics) on 8000.
+EXPOSE 50051 50052 9091 9092 8000
 ENTRYPOINT ["tandem"]
 CMD ["--help"]

@@ -25,7 +25,8 @@ class GatewaySettings:
     verifier_tls_key: str | None = field(default=None, metadata={"help": "PEM private key of verifier_tls_cert"})
     default_max_tokens: int = field(default=256, metadata={"help": "max_tokens of a chat completion that does not say (completions default to 16, as OpenAI's)"})
     timeout_s: float = field(default=600.0, metadata={"help": "deadline of one request to the verifier, in seconds"})
-    grace_s: float = field(default=10.0, metadata={"help": "SIGTERM: seconds in-flight requests get to finish"})
+    grace_s: float = field(default=10.0, metadata={"help": "SIGTERM: seconds in-flight requests get to finish (health answers 503 meanwhile; streams still open near the end get an error event and [DONE])"})
+    max_body_mb: float = field(default=16.0, metadata={"help": "largest request body in MiB; a larger one is answered 413"})
 
     def __post_init__(self) -> None:
         if not self.verifier:
@@ -35,6 +36,8 @@ class GatewaySettings:
             raise ValueError(f"port {self.port} must lie in [0, 65535]")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens {self.default_max_tokens} must be >= 1")
+        if not (math.isfinite(self.max_body_mb) and self.max_body_mb > 0):
+            raise ValueError(f"max_body_mb {self.max_body_mb!r} must be finite and > 0")
         for name in ("timeout_s", "grace_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0) or (name == "timeout_s" and value == 0):
@@ -43,6 +46,10 @@ class GatewaySettings:
             raise ValueError("verifier_tls_cert and verifier_tls_key must be given together")
         if self.auth_token is not None and not self.auth_token:
             raise ValueError("auth_token must not be empty (leave it unset for no auth)")
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * (1 << 20))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

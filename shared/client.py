@@ -88,9 +88,9 @@ class GenerationConfig:
             raise ValueError(f"gate must be one of {sorted(_GATES)}; got {self.gate!r}")
         if not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must lie in [0, 2**64); got {self.seed}")
-        for name in ("max_new_tokens", "top_k", "max_support", "max_draft_tokens"):  # uint32 on the wire
-            if not 0 <= getattr(self, name) < 2**32:
-                raise ValueError(f"{name} must lie in [0, 2**32); got {getattr(self, name)}")
+        for name in ("max_new_tokens", "top_k", "max_support", "max_draft_tokens"):  # int32 on the wire
+            if not 0 <= getattr(self, name) < 2**31:
+                raise ValueError(f"{name} must lie in [0, 2**31); got {getattr(self, name)}")
         # Options that would do nothing in the chosen mode are refused, not ignored.
         if self.gate == "pick" and self.mode == "exact":
             raise ValueError("gate = pick is an admission rule of probabilistic mode; mode = exact (use --mode probabilistic)")

@@ -91,6 +91,9 @@ def parse_request(
     limit = settings.max_new_tokens_limit
     if not 1 <= request.max_new_tokens <= limit:
         raise _invalid(f"max_new_tokens must lie in [1, {limit}]; got {request.max_new_tokens}")
+    if len(prompt_ids) + request.max_new_tokens > max_context:  # refused, not cut short (as OpenAI and vLLM)
+        raise _invalid(f"max_new_tokens {request.max_new_tokens} does not fit: the context holds {max_context} tokens "
+                       f"and the prompt has {len(prompt_ids)}, so at most {max_context - len(prompt_ids)}")
 
     s = request.sampling
     top_p = s.top_p if s.HasField("top_p") else 1.0

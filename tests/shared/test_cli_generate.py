@@ -86,7 +86,7 @@ def test_cli_bad_prompt_ids_exit_2(value, capsys):
 
 @pytest.mark.parametrize("extra, fragment", [
     (["--seed", "-1"], "seed"),
-    (["--max-new-tokens", "5000000000"], "max_new_tokens must lie in [0, 2**32); got 5000000000"),
+    (["--max-new-tokens", "5000000000"], "max_new_tokens must lie in [0, 2**31); got 5000000000"),
     (["--timeout", "-1"], "--timeout -1.0 must be a positive number of seconds"),
     (["--timeout", "nan"], "--timeout nan"),
     (["--stop", ""], "stop[0] = ''"),

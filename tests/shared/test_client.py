@@ -94,8 +94,12 @@ def test_bad_configs_and_prompts_fail_before_any_call():
         GenerationConfig(seed=-1)
     with pytest.raises(TypeError, match="bytes"):
         GenerationConfig().to_request(b"hi")
-    with pytest.raises(ValueError, match=r"max_new_tokens must lie in \[0, 2\*\*32\); got 5000000000"):
+    with pytest.raises(ValueError, match=r"max_new_tokens must lie in \[0, 2\*\*31\); got 5000000000"):
         GenerationConfig(max_new_tokens=5_000_000_000)
+    for name in ("max_new_tokens", "top_k", "max_support", "max_draft_tokens"):  # int32 on the wire
+        with pytest.raises(ValueError, match=name):
+            GenerationConfig(**{name: 2**31})
+        GenerationConfig(**{name: 2**31 - 1}).to_request([1])
     with pytest.raises(ValueError, match="top_k"):
         GenerationConfig(top_k=-1)
     with pytest.raises(ValueError, match=r"stop\[1\] = ''"):

@@ -24,6 +24,8 @@ CASES = {
     "prompt longer than the context": (lambda r: r.prompt_ids.ids.extend([1] * 300), "the context holds 256"),
     "max_new_tokens zero": (lambda r: setattr(r, "max_new_tokens", 0), "max_new_tokens must lie in [1, 4096]; got 0"),
     "max_new_tokens over the limit": (lambda r: setattr(r, "max_new_tokens", 5000), "max_new_tokens must lie in [1, 4096]; got 5000"),
+    "max_new_tokens beyond the context": (lambda r: setattr(r, "max_new_tokens", 254),
+                                          "max_new_tokens 254 does not fit: the context holds 256 tokens and the prompt has 3, so at most 253"),
     "negative temperature": (lambda r: setattr(r.sampling, "temperature", -0.5), "sampling.temperature -0.5"),
     "top_p zero": (lambda r: setattr(r.sampling, "top_p", 0.0), "sampling.top_p 0.0"),
     "top_p above one": (lambda r: setattr(r.sampling, "top_p", 1.5), "sampling.top_p 1.5"),
