@@ -54,8 +54,9 @@ def run_demo(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-class _Terminated(Exception):
-    pass
+class _Terminated(BaseException):
+    """SIGTERM, raised where the main thread is (a BaseException as KeyboardInterrupt is: the
+    gRPC client's waits let those through, where an Exception could be taken for the call's)."""
 
 
 def _terminated(signum, frame) -> None:

@@ -47,7 +47,7 @@ def test_bad_options_stop_the_demo_before_anything_starts_and_a_refusal_is_one_l
 def test_a_stopped_demo_stops_its_services(signum, status):
     """SIGTERM (or Ctrl-C) while the completion streams: both services stop with the demo, no
     traceback (they were left running, still listening, on SIGTERM)."""
-    demo = subprocess.Popen([sys.executable, "-m", "shared.cli", "demo", "--max-new-tokens", "4000"],
+    demo = subprocess.Popen([sys.executable, "-m", "shared.cli", "demo", "--max-new-tokens", "2000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         first = demo.stderr.readline()  # "starting drafter on :P and verifier on :Q (...) ..."
