@@ -31,7 +31,7 @@ import sysconfig
 import time
 from pathlib import Path
 
-from drafter_service.proposers.suffix import SuffixDrafter
+from drafter_service.proposers.suffix_drafter import SuffixDrafter
 from shared.model.registry import resolve_model
 from shared.tokenizer import load_tokenizer
 

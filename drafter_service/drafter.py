@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from drafter_service.planner import Estimates, Plan, Planner, choose
 from drafter_service.proposers import Proposal
 from drafter_service.proposers.mtp import DraftJob, MTPProposer
-from drafter_service.proposers.suffix import COUNT_CHUNK, GlobalIndex, SuffixIndex, SuffixMatch
+from drafter_service.proposers.global_index import GlobalIndex
+from drafter_service.proposers.suffix import COUNT_CHUNK, SuffixIndex, SuffixMatch
 from drafter_service.session import DraftSession, session_params
 from drafter_service.settings import DrafterSettings
 from kernels.speculative import Mode
@@ -53,7 +54,7 @@ class Drafter:
             fused = build_fused(model, max_rows=MAX_FUSED_MTP_ROWS, max_length=model.config.max_position_embeddings)
         self.mtp = MTPProposer(model, routing, fused) if model.mtp is not None else None
         self.planner = Planner()
-        self.global_index = GlobalIndex(settings.global_index_contexts)
+        self.global_index = GlobalIndex(settings.global_index_mb << 20)
         # Request-initial planner snapshots by session id: a re-sync of the same request (after
         # an eviction or a lost stream) keeps planning with the estimates it started with.
         self.snapshots: OrderedDict[str, Estimates] = OrderedDict()
