@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from drafter_service.planner import Estimates, Plan, Planner, choose
 from drafter_service.proposers import Proposal
 from drafter_service.proposers.mtp import DraftJob, MTPProposer
-from drafter_service.proposers.global_index import GlobalIndex
+from drafter_service.proposers.global_index import GlobalIndex, best_match
 from drafter_service.proposers.suffix import COUNT_CHUNK, SuffixIndex, SuffixMatch
 from drafter_service.session import DraftSession, session_params
 from drafter_service.settings import DrafterSettings
@@ -173,14 +173,9 @@ class Drafter:
     # -- chains: plan (loop), MTP drafts (worker), the message (loop) ----------------------------
 
     def _suffix_match(self, session: DraftSession, limit: int) -> SuffixMatch | None:
-        match = session.suffix.lookup(limit)
-        if session.mode == Mode.EXACT:
-            # Other sessions' outputs only in exact mode: a same-seed session's tokens encode
-            # its accept draws, which would bias probabilistic acceptance here.
-            other = self.global_index.lookup(session.suffix, limit, match)
-            if other is not None and (match is None or other.score > match.score):
-                match = other
-        return match
+        # Other sessions' outputs only in exact mode: a same-seed session's tokens encode its
+        # accept draws, which would bias probabilistic acceptance here.
+        return best_match(session.suffix, self.global_index if session.mode == Mode.EXACT else None, limit)
 
     def plan(self, session: DraftSession, mtp: bool = True) -> tuple[Plan, SuffixMatch | None]:
         """The next chain's source and length, and the suffix match it may use (loop: no model

@@ -30,6 +30,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #define NUM_ORDERS 15
 #define MAX_MATCH 32
@@ -73,8 +74,25 @@ static inline uint32_t find(const Table *t, uint32_t key) {
     return i;
 }
 
+#define HUGE_PAGE (2u << 20)
+
+/* A table's slots, zeroed. A large one is aligned to and advised into 2 MiB pages where the
+   kernel offers them (transparent huge pages): a lookup is a random access into it, and with
+   4 KiB pages nearly every one would also miss the TLB. */
+static Slot *slots_alloc(uint32_t slots) {
+    size_t size = (size_t)slots * sizeof(Slot);
+    if (size < HUGE_PAGE) return calloc(slots, sizeof(Slot));
+    void *memory = NULL;
+    if (posix_memalign(&memory, HUGE_PAGE, size)) return NULL;
+#ifdef MADV_HUGEPAGE
+    madvise(memory, size, MADV_HUGEPAGE);
+#endif
+    memset(memory, 0, size);
+    return memory;
+}
+
 static int table_init(Table *t, uint32_t slots) {
-    t->slots = calloc(slots, sizeof(Slot));
+    t->slots = slots_alloc(slots);
     if (!t->slots) return -1;
     t->mask = slots - 1;
     t->size = 0;
@@ -354,36 +372,65 @@ static inline uint32_t lookup(const ContextTable *self, int oi, uint32_t key) {
     return slot->key ? slot->value : 0;
 }
 
-static inline uint32_t window_key(const uint64_t *hashes, Py_ssize_t end, int order) {
-    return (uint32_t)((hashes[end] + MOD - hashes[end - order] * POW[order] % MOD) % MOD) + 1;
+/* A request's prefix hashes, read from its list as the walk needs them (most are never
+   read), then those of the drafted tokens. */
+typedef struct {
+    PyObject *prefix;
+    Py_ssize_t first;  /* index in prefix of hashes[0] */
+    Py_ssize_t have;   /* hashes[0..have) come from the list */
+    uint64_t loaded;   /* bit i: hashes[i] read */
+    uint64_t *hashes;
+} Hashes;
+
+static inline int hash_at(Hashes *h, Py_ssize_t i, uint64_t *out) {
+    if (i < h->have && !(h->loaded >> i & 1)) {
+        uint64_t value = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(h->prefix, h->first + i));
+        if (value >= MOD) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "prefix hashes must lie in [0, 2**31 - 1)");
+            return -1;
+        }
+        h->hashes[i] = value;
+        h->loaded |= 1ULL << i;
+    }
+    *out = h->hashes[i];
+    return 0;
 }
 
-/* suffix.py's _propose on these counts, step for step (the same floats in the same order). */
-static PyObject *ContextTable_propose(ContextTable *self, PyObject *args) {
-    PyObject *prefix;
-    Py_ssize_t max_tokens;
-    double min_prob, factor, offset, beat;
-    if (!PyArg_ParseTuple(args, "O!ndddd", &PyList_Type, &prefix, &max_tokens, &min_prob, &factor, &offset, &beat))
+/* The key of the `order` tokens before hashes[end]: 0 with an exception set on a bad hash. */
+static inline uint32_t window_key(Hashes *h, Py_ssize_t end, int order) {
+    uint64_t last = 0, first = 0;
+    if (hash_at(h, end, &last) < 0 || hash_at(h, end - order, &first) < 0) return 0;
+    return (uint32_t)((last + MOD - first * POW[order] % MOD) % MOD) + 1;
+}
+
+/* suffix.py's _propose on these counts, step for step (the same floats in the same order).
+   Arguments: prefix (list), max_tokens, min_prob, factor, offset, beat (METH_FASTCALL: this
+   runs on every round's path). */
+static PyObject *ContextTable_propose(ContextTable *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "propose(prefix: list, max_tokens, min_prob, factor, offset, beat)");
         return NULL;
-    if (beat >= (double)max_tokens || PyList_GET_SIZE(prefix) < 2) Py_RETURN_NONE;
-    /* hashes: the request's last MAX_MATCH + 1 prefix hashes, then those of the drafts */
-    Py_ssize_t have = PyList_GET_SIZE(prefix) < MAX_MATCH + 1 ? PyList_GET_SIZE(prefix) : MAX_MATCH + 1;
-    Py_ssize_t n = PyList_GET_SIZE(prefix) - 1;
-    uint64_t small[MAX_MATCH + 1 + 64], *hashes = small;
-    PyObject *draft = NULL;
-    if (max_tokens > 64 && !(hashes = malloc(sizeof(uint64_t) * (MAX_MATCH + 1 + max_tokens)))) return PyErr_NoMemory();
-    for (Py_ssize_t i = 0; i < have; i++) {
-        hashes[i] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(prefix, PyList_GET_SIZE(prefix) - have + i));
-        if (hashes[i] >= MOD) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "prefix hashes must lie in [0, 2**31 - 1)");
-            goto fail;
-        }
     }
+    PyObject *prefix = args[0];
+    Py_ssize_t max_tokens = PyLong_AsSsize_t(args[1]);
+    double min_prob = PyFloat_AsDouble(args[2]), factor = PyFloat_AsDouble(args[3]);
+    double offset = PyFloat_AsDouble(args[4]), beat = PyFloat_AsDouble(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    if (beat >= (double)max_tokens || PyList_GET_SIZE(prefix) < 2) Py_RETURN_NONE;
+    /* the request's last MAX_MATCH + 1 prefix hashes, then those of the drafts */
+    Py_ssize_t n = PyList_GET_SIZE(prefix) - 1;
+    Py_ssize_t have = n + 1 < MAX_MATCH + 1 ? n + 1 : MAX_MATCH + 1;
+    uint64_t small[MAX_MATCH + 1 + 64];
+    Hashes h = {prefix, n + 1 - have, have, 0, small};
+    PyObject *draft = NULL;
+    if (max_tokens > 64 && !(h.hashes = malloc(sizeof(uint64_t) * (MAX_MATCH + 1 + max_tokens)))) return PyErr_NoMemory();
     Py_ssize_t end = have - 1;  /* hashes[end] hashes all committed tokens; `end` tokens are visible */
     int low = 0, high = NUM_ORDERS;  /* the matching orders are a prefix of ORDERS: binary search */
     while (low < high) {
         int mid = (low + high) / 2;
-        if (ORDERS[mid] <= n && lookup(self, mid, window_key(hashes, end, ORDERS[mid]))) low = mid + 1;
+        uint32_t key = 0;
+        if (ORDERS[mid] <= n && !(key = window_key(&h, end, ORDERS[mid]))) goto fail;
+        if (key && lookup(self, mid, key)) low = mid + 1;
         else high = mid;
     }
     int oi = low - 1;
@@ -403,7 +450,11 @@ static PyObject *ContextTable_propose(ContextTable *self, PyObject *args) {
         }
         uint32_t value = 0;
         while (oi >= 0) {
-            if (ORDERS[oi] <= end && (value = lookup(self, oi, window_key(hashes, end, ORDERS[oi])))) break;
+            if (ORDERS[oi] <= end) {
+                uint32_t key = window_key(&h, end, ORDERS[oi]);
+                if (!key) goto fail;
+                if ((value = lookup(self, oi, key))) break;
+            }
             oi--;
             next_order = ORDERS[oi + 1];
         }
@@ -431,20 +482,22 @@ static PyObject *ContextTable_propose(ContextTable *self, PyObject *args) {
         score += prob;
         length++;
         if (beat != 0.0 && score + (double)(matched + limit - length) * prob <= beat) goto none;
-        hashes[end + 1] = (hashes[end] * BASE + token + 1) % MOD;
+        uint64_t last = 0;
+        if (hash_at(&h, end, &last) < 0) goto fail;
+        h.hashes[end + 1] = (last * BASE + token + 1) % MOD;
         end++;
     }
     if (PyList_GET_SIZE(draft) == 0) goto none;
-    if (hashes != small) free(hashes);
+    if (h.hashes != small) free(h.hashes);
     PyObject *result = Py_BuildValue("(iNd)", matched, draft, score);
     return result;
 none:
     Py_XDECREF(draft);
-    if (hashes != small) free(hashes);
+    if (h.hashes != small) free(h.hashes);
     Py_RETURN_NONE;
 fail:
     Py_XDECREF(draft);
-    if (hashes != small) free(hashes);
+    if (h.hashes != small) free(h.hashes);
     return NULL;
 }
 
@@ -480,7 +533,7 @@ static PyObject *ContextTable_contexts(ContextTable *self, void *closure) { retu
 static PyMethodDef ContextTable_methods[] = {
     {"count", (PyCFunction)ContextTable_count, METH_VARARGS, "count(tokens, start, stop, budget) -> position reached"},
     {"uncount", (PyCFunction)ContextTable_uncount, METH_VARARGS, "uncount(tokens, stop): remove positions 0..stop-1"},
-    {"propose", (PyCFunction)ContextTable_propose, METH_VARARGS,
+    {"propose", (PyCFunction)(void (*)(void))ContextTable_propose, METH_FASTCALL,
      "propose(prefix, max_tokens, min_prob, factor, offset, beat) -> None | (matched, tokens, score)"},
     {NULL},
 };

@@ -19,6 +19,7 @@ from.
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections import deque
 from collections.abc import Iterator
@@ -141,3 +142,14 @@ class GlobalIndex:
         found = self.table.propose(index.prefix, k, self.min_prob, self.factor, self.offset,
                                    beat.score if beat is not None else 0.0)
         return None if found is None else SuffixMatch(found[0], found[1], found[2], "global")
+
+
+def best_match(index: SuffixIndex, global_index: GlobalIndex | None, k: int) -> SuffixMatch | None:
+    """The better by score of the request's own proposal and the global one (ties: the
+    request's own). The native global walk runs first: the request's own walk, in Python,
+    then stops as soon as it cannot reach that score (often at once: a long certain chain)."""
+    other = global_index.lookup(index, k) if global_index is not None else None
+    if other is None:
+        return index.lookup(k)
+    own = index.lookup(k, math.nextafter(other.score, -math.inf))  # (ties go to the request's own)
+    return own if own is not None and own.score >= other.score else other

@@ -253,8 +253,9 @@ class SuffixIndex:
             del self.tokens[length:]
             del self.prefix[length + 1:]
 
-    def lookup(self, k: int) -> SuffixMatch | None:
-        """The request's own proposal of at most k tokens (None: no context matches)."""
+    def lookup(self, k: int, beat: float = 0.0) -> SuffixMatch | None:
+        """The request's own proposal of at most k tokens (None: no context matches, or it
+        cannot score above `beat`, and its walk stops as soon as that is certain)."""
         if k < 1:
             return None
-        return _propose(self.counts, self.prefix, k, self.min_prob, self.factor, self.offset, "request")
+        return _propose(self.counts, self.prefix, k, self.min_prob, self.factor, self.offset, "request", beat)

@@ -3,7 +3,7 @@ and any caller without the service; the drafter service composes the same pieces
 
 from __future__ import annotations
 
-from drafter_service.proposers.global_index import GlobalIndex
+from drafter_service.proposers.global_index import GlobalIndex, best_match
 from drafter_service.proposers.suffix import MIN_TOKEN_PROB, SuffixIndex, SuffixMatch
 
 DEFAULT_GLOBAL_BYTES = 512 << 20  # as the drafter's --global-index-mb default
@@ -39,16 +39,13 @@ class SuffixDrafter:
 
     def match(self, request_id: object, max_tokens: int) -> SuffixMatch | None:
         """The better (by score) of the request's and the global proposal."""
-        index = self._index(request_id)
-        own = index.lookup(max_tokens)
-        other = self.global_index.lookup(index, max_tokens, own)
-        if other is not None and (own is None or other.score > own.score):
-            return other
-        return own
+        return best_match(self._index(request_id), self.global_index, max_tokens)
 
-    def finish(self, request_id: object) -> None:
+    def finish(self, request_id: object, keep: bool = True) -> None:
+        """The request ends; its output joins the global index (keep=False: it does not)."""
         index, prompt_length = self._requests.pop(request_id)
-        self.global_index.add(index.tokens[prompt_length:])
+        if keep:
+            self.global_index.add(index.tokens[prompt_length:])
 
     def _index(self, request_id: object) -> SuffixIndex:
         try:
