@@ -198,6 +198,22 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * 4096
 
 
+def allocated_bytes() -> int:
+    """Bytes the C allocator has handed out and not had back (glibc's mallinfo2: uordblks +
+    hblkhd): both indexes' native memory, counted whether or not its pages are resident or
+    reused from the forking parent's freed heap (which RSS growth misses)."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                          "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    mallinfo2.restype = MallInfo2
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
 def history_corpus(tokenizer, total: int, seed: int) -> tuple[np.ndarray, np.ndarray, list[Path]]:
     """About `total` tokens of real code, a file per output: (token ids as uint32, concatenated;
     offsets, one more than files; the files' paths)."""
@@ -257,7 +273,7 @@ class Before(Ours):
 def history_run(kind: str, depth: int, ids: np.ndarray, offsets: np.ndarray, files: int, scored, caps: list[int],
                 global_bytes: int, before_dir: str | None = None) -> dict:
     """One proposer over one history (in a forked child): build, memory, then every cap."""
-    before = resident_bytes()
+    before, allocated = resident_bytes(), allocated_bytes()
     started = time.perf_counter()
     if kind in ("tandem", "before"):
         drafter = SuffixDrafter(global_bytes) if kind == "tandem" else Before.drafter(before_dir, depth or None)
@@ -276,7 +292,7 @@ def history_run(kind: str, depth: int, ids: np.ndarray, offsets: np.ndarray, fil
             cache.stop_request(("history", f))
         stated = {}
     build_s = time.perf_counter() - started
-    result = dict(stated, rss=resident_bytes() - before, build_us=build_s / int(offsets[files] - files) * 1e6, caps={})
+    result = dict(stated, rss=resident_bytes() - before, allocated=allocated_bytes() - allocated, build_us=build_s / int(offsets[files] - files) * 1e6, caps={})
     for cap in caps:
         proposer = Ours(cap, lagged=True, drafter=drafter, keep=False) if kind == "tandem" else \
             Before(cap, drafter) if kind == "before" else Arctic(cap, depth, cache=cache, keep=False)
@@ -334,12 +350,13 @@ def history_main(args, tokenizer, caps: list[int], depths: list[int], arctic: bo
             r = results[kind, depth]
             name = arm_name(kind, depth)
             if r is None:
-                memory.append(f"| {history:,} | {name} | failed (out of memory?) | | |")
+                memory.append(f"| {history:,} | {name} | failed (out of memory?) | | | |")
                 continue
             stated = (f"{r['stated'] / 2**20:,.0f} MiB stated, {r['held']} of {files} outputs held, {r['evictions']} "
                       f"evicted, {r['contexts']:,} contexts" if kind == "tandem" else
                       f"{r['contexts']:,} contexts" if kind == "before" else "–")
-            memory.append(f"| {history:,} | {name} | {r['rss'] / 2**20:,.0f} MiB | {stated} | {r['build_us']:.2f} |")
+            memory.append(f"| {history:,} | {name} | {r['allocated'] / 2**20:,.0f} MiB | {r['rss'] / 2**20:,.0f} MiB | "
+                          f"{stated} | {r['build_us']:.2f} |")
         for cap in caps:
             cells = []
             for kind, depth in arms:
@@ -366,8 +383,9 @@ def history_main(args, tokenizer, caps: list[int], depths: list[int], arctic: bo
           "token on the round's path + counted after | Arctic (deepest) µs: propose p50 (mean); update a token |")
     print("| ---: | ---: | " + "---: | " * len(arms) + "---: | --- | --- |")
     print("\n".join(rows))
-    print("\n| history tokens | index | resident memory (RSS growth) | tandem's own count | build µs a history token |")
-    print("| ---: | --- | ---: | --- | ---: |")
+    print("\n| history tokens | index | native memory allocated (malloc) | RSS growth | tandem's own count | "
+          "build µs a history token |")
+    print("| ---: | --- | ---: | ---: | --- | ---: |")
     print("\n".join(memory), flush=True)
     if before_rows:
         print("\n| history tokens | cap | the Python index before issue 37 | tokens per round | µs: propose p50 (mean); "

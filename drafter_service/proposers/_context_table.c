@@ -19,7 +19,7 @@
      count(tokens, start, stop, budget) -> int   count positions start..stop-1 of one output
                                                  (tokens: a buffer of uint32); returns the
                                                  position reached (< stop: the budget is full)
-     uncount(tokens, stop)                       remove positions 0..stop-1 of an output
+     uncount(tokens, start, stop)                remove positions start..stop-1 of an output
      propose(prefix, max_tokens, min_prob, factor, offset, beat) -> None | (matched, [tokens], score)
                                                  suffix.py's _propose on these counts; prefix
                                                  is a request's list of prefix hashes
@@ -344,22 +344,23 @@ nomem:
 
 static PyObject *ContextTable_uncount(ContextTable *self, PyObject *args) {
     PyObject *arg;
-    Py_ssize_t stop;
-    if (!PyArg_ParseTuple(args, "On", &arg, &stop)) return NULL;
+    Py_ssize_t start, stop;
+    if (!PyArg_ParseTuple(args, "Onn", &arg, &start, &stop)) return NULL;
     Py_buffer view;
     if (get_tokens(arg, &view) < 0) return NULL;
-    if (stop < 0 || stop > view.len / 4) {
+    if (start < 0 || stop > view.len / 4 || start > stop) {
         PyBuffer_Release(&view);
-        return PyErr_Format(PyExc_ValueError, "stop %zd outside 0..%zd", stop, view.len / 4);
+        return PyErr_Format(PyExc_ValueError, "positions %zd..%zd outside 0..%zd", start, stop, view.len / 4);
     }
     const uint32_t *tokens = view.buf;
-    uint32_t *h = prefix_hashes(tokens, 0, stop);
+    Py_ssize_t base = start > MAX_MATCH ? start - MAX_MATCH : 0;
+    uint32_t *h = prefix_hashes(tokens, base, stop - base);
     if (!h) {
         PyBuffer_Release(&view);
         return PyErr_NoMemory();
     }
     uint32_t keys[NUM_ORDERS];
-    for (Py_ssize_t n = 0; n < stop; n++) position_uncount(self, keys, position_keys(h, 0, n, keys), tokens[n]);
+    for (Py_ssize_t n = start; n < stop; n++) position_uncount(self, keys, position_keys(h, base, n, keys), tokens[n]);
     free(h);
     PyBuffer_Release(&view);
     Py_RETURN_NONE;
@@ -532,7 +533,7 @@ static PyObject *ContextTable_contexts(ContextTable *self, void *closure) { retu
 
 static PyMethodDef ContextTable_methods[] = {
     {"count", (PyCFunction)ContextTable_count, METH_VARARGS, "count(tokens, start, stop, budget) -> position reached"},
-    {"uncount", (PyCFunction)ContextTable_uncount, METH_VARARGS, "uncount(tokens, stop): remove positions 0..stop-1"},
+    {"uncount", (PyCFunction)ContextTable_uncount, METH_VARARGS, "uncount(tokens, start, stop): remove positions start..stop-1"},
     {"propose", (PyCFunction)(void (*)(void))ContextTable_propose, METH_FASTCALL,
      "propose(prefix, max_tokens, min_prob, factor, offset, beat) -> None | (matched, tokens, score)"},
     {NULL},
@@ -565,6 +566,15 @@ PyMODINIT_FUNC PyInit__context_table(void) {
     if (PyType_Ready(&ContextTableType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
+    /* the constants this file shares with suffix.py (a test holds them equal) */
+    PyObject *orders = PyTuple_New(NUM_ORDERS);
+    for (int oi = 0; orders && oi < NUM_ORDERS; oi++) PyTuple_SET_ITEM(orders, oi, PyLong_FromLong(ORDERS[oi]));
+    if (!orders || PyModule_AddObject(m, "ORDERS", orders) < 0 || PyModule_AddIntConstant(m, "MOD", (long)MOD) < 0
+        || PyModule_AddIntConstant(m, "BASE", (long)BASE) < 0) {
+        Py_XDECREF(orders);
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&ContextTableType);
     if (PyModule_AddObject(m, "ContextTable", (PyObject *)&ContextTableType) < 0) {
         Py_DECREF(&ContextTableType);

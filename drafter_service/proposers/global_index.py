@@ -79,10 +79,6 @@ class GlobalIndex:
         """Outputs held (whole, or the first part of one larger than the budget)."""
         return len(self.outputs)
 
-    @property
-    def tokens(self) -> int:
-        return sum(len(output.tokens) for output in self.outputs)
-
     def __len__(self) -> int:
         """Contexts held, over every length."""
         return self.table.contexts if self.table is not None else 0
@@ -114,15 +110,22 @@ class GlobalIndex:
                     if self.outputs[0] is output:  # the oldest itself (alone, or added in steps with newer ones)
                         self._truncate(output)  # keeps what is counted, and adds no more
                         return
-                    self._evict_oldest()
+                    yield from self._evicting_oldest(chunk)
+                    if not output.held:  # evicted meanwhile by another output's step
+                        return
 
-    def _evict_oldest(self) -> None:
-        """The oldest held output leaves, whole."""
+    def _evicting_oldest(self, chunk: int) -> Iterator[None]:
+        """The oldest held output leaves, whole: at once out of the held outputs, its counts
+        taken back `chunk` tokens a step (a long output would otherwise stall the caller's
+        loop; between steps its not yet uncounted part may still be matched)."""
         output = self.outputs.popleft()
-        self.table.uncount(output.tokens, output.counted)
-        self.token_bytes -= output.nbytes
         output.held = False
         self.evictions += 1
+        for start in range(0, output.counted, chunk):
+            if start:
+                yield
+            self.table.uncount(output.tokens, start, min(start + chunk, output.counted))
+        self.token_bytes -= output.nbytes
 
     def _truncate(self, output: _Output) -> None:
         self.token_bytes -= output.nbytes

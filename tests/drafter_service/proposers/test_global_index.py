@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from drafter_service import settings as drafter_settings
+from drafter_service.proposers import _context_table, suffix
 from drafter_service.proposers import global_index as global_module
 from drafter_service.proposers._context_table import ContextTable
-from drafter_service.proposers.global_index import GlobalIndex
+from drafter_service.proposers.global_index import GlobalIndex, best_match
 from drafter_service.proposers.suffix import (
     GLOBAL_FACTOR,
     GLOBAL_OFFSET,
@@ -71,6 +72,10 @@ def assert_same_proposals(index, outputs, rng, vocab, count=60):
 # -- the same proposals as the Python counts -----------------------------------------------
 
 
+def test_the_native_table_hashes_the_contexts_suffix_py_counts():
+    assert (_context_table.ORDERS, _context_table.MOD, _context_table.BASE) == (suffix.ORDERS, suffix.MOD, suffix.BASE)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_proposals_equal_the_python_counts_token_for_token(seed):
     """Random text over small and large vocabularies (tokens past the slot's 20 bits too),
@@ -108,6 +113,27 @@ def test_counts_past_what_a_slot_holds_stay_exact():
             assert native_lookup(index, context, k) == python_lookup(python_counts([tokens]), context, k)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_global_walk_first_chooses_what_the_own_walk_first_chose(seed):
+    """best_match (global first, the request's own walk cut short by its score) picks what the
+    rule before it picked (own first, then the global walk cut short; ties: the request's own)."""
+    rng = random.Random(seed)
+    vocab = (3, 6, 20, 60)[seed]
+    outputs = [[rng.randrange(vocab) for _ in range(rng.randrange(20, 400))] for _ in range(5)]
+    index = GlobalIndex(16 << 20)
+    for tokens in outputs:
+        index.add(tokens)
+    for context in queries(rng, outputs, vocab, 150):
+        asking = SuffixIndex()
+        asking.extend(context)
+        for k in (1, 4, 16):
+            own = asking.lookup(k)
+            other = index.lookup(asking, k, own)
+            before = other if other is not None and (own is None or other.score > own.score) else own
+            assert best_match(asking, index, k) == before
+            assert best_match(asking, None, k) == own
+
+
 # -- bytes, eviction -----------------------------------------------------------------------
 
 
@@ -141,6 +167,22 @@ def test_an_evicted_output_is_no_longer_proposed():
     assert (small.requests, small.evictions) == (1, 1) and small.nbytes <= budget
     assert native_lookup(small, first[:10], 8) is None
     assert native_lookup(small, second[:10], 8).continuation == second[10:18]
+
+
+def test_an_evicted_output_leaves_in_steps_too():
+    """Making room takes an old output's counts back `chunk` tokens a step (a long output would
+    stall the loop); once the steps are done the index is what adding at once leaves."""
+    rng = random.Random(7)
+    outputs = [[rng.randrange(40) for _ in range(n)] for n in (6000, 3000, 3000)]
+    at_once, in_steps = GlobalIndex(1_100_000), GlobalIndex(1_100_000)
+    extra = 0  # pauses beyond those of adding in steps: the eviction's
+    for tokens in outputs:
+        at_once.add(tokens)
+        extra += sum(1 for _ in in_steps.adding(tokens, 500)) - (len(tokens) // 500 - 1)
+        assert in_steps.nbytes <= in_steps.max_bytes
+    assert at_once.evictions == in_steps.evictions == 1 and extra == len(outputs[0]) // 500 - 1  # its 12 steps
+    assert [list(o.tokens) for o in in_steps.outputs] == [list(o.tokens) for o in at_once.outputs] == outputs[1:]
+    assert_same_proposals(in_steps, outputs[1:], rng, 40, count=30)
 
 
 def test_an_output_larger_than_the_budget_keeps_its_first_part():
@@ -199,7 +241,8 @@ def test_evicting_everything_leaves_an_empty_table():
     tokens = array("I", [rng.randrange(3_000_000 if i % 2 else 20) for i in range(4000)])
     assert table.count(tokens, 0, 1500, 1 << 24) == 1500 and table.count(tokens, 1500, 4000, 1 << 24) == 4000
     assert table.contexts > 0 and table.bytes > empty
-    table.uncount(tokens, 4000)
+    table.uncount(tokens, 0, 2500)
+    table.uncount(tokens, 2500, 4000)  # (in two pieces)
     assert table.contexts == 0
     assert table.propose([0, 5, 7], 4, 0.1, 2.0, 0.0, 0.0) is None
     assert table.count(tokens, 0, 10, empty - 1) == 0  # over its budget: nothing is counted
