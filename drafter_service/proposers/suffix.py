@@ -19,8 +19,10 @@ outputs), never on a draw, so they are the same on a replay.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 
 from typing import NamedTuple
 
@@ -137,6 +139,12 @@ def _count_stream(counts: ContextCounts, token_ids: list[int], prefix: list[int]
     counts.size += added
 
 
+@cache
+def _chain_limits(factor: float, offset: float) -> tuple[int, ...]:
+    """The most drafts a chain may hold after a match of each order (non-decreasing)."""
+    return tuple(int(order * factor + offset + 1e-6) for order in ORDERS)
+
+
 def _propose(counts: ContextCounts, prefix: list[int], max_tokens: int, min_prob: float, factor: float,
              offset: float, source: str, beat: float = 0.0) -> SuffixMatch | None:
     """The chain from the longest context of `counts` matching the end of the hashed tokens;
@@ -149,6 +157,14 @@ def _propose(counts: ContextCounts, prefix: list[int], max_tokens: int, min_prob
     # A context is counted with all its suffixes, so the orders that match form a prefix of
     # ORDERS: binary search for the last one.
     low, high = 0, NUM_ORDERS  # ORDERS[:low] match, ORDERS[high:] do not
+    if beat:
+        # Only a match of ORDERS[first:] allows a chain long enough to score above beat: if the
+        # shortest of them does not match, neither does a longer one (one look-up, no search).
+        first = bisect_right(_chain_limits(factor, offset), beat)
+        order = ORDERS[first] if first < NUM_ORDERS else n + 1
+        if order > n or (hn - prefix[n - order] * POW[order]) % MOD not in tables[first]:
+            return None
+        low = first + 1
     while low < high:
         mid = (low + high) // 2
         order = ORDERS[mid]
