@@ -26,6 +26,7 @@ from collections.abc import Iterator
 
 from drafter_service.proposers.suffix import GLOBAL_FACTOR, GLOBAL_OFFSET, MIN_TOKEN_PROB, SuffixIndex, SuffixMatch
 
+_new_tuple = tuple.__new__
 TOKEN_BYTES = 4  # an output's tokens as uint32
 OUTPUT_BYTES = 128  # an array's own header and the deque's share, per held output
 
@@ -144,7 +145,8 @@ class GlobalIndex:
             return None
         found = self.table.propose(index.prefix, k, self.min_prob, self.factor, self.offset,
                                    beat.score if beat is not None else 0.0)
-        return None if found is None else SuffixMatch(found[0], found[1], found[2], "global")
+        # (tuple.__new__: a SuffixMatch without its generated __new__, on every round's path)
+        return None if found is None else _new_tuple(SuffixMatch, (*found, "global"))
 
 
 def best_match(index: SuffixIndex, global_index: GlobalIndex | None, k: int) -> SuffixMatch | None:
