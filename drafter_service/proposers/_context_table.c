@@ -78,13 +78,14 @@ static inline uint32_t find(const Table *t, uint32_t key) {
 
 /* A table's slots, zeroed. A large one is aligned to and advised into 2 MiB pages where the
    kernel offers them (transparent huge pages): a lookup is a random access into it, and with
-   4 KiB pages nearly every one would also miss the TLB. */
+   4 KiB pages nearly every one would also miss the TLB (docs/PERFORMANCE.md, issue 37, has
+   the measurement; compile with -DNO_HUGEPAGE to repeat it without). */
 static Slot *slots_alloc(uint32_t slots) {
     size_t size = (size_t)slots * sizeof(Slot);
     if (size < HUGE_PAGE) return calloc(slots, sizeof(Slot));
     void *memory = NULL;
     if (posix_memalign(&memory, HUGE_PAGE, size)) return NULL;
-#ifdef MADV_HUGEPAGE
+#if defined(MADV_HUGEPAGE) && !defined(NO_HUGEPAGE)
     madvise(memory, size, MADV_HUGEPAGE);
 #endif
     memset(memory, 0, size);
