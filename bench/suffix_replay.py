@@ -434,8 +434,8 @@ def main() -> None:
     loads = workloads(tokenizer, files, args.seed)
     print(f"\n{len(files)} files, {sum(len(p) + len(o) for p, o in loads['fresh'])} tokens; "
           "tokens committed per round (acceptance per proposed token, share of rounds proposing)\n")
-    print("| workload | cap | tandem | tandem, counted after the chain | " + " | ".join(f"Arctic depth {d}" for d in depths if arctic)
-          + " | tandem / best Arctic | µs per round, tandem: propose, update (counted after: on path + after) "
+    print("| workload | cap | tandem | tandem, counted after the chain | " + "".join(f"Arctic depth {d} | " for d in depths if arctic)
+          + "tandem / best Arctic | µs per round, tandem: propose, update (counted after: on path + after) "
           "| µs per round, Arctic (deepest): propose, update |")
     print("| --- | ---: | ---: | ---: | " + "---: | " * (len(depths) if arctic else 0) + "---: | --- | --- |")
     for load_name, requests in loads.items():
