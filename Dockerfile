@@ -19,6 +19,9 @@ ARG TORCH_SPEC=torch
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
+# gcc compiles the global suffix index's native table at `pip install .` (setup.py); the
+# runtime stage needs only the compiled module (libc).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # torch first, in its own layer: it is by far the largest dependency and changes rarely.
@@ -34,7 +37,7 @@ COPY verifier_service/ verifier_service/
 COPY drafter_service/ drafter_service/
 COPY gateway_service/ gateway_service/
 # Check from outside /src that the installed package (generated modules included) imports.
-RUN pip install . && cd / && tandem protocol
+RUN pip install . && cd / && tandem protocol && python -c "import drafter_service.proposers._context_table"
 # The embedded demo model (models/tandem-demo-moe), readable by the unprivileged user.
 COPY models/ /opt/tandem/models/
 RUN chmod -R a+rX /opt/tandem/models

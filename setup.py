@@ -1,13 +1,14 @@
-"""Build hook: generate the protobuf/gRPC Python modules from protos/ at build time.
+"""Build hooks: generate the protobuf/gRPC Python modules from protos/ at build time, and
+compile the global suffix index's native table (drafter_service/proposers/_context_table.c).
 
-The generated `*_pb2.py`, `*_pb2.pyi` and `*_pb2_grpc.py` files are git-ignored; both a
-regular install and an editable install (`pip install -e .`) run this before collecting
-the packages.
+The generated `*_pb2.py`, `*_pb2.pyi` and `*_pb2_grpc.py` files and the compiled extension
+are git-ignored; both a regular install and an editable install (`pip install -e .`) build
+them. Without installing: `python setup.py build_ext --inplace` builds the extension alone.
 """
 
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
@@ -41,4 +42,8 @@ class BuildPyWithProtos(build_py):
         super().run()
 
 
-setup(cmdclass={"build_py": BuildPyWithProtos})
+# C99 with GNU builtins (gcc or clang); the module has no dependency but Python's headers.
+CONTEXT_TABLE = Extension("drafter_service.proposers._context_table",
+                          sources=["drafter_service/proposers/_context_table.c"], extra_compile_args=["-std=gnu11"])
+
+setup(cmdclass={"build_py": BuildPyWithProtos}, ext_modules=[CONTEXT_TABLE])

@@ -67,7 +67,7 @@ async def main_async(args) -> None:
     pairs = {}
     for arm in ARMS:
         d_port, v_port, m_port, vm_port = free_port(), free_port(), free_port(), free_port()
-        drafter_args = [*common, "--port", str(d_port), "--planner", args.planner, "--global-index-contexts", "0",
+        drafter_args = [*common, "--port", str(d_port), "--planner", args.planner, "--global-index-mb", "0",
                         "--metrics-port", str(m_port), "--max-sessions", str(4 * args.concurrency)]
         if arm == "no shedding" and not args.same:
             drafter_args.append("--no-load-shedding")

@@ -80,7 +80,7 @@ async def main_async(args) -> None:
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
         prompts = {kind: code_prompts(model_dir, args.prompts, offset) for offset, kind in enumerate(SETS)}
         children.start("drafter", [sys.executable, "-m", "shared.cli", "drafter", *model_args, "--device", args.device,
-                                   "--dtype", dtype, "--port", str(r_port), "--global-index-contexts", "0"])
+                                   "--dtype", dtype, "--port", str(r_port), "--global-index-mb", "0"])
         await children.wait_serving("drafter", f"127.0.0.1:{r_port}", timeout=900)
     else:
         shapes = "smoke shapes" if args.small else f"{args.shapes} shapes (random weights)"
@@ -95,7 +95,7 @@ async def main_async(args) -> None:
         if args.drafter == "random-mtp":  # tandem's drafter, its MTP layer random too: real costs, noise drafts
             children.start("drafter", [sys.executable, "-m", "shared.cli", "drafter", *model_args, "--device",
                                        args.device, "--dtype", dtype, "--port", str(r_port), "--planner", "mtp",
-                                       "--global-index-contexts", "0"])
+                                       "--global-index-mb", "0"])
             await children.wait_serving("drafter", f"127.0.0.1:{r_port}", timeout=900)
     max_prompt = max(len(p) for ps in prompts.values() for p in ps)
     children.start("verifier", [sys.executable, "-m", "shared.cli", "verifier", *model_args,

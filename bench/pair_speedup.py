@@ -47,7 +47,7 @@ prompt's output without speculation (the reference), then one replay drafter ser
 alpha: the request id carries "@alpha=A", which the replay drafter reads. Each block runs
 the plain arm once and one spec arm per alpha (all paired with that block's plain arm).
 
-The drafter's cross-session suffix index is OFF by default (--global-index-contexts 0):
+The drafter's cross-session suffix index is OFF by default (--global-index-mb 0):
 every block repeats the same prompts, and the index would replay earlier blocks' outputs
 as drafts. --global-index keeps the drafter's default.
 

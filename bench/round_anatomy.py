@@ -142,7 +142,7 @@ async def main_async(args) -> None:
     children = Children(workdir, threads=args.threads)
     d_port = free_port()
     drafter_args = ["--model", str(model_dir), "--device", args.device, "--dtype", args.dtype, "--port", str(d_port),
-                    "--planner", args.planner, "--global-index-contexts", "0"]
+                    "--planner", args.planner, "--global-index-mb", "0"]
     children.start("drafter", [sys.executable, "-m", "shared.cli", "drafter", *drafter_args])
     verifier = None
     try:

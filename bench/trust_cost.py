@@ -43,7 +43,7 @@ async def main_async(args) -> None:
     drafter_port = free_port()
     common = ["--model", str(model_dir), "--device", args.device, "--dtype", dtype]
     children.start("drafter", [sys.executable, "-m", "shared.cli", "drafter", *common, "--port", str(drafter_port),
-                               "--global-index-contexts", "0"])
+                               "--global-index-mb", "0"])
     addresses = {}
     try:
         await children.wait_serving("drafter", f"127.0.0.1:{drafter_port}", timeout=600)

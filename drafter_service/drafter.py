@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from drafter_service.planner import Estimates, Plan, Planner, choose
 from drafter_service.proposers import Proposal
 from drafter_service.proposers.mtp import DraftJob, MTPProposer
-from drafter_service.proposers.suffix import COUNT_CHUNK, GlobalIndex, SuffixIndex, SuffixMatch
+from drafter_service.proposers.global_index import GlobalIndex, best_match
+from drafter_service.proposers.suffix import COUNT_CHUNK, SuffixIndex, SuffixMatch
 from drafter_service.session import DraftSession, session_params
 from drafter_service.settings import DrafterSettings
 from kernels.speculative import Mode
@@ -53,7 +54,7 @@ class Drafter:
             fused = build_fused(model, max_rows=MAX_FUSED_MTP_ROWS, max_length=model.config.max_position_embeddings)
         self.mtp = MTPProposer(model, routing, fused) if model.mtp is not None else None
         self.planner = Planner()
-        self.global_index = GlobalIndex(settings.global_index_contexts)
+        self.global_index = GlobalIndex(settings.global_index_mb << 20)
         # Request-initial planner snapshots by session id: a re-sync of the same request (after
         # an eviction or a lost stream) keeps planning with the estimates it started with.
         self.snapshots: OrderedDict[str, Estimates] = OrderedDict()
@@ -172,14 +173,9 @@ class Drafter:
     # -- chains: plan (loop), MTP drafts (worker), the message (loop) ----------------------------
 
     def _suffix_match(self, session: DraftSession, limit: int) -> SuffixMatch | None:
-        match = session.suffix.lookup(limit)
-        if session.mode == Mode.EXACT:
-            # Other sessions' outputs only in exact mode: a same-seed session's tokens encode
-            # its accept draws, which would bias probabilistic acceptance here.
-            other = self.global_index.lookup(session.suffix, limit, match)
-            if other is not None and (match is None or other.score > match.score):
-                match = other
-        return match
+        # Other sessions' outputs only in exact mode: a same-seed session's tokens encode its
+        # accept draws, which would bias probabilistic acceptance here.
+        return best_match(session.suffix, self.global_index if session.mode == Mode.EXACT else None, limit)
 
     def plan(self, session: DraftSession, mtp: bool = True) -> tuple[Plan, SuffixMatch | None]:
         """The next chain's source and length, and the suffix match it may use (loop: no model

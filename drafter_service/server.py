@@ -65,6 +65,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         self.drafter = Drafter(self.model, self.settings)
         model_bytes = resident_bytes(self.model)
         self.metrics.model_bytes.set(model_bytes)
+        self.metrics.report_global_index(self.drafter.global_index)
         log.info("drafter ready", address=self.settings.address, mtp=self.drafter.mtp is not None,
                  model_gib=round(model_bytes / 2**30, 3))
 
@@ -76,12 +77,12 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             task = asyncio.get_running_loop().create_task(self._finish_adding(steps))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
-        self.metrics.global_contexts.set(len(self.drafter.global_index))
+        self.metrics.report_global_index(self.drafter.global_index)
 
     async def _finish_adding(self, steps: Iterator[None]) -> None:
         for _ in steps:
             await asyncio.sleep(0)
-        self.metrics.global_contexts.set(len(self.drafter.global_index))
+        self.metrics.report_global_index(self.drafter.global_index)
 
     async def _run(self, kind: str, fn: Callable, *args) -> tuple[object, float]:
         """A model-worker job, counted in the worker's load by its kind: (its result, its own ms)."""

@@ -24,7 +24,7 @@ class DrafterSettings:
     max_streams_per_peer: int = field(default=64, metadata={"help": "Draft streams one unauthenticated peer (client address) may hold open; more get RESOURCE_EXHAUSTED. Callers authenticated by --auth-token or --tls-client-ca are not capped by address"})
     moce_scale: float = field(default=0.0, metadata={"help": "MoCE base scale b for the MTP layer's draft rows (m = b*b; 1 = plain routing); 0 = by the expert slots: plain routing with every expert resident, 3 with --expert-slots at most 25% of the experts, 2 above (chosen by bench/moce_drafts.py; docs/PERFORMANCE.md)"})
     expert_slots: int = field(default=0, metadata={"help": "device expert slots per MoE layer (0 = all resident)"})
-    global_index_contexts: int = field(default=1_000_000, metadata={"help": "contexts kept in the cross-session suffix index (about 15 per output token; oldest dropped first)"})
+    global_index_mb: int = field(default=512, metadata={"help": "MiB (2**20 bytes) the cross-session suffix index may hold: its native context tables and the finished outputs' tokens (docs/PERFORMANCE.md: tokens held per MiB); when full, the oldest outputs leave whole; 0 = off"})
     draft_ahead: bool = field(default=True, metadata={"help": "after a suffix chain, send the next round's chain at once, assuming every draft accepted and the bonus the suffix index expects (used by the verifier only if that is what it commits)"})
     load_shedding: bool = field(default=True, metadata={"help": "plan without MTP drafts when the model worker's backlog would make them miss the verifier's wait (the commit says it): a suffix or empty chain at once instead of a late one"})
     planner: str = field(default="adaptive", metadata={"help": "source choice: adaptive (learned estimates), mtp or suffix (fixed, for ablations)"})
@@ -46,8 +46,10 @@ class DrafterSettings:
             raise ValueError(f"max_streams_per_peer {self.max_streams_per_peer} must be >= 1")
         if not (math.isfinite(self.moce_scale) and self.moce_scale >= 0):
             raise ValueError(f"moce_scale {self.moce_scale!r} must be finite and > 0 (or 0: by the expert slots)")
-        if self.expert_slots < 0 or self.global_index_contexts < 0:
-            raise ValueError("expert_slots and global_index_contexts must be >= 0")
+        if self.expert_slots < 0:
+            raise ValueError(f"expert_slots {self.expert_slots} must be >= 0")
+        if self.global_index_mb < 0:
+            raise ValueError(f"global_index_mb {self.global_index_mb} must be >= 0 (0: the cross-session index off)")
 
     def moce_base_scale(self, num_experts: int) -> float:
         """The MoCE base scale b for a model of `num_experts` routed experts per layer: the

@@ -78,6 +78,7 @@ class VerifierMetrics:
 class DrafterMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._evictions_reported = 0
         self.proposals = Counter("tandem_drafter_proposals", "Chains sent, by source", ["source"], registry=r)
         self.draft_tokens = Counter("tandem_drafter_draft_tokens", "Draft tokens sent, by source", ["source"], registry=r)
         self.draft_seconds = Histogram("tandem_drafter_draft_seconds", "Drafter compute per chain", buckets=ROUND_BUCKETS, registry=r)
@@ -96,8 +97,24 @@ class DrafterMetrics:
                                  "Bytes of the model weights the drafter holds on its device (a lean drafter: "
                                  "embeddings, the MTP layer, lm_head)", registry=r)
         self.global_contexts = Gauge("tandem_drafter_suffix_global_contexts",
-                                     "Contexts in the cross-session suffix index (bounded by --global-index-contexts)",
+                                     "Contexts in the cross-session suffix index, over every context length",
                                      registry=r)
+        self.global_index_bytes = Gauge("tandem_drafter_global_index_bytes",
+                                        "Bytes the cross-session suffix index holds: its native context tables and the "
+                                        "outputs' tokens (bounded by --global-index-mb)", registry=r)
+        self.global_index_requests = Gauge("tandem_drafter_global_index_requests",
+                                           "Finished outputs the cross-session suffix index holds", registry=r)
+        self.global_index_evictions = Counter("tandem_drafter_global_index_evictions",
+                                              "Outputs evicted, whole, from the cross-session suffix index to stay "
+                                              "within --global-index-mb (the oldest first)", registry=r)
+
+    def report_global_index(self, index) -> None:
+        """The cross-session index's gauges, and its evictions since the last report."""
+        self.global_contexts.set(len(index))
+        self.global_index_bytes.set(index.nbytes)
+        self.global_index_requests.set(index.requests)
+        self.global_index_evictions.inc(index.evictions - self._evictions_reported)
+        self._evictions_reported = index.evictions
 
 
 class GatewayMetrics:

@@ -57,7 +57,7 @@ def replay_real_drafter(streams: list[dict], model: str | None, device: str, dty
     commit_ms: list[float] = []
     for _ in range(passes):
         open_ms, commit_ms = [], []
-        drafter = Drafter(loaded, DrafterSettings(global_index_contexts=0, device=device, dtype=dtype))
+        drafter = Drafter(loaded, DrafterSettings(global_index_mb=0, device=device, dtype=dtype))
         for stream in streams:
             session = None
             for raw in stream["up"]:

@@ -1,9 +1,10 @@
 """Suffix drafting: continue the longest earlier match of the current suffix, by its counts.
 
 Both indexes count, for every context of the lengths in ORDERS (1..8, then sparser up to
-32 tokens), which tokens followed it: the per-request index over the request's prompt and
-output, the global index over previous requests' outputs (bounded). A context is a rolling
-hash of its tokens, so an update is O(len(ORDERS)) per token and a lookup O(1).
+32 tokens), which tokens followed it: the per-request index (here, Python dicts) over the
+request's prompt and output, the global index (global_index.py: a native table bounded in
+bytes) over previous requests' outputs. A context is a rolling hash of its tokens, so an
+update is O(len(ORDERS)) per token and a lookup O(1).
 
 A proposal (as in SuffixDecoding, arXiv 2411.04975) starts from the longest context that
 matches the end of the committed tokens, then follows the most frequent continuation
@@ -18,8 +19,10 @@ outputs), never on a draw, so they are the same on a replay.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 
 from typing import NamedTuple
 
@@ -58,52 +61,33 @@ class SuffixMatch(NamedTuple):  # (a tuple: built on every round's path, cheaper
 
 
 class ContextCounts:
-    """Context hash → next-token counts, one table per order; optionally bounded.
+    """Context hash → next-token counts, one table per order (a request's own index).
 
     A value is the single token seen after the context (an int: the token, plus its count - 1
     shifted left by COUNT_SHIFT), or a dict token → count whose order is recency (a token moves
-    to the end when counted). Bounded tables keep two
-    generations: when the current one holds max_contexts // 2 contexts it becomes the old
-    one (whose leftovers are dropped), and a context counted again moves to the current."""
+    to the end when counted). _context_table.c keeps the same counts for the global index."""
 
-    def __init__(self, max_contexts: int | None = None) -> None:
-        if max_contexts is not None and max_contexts < 0:
-            raise ValueError(f"max_contexts {max_contexts} must be >= 0")
-        self.max_contexts = max_contexts
-        self.current: list[dict] = [{} for _ in ORDERS]
-        self.old: list[dict] = [{} for _ in ORDERS]
-        self._current_size = 0
-        self.levels = [(table, order, POW[order]) for table, order in zip(self.current, ORDERS)]  # (unbounded only)
+    def __init__(self) -> None:
+        self.tables: list[dict] = [{} for _ in ORDERS]
+        self.size = 0  # contexts, over every order
+        self.levels = [(table, order, POW[order]) for table, order in zip(self.tables, ORDERS)]
 
     def __len__(self) -> int:
-        return self._current_size + sum(len(t) for t in self.old)
+        return self.size
 
     def count(self, order_index: int, key: int, token: int) -> None:
-        table = self.current[order_index]
+        table = self.tables[order_index]
         value = table.get(key)
         if value is None:
-            if self.max_contexts is not None:
-                value = self.old[order_index].pop(key, None)
-                if self.max_contexts == 0:
-                    return
-                if self._current_size >= self.max_contexts // 2 or self.max_contexts < 2:
-                    self.old, self.current = self.current, [{} for _ in ORDERS]
-                    self._current_size = 0
-                    table = self.current[order_index]
-            self._current_size += 1
-            if value is None:
-                table[key] = token
-                return
-        if type(value) is int:
+            table[key] = token
+            self.size += 1
+        elif type(value) is int:
             table[key] = value + ONE_MORE if value & TOKEN_MASK == token else _split(value, token)
         else:
             value[token] = value.pop(token, 0) + 1
 
     def get(self, order_index: int, key: int):
-        value = self.current[order_index].get(key)
-        if value is None and self.max_contexts is not None:
-            value = self.old[order_index].get(key)
-        return value
+        return self.tables[order_index].get(key)
 
 
 def _split(single: int, token: int) -> dict[int, int]:
@@ -135,15 +119,7 @@ def _count_stream(counts: ContextCounts, token_ids: list[int], prefix: list[int]
                   stop: int | None = None) -> None:
     """Count the contexts before each token token_ids[start:stop] (prefix: hashes of token_ids[:i])."""
     stop = len(token_ids) if stop is None else stop
-    if counts.max_contexts is not None:
-        for n in range(start, stop):
-            token, hn = token_ids[n], prefix[n]
-            for oi, order in enumerate(ORDERS):
-                if order > n:
-                    break
-                counts.count(oi, (hn - prefix[n - order] * POW[order]) % MOD, token)
-        return
-    # Unbounded (a request's own index, on every round's path): ContextCounts.count inlined.
+    # (on every round's path: ContextCounts.count inlined)
     levels = counts.levels
     added = 0
     for n in range(start, stop):
@@ -160,7 +136,13 @@ def _count_stream(counts: ContextCounts, token_ids: list[int], prefix: list[int]
                 table[key] = value + ONE_MORE if value & TOKEN_MASK == token else _split(value, token)
             else:
                 value[token] = value.pop(token, 0) + 1
-    counts._current_size += added
+    counts.size += added
+
+
+@cache
+def _chain_limits(factor: float, offset: float) -> tuple[int, ...]:
+    """The most drafts a chain may hold after a match of each order (non-decreasing)."""
+    return tuple(int(order * factor + offset + 1e-6) for order in ORDERS)
 
 
 def _propose(counts: ContextCounts, prefix: list[int], max_tokens: int, min_prob: float, factor: float,
@@ -171,18 +153,25 @@ def _propose(counts: ContextCounts, prefix: list[int], max_tokens: int, min_prob
         return None
     n = len(prefix) - 1
     hn = prefix[n]
-    current = counts.current  # (ContextCounts.get inlined: this runs on every round's path)
-    old = counts.old if counts.max_contexts is not None else None
+    tables = counts.tables  # (ContextCounts.get inlined: this runs on every round's path)
     # A context is counted with all its suffixes, so the orders that match form a prefix of
     # ORDERS: binary search for the last one.
     low, high = 0, NUM_ORDERS  # ORDERS[:low] match, ORDERS[high:] do not
+    if beat:
+        # Only a match of ORDERS[first:] allows a chain long enough to score above beat: if the
+        # shortest of them does not match, neither does a longer one (one look-up, no search).
+        first = bisect_right(_chain_limits(factor, offset), beat)
+        order = ORDERS[first] if first < NUM_ORDERS else n + 1
+        if order > n or (hn - prefix[n - order] * POW[order]) % MOD not in tables[first]:
+            return None
+        low = first + 1
     while low < high:
         mid = (low + high) // 2
         order = ORDERS[mid]
         found = False
         if order <= n:
             key = (hn - prefix[n - order] * POW[order]) % MOD
-            found = key in current[mid] or (old is not None and key in old[mid])
+            found = key in tables[mid]
         if found:
             low = mid + 1
         else:
@@ -210,9 +199,7 @@ def _propose(counts: ContextCounts, prefix: list[int], max_tokens: int, min_prob
             order = ORDERS[oi]
             if order <= end:
                 key = (h - hashes[end - order] * POW[order]) % MOD
-                value = current[oi].get(key)
-                if value is None and old is not None:
-                    value = old[oi].get(key)
+                value = tables[oi].get(key)
                 if value is not None:
                     break
             oi -= 1
@@ -282,95 +269,9 @@ class SuffixIndex:
             del self.tokens[length:]
             del self.prefix[length + 1:]
 
-    def lookup(self, k: int) -> SuffixMatch | None:
-        """The request's own proposal of at most k tokens (None: no context matches)."""
+    def lookup(self, k: int, beat: float = 0.0) -> SuffixMatch | None:
+        """The request's own proposal of at most k tokens (None: no context matches, or it
+        cannot score above `beat`, and its walk stops as soon as that is certain)."""
         if k < 1:
             return None
-        return _propose(self.counts, self.prefix, k, self.min_prob, self.factor, self.offset, "request")
-
-
-class GlobalIndex:
-    """Context counts over previous requests' outputs, bounded to max_contexts contexts."""
-
-    def __init__(self, max_contexts: int | None = 1_000_000, min_prob: float = MIN_TOKEN_PROB,
-                 factor: float = GLOBAL_FACTOR, offset: float = GLOBAL_OFFSET) -> None:
-        self.counts = ContextCounts(max_contexts)
-        self.min_prob, self.factor, self.offset = min_prob, factor, offset
-
-    def add(self, token_ids: list[int]) -> None:
-        """Count a finished output (contexts within it only, as the request's prompt is its own)."""
-        for _ in self.adding(token_ids, len(token_ids) or 1):
-            pass
-
-    def adding(self, token_ids: list[int], chunk: int) -> Iterator[None]:
-        """add() in steps of `chunk` tokens: a generator that yields between steps (the caller
-        may do other work there); the first step runs at the first next()."""
-        token_ids = list(token_ids)
-        prefix = [0]
-        _hash_tokens(prefix, token_ids)
-        for start in range(0, len(token_ids), chunk):
-            if start:
-                yield
-            _count_stream(self.counts, token_ids, prefix, start, min(start + chunk, len(token_ids)))
-
-    def lookup(self, index: SuffixIndex, k: int, beat: SuffixMatch | None = None) -> SuffixMatch | None:
-        """The global proposal of at most k tokens after the request's committed tokens; None
-        when there is none or it cannot score above `beat` (the request's own proposal), whose
-        walk is then skipped."""
-        if k < 1:
-            return None
-        return _propose(self.counts, index.prefix, k, self.min_prob, self.factor, self.offset, "global",
-                        beat.score if beat is not None else 0.0)
-
-    def __len__(self) -> int:
-        return len(self.counts)
-
-
-class SuffixDrafter:
-    """The suffix proposer on its own (benchmarks, and any caller without the service):
-    start(request_id, prompt_ids), propose(request_id, max_tokens), extend(request_id,
-    token_ids), finish(request_id) (the output then joins the global index)."""
-
-    def __init__(self, max_global_contexts: int | None = 1_000_000, min_prob: float = MIN_TOKEN_PROB,
-                 use_global: bool = True) -> None:
-        self.global_index = GlobalIndex(max_global_contexts, min_prob) if use_global else None
-        self.min_prob = min_prob
-        self._requests: dict[object, tuple[SuffixIndex, int]] = {}  # id → (index, prompt length)
-
-    def start(self, request_id: object, prompt_ids: list[int]) -> None:
-        if request_id in self._requests:
-            raise ValueError(f"request {request_id!r} is already active")
-        index = SuffixIndex(self.min_prob)
-        index.extend(list(prompt_ids))
-        self._requests[request_id] = (index, len(prompt_ids))
-
-    def extend(self, request_id: object, token_ids: list[int], count: bool = True) -> None:
-        """Commit tokens; count=False leaves their counting to count_pending (off the latency path)."""
-        self._index(request_id).extend(list(token_ids), count)
-
-    def count_pending(self, request_id: object) -> None:
-        self._index(request_id).count_pending()
-
-    def propose(self, request_id: object, max_tokens: int) -> list[int]:
-        match = self.match(request_id, max_tokens)
-        return match.continuation if match else []
-
-    def match(self, request_id: object, max_tokens: int) -> SuffixMatch | None:
-        """The better (by score) of the request's and the global proposal."""
-        index = self._index(request_id)
-        own = index.lookup(max_tokens)
-        other = self.global_index.lookup(index, max_tokens, own) if self.global_index is not None else None
-        if other is not None and (own is None or other.score > own.score):
-            return other
-        return own
-
-    def finish(self, request_id: object) -> None:
-        index, prompt_length = self._requests.pop(request_id)
-        if self.global_index is not None:
-            self.global_index.add(index.tokens[prompt_length:])
-
-    def _index(self, request_id: object) -> SuffixIndex:
-        try:
-            return self._requests[request_id][0]
-        except KeyError:
-            raise ValueError(f"request {request_id!r} is not active") from None
+        return _propose(self.counts, self.prefix, k, self.min_prob, self.factor, self.offset, "request", beat)

@@ -6,7 +6,8 @@ import contextlib
 
 import grpc
 import drafter_service.drafter as drafter_module
-from drafter_service.proposers.suffix import GlobalIndex, SuffixIndex
+from drafter_service.proposers.global_index import GlobalIndex
+from drafter_service.proposers.suffix import SuffixIndex
 from drafter_service.server import DrafterServer
 from drafter_service.settings import DrafterSettings
 from shared.protocol import common_pb2, drafter_pb2_grpc
@@ -62,7 +63,7 @@ async def test_mtp_chains_draft_on_the_worker(tiny_mtp_model, worker_jobs):
 
 def test_the_global_index_counted_in_steps_equals_counted_at_once():
     output = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4] * 3
-    at_once, in_steps = GlobalIndex(), GlobalIndex()
+    at_once, in_steps = GlobalIndex(1 << 20), GlobalIndex(1 << 20)
     at_once.add(output)
     assert sum(1 for _ in in_steps.adding(output, 7)) == -(-len(output) // 7) - 1  # a pause between steps
     assert len(in_steps) == len(at_once)
@@ -80,6 +81,10 @@ async def test_a_long_output_joins_the_global_index_in_steps(tiny_mtp_model, mon
             if len(index) and not server.service._background:
                 break
             await asyncio.sleep(0.01)
-        expected = GlobalIndex()
+        expected = GlobalIndex(1 << 20)
         expected.add(emitted)
         assert len(index) == len(expected) > 0
+        registry = server.service.metrics.registry
+        assert registry.get_sample_value("tandem_drafter_global_index_bytes") == index.nbytes > 0
+        assert registry.get_sample_value("tandem_drafter_global_index_requests") == index.requests == 1
+        assert registry.get_sample_value("tandem_drafter_global_index_evictions_total") == 0
