@@ -42,6 +42,9 @@ def run_demo(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         return _run(args, model_dir)
+    except RuntimeError as error:  # a service that did not start (wait_serving says which, and its last lines)
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     except VerifierError as error:  # a request the verifier refused (e.g. beyond its limits)
         print(f"\nerror: the verifier refused the request: {error.message}", file=sys.stderr)
         return 1

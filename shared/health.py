@@ -18,7 +18,9 @@ def wait_serving(address: str, *, timeout: float = 120.0, process: subprocess.Po
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if process is not None and process.poll() is not None:
-                raise RuntimeError(f"the {name} exited with status {process.returncode}")
+                said = process.stderr.read().strip().splitlines()[-3:] if process.stderr is not None else []
+                raise RuntimeError(f"the {name} exited with status {process.returncode}"
+                                   + "".join(f"\n  {line}" for line in said))
             try:
                 if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
                     return

@@ -47,8 +47,11 @@ def test_bad_options_stop_the_demo_before_anything_starts_and_a_refusal_is_one_l
 def test_a_stopped_demo_stops_its_services(signum, status):
     """SIGTERM (or Ctrl-C) while the completion streams: both services stop with the demo, no
     traceback (they were left running, still listening, on SIGTERM)."""
+    # (SIGINT as a terminal delivers it: a suite run in the background, as `cmd &` in a script,
+    # would hand the child SIGINT ignored)
     demo = subprocess.Popen([sys.executable, "-m", "shared.cli", "demo", "--max-new-tokens", "2000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         first = demo.stderr.readline()  # "starting drafter on :P and verifier on :Q (...) ..."
         ports = [int(p) for p in re.findall(r":(\d+)", first)]
@@ -64,3 +67,20 @@ def test_a_stopped_demo_stops_its_services(signum, status):
     for port in ports:  # (the demo waits for both to exit before it does)
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_a_service_that_cannot_start_is_one_error_naming_it_and_why(tmp_path):
+    """A checkpoint the services cannot load (here: a model type tandem does not serve): the demo
+    says which service stopped and its last words, no traceback, status 1."""
+    import json
+    import shutil
+
+    from shared.model.registry import resolve_model
+
+    model = shutil.copytree(resolve_model(None), tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(dict(config, model_type="llama")))
+    result = subprocess.run([sys.executable, "-m", "shared.cli", "demo", "--model", str(model)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "error: the drafter exited with status 2" in result.stderr and "llama" in result.stderr, result.stderr

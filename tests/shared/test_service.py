@@ -130,8 +130,11 @@ def test_ctrl_c_during_start_up_ends_the_service_without_a_traceback(after_s):
     import signal
     import time
 
+    # (SIGINT as a terminal delivers it: a suite run in the background, as `cmd &` in a script,
+    # would hand the child SIGINT ignored, and Python then never raises KeyboardInterrupt)
     service = subprocess.Popen([sys.executable, "-m", "shared.cli", "verifier", "--port", "0"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         time.sleep(after_s)
         service.send_signal(signal.SIGINT)
