@@ -329,7 +329,7 @@ class HybridFused:
                 continue
             experts = fused_experts if num_rows <= MAX_FUSED_TOKENS else experts_reference
 
-            def run(ids: Tensor, layer: HybridLayer = layer, experts=experts) -> Tensor:  # [T*(k+1), hidden] f32
+            def run(ids: Tensor) -> Tensor:  # [T*(k+1), hidden] f32 (called within this layer's iteration)
                 return experts(normed, ids, layer.gate_up, layer.down)
 
             # with slots: the routed experts resident a group at a time (the same bits per route)
