@@ -102,7 +102,8 @@ async def main_async(args) -> None:
                                 "--device", args.device, "--dtype", dtype, "--port", str(v_port),
                                 "--drafter", f"127.0.0.1:{r_port}", "--max-sessions", str(args.concurrency),
                                 "--max-context", str(max_prompt + args.new_tokens + 32),
-                                "--max-draft-tokens", str(args.max_draft_tokens), "--no-governor", "--grace-s", "2"])
+                                "--max-draft-tokens", str(args.max_draft_tokens), "--no-governor", "--grace-s", "2",
+                                *args.verifier_arg])
     results: dict[str, dict[str, list[dict]]] = {}
     walls: dict[str, float] = {}
     try:
@@ -202,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-draft-tokens", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--out", type=Path, default=None, help="every request's record (JSON)")
+    parser.add_argument("--verifier-arg", action="append", default=[],
+                        help="one more argument for the verifier (repeat; e.g. --verifier-arg=--num-expert-slots=64)")
     asyncio.run(main_async(parser.parse_args(argv)))
     return 0
 

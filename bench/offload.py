@@ -1,7 +1,8 @@
-"""Experts offloaded to host memory, with and without prefetch hints, against all resident (issue 18).
+"""Experts offloaded to host memory, with and without prefetch hints, against all resident (issues 18, 34).
 
-Random bf16 weights at Qwen3-30B-A3B shapes (--layers of them: every MoE layer is alike, so
-times scale with the count), on a GPU. Arms on the same weights: every expert resident,
+Random bf16 weights at Qwen3-30B-A3B shapes (--family qwen3_moe) or Qwen3.5-35B-A3B shapes
+(--family hybrid: Gated DeltaNet and gated attention, 256 experts and a shared one; its first
+--layers layers; no prefetch arms) (every MoE layer is alike, so times scale with the count), on a GPU. Arms on the same weights: every expert resident,
 and a model keeping --fractions of each layer's experts in device slots (the rest in pinned
 host memory), run without and with the routing-memory prefetch (shared.model.offload; at most
 --prefetch-limits copies a layer), each
@@ -21,7 +22,7 @@ which the compute waits for) that prefetching takes off the window's time ("hidd
 paired differences), the hints' precision and recall,
 and whether every arm's logits were bit-identical to all resident.
 
-Usage: python bench/offload.py [--layers 12] [--fractions 0.25,0.5] [--windows 1,5] [--blocks 5]
+Usage: python bench/offload.py [--family qwen3_moe|hybrid] [--layers 12] [--fractions 0.25,0.5] [--windows 1,5] [--blocks 5]
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ from pathlib import Path
 import torch
 
 from bench.model_baseline import QWEN3_30B_A3B
+from bench.pairbench.common import QWEN3_5_35B_A3B
 from shared.model import ModelConfig, load_model
-from shared.model.families.qwen3_moe.fused import FusedModel
+from shared.model.families import build_fused
+from shared.model.families.hybrid.config import NextConfig
+from shared.model.fused import FusedForward
 from shared.model.graphs import WindowGraphs
 from shared.model.kv_cache import KVPool
 from shared.model.offload import RoutingMemory
@@ -82,13 +86,15 @@ class Arm:
     """One model behind the service's window runner (whole-window graphs when all resident,
     graph segments between route reads when offloaded), with its own KV pool."""
 
-    def __init__(self, name: str, fused: FusedModel, prefetch: int, max_rows: int) -> None:
-        """prefetch: the most copies a layer's prefetch starts (0: none)."""
+    def __init__(self, name: str, fused: FusedForward, prefetch: int, max_rows: int, use_graphs: bool = True) -> None:
+        """prefetch: the most copies a layer's prefetch starts (0: none); use_graphs=False: the
+        offloaded forward eagerly (no graph segments)."""
         self.name, self.fused, self.prefetch = name, fused, prefetch
         c = fused.model.config
-        pool = KVPool(num_layers=c.num_hidden_layers, num_slots=1, max_length=c.max_position_embeddings,
+        num_kv_layers = getattr(fused.model, "num_kv_layers", c.num_hidden_layers)  # (the hybrid's attention layers)
+        pool = KVPool(num_layers=num_kv_layers, num_slots=1, max_length=c.max_position_embeddings,
                       num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=fused.model.dtype, device="cuda")
-        self.runner = WindowGraphs(fused, pool, max_rows, use_graphs=True)
+        self.runner = WindowGraphs(fused, pool, max_rows, use_graphs=use_graphs)
         self.runner.capture()
         self.slot, _ = pool.acquire(c.max_position_embeddings)
         self.stores = [layer.store for layer in fused.layers if layer.moe]
@@ -107,6 +113,7 @@ class Arm:
         if offload is not None:
             offload.memory = RoutingMemory(len(offload.stores)) if self.prefetch else None
             offload.prefetch_limit = max(1, self.prefetch)
+        self.runner.reset_state(self.slot)  # (linear-attention states: the hybrid family)
         self.fused.prefill(torch.tensor(prompt, device="cuda"), [(0, len(prompt), self.slot)], self.runner.kv)
         self.runner.run(self.slot, text[:window], len(prompt))  # (a shape's first run captures its segments)
         torch.cuda.synchronize()
@@ -114,6 +121,7 @@ class Arm:
         start = time.perf_counter()
         for step in range(steps):
             out = self.runner.run(self.slot, text[step * window : (step + 1) * window], len(prompt) + step * window)
+            self.runner.settle(self.slot)  # (every row kept)
         torch.cuda.synchronize()
         ms = (time.perf_counter() - start) * 1e3 / steps
         after = self.totals()
@@ -122,41 +130,51 @@ class Arm:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--family", choices=("qwen3_moe", "hybrid"), default="qwen3_moe")
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--fractions", default="0.25,0.5")
     parser.add_argument("--windows", default="1,5")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--blocks", type=int, default=5)
-    parser.add_argument("--prefetch-limits", default="1,4", help="prefetch arms: the most copies a layer's prefetch starts")
+    parser.add_argument("--eager-arm", action="store_true", help="also the offloaded forward run eagerly (no graph segments)")
+    parser.add_argument("--prefetch-limits", default=None,
+                        help="prefetch arms: the most copies a layer's prefetch starts (default 1,4; none for hybrid)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/offload.py needs a CUDA GPU")
     fractions = [float(f) for f in args.fractions.split(",")]
     windows = [int(w) for w in args.windows.split(",")]
-    config = ModelConfig.from_dict(QWEN3_30B_A3B | dict(num_hidden_layers=args.layers))
+    if args.family == "hybrid":
+        config = NextConfig.from_dict(QWEN3_5_35B_A3B | dict(num_hidden_layers=args.layers, mtp_num_hidden_layers=0,
+                                                             layer_types=QWEN3_5_35B_A3B["layer_types"][: args.layers]))
+        if args.prefetch_limits:
+            raise SystemExit("--prefetch-limits: the hybrid family's offloaded forward has no prefetch")
+    else:
+        config = ModelConfig.from_dict(QWEN3_30B_A3B | dict(num_hidden_layers=args.layers))
     span = args.prompt + args.steps * max(windows)
     tokens = text_tokens(span * args.blocks * len(windows))
     bandwidth = h2d_bandwidth()
     log(f"pinned host-to-device copies: {bandwidth / 1e9:.1f} GB/s")
 
-    def build(slots: int | None) -> FusedModel:
+    def build(slots: int | None) -> FusedForward:
         started = time.perf_counter()
         model = load_model(config=config, random_weights=True, device="cuda", dtype=torch.bfloat16, seed=0,
                            num_expert_slots=slots, parts="trunk")
         log(f"built {args.layers} layers, slots {slots or 'all'} in {time.perf_counter() - started:.1f}s")
-        return FusedModel(model, max_rows=max(windows), max_length=config.max_position_embeddings)
+        return build_fused(model, max_rows=max(windows), max_length=config.max_position_embeddings, num_state_slots=1)
 
     max_rows = max(windows)
     resident = Arm("all resident", build(None), prefetch=0, max_rows=max_rows)
-    limits = [int(n) for n in args.prefetch_limits.split(",")]
+    limits = [int(n) for n in (args.prefetch_limits or ("" if args.family == "hybrid" else "1,4")).split(",") if n]
     expert_bytes = resident.stores[0].expert_bytes
     rows = []
     for fraction in fractions:
         slots = max(config.num_experts_per_tok, round(fraction * config.num_experts))
         offloaded = build(slots)
         arms = [resident, Arm("offloaded", offloaded, 0, max_rows),
-                *(Arm(f"offloaded + prefetch <= {n}", offloaded, n, max_rows) for n in limits)]
+                *(Arm(f"offloaded + prefetch <= {n}", offloaded, n, max_rows) for n in limits),
+                *([Arm("offloaded, eager", offloaded, 0, max_rows, use_graphs=False)] if args.eager_arm else [])]
         for window in windows:
             times = {arm.name: [] for arm in arms}
             deltas = {arm.name: [] for arm in arms}
@@ -198,7 +216,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     print(f"\nexpert: {expert_bytes / 2**20:.1f} MiB; pinned host-to-device {bandwidth / 1e9:.1f} GB/s; "
           f"{args.layers} layers, prompt {args.prompt}, {args.steps} windows x {args.blocks} blocks\n")
-    print("| slots (of 128) | T | arm | ms per window | tokens/s | misses per layer | MiB copied | copy ms at bandwidth "
+    print(f"| slots (of {config.num_experts}) | T | arm | ms per window | tokens/s | misses per layer | MiB copied | copy ms at bandwidth "
           "| added over all resident, ms | copy time hidden by prefetch | hint precision | hint recall | logits = all resident |")
     print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731

@@ -125,6 +125,10 @@ class ExpertStore:
         all_down = torch.cat([self.down.detach(), down.to(self.device, self.down.dtype)])
         self.gate_up, self.down = all_gate_up[: self.num_slots], all_down[: self.num_slots]
         self.num_fixed = gate_up.shape[0]
+        if not self.all_resident:  # route id num_experts + i -> slot num_slots + i (slots_of); -1 stays last
+            fixed = torch.arange(self.num_slots, self.num_slots + self.num_fixed, device=self.device)
+            self._slot_table = torch.cat([self.slot_of_expert, fixed, self._slot_table[-1:]])
+            self.slot_of_expert = self._slot_table[: self.num_experts]
         self.fixed_weights = (all_gate_up, all_down)
         return all_gate_up, all_down
 
@@ -195,8 +199,8 @@ class ExpertStore:
                 compute.wait_event(event)
 
     def slots_of(self, expert_ids: Tensor) -> Tensor:
-        """The slot of each routed expert [T, k] (-1 stays -1), on the device without the host, in
-        one gather: valid once they are resident."""
+        """The slot of each routed expert [T, k] (-1 stays -1; a fixed expert's id, its slot), on
+        the device without the host, in one gather: valid once they are resident."""
         if self.all_resident:
             return expert_ids
         return self._slot_table[expert_ids]

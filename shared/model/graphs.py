@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from shared.model.families.qwen3_moe.fused import FusedModel
+from shared.model.fused import FusedForward
 from shared.model.rows import Rows
 from shared.model.kv_cache import KVPool
 from shared.model.segments import SegmentedForward
@@ -44,7 +44,7 @@ class WindowOutput:
 
 
 class WindowGraphs:
-    def __init__(self, fused: FusedModel, pool: KVPool, max_rows: int, *, max_batch_rows: int | None = None,
+    def __init__(self, fused: FusedForward, pool: KVPool, max_rows: int, *, max_batch_rows: int | None = None,
                  scratch_slot: int | None = None, verify_window: int = 0, use_graphs: bool | None = None) -> None:
         """max_rows: the largest window of one sequence; max_batch_rows: the most rows of one
         batch (default max_rows); scratch_slot: a pool slot no request holds, where padded rows

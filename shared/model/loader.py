@@ -71,13 +71,13 @@ def load_model(
     parts: str = "all",
 ):
     """Load a checkpoint (a directory, a model name under models/, or None for the embedded
-    default model), or build a random-weight model from `config` (a qwen3_moe ModelConfig) or
-    `path`'s config.
+    default model), or build a random-weight model from `config` (a family's parsed config: a
+    ModelConfig, a NextConfig) or `path`'s config.
 
     The family follows config.json's model_type (shared.model.families). parts: what a service
     runs — "all", "trunk" (the verifier: no MTP layer) or "mtp" (a lean drafter: embeddings,
     the MTP layer when the checkpoint has one, lm_head; never the trunk)."""
-    from shared.model.families import family_for
+    from shared.model.families import family_for, family_of_config
 
     if parts not in PARTS:
         raise ValueError(f"parts {parts!r} must be one of {', '.join(PARTS)}")
@@ -88,7 +88,7 @@ def load_model(
         path = resolve_model(path)
         family = family_for(model_type(path))
     else:
-        family = family_for("qwen3_moe")
+        family = family_of_config(config)
     return family.load(path, device=device, dtype=dtype, num_expert_slots=num_expert_slots,
                        random_weights=random_weights, config=config, seed=seed, progress=progress, parts=parts)
 

@@ -20,6 +20,12 @@ read the victims' slots) and the segment replays again — its inputs are unchan
 rewrites the same KV rows. The kernels and their launch settings are the eager forward's, so
 the bits are too. A layer that needs more distinct experts than there are slots runs the rest
 of that forward eagerly (groups of experts in turn).
+
+Any family's fused forward runs here: segments call only the layer-level methods every family
+has with one signature (`embed`, `mix`, `router`, `experts`, `dense`, `decoder_layer`,
+`logits`, `next_norms`). A replayed segment is idempotent: it rewrites the same KV rows and, in
+the hybrid family, reads each sequence's committed linear-attention state buffer and rewrites
+the other (a step never reads the buffer it writes).
 """
 
 from __future__ import annotations
@@ -27,14 +33,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from shared.model.families.qwen3_moe.fused import FusedModel
+from shared.model.fused import FusedForward
 from shared.model.rows import Rows
 from shared.model.kv_cache import PagedKV
 from shared.model.offload import Offload
 
 
 class SegmentedForward:
-    def __init__(self, fused: FusedModel, token_ids: Tensor, rows: Rows, kv: PagedKV, *, capture: bool = True) -> None:
+    def __init__(self, fused: FusedForward, token_ids: Tensor, rows: Rows, kv: PagedKV, *, capture: bool = True) -> None:
         """token_ids [T], rows, kv: the tensors every run reads (their contents may change).
         capture=False: the same segments run eagerly (the CPU's way to test them)."""
         if fused.offload is None:
@@ -42,10 +48,10 @@ class SegmentedForward:
         self.fused, self.token_ids, self.rows, self.kv = fused, token_ids, rows, kv
         self.offload: Offload = fused.offload
         self.moe_layers = self.offload.moe_layers
-        self.norms = [layer.input_norm for layer in fused.layers[1:]] + [fused.model.norm.weight]
+        self.norms = fused.next_norms
         num_segments = len(self.moe_layers) + 1
         cuda = token_ids.device.type == "cuda"
-        routes = token_ids.shape[0] * max((fused.layers[m].top_k for m in self.moe_layers), default=0)
+        routes = token_ids.shape[0] * max((fused.layers[m].route_width for m in self.moe_layers), default=0)
         self.host_routes = [torch.zeros(routes, dtype=torch.int64, pin_memory=cuda) for _ in self.moe_layers]
         self.routes_copied = [torch.cuda.Event() if cuda else None for _ in self.moe_layers]
         self.outputs: list[tuple[Tensor, ...]] = [()] * num_segments
@@ -83,8 +89,7 @@ class SegmentedForward:
         fused, layers = self.fused, self.fused.layers
         for index in range(index, len(layers)):
             layer = layers[index]
-            keys, values = self.kv.layers[index]
-            post, post_residual = fused.attend(layer, normed, residual, self.rows, keys, values, self.kv.block_tables)
+            post, post_residual = fused.mix(layer, normed, residual, self.rows, self.kv)
             if layer.moe:
                 expert_ids, weights = fused.router(layer, post, self.rows, None)
                 segment = self.moe_layers.index(index)
@@ -132,7 +137,6 @@ class SegmentedForward:
         normed, residual = fused.experts(layers[moe], post, residual, self.norms[moe], expert_ids, weights,
                                           (self.offload, moe))
         for index in range(moe + 1, len(layers)):
-            keys, values = self.kv.layers[index]
-            normed, residual = fused.decoder_layer(layers[index], normed, residual, self.norms[index], self.rows, keys,
-                                                   values, self.kv.block_tables, None, (self.offload, index))
+            normed, residual = fused.decoder_layer(layers[index], normed, residual, self.norms[index], self.rows,
+                                                   self.kv, None, (self.offload, index))
         return fused.logits(normed), normed

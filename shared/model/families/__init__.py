@@ -10,7 +10,8 @@ and its loader, and registers one `Family` here:
   routed experts plus a shared one, the `mtp.*` layer; per-sequence linear-attention states.
 
 Both keep their routed experts in ExpertStores (device slots: EXPERT_SLOTS) and route draft
-rows with MoCE (MOCE); only qwen3_moe's offloaded forward replays as graph segments.
+rows with MoCE (MOCE); both offloaded forwards replay as graph segments on CUDA. Their fused
+forwards share one shape (shared.model.fused.FusedForward).
 
 Services ask the registry (never a model's class) whether a model runs the fused path, what it
 can do, and build its fused forward. Adding a family is adding a folder and an entry below.
@@ -32,6 +33,7 @@ MOCE = "moce"  # residency-aware routing of draft rows (needs expert slots' resi
 class Family:
     name: str
     model_types: tuple[str, ...]  # config.json's model_type values it loads
+    config_class: Callable[[], type]  # its parsed config's class (imported when called)
     model_class: Callable[[], type]  # the reference model's class (imported when called)
     load: Callable[..., nn.Module]  # shared.model.loader.load_model's work for this family
     fused: Callable[..., object]  # (model, max_rows=, max_length=, num_state_slots=, pdl=, invariant=, expert_prefetch=)
@@ -40,6 +42,12 @@ class Family:
 
     def owns(self, model: nn.Module) -> bool:
         return isinstance(model, self.model_class())
+
+
+def _qwen3_moe_config() -> type:
+    from shared.model.families.qwen3_moe.config import ModelConfig
+
+    return ModelConfig
 
 
 def _qwen3_moe_class() -> type:
@@ -66,6 +74,12 @@ def _qwen3_moe_unsupported(model):
     from shared.model.families.qwen3_moe.fused import unsupported_reason
 
     return unsupported_reason(model)
+
+
+def _hybrid_config() -> type:
+    from shared.model.families.hybrid.config import NextConfig
+
+    return NextConfig
 
 
 def _hybrid_class() -> type:
@@ -96,9 +110,9 @@ def _hybrid_unsupported(model):
 
 
 FAMILIES = (
-    Family("qwen3_moe", ("qwen3_moe",), _qwen3_moe_class, _qwen3_moe_load, _qwen3_moe_fused, _qwen3_moe_unsupported,
+    Family("qwen3_moe", ("qwen3_moe",), _qwen3_moe_config, _qwen3_moe_class, _qwen3_moe_load, _qwen3_moe_fused, _qwen3_moe_unsupported,
            frozenset({EXPERT_SLOTS, MOCE})),
-    Family("hybrid", ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"), _hybrid_class, _hybrid_load, _hybrid_fused,
+    Family("hybrid", ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"), _hybrid_config, _hybrid_class, _hybrid_load, _hybrid_fused,
            _hybrid_unsupported, frozenset({EXPERT_SLOTS, MOCE})),
 )
 
@@ -110,6 +124,14 @@ def family_for(model_type: str) -> Family:
             return family
     known = ", ".join(t for family in FAMILIES for t in family.model_types)
     raise ValueError(f"config.json model_type {model_type!r} is not supported (tandem serves: {known})")
+
+
+def family_of_config(config: object) -> Family:
+    """The family whose parsed config `config` is (a ModelConfig, a NextConfig)."""
+    for family in FAMILIES:
+        if isinstance(config, family.config_class()):
+            return family
+    raise ValueError(f"{type(config).__name__} is not the config of any family tandem serves")
 
 
 def family_of(model: nn.Module) -> Family:

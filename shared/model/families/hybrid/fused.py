@@ -115,6 +115,7 @@ class HybridLayer:
             self.router = fuse_linear_rows([layer.mlp.gate, layer.mlp.shared_expert_gate])  # [E + 1, H]
             self.router_splits = split_k(*self.router.shape)
             self.top_k, self.normalize = layer.mlp.top_k, layer.mlp.normalize
+            self.route_width = self.top_k + 1  # routes a row: the top-k, then the shared expert
             self.store = layer.mlp.store  # the routed experts: residency (MoCE), slots (offload)
             # the kernels' weights [slots + 1, ...]: the slots, then the shared expert
             self.gate_up, self.down = _with_shared_expert(layer.mlp)
@@ -145,6 +146,8 @@ class HybridFused:
             self.layers.append(HybridLayer(layer, linear_index=linear_index, kv_index=kv_index))
             linear_index += layer.linear
             kv_index += not layer.linear
+        # after each trunk layer (a lean drafter's model has no trunk)
+        self.next_norms = [layer.input_norm for layer in self.layers[1:]] + ([model.norm.weight] if self.layers else [])
         self.mtp_layer = None
         if model.mtp is not None:
             self.mtp_layer = HybridLayer(model.mtp.layers[0], linear_index=-1, kv_index=0)
@@ -171,8 +174,7 @@ class HybridFused:
         self.mtp_offload = None if self.mtp_layer is None else offload_over(
             [self.mtp_layer.store if self.mtp_layer.moe else None], prefetch=False)
 
-    # An offloaded forward runs eagerly (shared.model.segments' graph segments follow qwen3_moe's layers).
-    segmented_offload = False
+    segmented_offload = True  # offloaded forwards replay as graph segments (shared.model.segments)
 
     @property
     def offloaded(self) -> bool:
@@ -180,6 +182,19 @@ class HybridFused:
         return self.offload is not None or self.mtp_offload is not None
 
     # -- layers -----------------------------------------------------------------------------
+    # The layer-level methods have the same names and signatures in every family's fused forward
+    # (shared.model.segments runs them between the host's route reads).
+
+    def decoder_layer(self, layer: HybridLayer, normed: Tensor, residual: Tensor, next_norm: Tensor, rows: Rows,
+                      kv: PagedKV, routing: RoutingOptions | None = None,
+                      offload: tuple[Offload, int] | None = None) -> tuple[Tensor, Tensor]:
+        """(normed for the next layer, residual) after one decoder layer. routing: MoCE on draft
+        rows (the drafter's MTP layer); offload: (the Offload, this layer's index in it) with slots."""
+        normed, residual = self.mix(layer, normed, residual, rows, kv)
+        if not layer.moe:
+            return self.dense(layer, normed, residual, next_norm)
+        expert_ids, weights = self.router(layer, normed, rows, routing)
+        return self.experts(layer, normed, residual, next_norm, expert_ids, weights, offload)
 
     def mix(self, layer: HybridLayer, normed: Tensor, residual: Tensor, rows: Rows, kv: PagedKV) -> tuple[Tensor, Tensor]:
         """The token mixer through its output projection, the residual add and the post norm."""
@@ -210,20 +225,26 @@ class HybridFused:
                                 rows.seq_slots, rows.max_rows_per_seq, self.workspace, gate=mixer.gate(qkv), pdl=self.pdl)
         return linear_partials(attn.flatten(1), mixer.o, mixer.o_splits, pdl=self.pdl)
 
-    def mlp(self, layer: HybridLayer, normed: Tensor, residual: Tensor, next_norm: Tensor, rows: Rows,
-            routing: RoutingOptions | None = None, offload: tuple[Offload, int] | None = None) -> tuple[Tensor, Tensor]:
-        """The MLP, the residual add and the next layer's centred norm. routing: MoCE on draft rows
-        (the drafter's MTP layer); offload: (the Offload, this layer's index in it) with slots."""
-        pdl = self.pdl
-        if not layer.moe:
-            gate, up = linear(normed, layer.gate_up, pdl=pdl).chunk(2, dim=-1)
-            out = linear(F.silu(gate) * up, layer.down, pdl=pdl)
-            return add_rmsnorm(out, residual, next_norm, layer.eps, centred=True, pdl=pdl)
-        partials = linear_partials(normed, layer.router, layer.router_splits, pdl=pdl)
+    def dense(self, layer: HybridLayer, normed: Tensor, residual: Tensor, next_norm: Tensor) -> tuple[Tensor, Tensor]:
+        """A dense MLP, the residual add and the next layer's centred norm."""
+        gate, up = linear(normed, layer.gate_up, pdl=self.pdl).chunk(2, dim=-1)
+        out = linear(F.silu(gate) * up, layer.down, pdl=self.pdl)
+        return add_rmsnorm(out, residual, next_norm, layer.eps, centred=True, pdl=self.pdl)
+
+    def router(self, layer: HybridLayer, normed: Tensor, rows: Rows,
+               routing: RoutingOptions | None) -> tuple[Tensor, Tensor]:
+        """(expert_ids [T, k + 1], weights [T, k + 1] float32): the top-k routes, then the shared
+        expert's (id E, weighted by the sigmoid of its gate)."""
+        partials = linear_partials(normed, layer.router, layer.router_splits, pdl=self.pdl)
         resident, tables, draft_rows = self.moce(layer.store, layer.top_k, routing)
-        expert_ids, weights = route(partials, layer.top_k, round_to=normed.dtype, normalize=layer.normalize,
-                                    shared_gate=True, resident=resident, draft_rows=draft_rows, tables=tables,
-                                    live=rows.live, pdl=pdl)  # [T, k + 1]
+        return route(partials, layer.top_k, round_to=normed.dtype, normalize=layer.normalize, shared_gate=True,
+                     resident=resident, draft_rows=draft_rows, tables=tables, live=rows.live, pdl=self.pdl)
+
+    def experts(self, layer: HybridLayer, normed: Tensor, residual: Tensor, next_norm: Tensor, expert_ids: Tensor,
+                weights: Tensor, offload: tuple[Offload, int] | None = None) -> tuple[Tensor, Tensor]:
+        """The routes' weighted sum, the residual add and the next layer's centred norm.
+        expert_ids index the kernels' weights (slot ids where the caller made them resident)."""
+        pdl = self.pdl
 
         def run(ids: Tensor) -> Tensor:  # [T, k + 1] slot ids (the shared expert's: the last slot)
             return fused_experts(normed, ids, layer.gate_up, layer.down, pdl=pdl)
@@ -247,14 +268,17 @@ class HybridFused:
             return self._row_by_row(token_ids, rows, kv, routing)
         if self.offload is not None:
             self.offload.begin(token_ids)
-        normed, residual = add_rmsnorm(self.model.embed_tokens(token_ids), None, self.layers[0].input_norm,
-                                       self.layers[0].eps, centred=True, pdl=self.pdl)
-        norms = [layer.input_norm for layer in self.layers[1:]] + [self.model.norm.weight]
-        for index, (layer, next_norm) in enumerate(zip(self.layers, norms)):
-            normed, residual = self.mix(layer, normed, residual, rows, kv)
-            normed, residual = self.mlp(layer, normed, residual, next_norm, rows, routing,
-                                        None if self.offload is None else (self.offload, index))
+        normed, residual = self.embed(token_ids)
+        for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
+            normed, residual = self.decoder_layer(layer, normed, residual, next_norm, rows, kv, routing,
+                                                  None if self.offload is None else (self.offload, index))
         return self.logits(normed), normed
+
+    def embed(self, token_ids: Tensor) -> tuple[Tensor, Tensor]:  # [T]
+        """(normed, residual) entering the first layer."""
+        first = self.layers[0]
+        return add_rmsnorm(self.model.embed_tokens(token_ids), None, first.input_norm, first.eps, centred=True,
+                           pdl=self.pdl)
 
     def logits(self, normed: Tensor) -> Tensor:  # [T, hidden] final-norm rows -> [T, vocab] float32
         return linear(normed, self.model.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl)
@@ -306,10 +330,11 @@ class HybridFused:
         model = self.model
         num_rows = token_ids.shape[0]
         positions, slots = prefill_rows(spans, num_rows, model.device)
-        norms = [layer.input_norm for layer in self.layers[1:]] + [model.norm.weight]
+        if self.offload is not None:
+            self.offload.begin(token_ids)  # (no route read of an earlier forward carries over)
         normed, residual = add_rmsnorm(model.embed_tokens(token_ids), None, self.layers[0].input_norm,
                                        self.layers[0].eps, centred=True)
-        for index, (layer, next_norm) in enumerate(zip(self.layers, norms)):
+        for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
             if layer.linear:
                 out = self._prefill_linear(layer.mixer, normed, spans)
             else:
@@ -389,9 +414,8 @@ class HybridFused:
         layer, pdl = self.mtp_layer, self.pdl
         normed, residual = fused_mtp_inputs(mtp, self.model.embed_tokens(next_token_ids), hidden, layer.input_norm,
                                             layer.eps, centred=True, pdl=pdl)
-        normed, residual = self.mix(layer, normed, residual, rows, kv)
-        normed, _ = self.mlp(layer, normed, residual, mtp.norm.weight, rows, routing,
-                             None if self.mtp_offload is None else (self.mtp_offload, 0))
+        normed, _ = self.decoder_layer(layer, normed, residual, mtp.norm.weight, rows, kv, routing,
+                                       None if self.mtp_offload is None else (self.mtp_offload, 0))
         return self.logits(normed), normed
 
 

@@ -53,8 +53,9 @@ def unsupported_reason(model: Qwen3MoeModel) -> str | None:
 class FusedLayer:
     """One decoder layer's weights in the fused layout (q/k/v in one matrix)."""
 
-    def __init__(self, layer: DecoderLayer) -> None:
+    def __init__(self, layer: DecoderLayer, kv_index: int) -> None:
         attn = layer.self_attn
+        self.kv_index = kv_index  # its layer of the paged KV it runs against
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.qkv = fuse_linear_rows([attn.q_proj, attn.k_proj, attn.v_proj])  # [(Hq + 2 Hkv) * D, H]
         self.o = attn.o_proj.weight
@@ -69,6 +70,7 @@ class FusedLayer:
             self.router_splits = split_k(*self.router.shape)
             self.store = layer.mlp.experts
             self.top_k, self.normalize = layer.mlp.top_k, layer.mlp.normalize
+            self.route_width = self.top_k  # routes a row (the router's expert_ids columns)
         else:
             self.gate_up = fuse_linear_rows([layer.mlp.gate_proj, layer.mlp.up_proj])  # [2I, H]
             self.down = layer.mlp.down_proj.weight
@@ -96,8 +98,10 @@ class FusedModel:
             raise ValueError(f"the fused path cannot run this model: {reason}")
         self.model = model
         c = model.config
-        self.layers = [FusedLayer(layer) for layer in model.layers]
-        self.mtp_layer = FusedLayer(model.mtp.layers[0]) if model.mtp is not None else None
+        self.layers = [FusedLayer(layer, index) for index, layer in enumerate(model.layers)]
+        self.mtp_layer = FusedLayer(model.mtp.layers[0], 0) if model.mtp is not None else None
+        # after each trunk layer (a lean drafter's model has no trunk)
+        self.next_norms = [layer.input_norm for layer in self.layers[1:]] + ([model.norm.weight] if self.layers else [])
         self.workspace = AttentionWorkspace(max_rows, c.num_attention_heads, c.head_dim, max_length, model.device)
         self.max_rows = max_rows
         self.cos, self.sin = model.rotary.cos, model.rotary.sin
@@ -116,12 +120,15 @@ class FusedModel:
 
     # -- layers -----------------------------------------------------------------------------
 
+    # The layer-level methods below have the same names and signatures in every family's fused
+    # forward (shared.model.segments runs them between the host's route reads).
+
     def decoder_layer(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor, rows: Rows,
-               keys: Tensor, values: Tensor, tables: Tensor, routing: RoutingOptions | None,
-               offload: tuple[Offload, int] | None = None) -> tuple[Tensor, Tensor]:
+                      kv: PagedKV, routing: RoutingOptions | None = None,
+                      offload: tuple[Offload, int] | None = None) -> tuple[Tensor, Tensor]:
         """(normed for the next layer, residual) after one decoder layer; offload: (the model's
         Offload, this layer's index in it) when its experts have device slots."""
-        normed, residual = self.attend(layer, normed, residual, rows, keys, values, tables)
+        normed, residual = self.mix(layer, normed, residual, rows, kv)
         if not layer.moe:
             return self.dense(layer, normed, residual, next_norm)
         expert_ids, weights = self.router(layer, normed, rows, routing)
@@ -130,9 +137,10 @@ class FusedModel:
     def _by_rows(self, num_rows: int) -> bool:
         return not self.invariant and num_rows > 1  # cuBLAS, its kernel chosen by the row count
 
-    def attend(self, layer: FusedLayer, normed: Tensor, residual: Tensor, rows: Rows, keys: Tensor, values: Tensor,
-                tables: Tensor) -> tuple[Tensor, Tensor]:
+    def mix(self, layer: FusedLayer, normed: Tensor, residual: Tensor, rows: Rows, kv: PagedKV) -> tuple[Tensor, Tensor]:
         """Attention through the o projection, the residual add and the post-attention norm."""
+        keys, values = kv.layers[layer.kv_index]
+        tables = kv.block_tables
         num_rows = normed.shape[0]
         pdl = self.pdl
         by_rows = self._by_rows(num_rows)
@@ -192,14 +200,11 @@ class FusedModel:
             outs = [self.forward(token_ids[i : i + 1], one_row(rows, i), kv, routing and routing.row(i))
                     for i in range(token_ids.shape[0])]
             return torch.cat([logits for logits, _ in outs]), torch.cat([hidden for _, hidden in outs])
-        model = self.model
         if self.offload is not None:
             self.offload.begin(token_ids)
-        norms = [layer.input_norm for layer in self.layers[1:]] + [model.norm.weight]
         normed, residual = self.embed(token_ids)
-        for index, (layer, next_norm, (keys, values)) in enumerate(zip(self.layers, norms, kv.layers)):
-            normed, residual = self.decoder_layer(layer, normed, residual, next_norm, rows, keys, values,
-                                                  kv.block_tables, routing,
+        for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
+            normed, residual = self.decoder_layer(layer, normed, residual, next_norm, rows, kv, routing,
                                                   None if self.offload is None else (self.offload, index))
         return self.logits(normed), normed
 
@@ -227,10 +232,9 @@ class FusedModel:
         positions, slots = prefill_rows(spans, num_rows, model.device)
         grouped = grouped_mm_available(model.dtype) and model.device.type == "cuda"
         host_ids = token_ids.tolist() if self.offload is not None and self.offload.prefetch else None
-        norms = [layer.input_norm for layer in self.layers[1:]] + [model.norm.weight]
         normed, residual = add_rmsnorm(model.embed_tokens(token_ids), None, self.layers[0].input_norm,
                                        self.layers[0].eps)
-        for index, (layer, next_norm, (keys, values)) in enumerate(zip(self.layers, norms, kv.layers)):
+        for index, (layer, next_norm, (keys, values)) in enumerate(zip(self.layers, self.next_norms, kv.layers)):
             qkv = prefill_linear(normed, layer.qkv)
             q = qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, positions, slots,
                                    keys, values, kv.block_tables, layer.num_heads, layer.num_kv_heads, layer.eps)
@@ -271,8 +275,7 @@ class FusedModel:
         pdl = self.pdl
         normed, residual = fused_mtp_inputs(mtp, model.embed_tokens(next_token_ids), hidden, layer.input_norm,
                                             layer.eps, centred=False, pdl=pdl)
-        (keys, values), = kv.layers
-        normed, _ = self.decoder_layer(layer, normed, residual, mtp.norm.weight, rows, keys, values, kv.block_tables,
-                                       routing, None if self.mtp_offload is None else (self.mtp_offload, 0))
+        normed, _ = self.decoder_layer(layer, normed, residual, mtp.norm.weight, rows, kv, routing,
+                                       None if self.mtp_offload is None else (self.mtp_offload, 0))
         return linear(normed, model.lm_head.weight, out_dtype=torch.float32, pdl=pdl), normed
 

@@ -125,3 +125,117 @@ def test_the_resident_bytes_count_the_device_slots_not_the_host_copies(models):
     # every block keeps SLOTS of its 8 experts (and, once fused, the shared expert beside them)
     fixed = sum(e.store.num_fixed for e in expert_modules(few)) - sum(e.store.num_fixed for e in expert_modules(resident))
     assert resident_bytes(resident) - resident_bytes(few) == (8 - SLOTS) * blocks * expert - fixed * expert
+
+
+def test_the_shared_expert_maps_to_its_fixed_slot_on_the_device(models):
+    """slots_of (what graph segments gather) sends the shared expert's route id E to its slot after
+    the routed slots; a dropped route (-1) stays -1; routed experts go to their slots."""
+    _, few = models
+    build_fused(few, max_rows=8, max_length=64)  # (fusing puts the shared expert beside the slots)
+    store = expert_modules(few)[0].store
+    store.ensure([5])
+    ids = torch.tensor([[5, 8], [-1, 8]])
+    assert store.slots_of(ids).tolist() == [[store.slot(5), SLOTS], [-1, SLOTS]]
+    assert store.resident_mask().shape == (8,)
+
+
+@pytest.fixture
+def torch_reference_ops(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.mark.parametrize("window", [1, 3])
+def test_segments_run_the_hybrid_forward_between_route_reads(models, torch_reference_ops, window):
+    """The segmented forward (graphs between the host's route reads on CUDA; here eagerly, on
+    fixed input tensors) gives the all-resident forward's bits for Gated DeltaNet and gated
+    attention layers alike, run again and again from one committed state (a replayed segment
+    rewrites the same state buffer); a 3-row window needs more experts than 3 slots in some
+    layer and finishes eagerly, in groups."""
+    from shared.model.segments import SegmentedForward
+
+    resident, few = models
+    c = resident.config
+    runs = []
+    for model in (resident, few):
+        # (batched rows on the CPU, as segments run them: the CPU's invariant forward runs row by row)
+        fused = build_fused(model, max_rows=8, max_length=64, num_state_slots=2, invariant=False)
+        pool = KVPool(num_layers=model.num_kv_layers, num_slots=2, max_length=64, num_kv_heads=c.num_key_value_heads,
+                      head_dim=c.head_dim, dtype=model.dtype, device="cpu", block_size=8)
+        slot, length = pool.acquire(64)
+        fused.states.reset(slot)
+        length.reserve(8)
+        fused.prefill(TOKENS[:8], [(0, 8, slot)], pool.paged())
+        read, write = fused.states.buffers(slot)
+        token_ids = torch.zeros(window, dtype=torch.int64)
+        rows = Rows(positions=torch.arange(8, 8 + window), slots=torch.full((window,), slot),
+                    seq_starts=torch.tensor([0, window], dtype=torch.int32), seq_slots=torch.tensor([slot]),
+                    max_rows_per_seq=window, state_in=torch.tensor([read]), state_out=torch.tensor([write]))
+        runs.append((fused, token_ids, rows, pool.paged()))
+    (full, full_ids, full_rows, full_kv), (offloaded, ids, rows, kv) = runs
+    assert offloaded.segmented_offload and offloaded.offload is not None
+    segmented = SegmentedForward(offloaded, ids, rows, kv, capture=False)
+    assert len(segmented.outputs) == c.num_hidden_layers + 1  # every layer routes: a segment each, and one more
+    eager_from = segmented._eager_from
+    eager = []
+    segmented._eager_from = lambda segment: eager.append(segment) or eager_from(segment)
+    before = misses(few)
+    generator = torch.Generator().manual_seed(window)
+    for _ in range(3):
+        draw = torch.randint(0, c.vocab_size, (window,), generator=generator)
+        full_ids.copy_(draw)
+        ids.copy_(draw)
+        want_logits, want_hidden = full.forward(full_ids, full_rows, full_kv)
+        logits, hidden = segmented.run()
+        assert torch.equal(logits, want_logits) and torch.equal(hidden, want_hidden)
+        assert torch.equal(offloaded.states.rec, full.states.rec) and torch.equal(offloaded.states.conv,
+                                                                                  full.states.conv)
+    assert misses(few) > before  # experts were copied in (and the segments after them replayed)
+    assert (len(eager) > 0) == (window == 3)  # one row's 2 routes fit 3 slots; 3 rows' do not always
+    # a prefill after segmented windows reads its own routes (none of the last window's carry over)
+    for fused, _, rows, kv in runs:
+        fused.states.reset(1)
+        runs_hidden = fused.prefill(TOKENS[2:9], [(0, 7, 1)], kv)
+        if fused is full:
+            want = runs_hidden
+    assert torch.equal(runs_hidden, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_offloaded_hybrid_windows_replay_as_graph_segments_on_the_gpu():
+    """Through the window runner the service uses: with 3 of 8 experts a block in device slots,
+    each window shape's first run is eager and later runs replay graph segments; every window
+    (verify windows rolled back to a row, one-row steps, decode-ahead chains) gives the
+    all-resident model's bits, and the committed linear states stay equal."""
+    from shared.model.graphs import WindowGraphs
+
+    runners, slots = [], []
+    for num_slots in (None, SLOTS):
+        model = random_next(NextConfig.from_dict(CONFIG), dtype=torch.bfloat16, device="cuda", seed=4, std=0.2)
+        offload_experts(model, num_slots, torch.device("cuda"))
+        c = model.config
+        fused = build_fused(model, max_rows=8, max_length=64, num_state_slots=2)
+        pool = KVPool(num_layers=model.num_kv_layers, num_slots=2, max_length=64, num_kv_heads=c.num_key_value_heads,
+                      head_dim=c.head_dim, dtype=model.dtype, device="cuda")
+        runner = WindowGraphs(fused, pool, 5, use_graphs=True)
+        runner.capture()
+        slot, _ = pool.acquire(64)
+        runner.reset_state(slot)
+        runners.append(runner)
+        slots.append(slot)
+    assert runners[0].graphs and not runners[1].graphs and runners[1].segments == {}
+    ids = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(0)).tolist()
+    position = 0
+    # (window, rows kept): a shape's first run is eager, later ones replay its segments
+    for window, kept in ((1, 1), (1, 1), (3, 2), (1, 1), (5, 3), (3, 3), (5, 5), (1, 1), (3, 1), (5, 2)):
+        outs = [runner.run(slot, ids[position : position + window], position) for runner, slot in zip(runners, slots)]
+        assert torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].hidden, outs[1].hidden)
+        for runner, slot in zip(runners, slots):
+            runner.settle(slot, kept - 1 if window > 1 else None)
+        position += kept
+    for runner, slot in zip(runners, slots):
+        runner.run(slot, ids[position : position + 1], position)
+    chained = [runner.run_chained() for runner in runners]
+    assert torch.equal(chained[0].logits, chained[1].logits)
+    assert sorted(runners[1].segments) == [(1,), (3,), (5,)]
+    assert torch.equal(runners[0].states.rec, runners[1].states.rec)
+    assert misses(runners[1].fused.model) > 0

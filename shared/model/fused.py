@@ -1,0 +1,73 @@
+"""What every family's fused forward offers (DESIGN §11): the one shape the window runner
+(shared.model.graphs), the graph segments of an offloaded forward (shared.model.segments), the
+engine and the drafter's MTP proposer see, whichever family built it.
+
+A family's fused forward (qwen3_moe's FusedModel, the hybrid's HybridFused) is built by
+`shared.model.families.build_fused`; it satisfies this Protocol structurally (nothing inherits
+from it). Two levels:
+
+- forwards: `forward` (decode/verify windows and batches of `Rows` over the paged KV),
+  `prefill` (prompt chunks), `forward_mtp` (the MTP layer's rows);
+- layers: `embed`, `mix` (the token mixer through the post-mixer norm), `router`, `experts`
+  (the routes' sum, the residual add and the next norm), `dense`, `decoder_layer` (the four in
+  order) and `logits`, each with the same signature in every family, so code that runs a
+  forward piecewise (segments between the host's route reads) is written once.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from torch import Tensor
+
+from shared.model.kv_cache import PagedKV
+from shared.model.layers import RoutingOptions
+from shared.model.offload import Offload
+from shared.model.rows import Rows
+
+
+class FusedLayer(Protocol):
+    moe: bool  # routed experts (else a dense MLP)
+    top_k: int  # (MoE layers)
+    route_width: int  # (MoE layers) the router's expert_ids columns: top_k, plus any shared expert
+    input_norm: Tensor
+    eps: float
+
+
+class FusedForward(Protocol):
+    max_rows: int
+    layers: list  # [FusedLayer] of the trunk
+    mtp_layer: object | None
+    next_norms: list[Tensor]  # after each trunk layer: the next layer's input norm, then the final norm
+    offload: Offload | None  # routed experts in host memory (the trunk's)
+    mtp_offload: Offload | None
+    states: object | None  # per-sequence linear-attention states (the hybrid family), else None
+    segmented_offload: bool  # offloaded forwards replay as graph segments on CUDA
+
+    @property
+    def offloaded(self) -> bool: ...
+
+    def forward(self, token_ids: Tensor, rows: Rows, kv: PagedKV,
+                routing: RoutingOptions | None = None) -> tuple[Tensor, Tensor]: ...
+
+    def prefill(self, token_ids: Tensor, spans: list[tuple[int, int, int]], kv: PagedKV) -> Tensor: ...
+
+    def forward_mtp(self, hidden: Tensor, next_token_ids: Tensor, rows: Rows, kv: PagedKV,
+                    routing: RoutingOptions | None = None) -> tuple[Tensor, Tensor]: ...
+
+    def embed(self, token_ids: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def mix(self, layer, normed: Tensor, residual: Tensor, rows: Rows, kv: PagedKV) -> tuple[Tensor, Tensor]: ...
+
+    def router(self, layer, normed: Tensor, rows: Rows, routing: RoutingOptions | None) -> tuple[Tensor, Tensor]: ...
+
+    def experts(self, layer, normed: Tensor, residual: Tensor, next_norm: Tensor, expert_ids: Tensor, weights: Tensor,
+                offload: tuple[Offload, int] | None = None) -> tuple[Tensor, Tensor]: ...
+
+    def dense(self, layer, normed: Tensor, residual: Tensor, next_norm: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def decoder_layer(self, layer, normed: Tensor, residual: Tensor, next_norm: Tensor, rows: Rows, kv: PagedKV,
+                      routing: RoutingOptions | None = None,
+                      offload: tuple[Offload, int] | None = None) -> tuple[Tensor, Tensor]: ...
+
+    def logits(self, normed: Tensor) -> Tensor: ...
