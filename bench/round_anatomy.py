@@ -97,14 +97,14 @@ def instrument(timers: Timers) -> None:
     round_fn = VerifierService._round
 
     @functools.wraps(round_fn)
-    async def whole_round(self, session, link, governor, completion, stats, round_id, span):
+    async def whole_round(self, session, link, governor, cap, completion, stats, round_id, span):
         started = time.perf_counter()
         if timers.last_end is not None and round_id > 0:
             between = (started - timers.last_end) * 1e3
         else:
             between = None
         timers.current = {}
-        event = await round_fn(self, session, link, governor, completion, stats, round_id, span)
+        event, next_cap = await round_fn(self, session, link, governor, cap, completion, stats, round_id, span)
         ended = time.perf_counter()
         steps = dict(timers.current)
         steps["round"] = (ended - started) * 1e3
@@ -115,7 +115,7 @@ def instrument(timers: Timers) -> None:
             steps["between"] = between
         timers.rounds.append(steps)
         timers.last_end = ended
-        return event
+        return event, next_cap
 
     VerifierService._round = whole_round
 

@@ -1,6 +1,7 @@
 """Shared test configuration."""
 
 import os
+from pathlib import Path
 
 # gRPC's C core logs routine connection events (a peer's GOAWAY when a test stops a server)
 # at INFO; errors only, set before grpc is first imported.
@@ -16,6 +17,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from shared.model import ModelConfig, load_model
+
+TESTS = Path(__file__).resolve().parent
+# Test folders that run the fused kernels' own code (in the interpreter without a GPU); the rest
+# drive the services, which on a CPU run the fused ops' torch code, as a deployed service does.
+KERNEL_CODE = ("kernels", "shared/model")
+
+
+@pytest.fixture(autouse=True)
+def _service_ops(request, monkeypatch):
+    """Outside KERNEL_CODE, no Triton interpreter (child processes inherit the environment too)."""
+    if not Path(request.node.path).resolve().relative_to(TESTS).as_posix().startswith(KERNEL_CODE):
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -62,9 +62,10 @@ class Engine:
     ) -> None:
         self.model = model
         self.window_sizing = window_sizing  # batches verify the draft prefixes that pay (window_sizing.py)
-        # CPU: an exact-mode window runs as its rows' one-row steps, so each row's bits are the
-        # decoded row's (Qwen3MoeModel.forward); the fused path on the CPU does it for every row.
-        # The GPU's fused kernels are row-invariant at no cost.
+        # Exact mode needs each row's bits to be its one-row step's whatever shares its window
+        # or batch (DESIGN §11). The fused path gives it in one forward on the GPU (its kernels)
+        # and on the CPU (its torch ops' products row by row); the reference path (fused off)
+        # runs an exact-mode window on the CPU as one-row steps.
         self.row_invariant = row_invariant
         self.draw_secret = draw_secret  # keys the accept/residual draws (verifier_service.audit)
         self.max_context = max_context
@@ -76,7 +77,7 @@ class Engine:
                                                  head_dim=c.head_dim, dtype=model.dtype)
         fused_model = None
         batch_rows = max(max_window, min(max_batch_rows, max_sessions * max_window))
-        if fused_wanted(model, fused):
+        if fused_wanted(model, fused, auto_on_cpu=True):
             # Built before the KV plan: its workspaces and the linear-attention states (a slot's
             # per session and the scratch slot's) come out of the memory the pool may take.
             fused_model = build_fused(model, max_rows=batch_rows, max_length=max_context, num_state_slots=max_sessions + 1,

@@ -125,14 +125,25 @@ def linear(
     num_rows, num_in = x.shape
     num_out = weight.shape[0]
     out_dtype = out_dtype or x.dtype
-    if not use_triton(x) or num_rows > MAX_FUSED_ROWS:
+    if num_rows > MAX_FUSED_ROWS:
         return F.linear(x, weight).to(out_dtype)
+    if not use_triton(x):
+        return rowwise_linear(x, weight).to(out_dtype)
     x = x.contiguous()
     if weight.stride(1) != 1:
         raise ValueError("linear: weight rows must be contiguous")
     out = torch.empty((num_rows, num_out), dtype=out_dtype, device=x.device)
     _launch(x, weight, out, 1, pdl)
     return out
+
+
+def rowwise_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x [M, K] @ weight[N, K]^T → [M, N] by torch ops, each row's bits independent of M: one
+    [1, K] × [K, N] product per row in one batched matmul (every row runs the same kernel
+    whatever M is, where F.linear picks its kernel by M). The CPU's reference of `linear`, so
+    windows and batches run as one forward there with their rows' one-row bits."""
+    num_rows, num_in = x.shape
+    return torch.bmm(x.unsqueeze(1), weight.t().unsqueeze(0).expand(num_rows, num_in, weight.shape[0])).squeeze(1)
 
 
 def prefill_linear(x: Tensor, weight: Tensor) -> Tensor:
@@ -175,7 +186,8 @@ def linear_partials(
     num_rows, num_in = x.shape
     if not use_triton(x) or num_rows > MAX_FUSED_ROWS:
         step = _k_per_split(weight.shape[0], num_in, splits)
-        return torch.stack([F.linear(x[:, s * step : (s + 1) * step].float(), weight[:, s * step : (s + 1) * step].float())
+        product = F.linear if num_rows > MAX_FUSED_ROWS else rowwise_linear
+        return torch.stack([product(x[:, s * step : (s + 1) * step].float(), weight[:, s * step : (s + 1) * step].float())
                             for s in range(splits)], dim=1)
     out = torch.empty((num_rows, splits, weight.shape[0]), dtype=torch.float32, device=x.device)
     _launch(x.contiguous(), weight, out, splits, pdl)

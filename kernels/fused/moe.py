@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.fused import cdiv, early_reads, launch_options, next_power_of_2, use_triton
-from kernels.fused.linear import pipeline_stages
+from kernels.fused.linear import pipeline_stages, rowwise_linear
 from kernels.fused.norm import add_rmsnorm_reference
 
 BLOCK_M = 16  # routes of one expert per program (tl.dot's smallest M)
@@ -63,12 +63,15 @@ def experts_reference(
     num_tokens, top_k = expert_ids.shape
     out = torch.zeros((num_tokens * top_k, x.shape[1]), dtype=torch.float32, device=x.device)
     flat = expert_ids.reshape(-1)
+    # On the CPU each route's bits are its own whatever else routes to its expert (windows and
+    # batches run as one forward there); on a GPU this runs prompt chunks only (cuBLAS).
+    product = rowwise_linear if x.device.type == "cpu" else F.linear
     for expert in [e for e in torch.unique(flat).tolist() if e >= 0]:
         routes = torch.nonzero(flat == expert).reshape(-1)
         rows = x[routes // top_k]
-        gate, up = F.linear(rows, gate_up[expert]).float().chunk(2, dim=-1)
+        gate, up = product(rows, gate_up[expert]).float().chunk(2, dim=-1)
         act = (F.silu(gate) * up).to(x.dtype)
-        out[routes] = F.linear(act, down[expert]).float()
+        out[routes] = product(act, down[expert]).float()
     return out
 
 

@@ -310,11 +310,21 @@ def test_chained_decode_batch_feeds_each_rows_greedy_token(model, fused):
         runner.run_batch_chained()
 
 
+@pytest.fixture(params=["interpreter", "torch"])
+def cpu_ops(request, monkeypatch):
+    """The fused kernels' CPU code: in Triton's interpreter (the kernels themselves), or their
+    torch references (what a service on a CPU runs)."""
+    if request.param == "torch":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    return request.param
+
+
 @pytest.mark.parametrize("path", ["reference", "fused"])
-def test_cpu_rows_are_bit_identical_to_their_one_row_steps(model, path):
+def test_cpu_rows_are_bit_identical_to_their_one_row_steps(model, path, cpu_ops):
     """Exact mode's invariance on the CPU: a window's rows carry exactly the logits of the
     one-row steps that decode the same tokens after the same prompt — the reference modules
-    (row_invariant) and the fused path (invariant, its default) alike."""
+    (row_invariant: one-row steps) and the fused path (invariant, its default: one forward,
+    its products row by row) alike."""
     prompt = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(3))
     ids = torch.randint(0, 97, (6,), generator=torch.Generator().manual_seed(4))
     fused = FusedModel(model, max_rows=16, max_length=64)
@@ -335,7 +345,7 @@ def test_cpu_rows_are_bit_identical_to_their_one_row_steps(model, path):
         assert torch.equal(run(ids[:rows], prefilled(), 20), singles[:rows]), rows
 
 
-def test_cpu_batches_give_each_row_its_one_row_bits(model, fused):
+def test_cpu_batches_give_each_row_its_one_row_bits(model, fused, cpu_ops):
     prompts = [[5, 17, 42, 8], [9, 1, 60, 33, 2, 70], [11, 12]]
     pool, slots, scratch = _prefilled_pool(model, prompts, "cpu")
     runner = WindowGraphs(fused, pool, max_rows=4, max_batch_rows=8, scratch_slot=scratch)
@@ -351,3 +361,37 @@ def test_routing_options_of_one_row_keep_its_draft_flag():
     one = routing.row(1)
     assert one.moce and one.scale == 0.5 and one.draft_rows.tolist() == [True]
     assert RoutingOptions().row(4) == RoutingOptions()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_embedded_models_cpu_batches_are_row_invariant(monkeypatch, dtype):
+    """What a service on a CPU runs with the fused path: the embedded model, the torch references,
+    two threads; windows of 1..17 rows and batches of mixed windows in one forward each give every
+    row its one-row step's bits (DESIGN §11: the products run row by row, rowwise_linear)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = load_model(None, dtype=dtype)
+        c = model.config
+        fused = FusedModel(model, max_rows=24, max_length=128)
+        pool = KVPool(num_layers=c.num_hidden_layers, num_slots=5, max_length=128, num_kv_heads=c.num_key_value_heads,
+                      head_dim=c.head_dim, dtype=dtype, device="cpu")
+        runner = WindowGraphs(fused, pool, max_rows=17, max_batch_rows=24)
+        slots = [pool.acquire(128)[0] for _ in range(4)]
+        g = torch.Generator().manual_seed(8)
+        prompts = [torch.randint(0, c.vocab_size, (12 + 5 * i,), generator=g) for i in range(4)]
+        for slot, prompt in zip(slots, prompts):
+            fused.prefill(prompt, [(0, len(prompt), slot)], runner.kv)
+        text = torch.randint(0, c.vocab_size, (4, 17), generator=g).tolist()
+        singles = [torch.cat([runner.run(slot, [token], len(prompt) + j).logits.clone()
+                              for j, token in enumerate(ids)]) for slot, prompt, ids in zip(slots, prompts, text)]
+        for rows in range(1, 18):
+            assert torch.equal(runner.run(slots[0], text[0][:rows], len(prompts[0])).logits, singles[0][:rows]), rows
+        for sizes in ([1, 1, 1, 1], [5, 1, 3, 2], [2, 6], [1, 17], [4, 4, 4, 4]):
+            windows = [(slots[i], text[i][:n], len(prompts[i])) for i, n in enumerate(sizes)]
+            batch = runner.run_batch(windows).logits
+            want = torch.cat([singles[i][:n] for i, n in enumerate(sizes)])
+            assert torch.equal(batch[: len(want)], want), sizes
+    finally:
+        torch.set_num_threads(previous)

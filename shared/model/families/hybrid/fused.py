@@ -27,8 +27,6 @@ function, rows permuted), so the reference forward stays what the tests compare 
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -50,7 +48,7 @@ from shared.model.layers import RoutingOptions, fuse_linear_rows
 from shared.model.moe import MoceOptions
 from shared.model.mtp import fused_mtp_inputs
 from shared.model.offload import Offload, offload_over
-from shared.model.rows import Rows, one_row, prefill_attention, prefill_rows
+from shared.model.rows import Rows, prefill_attention, prefill_rows
 
 
 def unsupported_reason(model: Qwen3NextModel) -> str | None:
@@ -134,7 +132,8 @@ class HybridFused:
                  pdl: bool | None = None, invariant: bool = True) -> None:
         """num_state_slots: KV pool slots whose linear-attention states this model keeps (the
         verifier's sessions; 0 for an MTP layer alone); max_rows: the most rows of a step.
-        pdl, invariant: as FusedModel's (on the CPU, invariant runs a window's rows one at a time)."""
+        pdl: as FusedModel's; invariant: kept for FusedModel's signature (this family's rows are
+        row-invariant either way: its projections never go through F.linear / cuBLAS)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the fused path cannot run this model: {reason}")
@@ -264,8 +263,6 @@ class HybridFused:
         if rows.positions.shape[0] > MAX_FUSED_TOKENS:
             raise ValueError(f"a window of {rows.positions.shape[0]} rows: the fused path runs at most "
                              f"{MAX_FUSED_TOKENS} (prefill runs longer chunks)")
-        if self.invariant and token_ids.device.type == "cpu" and token_ids.shape[0] > 1:
-            return self._row_by_row(token_ids, rows, kv, routing)
         if self.offload is not None:
             self.offload.begin(token_ids)
         normed, residual = self.embed(token_ids)
@@ -282,39 +279,6 @@ class HybridFused:
 
     def logits(self, normed: Tensor) -> Tensor:  # [T, hidden] final-norm rows -> [T, vocab] float32
         return linear(normed, self.model.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl)
-
-    def _row_by_row(self, token_ids: Tensor, rows: Rows, kv: PagedKV,
-                    routing: RoutingOptions | None) -> tuple[Tensor, Tensor]:
-        """A window or batch on the CPU as one-row steps (the CPU's kernels pick their code path
-        by shape; DESIGN §11). A sequence's first row reads its state_in buffer and every row
-        writes its state_out buffer; a later row reads the state the row before wrote from a
-        copy in the spare buffer (no step reads and writes one buffer, and state_in keeps the
-        committed state). With several rows each row's state is kept, as a window's is."""
-        if self.states is None:  # (no linear-attention layers: rows need nothing from each other)
-            outs = [self.forward(token_ids[i : i + 1], one_row(rows, i), kv, routing and routing.row(i))
-                    for i in range(token_ids.shape[0])]
-            return torch.cat([logits for logits, _ in outs]), torch.cat([hidden for _, hidden in outs])
-        starts = rows.seq_starts.tolist()
-        state_in, state_out = rows.state_in.tolist(), rows.state_out.tolist()
-        keep = rows.max_rows_per_seq > 1
-        spare = self.states.spare
-        outs = []
-        for seq, (first, end) in enumerate(zip(starts, starts[1:])):
-            for row in range(first, end):
-                read, write = state_in[seq], state_out[seq]
-                if row > first:
-                    self._copy_state(spare, write)
-                    read = spare
-                one = replace(one_row(rows, row), state_in=torch.tensor([read]), state_out=torch.tensor([write]))
-                outs.append(self.forward(token_ids[row : row + 1], one, kv, routing and routing.row(row)))
-                if keep:
-                    self.states.kept_conv[:, row].copy_(self.states.conv[:, write])
-                    self.states.kept_rec[:, row].copy_(self.states.rec[:, write])
-        return torch.cat([logits for logits, _ in outs]), torch.cat([hidden for _, hidden in outs])
-
-    def _copy_state(self, target: int, source: int) -> None:
-        self.states.conv[:, target].copy_(self.states.conv[:, source])
-        self.states.rec[:, target].copy_(self.states.rec[:, source])
 
     # -- prefill ----------------------------------------------------------------------------
 
@@ -406,10 +370,6 @@ class HybridFused:
                     routing: RoutingOptions | None = None) -> tuple[Tensor, Tensor]:
         """MTP rows (see Qwen3NextModel.forward_mtp): logits [T, vocab] float32, MTP output
         hidden [T, hidden]; kv: the MTP layer's paged cache (one layer); routing: MoCE on draft rows."""
-        if self.invariant and hidden.device.type == "cpu" and hidden.shape[0] > 1:
-            outs = [self.forward_mtp(hidden[i : i + 1], next_token_ids[i : i + 1], one_row(rows, i), kv,
-                                     routing and routing.row(i)) for i in range(hidden.shape[0])]
-            return torch.cat([logits for logits, _ in outs]), torch.cat([out for _, out in outs])
         mtp = self.model._require_mtp()
         layer, pdl = self.mtp_layer, self.pdl
         normed, residual = fused_mtp_inputs(mtp, self.model.embed_tokens(next_token_ids), hidden, layer.input_norm,

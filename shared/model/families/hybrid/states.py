@@ -37,11 +37,9 @@ class LinearStates:
         self.max_rows = max_rows
         conv = (conv_width - 1, conv_dim)
         rec = (num_v_heads, head_k_dim, head_v_dim)
-        # Buffers 2s and 2s + 1 are slot s's; the last one is spare (the CPU's row-by-row windows
-        # pass a row's state to the next through it).
-        self.spare = 2 * num_slots
-        self.conv = torch.zeros((num_layers, 2 * num_slots + 1, *conv), dtype=dtype, device=device)  # [L, 2S+1, K-1, C]
-        self.rec = torch.zeros((num_layers, 2 * num_slots + 1, *rec), dtype=torch.float32, device=device)  # [L, 2S+1, Hv, dk, dv]
+        # Buffers 2s and 2s + 1 are slot s's.
+        self.conv = torch.zeros((num_layers, 2 * num_slots, *conv), dtype=dtype, device=device)  # [L, 2S, K-1, C]
+        self.rec = torch.zeros((num_layers, 2 * num_slots, *rec), dtype=torch.float32, device=device)  # [L, 2S, Hv, dk, dv]
         self.kept_conv = torch.zeros((num_layers, max_rows, *conv), dtype=dtype, device=device)  # [L, R, K-1, C]
         self.kept_rec = torch.zeros((num_layers, max_rows, *rec), dtype=torch.float32, device=device)  # [L, R, Hv, dk, dv]
         self._current = [0] * num_slots  # which of a slot's two buffers holds its committed state

@@ -35,7 +35,7 @@ from shared.model.mtp import fused_mtp_inputs
 from shared.model.families.qwen3_moe.model import Qwen3MoeModel
 from shared.model.layers import RoutingOptions, fuse_linear_rows
 from shared.model.offload import Offload, offload_over
-from shared.model.rows import Rows, one_row, prefill_attention, prefill_rows
+from shared.model.rows import Rows, prefill_attention, prefill_rows
 
 
 def unsupported_reason(model: Qwen3MoeModel) -> str | None:
@@ -87,9 +87,9 @@ class FusedModel:
         """pdl: launch each kernel as a programmatic dependent of the one before (default: where
         the GPU supports it); kernels then overlap their start with their predecessor's end.
         invariant: a row's bits are its one-row step's whatever shares its window or batch — on
-        the GPU by the kernels' launch configurations (at no cost), on the CPU by running the
-        rows as one-row forwards (see Qwen3MoeModel.forward). invariant=False: batched rows on
-        the CPU, and on the GPU windows of several rows project through cuBLAS, which picks its
+        the GPU by the kernels' launch configurations (at no cost), on the CPU by the torch
+        references' row-by-row products (kernels.fused.linear.rowwise_linear), in one forward
+        either way. invariant=False: projections through F.linear / cuBLAS, which pick their
         kernel by the row count (bench/invariance.py's yardstick of what invariance costs).
         expert_prefetch: with experts in host memory, prefetch by the routing memory (offload.py;
         off by default: on the H200 it cost more than it hid, docs/PERFORMANCE.md)."""
@@ -196,10 +196,6 @@ class FusedModel:
 
         token_ids [T]; kv: the paged cache of every trunk layer.
         """
-        if self.invariant and token_ids.device.type == "cpu" and token_ids.shape[0] > 1:
-            outs = [self.forward(token_ids[i : i + 1], one_row(rows, i), kv, routing and routing.row(i))
-                    for i in range(token_ids.shape[0])]
-            return torch.cat([logits for logits, _ in outs]), torch.cat([hidden for _, hidden in outs])
         if self.offload is not None:
             self.offload.begin(token_ids)
         normed, residual = self.embed(token_ids)
@@ -265,10 +261,6 @@ class FusedModel:
                     routing: RoutingOptions | None = None) -> tuple[Tensor, Tensor]:
         """MTP rows (see Qwen3MoeModel.forward_mtp): logits [T, vocab] float32, MTP output hidden
         [T, hidden]; kv: the MTP layer's paged cache (one layer)."""
-        if self.invariant and hidden.device.type == "cpu" and hidden.shape[0] > 1:  # (as in forward)
-            outs = [self.forward_mtp(hidden[i : i + 1], next_token_ids[i : i + 1], one_row(rows, i), kv,
-                                     routing and routing.row(i)) for i in range(hidden.shape[0])]
-            return torch.cat([logits for logits, _ in outs]), torch.cat([out for _, out in outs])
         model = self.model
         mtp = model._require_mtp()
         layer = self.mtp_layer

@@ -1,0 +1,169 @@
+"""What concurrent requests gain over one at a time, as a newcomer runs tandem (issue 35's CPU bar).
+
+The service pair with its default flags (tandem's drafter: MTP and suffix drafts; the verifier
+as `scripts/demo` starts it) on the embedded model, and N mixed requests — even indices greedy,
+odd ones sampled (temperature 0.8, top-p 0.95, seed = index) — over the built-in code prompts.
+Each block runs the N requests alone (one after another) and together (all N at once), in
+alternating order. Reported per block: one request's tokens/s (the alone phase's tokens over its
+summed walls), the together phase's aggregate tokens/s (its tokens over its wall), their ratio,
+and whether every request's tokens together equal its tokens alone (exact mode: they must).
+The claim is the median of the blocks' ratios. With --baseline-tree the same is measured
+from another checkout first (services from that tree), alternating trees per block.
+
+    python bench/concurrency_gain.py [--device cpu] [--requests 8] [--max-new-tokens 64] [--blocks 3]
+        [--baseline-tree /tmp/base]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from pairbench import REPO  # noqa: E402  (puts the repository and protocol modules on sys.path)
+from pairbench.common import PROMPTS, free_port, log  # noqa: E402
+from pairbench.services import Children  # noqa: E402
+
+
+def code_prompts(model_dir: Path, count: int) -> list[list[int]]:
+    """The built-in code prompts, each made distinct by a numbered comment."""
+    from shared.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    return [tokenizer.encode(f"# variant {i}\n" + PROMPTS[i % len(PROMPTS)]).ids for i in range(count)]
+
+
+def config(index: int, max_new_tokens: int, tag: str):
+    from shared.client import GenerationConfig
+
+    sampled = index % 2 == 1
+    return GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.8 if sampled else 0.0,
+                            top_p=0.95 if sampled else 1.0, seed=index, request_id=f"{tag}-r{index}")
+
+
+class Pair:
+    """The drafter and verifier of one tree, default flags."""
+
+    def __init__(self, name: str, children: Children, model_dir: Path, device: str, tree: Path | None,
+                 verifier_args: list[str]) -> None:
+        self.name, self.children, self.tree = name, children, tree
+        self.d_port, self.v_port = free_port(), free_port()
+        common = ["--model", str(model_dir), "--device", device]
+        children.start(f"{name}-drafter", [sys.executable, "-m", "shared.cli", "drafter", *common,
+                                           "--port", str(self.d_port)], tree=tree)
+        children.start(f"{name}-verifier", [sys.executable, "-m", "shared.cli", "verifier", *common,
+                                            "--port", str(self.v_port), "--drafter", f"127.0.0.1:{self.d_port}",
+                                            *verifier_args],
+                       tree=tree)
+
+    async def ready(self) -> None:
+        await asyncio.gather(self.children.wait_serving(f"{self.name}-drafter", f"127.0.0.1:{self.d_port}", 600),
+                             self.children.wait_serving(f"{self.name}-verifier", f"127.0.0.1:{self.v_port}", 600))
+
+    async def phase(self, prompts: list[list[int]], together: bool, max_new_tokens: int, tag: str) -> dict:
+        """(tokens per request, summed request walls, phase wall)."""
+        from shared.client import AsyncVerifierClient
+
+        async with AsyncVerifierClient(f"127.0.0.1:{self.v_port}", timeout=600) as client:
+            async def one(index: int) -> tuple[list[int], float]:
+                started = time.perf_counter()
+                g = await client.generate(prompts[index], config(index, max_new_tokens, tag))
+                return g.token_ids, time.perf_counter() - started
+
+            started = time.perf_counter()
+            if together:
+                results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+            else:
+                results = [await one(i) for i in range(len(prompts))]
+            wall = time.perf_counter() - started
+        return {"tokens": [ids for ids, _ in results], "walls": sum(w for _, w in results), "wall": wall}
+
+
+async def main_async(args) -> None:
+    from shared.model.registry import resolve_model
+
+    model_dir = resolve_model(args.model)
+    prompts = code_prompts(model_dir, args.requests)
+    workdir = Path(tempfile.mkdtemp(prefix="concurrency-gain-"))
+    children = Children(workdir, threads=args.threads)
+    pairs: list[Pair] = []
+    try:
+        if args.baseline_tree:
+            pairs.append(Pair("baseline", children, model_dir, args.device, Path(args.baseline_tree),
+                              args.baseline_verifier_arg))
+        pairs.append(Pair("this-tree", children, model_dir, args.device, None, args.verifier_arg))
+        log("starting services ...")
+        for pair in pairs:
+            await pair.ready()
+        for pair in pairs:  # warm-up: every request once, untimed
+            await pair.phase(prompts, True, args.max_new_tokens, "warm")
+        rows = []
+        reference: dict[str, list[list[int]]] = {}
+        for block in range(args.blocks):
+            for pair in pairs if block % 2 == 0 else pairs[::-1]:
+                order = (False, True) if block % 2 == 0 else (True, False)
+                out = {}
+                for together in order:
+                    children.check_alive()
+                    out[together] = await pair.phase(prompts, together, args.max_new_tokens, f"b{block}")
+                alone, both = out[False], out[True]
+                tokens_alone = sum(len(t) for t in alone["tokens"])
+                tokens_both = sum(len(t) for t in both["tokens"])
+                one_tps = tokens_alone / alone["walls"]
+                together_tps = tokens_both / both["wall"]
+                reference.setdefault(pair.name, alone["tokens"])
+                rows.append(dict(
+                    tree=pair.name, block=block, one=one_tps, together=together_tps, ratio=together_tps / one_tps,
+                    identical=sum(a == b for a, b in zip(alone["tokens"], both["tokens"])),
+                    stable=sum(a == b for a, b in zip(alone["tokens"], reference[pair.name]))))
+                log(f"block {block + 1}/{args.blocks} {pair.name}: one request {one_tps:.1f} tokens/s, "
+                    f"{len(prompts)} together {together_tps:.1f} ({together_tps / one_tps:.2f}x), identical "
+                    f"{rows[-1]['identical']}/{len(prompts)}")
+    finally:
+        children.stop()
+    print(f"\n### concurrency_gain: {datetime.date.today()}, {platform.node()}, device {args.device}, "
+          f"model {model_dir.name}, {len(prompts)} requests (greedy and sampled alternating), "
+          f"{args.max_new_tokens} new tokens, verifier flags: this tree {' '.join(args.verifier_arg) or 'defaults'}"
+          + (f", baseline {' '.join(args.baseline_verifier_arg) or 'defaults'}" if args.baseline_tree else "") + "\n")
+    print("| tree | block | one request, tokens/s | together, tokens/s | together / one | together = alone | alone = block 1 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['tree']} | {r['block'] + 1} | {r['one']:.1f} | {r['together']:.1f} | {r['ratio']:.2f} "
+              f"| {r['identical']}/{len(prompts)} | {r['stable']}/{len(prompts)} |")
+    print()
+    for pair in pairs:
+        ratios = [r["ratio"] for r in rows if r["tree"] == pair.name]
+        print(f"{pair.name}: median together / one {statistics.median(ratios):.2f} over {len(ratios)} blocks")
+    if len(pairs) == 2:
+        paired = [mine["together"] / base["together"] for base, mine in
+                  zip([r for r in rows if r["tree"] == "baseline"], [r for r in rows if r["tree"] == "this-tree"])]
+        print(f"this tree / baseline, together tokens/s: median of paired ratios {statistics.median(paired):.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: the embedded model")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--blocks", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per service (0: torch's default)")
+    parser.add_argument("--baseline-tree", default=None, help="another checkout, measured alongside (may be this one)")
+    parser.add_argument("--verifier-arg", action="append", default=[], help="a verifier flag for this tree (repeat)")
+    parser.add_argument("--baseline-verifier-arg", action="append", default=[], help="a verifier flag for the baseline (repeat)")
+    args = parser.parse_args()
+    if args.requests < 2 or args.blocks < 1 or args.max_new_tokens < 1:
+        parser.error("--requests >= 2, --blocks >= 1 and --max-new-tokens >= 1")
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()
