@@ -29,16 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pairbench import REPO  # noqa: E402  (puts the repository and protocol modules on sys.path)
-from pairbench.common import PROMPTS, free_port, log  # noqa: E402
+from pairbench.common import free_port, log  # noqa: E402
 from pairbench.services import Children  # noqa: E402
-
-
-def code_prompts(model_dir: Path, count: int) -> list[list[int]]:
-    """The built-in code prompts, each made distinct by a numbered comment."""
-    from shared.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(model_dir)
-    return [tokenizer.encode(f"# variant {i}\n" + PROMPTS[i % len(PROMPTS)]).ids for i in range(count)]
+from pairbench.setups import code_prompts  # noqa: E402
 
 
 def config(index: int, max_new_tokens: int, tag: str):

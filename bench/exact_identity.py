@@ -34,9 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pairbench import REPO  # noqa: E402  (puts the repository and protocol modules on sys.path)
-from pairbench.common import PROMPTS, SHAPES, free_port, log  # noqa: E402
+from pairbench.common import SHAPES, free_port, log  # noqa: E402
 from pairbench.services import Children  # noqa: E402
-from pairbench.setups import random_prompts  # noqa: E402
+from pairbench.setups import code_prompts, random_prompts  # noqa: E402
 
 from shared.client import AsyncVerifierClient, GenerationConfig  # noqa: E402
 from shared.model.registry import resolve_model  # noqa: E402
@@ -58,14 +58,6 @@ def first_difference(a: list[int], b: list[int]) -> int:
         if x != y:
             return i
     return min(len(a), len(b))
-
-
-def code_prompts(model_dir: Path, count: int, offset: int) -> list[list[int]]:
-    """The built-in code prompts, each made distinct by a numbered comment (the real drafter)."""
-    from shared.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(model_dir)
-    return [tokenizer.encode(f"# variant {offset + i}\n" + PROMPTS[i % len(PROMPTS)]).ids for i in range(count)]
 
 
 async def main_async(args) -> None:

@@ -32,6 +32,14 @@ def text_prompts(model_dir: Path, count: int, prompt_set: str = "code") -> list[
     return [tokenizer.encode(p).ids for p in texts[:count]]
 
 
+def code_prompts(model_dir: Path, count: int, offset: int = 0) -> list[list[int]]:
+    """The built-in code prompts, each made distinct by a numbered comment (any count)."""
+    from shared.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    return [tokenizer.encode(f"# variant {offset + i}\n" + PROMPTS[i % len(PROMPTS)]).ids for i in range(count)]
+
+
 def repeat_prompts() -> list[str]:
     """Repeat-with-edits prompts: a piece of real code (standard library sources), then the
     request to write it again with one name changed, and the first lines of that version;
