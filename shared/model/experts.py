@@ -321,24 +321,32 @@ class ExpertStore:
         synchronisation), and each group's routes run through torch._grouped_mm on the slots:
         every expert's rows form the same problem, in the same order, in a call over the same
         number of rows (the other groups' rows sorted behind the last offset, where nothing is
-        computed) as with every expert resident, so the bits are the all-resident ones."""
-        if self.all_resident:
+        computed) as with every expert resident, so the bits are the all-resident ones. Fixed
+        experts (with_fixed; route id num_experts + i) run with the first group."""
+        if self.all_resident and not self.num_fixed:
             out, rows = self.grouped_sorted(hidden, expert_ids)
             return out[rows]
+        gate_up, down = self.fixed_weights or (self.gate_up, self.down)  # [slots (+ fixed), ...]
+        num_groups = gate_up.shape[0]
         flat = expert_ids.reshape(-1)  # [T*k]
         experts, counts = torch.unique(flat, return_counts=True)
-        routed = [(e, c) for e, c in zip(experts.tolist(), counts.tolist()) if e >= 0]
+        pairs = [(e, c) for e, c in zip(experts.tolist(), counts.tolist()) if e >= 0]
+        routed = [(e, c) for e, c in pairs if e < self.num_experts]
+        fixed = [(e, c) for e, c in pairs if e >= self.num_experts]  # route id E + i: fixed expert i
         out = torch.empty((flat.numel(), hidden.shape[1]), dtype=hidden.dtype, device=hidden.device)
-        for start in range(0, len(routed), self.num_slots):
-            group = routed[start : start + self.num_slots]
+        groups = [routed[i : i + self.num_slots] for i in range(0, len(routed), self.num_slots)] or [[]]
+        for number, group in enumerate(groups):
             self.ensure([e for e, _ in group])
+            members = group + (fixed if number == 0 else [])  # fixed experts run with the first group
             # (the last entry: a dropped route, id -1, sorts behind with the other groups' routes)
-            key_of_expert = torch.full((self.num_experts + 1,), self.num_slots, dtype=torch.int64)
-            key_of_expert[[e for e, _ in group]] = torch.tensor([self.slot(e) for e, _ in group])
-            keys = key_of_expert.to(flat.device, non_blocking=True)[flat]  # [T*k]: slot, or num_slots
-            part, order = self._grouped_mm(hidden, keys, expert_ids.shape[1])
-            members = sum(count for _, count in group)
-            out[order[:members]] = part[:members]
+            key_of_expert = torch.full((self.num_experts + self.num_fixed + 1,), num_groups, dtype=torch.int64)
+            if members:
+                key_of_expert[[e for e, _ in members]] = torch.tensor(
+                    [self.slot(e) if e < self.num_experts else self.num_slots + e - self.num_experts for e, _ in members])
+            keys = key_of_expert.to(flat.device, non_blocking=True)[flat]  # [T*k]: slot, or num_groups
+            part, order = self._grouped_mm(hidden, keys, expert_ids.shape[1], (gate_up, down))
+            done = sum(count for _, count in members)
+            out[order[:done]] = part[:done]
         return out
 
     def grouped_sorted(self, hidden: Tensor, expert_ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -349,19 +357,21 @@ class ExpertStore:
         position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         return out, position
 
-    def _grouped_mm(self, hidden: Tensor, keys: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    def _grouped_mm(self, hidden: Tensor, keys: Tensor, top_k: int,
+                    weights: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """(outputs [T*k, hidden] of the routes sorted by key, the sort order [T*k]): route r =
-        t*k + rank runs weights[keys[r]]; keys equal to len(weights) sort behind the last offset
-        and are not computed (their rows hold garbage)."""
-        num_groups = self.gate_up.shape[0]
+        t*k + rank runs weights[keys[r]] (default: the slots'); keys equal to len(weights) sort
+        behind the last offset and are not computed (their rows hold garbage)."""
+        gate_up, down = weights or (self.gate_up, self.down)
+        num_groups = gate_up.shape[0]
         order = torch.argsort(keys, stable=True)
         rows = hidden[order // top_k]  # [T*k, hidden], grouped by key
         # Counts by scatter_add, not bincount: bincount sizes its output on the host (a sync).
         counts = torch.zeros(num_groups + 1, dtype=torch.int64, device=keys.device).scatter_add_(
             0, keys, torch.ones_like(keys))
         ends = torch.cumsum(counts[:num_groups], dim=0).to(torch.int32)
-        act = silu_mul(torch._grouped_mm(rows, self.gate_up.transpose(1, 2), offs=ends))
-        return torch._grouped_mm(act, self.down.transpose(1, 2), offs=ends), order
+        act = silu_mul(torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends))
+        return torch._grouped_mm(act, down.transpose(1, 2), offs=ends), order
 
     def _forward_gather(self, hidden: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
         num_tokens, top_k = expert_ids.shape

@@ -211,6 +211,26 @@ def test_routes_map_to_slots_on_the_device():
     assert s.resident_mask().tolist() == [e in (1, 2, 6) for e in range(8)]
 
 
+def test_grouped_routes_run_a_fixed_expert_with_the_first_group_to_the_all_resident_bits(torch_reference_ops):
+    """The hybrid family's prefill with experts in host memory: 3 of 8 routed experts in slots,
+    the shared expert fixed after them (route id 8 on every row), through grouped GEMMs in groups
+    — bit-identical to every expert resident in one store of 9 (what the resident prefill runs)."""
+    g = torch.Generator().manual_seed(1)
+    gate_up = torch.randn(9, 32, 16, generator=g).bfloat16()  # the 8 routed experts, then the shared one
+    down = torch.randn(9, 16, 16, generator=g).bfloat16()
+    hidden = torch.randn(10, 16, generator=g).bfloat16()
+    routed = torch.randint(0, 8, (10, 2), generator=g)
+    expert_ids = torch.cat([routed, torch.full((10, 1), 8)], dim=1)  # [T, k + 1]
+    resident = ExpertStore(gate_up, down, device="cpu")
+    out, rows = resident.grouped_sorted(hidden, expert_ids)
+    expected = out[rows]
+    few = ExpertStore(gate_up[:8], down[:8], device="cpu", num_slots=3)
+    few.with_fixed(gate_up[8:], down[8:])
+    got = few.grouped_routes(hidden, expert_ids)
+    assert torch.equal(got, expected)
+    assert few.counters.misses >= len(set(routed.view(-1).tolist())) - 3
+
+
 def test_grouped_gemms_over_slot_groups_are_the_all_resident_bits(torch_reference_ops):
     """Prefill's grouped GEMMs (torch._grouped_mm, on the CPU too) with 3 of 8 experts resident:
     groups of experts in turn over the same rows, bit-identical to every expert resident.

@@ -311,10 +311,15 @@ class HybridFused:
                 continue
             expert_ids, weights = route(prefill_linear(normed, layer.router), layer.top_k, normalize=layer.normalize,
                                         shared_gate=True)
-            if layer.grouped is not None and grouped_mm_available(model.dtype) and model.device.type == "cuda":
-                route_out, route_rows = layer.grouped.grouped_sorted(normed, expert_ids)  # [T*(k+1), hidden]
-                normed, residual = combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps,
-                                                       route_rows=route_rows, centred=True)
+            if grouped_mm_available(model.dtype) and model.device.type == "cuda":
+                if layer.grouped is not None:  # every expert resident
+                    route_out, route_rows = layer.grouped.grouped_sorted(normed, expert_ids)  # [T*(k+1), hidden]
+                    normed, residual = combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps,
+                                                           route_rows=route_rows, centred=True)
+                else:  # experts in host memory: groups of them resident in turn, the same bits
+                    route_out = layer.store.grouped_routes(normed, expert_ids)  # [T*(k+1), hidden]
+                    normed, residual = combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps,
+                                                           centred=True)
                 continue
             experts = fused_experts if num_rows <= MAX_FUSED_TOKENS else experts_reference
 
