@@ -98,6 +98,7 @@ class Arm:
         self.runner.capture()
         self.slot, _ = pool.acquire(c.max_position_embeddings)
         self.stores = [layer.store for layer in fused.layers if layer.moe]
+        self.prefill_ms: list[float] = []  # the untimed prompt's prefill, each run (logged at the end)
 
     def totals(self) -> dict[str, int]:
         out = {key: sum(getattr(s.counters, key) for s in self.stores)
@@ -114,7 +115,11 @@ class Arm:
             offload.memory = RoutingMemory(len(offload.stores)) if self.prefetch else None
             offload.prefetch_limit = max(1, self.prefetch)
         self.runner.reset_state(self.slot)  # (linear-attention states: the hybrid family)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
         self.fused.prefill(torch.tensor(prompt, device="cuda"), [(0, len(prompt), self.slot)], self.runner.kv)
+        torch.cuda.synchronize()
+        self.prefill_ms.append((time.perf_counter() - started) * 1e3)
         self.runner.run(self.slot, text[:window], len(prompt))  # (a shape's first run captures its segments)
         torch.cuda.synchronize()
         before = self.totals()
@@ -169,12 +174,14 @@ def main() -> None:
     limits = [int(n) for n in (args.prefetch_limits or ("" if args.family == "hybrid" else "1,4")).split(",") if n]
     expert_bytes = resident.stores[0].expert_bytes
     rows = []
+    all_arms: list[Arm] = [resident]
     for fraction in fractions:
         slots = max(config.num_experts_per_tok, round(fraction * config.num_experts))
         offloaded = build(slots)
         arms = [resident, Arm("offloaded", offloaded, 0, max_rows),
                 *(Arm(f"offloaded + prefetch <= {n}", offloaded, n, max_rows) for n in limits),
                 *([Arm("offloaded, eager", offloaded, 0, max_rows, use_graphs=False)] if args.eager_arm else [])]
+        all_arms += arms[1:]
         for window in windows:
             times = {arm.name: [] for arm in arms}
             deltas = {arm.name: [] for arm in arms}
@@ -214,6 +221,9 @@ def main() -> None:
                 ))
         del arms, offloaded
         torch.cuda.empty_cache()
+    for arm in {id(a): a for a in all_arms}.values():
+        log(f"prefill of the {args.prompt}-token prompt, {arm.name} ({arm.stores[0].num_slots} slots): median {statistics.median(arm.prefill_ms):.1f} ms "
+            f"over {len(arm.prefill_ms)}")
     print(f"\nexpert: {expert_bytes / 2**20:.1f} MiB; pinned host-to-device {bandwidth / 1e9:.1f} GB/s; "
           f"{args.layers} layers, prompt {args.prompt}, {args.steps} windows x {args.blocks} blocks\n")
     print(f"| slots (of {config.num_experts}) | T | arm | ms per window | tokens/s | misses per layer | MiB copied | copy ms at bandwidth "
