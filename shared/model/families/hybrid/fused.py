@@ -311,7 +311,7 @@ class HybridFused:
                 continue
             expert_ids, weights = route(prefill_linear(normed, layer.router), layer.top_k, normalize=layer.normalize,
                                         shared_gate=True)
-            if grouped_mm_available(model.dtype) and model.device.type == "cuda":
+            if self._grouped_prefill():
                 if layer.grouped is not None:  # every expert resident
                     route_out, route_rows = layer.grouped.grouped_sorted(normed, expert_ids)  # [T*(k+1), hidden]
                     normed, residual = combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps,
@@ -330,6 +330,10 @@ class HybridFused:
             route_out = run(expert_ids) if self.offload is None else self.offload.experts(index, normed, expert_ids, run)
             normed, residual = combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps, centred=True)
         return normed
+
+    def _grouped_prefill(self) -> bool:
+        """Whether prefill runs its experts as grouped GEMMs (torch._grouped_mm: bf16 on Hopper)."""
+        return grouped_mm_available(self.model.dtype) and self.model.device.type == "cuda"
 
     def _prefill_linear(self, mixer: LinearMixer, normed: Tensor, spans: list[tuple[int, int, int]]) -> Tensor:
         """A Gated DeltaNet layer over prompt chunks: the convolution and the chunked delta rule

@@ -200,6 +200,29 @@ def test_segments_run_the_hybrid_forward_between_route_reads(models, torch_refer
     assert torch.equal(runs_hidden, want)
 
 
+def test_grouped_prefill_with_experts_in_host_memory_is_the_all_resident_bits(monkeypatch, torch_reference_ops):
+    """Prefill's grouped expert GEMMs (the GPU's path; torch._grouped_mm runs bf16 on the CPU
+    too): with 3 of 8 experts a block in slots, groups of them in turn and the shared expert
+    with the first group give the resident prefill's hidden rows and linear states bit for bit."""
+    from shared.model.families.hybrid.fused import HybridFused
+
+    monkeypatch.setattr(HybridFused, "_grouped_prefill", lambda self: True)
+    out = []
+    for num_slots in (None, SLOTS):
+        model = random_next(NextConfig.from_dict(CONFIG), dtype=torch.bfloat16, device="cpu", seed=4, std=0.2)
+        offload_experts(model, num_slots, torch.device("cpu"))
+        fused = build_fused(model, max_rows=8, max_length=64, num_state_slots=2)
+        c = model.config
+        pool = KVPool(num_layers=model.num_kv_layers, num_slots=2, max_length=64, num_kv_heads=c.num_key_value_heads,
+                      head_dim=c.head_dim, dtype=model.dtype, device="cpu", block_size=8)
+        slot, _ = pool.acquire(64)
+        fused.states.reset(slot)
+        out.append((fused.prefill(TOKENS, [(0, len(TOKENS), slot)], pool.paged()), fused.states.rec.clone(), model))
+    (want, want_rec, _), (got, got_rec, few) = out
+    assert torch.equal(got, want) and torch.equal(got_rec, want_rec)
+    assert misses(few) > 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_offloaded_hybrid_windows_replay_as_graph_segments_on_the_gpu():
     """Through the window runner the service uses: with 3 of 8 experts a block in device slots,
