@@ -184,8 +184,7 @@ def test_segments_run_the_forward_between_route_reads(torch_reference_ops, slots
     from shared.model.segments import SegmentedForward
 
     full, few = models(slots=slots)
-    # (batched rows on the CPU, as segments run them: the CPU's invariant forward runs row by row)
-    resident, offloaded = (FusedModel(m, max_rows=8, max_length=64, invariant=False) for m in (full, few))
+    resident, offloaded = (FusedModel(m, max_rows=8, max_length=64) for m in (full, few))
     ids = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(slots))
     caches = [model.new_cache(48) for model in (full, few)]
     for model, cache in zip((full, few), caches):

@@ -41,6 +41,18 @@ def misses(model) -> int:
     return sum(experts.store.counters.misses for experts in expert_modules(model))
 
 
+def on_pool(model):
+    """(the model's fused forward, its KV pool of 2 slots, a slot acquired with a zero state)."""
+    fused = build_fused(model, max_rows=8, max_length=64, num_state_slots=2)
+    c = model.config
+    pool = KVPool(num_layers=model.num_kv_layers, num_slots=2, max_length=64, num_kv_heads=c.num_key_value_heads,
+                  head_dim=c.head_dim, dtype=model.dtype, device=model.device, block_size=8)
+    slot, length = pool.acquire(64)
+    fused.states.reset(slot)
+    length.reserve(8)
+    return fused, pool, slot
+
+
 def test_the_reference_modules_compute_the_same_bits_with_experts_in_host_memory(models):
     resident, few = models
     assert all(not e.store.all_resident and e.store.num_slots == SLOTS for e in expert_modules(few))
@@ -55,13 +67,8 @@ def test_the_reference_modules_compute_the_same_bits_with_experts_in_host_memory
 
 def _run_fused(model, routing=None):
     """Prefill 8 tokens, a 4-row verify window, then MTP rows: (window logits, MTP logits)."""
-    fused = build_fused(model, max_rows=8, max_length=64, num_state_slots=2)
+    fused, pool, slot = on_pool(model)
     c = model.config
-    pool = KVPool(num_layers=model.num_kv_layers, num_slots=2, max_length=64, num_kv_heads=c.num_key_value_heads,
-                  head_dim=c.head_dim, dtype=model.dtype, device="cpu", block_size=8)
-    slot, length = pool.acquire(64)
-    fused.states.reset(slot)
-    length.reserve(8)
     hidden = fused.prefill(TOKENS[:8], [(0, 8, slot)], pool.paged())
     read, write = fused.states.buffers(slot)
     rows = Rows.window(8, 4, slot, "cpu")
@@ -157,13 +164,7 @@ def test_segments_run_the_hybrid_forward_between_route_reads(models, torch_refer
     c = resident.config
     runs = []
     for model in (resident, few):
-        # (batched rows on the CPU, as segments run them: the CPU's invariant forward runs row by row)
-        fused = build_fused(model, max_rows=8, max_length=64, num_state_slots=2, invariant=False)
-        pool = KVPool(num_layers=model.num_kv_layers, num_slots=2, max_length=64, num_kv_heads=c.num_key_value_heads,
-                      head_dim=c.head_dim, dtype=model.dtype, device="cpu", block_size=8)
-        slot, length = pool.acquire(64)
-        fused.states.reset(slot)
-        length.reserve(8)
+        fused, pool, slot = on_pool(model)
         fused.prefill(TOKENS[:8], [(0, 8, slot)], pool.paged())
         read, write = fused.states.buffers(slot)
         token_ids = torch.zeros(window, dtype=torch.int64)
@@ -211,12 +212,7 @@ def test_grouped_prefill_with_experts_in_host_memory_is_the_all_resident_bits(mo
     for num_slots in (None, SLOTS):
         model = random_next(NextConfig.from_dict(CONFIG), dtype=torch.bfloat16, device="cpu", seed=4, std=0.2)
         offload_experts(model, num_slots, torch.device("cpu"))
-        fused = build_fused(model, max_rows=8, max_length=64, num_state_slots=2)
-        c = model.config
-        pool = KVPool(num_layers=model.num_kv_layers, num_slots=2, max_length=64, num_kv_heads=c.num_key_value_heads,
-                      head_dim=c.head_dim, dtype=model.dtype, device="cpu", block_size=8)
-        slot, _ = pool.acquire(64)
-        fused.states.reset(slot)
+        fused, pool, slot = on_pool(model)
         out.append((fused.prefill(TOKENS, [(0, len(TOKENS), slot)], pool.paged()), fused.states.rec.clone(), model))
     (want, want_rec, _), (got, got_rec, few) = out
     assert torch.equal(got, want) and torch.equal(got_rec, want_rec)
