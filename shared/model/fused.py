@@ -3,8 +3,8 @@
 engine and the drafter's MTP proposer see, whichever family built it.
 
 A family's fused forward (qwen3_moe's FusedModel, the hybrid's HybridFused) is built by
-`shared.model.families.build_fused`; it satisfies this Protocol structurally (nothing inherits
-from it). Two levels:
+`shared.model.families.build_fused`; it satisfies the FusedForward Protocol structurally and
+inherits what is the same in both from LayerwiseForward. Two levels:
 
 - forwards: `forward` (decode/verify windows and batches of `Rows` over the paged KV),
   `prefill` (prompt chunks), `forward_mtp` (the MTP layer's rows);
@@ -24,6 +24,34 @@ from shared.model.kv_cache import PagedKV
 from shared.model.layers import RoutingOptions
 from shared.model.offload import Offload
 from shared.model.rows import Rows
+
+
+class LayerwiseForward:
+    """What both families' fused forwards share, written once over the layer-level methods:
+    a decoder layer (mixer, then the dense MLP or router and experts) and the trunk's rows
+    (embed, every layer, logits)."""
+
+    def decoder_layer(self, layer, normed: Tensor, residual: Tensor, next_norm: Tensor, rows: Rows, kv: PagedKV,
+                      routing: RoutingOptions | None = None,
+                      offload: tuple[Offload, int] | None = None) -> tuple[Tensor, Tensor]:
+        """(normed for the next layer, residual) after one decoder layer. routing: MoCE on draft
+        rows (the drafter's MTP layer); offload: (the Offload, this layer's index in it) with slots."""
+        normed, residual = self.mix(layer, normed, residual, rows, kv)
+        if not layer.moe:
+            return self.dense(layer, normed, residual, next_norm)
+        expert_ids, weights = self.router(layer, normed, rows, routing)
+        return self.experts(layer, normed, residual, next_norm, expert_ids, weights, offload)
+
+    def trunk_rows(self, token_ids: Tensor, rows: Rows, kv: PagedKV,
+                   routing: RoutingOptions | None) -> tuple[Tensor, Tensor]:
+        """logits [T, vocab] float32 and final-norm hidden [T, hidden] of trunk rows."""
+        if self.offload is not None:
+            self.offload.begin(token_ids)
+        normed, residual = self.embed(token_ids)
+        for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
+            normed, residual = self.decoder_layer(layer, normed, residual, next_norm, rows, kv, routing,
+                                                  None if self.offload is None else (self.offload, index))
+        return self.logits(normed), normed
 
 
 class FusedLayer(Protocol):

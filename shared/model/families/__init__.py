@@ -99,8 +99,8 @@ def _hybrid_fused(model, *, max_rows, max_length, num_state_slots=0, pdl=None, i
 
     if expert_prefetch:
         raise ValueError("expert prefetch is built for the qwen3_moe family's segmented forward only")
-    return HybridFused(model, max_rows=max_rows, max_length=max_length, num_state_slots=num_state_slots, pdl=pdl,
-                       invariant=invariant)
+    # (invariant is not asked of this family: its rows are row-invariant whatever is asked)
+    return HybridFused(model, max_rows=max_rows, max_length=max_length, num_state_slots=num_state_slots, pdl=pdl)
 
 
 def _hybrid_unsupported(model):

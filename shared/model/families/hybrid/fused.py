@@ -40,6 +40,7 @@ from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, experts_ref
 from kernels.fused.norm import add_rmsnorm, qk_norm_rope_store
 from kernels.fused.router import route
 from shared.model.experts import ExpertStore, grouped_mm_available
+from shared.model.fused import LayerwiseForward
 from shared.model.families.hybrid.deltanet import GatedDeltaNet
 from shared.model.families.hybrid.modules import DecoderLayer, Qwen3NextModel, SharedMoe
 from shared.model.families.hybrid.states import LinearStates
@@ -125,15 +126,15 @@ class HybridLayer:
             self.down = layer.mlp.down_proj.weight
 
 
-class HybridFused:
+class HybridFused(LayerwiseForward):
     """Decode/verify forward of a loaded Qwen3NextModel through the fused kernels."""
 
     def __init__(self, model: Qwen3NextModel, *, max_rows: int, max_length: int, num_state_slots: int = 0,
-                 pdl: bool | None = None, invariant: bool = True) -> None:
+                 pdl: bool | None = None) -> None:
         """num_state_slots: KV pool slots whose linear-attention states this model keeps (the
         verifier's sessions; 0 for an MTP layer alone); max_rows: the most rows of a step.
-        pdl: as FusedModel's; invariant: kept for FusedModel's signature (this family's rows are
-        row-invariant either way: its projections never go through F.linear / cuBLAS)."""
+        pdl: as FusedModel's. (No `invariant`: this family's rows are row-invariant always; its
+        projections never go through F.linear / cuBLAS.)"""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the fused path cannot run this model: {reason}")
@@ -155,7 +156,6 @@ class HybridFused:
         self.cos, self.sin = model.rotary.cos, model.rotary.sin
         self.rotary_dim = model.rotary.cos.shape[-1]
         self.pdl = pdl_supported(model.device) if pdl is None else pdl
-        self.invariant = invariant
         self.states: LinearStates | None = None
         if num_state_slots and linear_index:
             first = next(layer.mixer for layer in self.layers if layer.linear)
@@ -182,18 +182,7 @@ class HybridFused:
 
     # -- layers -----------------------------------------------------------------------------
     # The layer-level methods have the same names and signatures in every family's fused forward
-    # (shared.model.segments runs them between the host's route reads).
-
-    def decoder_layer(self, layer: HybridLayer, normed: Tensor, residual: Tensor, next_norm: Tensor, rows: Rows,
-                      kv: PagedKV, routing: RoutingOptions | None = None,
-                      offload: tuple[Offload, int] | None = None) -> tuple[Tensor, Tensor]:
-        """(normed for the next layer, residual) after one decoder layer. routing: MoCE on draft
-        rows (the drafter's MTP layer); offload: (the Offload, this layer's index in it) with slots."""
-        normed, residual = self.mix(layer, normed, residual, rows, kv)
-        if not layer.moe:
-            return self.dense(layer, normed, residual, next_norm)
-        expert_ids, weights = self.router(layer, normed, rows, routing)
-        return self.experts(layer, normed, residual, next_norm, expert_ids, weights, offload)
+    # (LayerwiseForward composes them; shared.model.segments runs them between route reads).
 
     def mix(self, layer: HybridLayer, normed: Tensor, residual: Tensor, rows: Rows, kv: PagedKV) -> tuple[Tensor, Tensor]:
         """The token mixer through its output projection, the residual add and the post norm."""
@@ -263,13 +252,7 @@ class HybridFused:
         if rows.positions.shape[0] > MAX_FUSED_TOKENS:
             raise ValueError(f"a window of {rows.positions.shape[0]} rows: the fused path runs at most "
                              f"{MAX_FUSED_TOKENS} (prefill runs longer chunks)")
-        if self.offload is not None:
-            self.offload.begin(token_ids)
-        normed, residual = self.embed(token_ids)
-        for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
-            normed, residual = self.decoder_layer(layer, normed, residual, next_norm, rows, kv, routing,
-                                                  None if self.offload is None else (self.offload, index))
-        return self.logits(normed), normed
+        return self.trunk_rows(token_ids, rows, kv, routing)
 
     def embed(self, token_ids: Tensor) -> tuple[Tensor, Tensor]:  # [T]
         """(normed, residual) entering the first layer."""

@@ -28,6 +28,7 @@ from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, fused_exper
 from kernels.fused.norm import add_rmsnorm, qk_norm_rope_store
 from kernels.fused.router import route
 from shared.model.experts import grouped_mm_available
+from shared.model.fused import LayerwiseForward
 from shared.model.kv_cache import PagedKV
 from shared.model.families.qwen3_moe.layers import DecoderLayer
 from shared.model.moe import MoceOptions, MoeBlock
@@ -76,7 +77,7 @@ class FusedLayer:
             self.down = layer.mlp.down_proj.weight
 
 
-class FusedModel:
+class FusedModel(LayerwiseForward):
     """Decode/verify forward of a loaded Qwen3MoeModel through the fused kernels."""
 
     states = None  # no linear-attention layers: no per-sequence state beside the KV pool
@@ -121,18 +122,8 @@ class FusedModel:
     # -- layers -----------------------------------------------------------------------------
 
     # The layer-level methods below have the same names and signatures in every family's fused
-    # forward (shared.model.segments runs them between the host's route reads).
-
-    def decoder_layer(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor, rows: Rows,
-                      kv: PagedKV, routing: RoutingOptions | None = None,
-                      offload: tuple[Offload, int] | None = None) -> tuple[Tensor, Tensor]:
-        """(normed for the next layer, residual) after one decoder layer; offload: (the model's
-        Offload, this layer's index in it) when its experts have device slots."""
-        normed, residual = self.mix(layer, normed, residual, rows, kv)
-        if not layer.moe:
-            return self.dense(layer, normed, residual, next_norm)
-        expert_ids, weights = self.router(layer, normed, rows, routing)
-        return self.experts(layer, normed, residual, next_norm, expert_ids, weights, offload)
+    # forward (LayerwiseForward composes them; shared.model.segments runs them between the
+    # host's route reads).
 
     def _by_rows(self, num_rows: int) -> bool:
         return not self.invariant and num_rows > 1  # cuBLAS, its kernel chosen by the row count
@@ -196,13 +187,7 @@ class FusedModel:
 
         token_ids [T]; kv: the paged cache of every trunk layer.
         """
-        if self.offload is not None:
-            self.offload.begin(token_ids)
-        normed, residual = self.embed(token_ids)
-        for index, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
-            normed, residual = self.decoder_layer(layer, normed, residual, next_norm, rows, kv, routing,
-                                                  None if self.offload is None else (self.offload, index))
-        return self.logits(normed), normed
+        return self.trunk_rows(token_ids, rows, kv, routing)
 
     def embed(self, token_ids: Tensor) -> tuple[Tensor, Tensor]:  # [T]
         """(normed, residual) entering the first layer."""
