@@ -29,7 +29,7 @@ from bench.fused_step import distinct_experts_seen, kv_bytes, weight_bytes_per_t
 from bench.model_baseline import QWEN3_30B_A3B, SMALL, copy_bandwidth, cuda_time
 from shared.model import ModelConfig, load_model
 from shared.model.families.qwen3_moe.fused import FusedModel
-from shared.model.graphs import WindowGraphs
+from shared.model.graphs import FusedRunner
 from shared.model.kv_cache import KVPool
 
 
@@ -65,7 +65,7 @@ def main() -> None:
         table_ab(model, pool, slots, scratch, batches, args.context, random_tokens, length, args.pairs)
         return
     fused = FusedModel(model, max_rows=max(largest, 2), max_length=length)
-    runner = WindowGraphs(fused, pool, max_rows=1, max_batch_rows=max(largest, 2), scratch_slot=scratch)
+    runner = FusedRunner(fused, pool, max_rows=1, max_batch_rows=max(largest, 2), scratch_slot=scratch)
     runner.capture([1], progress=lambda what, s: print(f"  captured {what} in {s:.2f}s", file=sys.stderr, flush=True))
 
     bandwidth = copy_bandwidth()
@@ -79,12 +79,8 @@ def main() -> None:
     base = None
     for b in batches:
         windows = [(slot, [t], args.context) for slot, t in zip(slots[:b], random_tokens(b))]
-        if b == 1:
-            runner.run(slots[0], windows[0][1], args.context)
-            graph, _ = runner.graphs[1]
-        else:
-            runner.run_batch(windows)
-            graph, _ = runner.batch_graphs[runner.last_decode_rows]
+        runner.run(windows)
+        graph = runner.last_graph()
         ms = statistics.median(cuda_time(graph.replay, 30))
         base = base or ms
         experts = distinct_with_batch(runner, windows) if b > 1 else 8.0
@@ -103,7 +99,7 @@ def table_ab(model, pool, slots, scratch, batches, context, random_tokens, lengt
     for name, threshold in (("compare", 1 << 30), ("table", 1)):
         moe.TABLE_MIN_ROUTES = threshold  # read while the graphs are captured
         try:
-            runner = WindowGraphs(FusedModel(model, max_rows=max(largest, 2), max_length=length), pool, max_rows=1,
+            runner = FusedRunner(FusedModel(model, max_rows=max(largest, 2), max_length=length), pool, max_rows=1,
                                   max_batch_rows=max(largest, 2), scratch_slot=scratch)
             runner.capture([1])
         finally:
@@ -119,12 +115,8 @@ def table_ab(model, pool, slots, scratch, batches, context, random_tokens, lengt
         windows = [(slot, [t], context) for slot, t in zip(slots[:b], random_tokens(b))]
         graphs, logits = {}, {}
         for name, runner in runners.items():
-            if b == 1:
-                out = runner.run(slots[0], windows[0][1], context)
-                graphs[name] = runner.graphs[1][0]
-            else:
-                out = runner.run_batch(windows)
-                graphs[name] = runner.batch_graphs[runner.last_decode_rows][0]
+            out = runner.run(windows)
+            graphs[name] = runner.last_graph()
             logits[name] = out.logits[:b].clone()
         times = {name: [] for name in graphs}
         ratios = []
@@ -143,7 +135,7 @@ def distinct_with_batch(runner, windows) -> float:
     runner.use_graphs = False  # eager: the Python-level route call runs
     try:
         with distinct_experts_seen() as seen:
-            runner.run_batch(windows)
+            runner.run(windows)
     finally:
         runner.use_graphs = captured
     return statistics.mean(seen)

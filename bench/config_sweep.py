@@ -35,7 +35,7 @@ from bench.model_baseline import SMALL
 from bench.pairbench.common import QWEN3_5_35B_A3B
 from shared.model import ModelConfig, load_model
 from shared.model.families import build_fused
-from shared.model.graphs import WindowGraphs
+from shared.model.graphs import FusedRunner
 from shared.model.kv_cache import KVPool
 
 WINDOWS = (1, 5)
@@ -192,9 +192,9 @@ def main() -> None:
     pool.keys.normal_(0, 1, generator=gen)
     pool.values.normal_(0, 1, generator=gen)
 
-    def runner() -> WindowGraphs:
+    def runner() -> FusedRunner:
         fused = build_fused(model, max_rows=max(WINDOWS), max_length=max_length, num_state_slots=1)
-        graphs = WindowGraphs(fused, pool, max_rows=max(WINDOWS))
+        graphs = FusedRunner(fused, pool, max_rows=max(WINDOWS))
         graphs.capture(list(WINDOWS))
         return graphs
 

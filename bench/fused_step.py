@@ -29,7 +29,7 @@ from bench.model_baseline import QWEN3_30B_A3B, SMALL, GraphDecoder, copy_bandwi
 from shared.model import KVCache, ModelConfig, load_model
 from shared.model.families.qwen3_moe.fused import FusedModel
 from shared.model.rows import Rows
-from shared.model.graphs import WindowGraphs
+from shared.model.graphs import FusedRunner
 from shared.model.kv_cache import KVPool
 
 
@@ -53,9 +53,9 @@ def graph_time(fn, calls: int = 20, repeats: int = 20) -> float:
     return statistics.median(cuda_time(graph.replay, repeats)) / calls
 
 
-def replay_time(runner: WindowGraphs, rows: int, position: int, repeats: int = 50) -> float:
+def replay_time(runner: FusedRunner, rows: int, position: int, repeats: int = 50) -> float:
     """Median ms of one captured window of `rows` rows at `position` (inputs set once)."""
-    runner.run(0, [1] * rows, position)
+    runner.run([(0, [1] * rows, position)])
     graph, _ = runner.graphs[rows]
     return statistics.median(cuda_time(graph.replay, repeats))
 
@@ -103,7 +103,7 @@ def main() -> None:
     pool.keys.normal_(0, 1, generator=gen)  # stand-in context: attention cost does not depend on the values
     pool.values.normal_(0, 1, generator=gen)
     fused = FusedModel(model, max_rows=max(windows), max_length=max_length)
-    runner = WindowGraphs(fused, pool, max_rows=max(windows))
+    runner = FusedRunner(fused, pool, max_rows=max(windows))
     t0 = time.perf_counter()
     runner.capture(windows, progress=lambda what, s: log(f"  captured {what} in {s:.2f}s"))
     log(f"captured {len(windows)} windows in {time.perf_counter() - t0:.1f}s")
@@ -142,10 +142,10 @@ def main() -> None:
             tokens = random_tokens(rows)
             singles = torch.cat([reference(tokens[j : j + 1], context + j, "dispatch") for j in range(rows)])
             ref = {path: reference(tokens, context, path) for path in ("grouped", "dispatch")}
-            fused_logits = runner.run(0, tokens, context).logits.clone()  # rewrites the window's KV rows
+            fused_logits = runner.run([(0, tokens, context)]).logits.clone()  # rewrites the window's KV rows
             same = 0
             for j in range(rows):  # the window wrote rows context..; re-run each as a 1-row step
-                single = runner.run(0, tokens[j : j + 1], context + j)
+                single = runner.run([(0, tokens[j : j + 1], context + j)])
                 same += int(torch.equal(single.logits[0], fused_logits[j]))
             d, g = ref["dispatch"], ref["grouped"]
             print(f"| {context} | {rows} | {rel(fused_logits, d):.2e}, {agree(fused_logits, d):.2f} "
@@ -222,7 +222,7 @@ def paired_table(label: str, runner, other, sizes, contexts, random_tokens, pair
     for context in contexts:
         for rows in sizes:
             tokens = random_tokens(rows)
-            same = torch.equal(runner.run(0, tokens, context).logits.clone(), other.run(0, tokens, context).logits)
+            same = torch.equal(runner.run([(0, tokens, context)]).logits.clone(), other.run([(0, tokens, context)]).logits)
             on, off = [], []
             for _ in range(pairs):
                 on.append(replay_time(runner, rows, context, repeats=20))
@@ -235,7 +235,7 @@ def paired_table(label: str, runner, other, sizes, contexts, random_tokens, pair
 def variant_runner(runner, pool, max_length, **fused_options):
     """Window graphs of the same model through a FusedModel built with other options."""
     fused = FusedModel(runner.fused.model, max_rows=runner.max_rows, max_length=max_length, **fused_options)
-    return WindowGraphs(fused, pool, max_rows=runner.max_rows)
+    return FusedRunner(fused, pool, max_rows=runner.max_rows)
 
 
 def pdl_table(runner, pool, contexts, max_length, random_tokens) -> None:

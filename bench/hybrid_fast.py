@@ -153,7 +153,7 @@ class Raw:
         self.engine = Engine(self.model, max_context=max_context, prefill_chunk=CHUNK, fused="on", max_sessions=36,
                              max_window=9, max_batch_rows=32, verify_window=5, kv_cache_tokens=tokens,
                              progress=lambda m: log(f"  [{elapsed():.0f}s] {m}"))
-        self.runner = self.engine.windows
+        self.runner = self.engine.runner
         self.gen = torch.Generator().manual_seed(0)
         self.results: dict = {"bandwidth_tb_s": self.bandwidth / 1e12}
 
@@ -163,8 +163,7 @@ class Raw:
     def prefill(self, prompt: list[int], length: int | None = None) -> int:
         """A fresh slot with `prompt` prefilled in CHUNK-token forwards; returns the slot."""
         runner = self.runner
-        slot, cache = runner.pool.acquire(length or len(prompt) + 16)
-        runner.reset_state(slot)
+        slot, cache = runner.acquire(length or len(prompt) + 16)
         for start in range(0, len(prompt), CHUNK):
             count = min(CHUNK, len(prompt) - start)
             cache.reserve(count)
@@ -186,7 +185,7 @@ class Raw:
         rows = []
         for num_rows in windows:
             window = self.ids(num_rows)
-            out = self.runner.run(slot, window, context)  # (not settled: the next window starts here too)
+            out = self.runner.run([(slot, window, context)])  # (not settled: the next window starts here too)
             logits, hidden = out.logits[:num_rows].float().clone(), out.hidden[:num_rows].clone()
             sync()
             t0 = time.perf_counter()
@@ -209,15 +208,15 @@ class Raw:
         prompt = self.ids(context)
         a, b = self.prefill(prompt), self.prefill(prompt)
         window = self.ids(9)
-        verified = runner.run(a, window, context).logits[:9].clone()
+        verified = runner.run([(a, window, context)]).logits[:9].clone()
         runner.settle(a, kept_row=4)
         same = 0
         for j, token in enumerate(window[:5]):
-            row = runner.run(b, [token], context + j).logits[0].clone()
+            row = runner.run([(b, [token], context + j)]).logits[0].clone()
             runner.settle(b)
             same += int(torch.equal(row, verified[j]))
-        after_a = runner.run(a, [11], context + 5).logits[0].clone()
-        after_b = runner.run(b, [11], context + 5).logits[0].clone()
+        after_a = runner.run([(a, [11], context + 5)]).logits[0].clone()
+        after_b = runner.run([(b, [11], context + 5)]).logits[0].clone()
         out["window rows = one-row steps (of 5 kept)"] = same
         out["step after the rollback identical"] = bool(torch.equal(after_a, after_b))
         for s in (a, b):
@@ -225,14 +224,14 @@ class Raw:
         # a decode batch of 8 and a verify batch of 4 windows of 5 rows against the same rows alone
         slots = [self.prefill(self.ids(context)) for _ in range(8)]
         tokens = self.ids(8)
-        batch = runner.run_batch([(s, [t], context) for s, t in zip(slots, tokens)]).logits[:8].clone()
-        alone = [runner.run(s, [t], context).logits[0].clone() for s, t in zip(slots, tokens)]
+        batch = runner.run([(s, [t], context) for s, t in zip(slots, tokens)]).logits[:8].clone()
+        alone = [runner.run([(s, [t], context)]).logits[0].clone() for s, t in zip(slots, tokens)]
         out["decode batch rows = alone (of 8)"] = sum(int(torch.equal(x, batch[i])) for i, x in enumerate(alone))
         windows = [self.ids(5) for _ in range(4)]
-        batch = runner.run_batch([(s, w, context) for s, w in zip(slots, windows)]).logits[:20].clone()
+        batch = runner.run([(s, w, context) for s, w in zip(slots, windows)]).logits[:20].clone()
         same = 0
         for i, (s, w) in enumerate(zip(slots, windows)):
-            one = runner.run(s, w, context).logits[:5]
+            one = runner.run([(s, w, context)]).logits[:5]
             same += sum(int(torch.equal(one[j], batch[5 * i + j])) for j in range(5))
         out["verify batch rows = window alone (of 20)"] = same
         for s in slots:
@@ -274,8 +273,7 @@ class Raw:
         runner = self.runner
         slots = []
         for _ in range(count):
-            slot, cache = runner.pool.acquire(length + 16)
-            runner.reset_state(slot)
+            slot, cache = runner.acquire(length + 16)
             cache.reserve(length)
             slots.append(slot)
         ids = torch.tensor(self.ids(count * length), device=DEVICE)
@@ -296,13 +294,10 @@ class Raw:
             body = length - 1
             slots = []
             for sharing in (False, True):
-                slot, cache = runner.pool.acquire(length + 16)
-                runner.reset_state(slot)
+                slot, cache = runner.acquire(length + 16)
                 others = []
                 if sharing:
-                    others = [runner.pool.acquire(len(big) + 16)[0], runner.pool.acquire(48)[0]]
-                    for o in others:
-                        runner.reset_state(o)
+                    others = [runner.acquire(len(big) + 16)[0], runner.acquire(48)[0]]
                 parts = [(prompt[:body], slot)] + ([(big, others[0]), (small, others[1])] if sharing else [])
                 ids = torch.tensor([t for tokens, _ in parts for t in tokens], device=DEVICE)
                 cache.reserve(body)
@@ -314,8 +309,8 @@ class Raw:
             same_states = bool(torch.equal(states.conv[:, ra], states.conv[:, rb])
                                and torch.equal(states.rec[:, ra], states.rec[:, rb]))
             rec_diff = float((states.rec[:, ra] - states.rec[:, rb]).abs().max())
-            first_a = runner.run(a, [prompt[-1]], body).logits[0].clone()
-            first_b = runner.run(b, [prompt[-1]], body).logits[0].clone()
+            first_a = runner.run([(a, [prompt[-1]], body)]).logits[0].clone()
+            first_b = runner.run([(b, [prompt[-1]], body)]).logits[0].clone()
             rows.append(dict(prompt_tokens=length, states_identical=same_states, largest_state_difference=rec_diff,
                              first_logits_identical=bool(torch.equal(first_a, first_b)),
                              first_token_agrees=int(first_a.argmax()) == int(first_b.argmax())))
@@ -389,7 +384,7 @@ class Raw:
         rows = []
         floor_ms = step_bytes(self.model, context) / self.bandwidth * 1e3
         for num_rows in windows:
-            self.runner.run(slot, self.ids(num_rows), cache_len)
+            self.runner.run([(slot, self.ids(num_rows), cache_len)])
             ms = replay_ms(self.runner.graphs[num_rows][0], steps)
             rows.append(dict(context=context, rows=num_rows, ms=ms, floor_ms=floor_ms))
         for r in rows:
@@ -414,9 +409,10 @@ class Raw:
 
         hybrid.route = recording
         try:
-            rows = self.runner._rows(num_rows)
-            self.runner.run(slot, self.ids(num_rows), context)  # fills dev_in
-            self.runner.fused.forward(self.runner.dev_in[:num_rows], rows, self.runner.kv)
+            shape = (num_rows, 1, num_rows)
+            self.runner.run([(slot, self.ids(num_rows), context)])  # fills the step's inputs
+            self.runner.fused.forward(self.runner.inputs.on_device("token_ids", num_rows), self.runner._rows(shape),
+                                      self.runner.kv)
         finally:
             hybrid.route = original
             self.runner.pool.release(slot)
@@ -427,9 +423,8 @@ class Raw:
         slots = [self.prefill(self.ids(context)) for _ in range(max(sizes))]
         rows = []
         for size in sizes:
-            self.runner.run_batch([(s, self.ids(1), context) for s in slots[:size]])
-            bucket = next(b for b in sorted(self.runner.batch_graphs) if b >= size)
-            ms = replay_ms(self.runner.batch_graphs[bucket][0], steps)
+            self.runner.run([(s, self.ids(1), context) for s in slots[:size]])
+            ms = replay_ms(self.runner.last_graph(), steps)
             distinct = expected_distinct(c.num_experts, c.num_experts_per_tok, size)
             floor_ms = step_bytes(self.model, context, num_seqs=size, experts_read=distinct) / self.bandwidth * 1e3
             rows.append(dict(context=context, sequences=size, ms=ms, tokens_per_s=size / ms * 1e3, floor_ms=floor_ms,

@@ -39,7 +39,7 @@ import torch
 from bench.model_baseline import QWEN3_30B_A3B, SMALL, cuda_time, log
 from shared.model import ModelConfig, load_model
 from shared.model.families.qwen3_moe.fused import FusedModel
-from shared.model.graphs import WindowGraphs
+from shared.model.graphs import FusedRunner
 from shared.model.kv_cache import KVPool
 
 TINY = dict(model_type="qwen3_moe", vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
@@ -72,9 +72,9 @@ class Bench:
         self.rng = random.Random(7)
         self.runners = {name: self._runner(invariant) for name, invariant in (("invariant", True), ("yardstick", False))}
 
-    def _runner(self, invariant: bool) -> WindowGraphs:
+    def _runner(self, invariant: bool) -> FusedRunner:
         fused = FusedModel(self.model, max_rows=64, max_length=self.length, invariant=invariant)
-        runner = WindowGraphs(fused, self.pool, MAX_WINDOW, max_batch_rows=64, scratch_slot=self.scratch,
+        runner = FusedRunner(fused, self.pool, MAX_WINDOW, max_batch_rows=64, scratch_slot=self.scratch,
                               verify_window=VERIFY_WINDOW)
         started = time.perf_counter()
         runner.capture()
@@ -86,14 +86,14 @@ class Bench:
 
     # -- 1 and 2: rows against their one-row steps ------------------------------------------
 
-    def rows_match(self, runner: WindowGraphs, windows: list[tuple[int, list[int], int]], logits) -> tuple[int, float]:
+    def rows_match(self, runner: FusedRunner, windows: list[tuple[int, list[int], int]], logits) -> tuple[int, float]:
         """Rows of `logits` (the windows' rows in order) bit-identical to the one-row step at
         their position, and the largest absolute difference. Each window's one-row steps run
         after it, so a row reads the KV rows its window wrote before it."""
         same, worst, row = 0, 0.0, 0
         for slot, ids, start in windows:
             for j, token in enumerate(ids):
-                single = runner.run(slot, [token], start + j).logits[0]
+                single = runner.run([(slot, [token], start + j)]).logits[0]
                 same += int(torch.equal(single, logits[row]))
                 worst = max(worst, float((single - logits[row]).abs().max()))
                 row += 1
@@ -106,7 +106,7 @@ class Bench:
             total, same, worst = 0, 0, 0.0
             for rows in range(1, MAX_WINDOW + 1):
                 window = [(self.slots[0], self.random_tokens(rows), 512)]
-                logits = runner.run(*window[0]).logits[:rows].clone()
+                logits = runner.run([window[0]]).logits[:rows].clone()
                 s, w = self.rows_match(runner, window, logits)
                 total, same, worst = total + rows, same + s, max(worst, w)
             print(f"| {name} | 1..{MAX_WINDOW} | {same}/{total} | {worst:.3g} |")
@@ -135,7 +135,7 @@ class Bench:
                 total, same, worst = 0, 0, 0.0
                 for windows in chosen:
                     rows = sum(len(ids) for _, ids, _ in windows)
-                    logits = runner.run_batch(windows).logits[:rows].clone()
+                    logits = runner.run(windows).logits[:rows].clone()
                     s, w = self.rows_match(runner, windows, logits)
                     total, same, worst = total + rows, same + s, max(worst, w)
                 print(f"| {name} | {len(chosen)} | {kind} | {total} | {same}/{total} | {worst:.3g} |")
@@ -170,8 +170,8 @@ class Bench:
                     prefill([(prompt[start : min(start + 128, body)], start, d)])
             arms.append(("decoded row by row (one-row steps)", e))
             for j in range(body):
-                runner.run(e, [prompt[j]], j)
-            first = {slot: runner.run(slot, [prompt[body]], body).logits[0].clone() for _, slot in arms}
+                runner.run([(e, [prompt[j]], j)])
+            first = {slot: runner.run([(slot, [prompt[body]], body)]).logits[0].clone() for _, slot in arms}
             keys, values = zip(*(self.pool.read(slot, body) for slot in self.slots[:5]))  # [layers, body, kv_heads, D]
             for label, slot in arms:
                 i, j = self.slots.index(slot), 0  # (a is self.slots[0])
@@ -202,16 +202,10 @@ class Bench:
                   f"| {ratio:.3f} |")
 
     @staticmethod
-    def _graph(runner: WindowGraphs, windows) -> torch.cuda.CUDAGraph:
+    def _graph(runner: FusedRunner, windows) -> torch.cuda.CUDAGraph:
         """The captured graph that runs `windows`, its inputs set."""
-        if len(windows) == 1:
-            slot, ids, start = windows[0]
-            runner.run(slot, ids, start)
-            return runner.graphs[len(ids)][0]
-        runner.run_batch(windows)
-        rows = sum(len(ids) for _, ids, _ in windows)
-        graphs = runner.batch_graphs if max(len(ids) for _, ids, _ in windows) == 1 else runner.verify_graphs
-        return graphs[min(b for b in graphs if b >= rows)][0]
+        runner.run(windows)
+        return runner.last_graph()
 
 
 def cpu_cost_table(pairs: int, repeats: int) -> None:

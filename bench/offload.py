@@ -42,7 +42,7 @@ from shared.model import ModelConfig, load_model
 from shared.model.families import build_fused
 from shared.model.families.hybrid.config import NextConfig
 from shared.model.fused import FusedForward
-from shared.model.graphs import WindowGraphs
+from shared.model.graphs import FusedRunner
 from shared.model.kv_cache import KVPool
 from shared.model.offload import RoutingMemory
 
@@ -94,7 +94,7 @@ class Arm:
         num_kv_layers = getattr(fused.model, "num_kv_layers", c.num_hidden_layers)  # (the hybrid's attention layers)
         pool = KVPool(num_layers=num_kv_layers, num_slots=1, max_length=c.max_position_embeddings,
                       num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=fused.model.dtype, device="cuda")
-        self.runner = WindowGraphs(fused, pool, max_rows, use_graphs=use_graphs)
+        self.runner = FusedRunner(fused, pool, max_rows, use_graphs=use_graphs)
         self.runner.capture()
         self.slot, _ = pool.acquire(c.max_position_embeddings)
         self.stores = [layer.store for layer in fused.layers if layer.moe]
@@ -114,18 +114,19 @@ class Arm:
         if offload is not None:
             offload.memory = RoutingMemory(len(offload.stores)) if self.prefetch else None
             offload.prefetch_limit = max(1, self.prefetch)
-        self.runner.reset_state(self.slot)  # (linear-attention states: the hybrid family)
+        if self.fused.states is not None:  # (linear-attention states: the hybrid family)
+            self.fused.states.reset(self.slot)
         torch.cuda.synchronize()
         started = time.perf_counter()
         self.fused.prefill(torch.tensor(prompt, device="cuda"), [(0, len(prompt), self.slot)], self.runner.kv)
         torch.cuda.synchronize()
         self.prefill_ms.append((time.perf_counter() - started) * 1e3)
-        self.runner.run(self.slot, text[:window], len(prompt))  # (a shape's first run captures its segments)
+        self.runner.run([(self.slot, text[:window], len(prompt))])  # (a shape's first run captures its segments)
         torch.cuda.synchronize()
         before = self.totals()
         start = time.perf_counter()
         for step in range(steps):
-            out = self.runner.run(self.slot, text[step * window : (step + 1) * window], len(prompt) + step * window)
+            out = self.runner.run([(self.slot, text[step * window : (step + 1) * window], len(prompt) + step * window)])
             self.runner.settle(self.slot)  # (every row kept)
         torch.cuda.synchronize()
         ms = (time.perf_counter() - start) * 1e3 / steps

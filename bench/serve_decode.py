@@ -72,8 +72,8 @@ def raw_step_tokens_per_s(runner, context: int, steps: int) -> float:
     position `context` of a slot holding the blocks of that context (as a request's would)."""
     slot, _ = runner.pool.acquire(context + 1)
     try:
-        runner.run(slot, [1], context)
-        graph, _ = runner.graphs[1]
+        runner.run([(slot, [1], context)])
+        graph = runner.last_graph()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(steps):
@@ -187,7 +187,7 @@ def main() -> None:
                     if arm == "service":
                         row["service"] = client_decode(address, prompt, greedy)
                     else:
-                        row["raw"] = raw_step_tokens_per_s(engine.windows, context, args.new_tokens)
+                        row["raw"] = raw_step_tokens_per_s(engine.runner, context, args.new_tokens)
                 row["engine"], row["engine_ttft_ms"] = engine_loop(engine, make_spec(prompt, min(args.new_tokens, 64)))
                 rows.append(row)
                 log(f"  context {context} block {block}: service {row['service']['decode_tokens_per_s']:.1f} tok/s, "

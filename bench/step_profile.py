@@ -26,7 +26,7 @@ from bench.model_baseline import QWEN3_30B_A3B
 from bench.pairbench.common import QWEN3_5_35B_A3B
 from shared.model import ModelConfig, load_model
 from shared.model.families import build_fused
-from shared.model.graphs import WindowGraphs
+from shared.model.graphs import FusedRunner
 from shared.model.kv_cache import KVPool
 
 
@@ -96,12 +96,12 @@ def main() -> None:
     pool.keys.normal_(0, 1, generator=gen)
     pool.values.normal_(0, 1, generator=gen)
     fused = build_fused(model, max_rows=max(windows), max_length=max_length, num_state_slots=1)
-    runner = WindowGraphs(fused, pool, max_rows=max(windows))
+    runner = FusedRunner(fused, pool, max_rows=max(windows))
     runner.capture(windows)
     for context in contexts:
         for rows in windows:
             step_ms = replay_time(runner, rows, context)
-            runner.run(0, [1] * rows, context)
+            runner.run([(0, [1] * rows, context)])
             graph, _ = runner.graphs[rows]
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:

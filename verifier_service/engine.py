@@ -1,18 +1,19 @@
 """Model-side work of the verifier: prefill and verification rounds (runs on the model worker).
 
-Invariant per session: the KV cache holds every committed token but the last (the head);
-a round runs the window [head, d0..dk-1], verifies the drafts, and truncates the cache to
-the rows that stay committed (head + accepted drafts).
+Invariant per session: the cache holds every committed token but the last (the head); a round
+runs the window [head, d0..dk-1], verifies the drafts, and keeps the rows that stay committed
+(head + accepted drafts).
 
-Two forward paths share this flow. On CUDA (by default) a round is one replay of a captured
-fused-kernel window (shared.model.graphs) over a slot of the paged KV pool, and the only host
-synchronisation is reading the verdict's inputs: the window's own tokens (greedy ids, or
-draws made on the device: plain rounds, exact mode), or its processed sparse rows
-(probabilistic mode with drafts), plus the hidden rows for the drafter, copied in the same
-stream. Elsewhere the
-reference modules run the window eagerly on a per-request cache. Prefill chunks run eagerly
-(long chunks are compute-bound; per-kernel host work is amortised): on CUDA the fused model's
-prefill, with the chunks of several sessions in one forward.
+The engine steps the model through one runner (shared.model.runner): the fused runner over the
+paged KV pool (by default; CUDA graphs on CUDA) or the reference modules' (`fused="off"`). A
+round of one session is a batch of one: every round goes through `run_rounds`, decode rounds
+as one decode step (with the step after it enqueued ahead where every session asks for it),
+verify rounds as one step of their windows. The only host synchronisation of a round is reading
+the verdict's inputs: the windows' own tokens (greedy ids, or draws made on the device: plain
+rounds, exact mode), or their processed sparse rows (probabilistic mode with drafts), plus the
+hidden rows for the drafter, copied in the same stream. Prefill chunks run eagerly (long chunks
+are compute-bound; per-kernel host work is amortised), the chunks of several sessions in one
+forward on the fused path.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import torch
 from torch import Tensor
 
 from kernels.fused import cdiv
-from kernels.sampling import SparseRows, process_logits
-from kernels.speculative import Mode
+from kernels.sampling import SparseRows
 from shared.model.families import build_fused, fused_wanted
-from shared.model.graphs import WindowGraphs, WindowOutput
+from shared.model.graphs import FusedRunner
 from shared.model.kv_cache import KVPool
 from shared.model.moe import MoeBlock
+from shared.model.runner import ReferenceRunner, Runner, Window, WindowOutput
 from verifier_service.kv_memory import KVPlan, plan_kv
 from verifier_service.requests import RequestSpec
 from verifier_service.rounds import Ahead, RoundOutcome, RoundRequest, Session
@@ -62,21 +63,19 @@ class Engine:
     ) -> None:
         self.model = model
         self.window_sizing = window_sizing  # batches verify the draft prefixes that pay (window_sizing.py)
-        # Exact mode needs each row's bits to be its one-row step's whatever shares its window
-        # or batch (DESIGN §11). The fused path gives it in one forward on the GPU (its kernels)
-        # and on the CPU (its torch ops' products row by row); the reference path (fused off)
-        # runs an exact-mode window on the CPU as one-row steps.
-        self.row_invariant = row_invariant
         self.draw_secret = draw_secret  # keys the accept/residual draws (verifier_service.audit)
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
         self.stores = [layer.mlp.store for layer in model.layers if isinstance(layer.mlp, MoeBlock)]  # (both families)
-        self.windows: WindowGraphs | None = None
         c = model.config
         bytes_per_token = KVPool.bytes_per_token(num_layers=model.num_kv_layers, num_kv_heads=c.num_key_value_heads,
                                                  head_dim=c.head_dim, dtype=model.dtype)
         fused_model = None
         batch_rows = max(max_window, min(max_batch_rows, max_sessions * max_window))
+        # Exact mode needs each row's bits to be its one-row step's whatever shares its window
+        # or batch (DESIGN §11). The fused path gives it in one forward on the GPU (its kernels)
+        # and on the CPU (its torch ops' products row by row); the reference path (fused off)
+        # runs windows on the CPU as one-row steps.
         if fused_wanted(model, fused, auto_on_cpu=True):
             # Built before the KV plan: its workspaces and the linear-attention states (a slot's
             # per session and the scratch slot's) come out of the memory the pool may take.
@@ -92,28 +91,31 @@ class Engine:
             if fused_model is not None and fused_model.states is not None:
                 progress(f"linear-attention states: {fused_model.states.nbytes / 2**30:.2f} GiB for "
                          f"{max_sessions} sessions and the verify windows' rows")
-        if fused_model is not None:
+        self.runner: Runner
+        if fused_model is None:
+            self.runner = ReferenceRunner(model, max_rows=max_window, max_batch_rows=batch_rows,
+                                          row_invariant=row_invariant)
+        else:
             # A slot (block table) per session, and a scratch slot of one block for the padded
             # rows of batch graphs.
             pool = KVPool(num_layers=model.num_kv_layers, num_slots=max_sessions + 1, max_length=max_context,
                           num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=model.dtype,
                           device=model.device, block_size=kv_block_size, num_blocks=self.kv_plan.num_blocks + 1)
             scratch, _ = pool.acquire(1)
-            self.windows = WindowGraphs(fused_model, pool, max_window, max_batch_rows=batch_rows, scratch_slot=scratch,
-                                        verify_window=verify_window,
-                                        use_graphs=cuda_graphs and model.device.type == "cuda")
-            self.windows.capture(progress=None if progress is None else
-                                 lambda what, s: progress(f"captured {what} in {s:.2f}s"))
-            if self.windows.use_graphs or self.windows.segments is not None:  # (CUDA)
+            runner = FusedRunner(fused_model, pool, max_window, max_batch_rows=batch_rows, scratch_slot=scratch,
+                                 verify_window=verify_window, use_graphs=cuda_graphs and model.device.type == "cuda")
+            self.runner = runner
+            runner.capture(progress=None if progress is None else lambda what, s: progress(f"captured {what} in {s:.2f}s"))
+            if runner.use_graphs or runner.segments is not None:  # (CUDA)
                 self._warm_prefill(progress)
-            # Results reach the host through two (pinned) slots, copied in the compute stream: the
-            # window in hand, and (decode-ahead) the step enqueued behind it.
-            pinned = model.device.type == "cuda"
-            self.ring_ids = torch.zeros((2, batch_rows), dtype=torch.int64, pin_memory=pinned)
-            self.ring_hidden = torch.zeros((2, batch_rows, c.hidden_size), dtype=model.dtype, pin_memory=pinned)
-            self.ring_events = [torch.cuda.Event(), torch.cuda.Event()] if pinned else None
-            self.ring_next = 0
-            self.row_cost = RowCost(max_rows=batch_rows)  # ms of the batched forwards by their rows
+        # Results reach the host through two (pinned) slots, copied in the compute stream: the
+        # step in hand, and (decode-ahead) the step enqueued behind it.
+        pinned = model.device.type == "cuda"
+        self.ring_ids = torch.zeros((2, batch_rows), dtype=torch.int64, pin_memory=pinned)
+        self.ring_hidden = torch.zeros((2, batch_rows, c.hidden_size), dtype=model.dtype, pin_memory=pinned)
+        self.ring_events = [torch.cuda.Event(), torch.cuda.Event()] if pinned else None
+        self.ring_next = 0
+        self.row_cost = RowCost(max_rows=batch_rows)  # ms of the batched forwards by their rows
         self.ahead: Ahead | None = None
 
     @property
@@ -122,9 +124,7 @@ class Engine:
 
     @property
     def path(self) -> str:
-        if self.windows is None:
-            return "reference"
-        return "fused+graphs" if self.windows.use_graphs else "fused"
+        return self.runner.path
 
     def open(self, spec: RequestSpec) -> Session:
         """Allocate the session's cache and prefill the prompt but its last token (the head)."""
@@ -147,13 +147,7 @@ class Engine:
 
     def begin(self, spec: RequestSpec) -> Session:
         """Allocate the session's cache; its prompt is then prefilled by prefill_step calls."""
-        length = self.cache_length(spec)
-        slot = None
-        if self.windows is not None:
-            slot, cache = self.windows.pool.acquire(length)
-            self.windows.reset_state(slot)
-        else:
-            cache = self.model.new_cache(length)
+        slot, cache = self.runner.acquire(self.cache_length(spec))
         return Session(spec=spec, cache=cache, token_ids=list(spec.prompt_ids), slot=slot)
 
     def prefill_step(self, session: Session) -> bool:
@@ -168,24 +162,15 @@ class Engine:
         chunks = [(session, count) for session, count in chunks if count > 0]
         if not chunks:
             return
-        token_ids, spans = [], []
+        windows = []
         for session, count in chunks:
             if count > session.prefill_left:
                 raise ValueError(f"a chunk of {count} tokens exceeds the {session.prefill_left} left to prefill")
             start = session.cache.length
-            token_ids.extend(session.spec.prompt_ids[start : start + count])
-            spans.append((start, count, session.slot))
-        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.model.device)
-        if self.windows is not None:
-            for session, count in chunks:
-                session.cache.reserve(count)
-            hidden = self.windows.fused.prefill(ids, spans, self.windows.kv)
-        else:
-            parts, row = [], 0
-            for session, count in chunks:
-                parts.append(self.model.prefill(ids[row : row + count], session.cache))
-                row += count
-            hidden = torch.cat(parts)
+            windows.append(Window(session.slot, session.spec.prompt_ids[start : start + count], start))
+        hidden = self.runner.prefill(windows)
+        for session, count in chunks:
+            session.cache.reserve(count)
         for (session, _), rows in zip(chunks, hidden.to("cpu", torch.bfloat16).split([c for _, c in chunks])):
             session.hidden_rows.append(rows)
 
@@ -195,133 +180,84 @@ class Engine:
         first requests (on the H200 the first 4,096-token prompt of a fresh service waited 1.1 s
         for its first token, later ones 0.13 s; this warm-up's effect is not measured yet)."""
         started = time.perf_counter()
-        pool = self.windows.pool
-        length = min(self.max_context, 16 + self.prefill_chunk, pool.num_free_blocks * pool.block_size)
-        slot, _ = pool.acquire(length)
+        runner = self.runner
+        length = min(self.max_context, 16 + self.prefill_chunk, runner.num_free_blocks * runner.pool.block_size)
+        slot, _ = runner.acquire(length)
         try:
             for start, count in ((0, min(16, length)), (16, length - 16)):
-                if count < 1:
-                    continue
-                ids = torch.zeros(count, dtype=torch.int64, device=self.model.device)
-                self.windows.fused.prefill(ids, [(start, count, slot)], self.windows.kv)
+                if count >= 1:
+                    runner.prefill([Window(slot, [0] * count, start)])
         finally:
-            pool.release(slot)
+            runner.release(slot)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()
         if progress is not None:
             progress(f"warmed up prefill in {time.perf_counter() - started:.2f}s")
 
     def close(self, session: Session) -> None:
-        """Give the session's KV slot back (idempotent)."""
+        """Give the session's slot back (idempotent)."""
         # (called off the worker thread: read `ahead` once; losing another session's step ahead
         # to a race only costs that session one plain launch)
         ahead = self.ahead
         if ahead is not None and any(s is session for s in ahead.sessions):
             self.ahead = None  # its step writes beyond the committed rows: harmless, and never read
-        if session.slot is not None and self.windows is not None:
-            self.windows.pool.release(session.slot)
+        if session.slot is not None:
+            self.runner.release(session.slot)
             session.slot = None
 
     @property
     def free_slots(self) -> int | None:
-        return self.windows.pool.num_free if self.windows is not None else None
+        return self.runner.num_free_slots
 
     @property
     def free_kv_blocks(self) -> int | None:
         """Blocks of the pool no session holds (the scratch slot's excepted); None off the fused path."""
-        return self.windows.pool.num_free_blocks if self.windows is not None else None
-
-    def _forward(self, session: Session, window: list[int]) -> tuple[Tensor, Tensor, Tensor]:
-        """(logits [T, vocab], hidden [T, H], greedy ids [T]) of the window, on the device."""
-        if self.windows is not None:
-            start = session.cache.reserve(len(window))
-            out = self.windows.run(session.slot, window, start)
-            return out.logits, out.hidden, out.greedy_ids
-        ids = torch.tensor(window, dtype=torch.int64, device=self.model.device)
-        exact = session.spec.mode is Mode.EXACT
-        logits, hidden = self.model(ids, session.cache, row_invariant=self.row_invariant and exact)
-        return logits, hidden, logits.argmax(dim=-1)
-
-    def _to_host(self, hidden: Tensor, greedy_ids: Tensor) -> tuple[Tensor, list[int]]:
-        """The window's hidden rows and greedy ids on the host: one synchronisation."""
-        if self.windows is None:
-            return hidden.to("cpu"), greedy_ids.tolist()
-        return self._ring_read(self._ring_copy(hidden, greedy_ids), hidden.shape[0])
+        return self.runner.num_free_blocks
 
     def run_round(self, session: Session, drafts: list[int], q_rows: SparseRows | None, *,
                   decode_ahead: bool = False) -> RoundOutcome:
-        """Verify `drafts` (or decode one token). decode_ahead: the caller expects another plain
-        round of this session next, so its step is enqueued before this round's result is
-        read (the GPU computes it while the host streams this one); any other round drops it."""
-        spec = session.spec
-        if not drafts and self.windows is not None:
-            return self._plain_round(session, decode_ahead)
-        self.ahead = None
-        started = time.perf_counter()
-        misses = self.slot_misses()
-        window = [session.token_ids[-1], *drafts]
-        logits, hidden, greedy_ids = self._forward(session, window)
-        # on the device; row j: the window's own token (exact mode), or p, at the position of row j
-        drawn = own_tokens([session], [len(window)], logits, greedy_ids, [len(session.token_ids)])
-        target = None if spec.sampling.greedy or drawn is not None else process_logits(logits, spec.sampling)
-        host_hidden, ids = self._to_host(hidden, greedy_ids if drawn is None else drawn)
-        target = None if target is None else target.to("cpu")
-        forwarded = time.perf_counter()
-        verdict = round_verdicts([(session, drafts, q_rows, ids, target)], self.draw_secret)[0]
-        return self._commit(session, drafts, host_hidden, verdict, forwarded - started,
-                            time.perf_counter() - forwarded, self.slot_misses() - misses, first_row=0)
-
-    def _commit(self, session: Session, drafts: list[int], host_hidden: Tensor, verdict: tuple[list[int], int],
-                forward_s: float, verify_s: float, slot_misses: int, first_row: int = 0) -> RoundOutcome:
-        """Commit a round's verdict (emitted tokens, accepted drafts) and its rows to the session;
-        first_row: where its window began in the step's rows (fused path: its kept states)."""
-        emitted, accepted = verdict
-        base = len(session.token_ids)  # position of the first token this round decides
-        session.cache.truncate(base + accepted)  # keep the head's and accepted drafts' rows
-        if self.windows is not None:  # the linear layers' state after the last row kept
-            self.windows.settle(session.slot, first_row + accepted if accepted < len(drafts) else None)
-        rows = host_hidden[: accepted + 1].to(torch.bfloat16, copy=True)
-        session.hidden_rows.append(rows)
-        session.token_ids.extend(emitted)
-        if drafts:
-            session.acceptance.record(len(drafts), accepted)
-        return RoundOutcome(emitted, accepted, rows, forward_s * 1e3, verify_s * 1e3, slot_misses, len(drafts))
+        """One session's round (run_rounds with a batch of one). decode_ahead: the caller expects
+        another plain round of this session next, so its step is enqueued before this round's
+        result is read (the GPU computes it while the host streams this one); any other round
+        drops it."""
+        return self.run_rounds([RoundRequest(session, drafts, q_rows, decode_ahead)])[0]
 
     def run_rounds(self, rounds: list[RoundRequest]) -> list[RoundOutcome]:
-        """One round of each session, as one batched forward where the fused path runs (else one
-        after another). A session's outcome does not depend on the others': each row is computed
-        the same way in any batch, and the draws are keyed by the session's seed and positions."""
+        """One round of each session as one step of the runner (verify rounds: steps of at most
+        max_batch_rows rows). A session's outcome does not depend on the others': each row is
+        computed the same way in any batch, and the draws are keyed by the session's seed and
+        positions."""
         if len({id(r.session) for r in rounds}) != len(rounds):
             raise ValueError("a batch holds one round per session")
-        if len(rounds) == 1 or self.windows is None:
-            alone = len(rounds) == 1
-            return [self.run_round(r.session, r.drafts, r.q_rows, decode_ahead=alone and r.decode_ahead) for r in rounds]
-        if all(not r.drafts for r in rounds) and len(rounds) <= self.windows.max_batch_rows:
-            return self._decode_batch(rounds)
+        if all(not r.drafts for r in rounds) and len(rounds) <= self.runner.max_batch_rows:
+            return self._decode_step(rounds)
         self.ahead = None
-        if self.window_sizing and self.row_cost.known and any(r.drafts for r in rounds):
+        if self.window_sizing and len(rounds) > 1 and self.row_cost.known and any(r.drafts for r in rounds):
             rounds = cut_chains(rounds, self.row_cost)
         outcomes: list[RoundOutcome] = []
         group: list[RoundRequest] = []
-        for r in rounds:  # forwards of at most max_batch_rows rows
-            if group and sum(len(g.drafts) + 1 for g in group) + len(r.drafts) + 1 > self.windows.max_batch_rows:
-                outcomes.extend(self._batched_rounds(group))
+        for r in rounds:  # steps of at most max_batch_rows rows
+            if group and sum(len(g.drafts) + 1 for g in group) + len(r.drafts) + 1 > self.runner.max_batch_rows:
+                outcomes.extend(self._verify_step(group))
                 group = []
             group.append(r)
-        return outcomes + self._batched_rounds(group)
+        return outcomes + self._verify_step(group)
 
-    def _batched_rounds(self, rounds: list[RoundRequest]) -> list[RoundOutcome]:
+    def _verify_step(self, rounds: list[RoundRequest]) -> list[RoundOutcome]:
+        """Verify rounds (and any plain ones among them) as one step."""
         started = time.perf_counter()
+        misses = self.slot_misses()
         windows = []
         for r in rounds:
             window = [r.session.token_ids[-1], *r.drafts]
-            windows.append((r.session.slot, window, r.session.cache.reserve(len(window))))
-        out = self.windows.run_batch(windows)
-        sessions, window_rows = [r.session for r in rounds], [len(w) for _, w, _ in windows]
+            windows.append(Window(r.session.slot, window, r.session.cache.reserve(len(window))))
+        out = self.runner.run(windows)
+        sessions, window_rows = [r.session for r in rounds], [len(w.token_ids) for w in windows]
         num_rows = sum(window_rows)
         drawn = own_tokens(sessions, window_rows, out.logits, out.greedy_ids, [len(s.token_ids) for s in sessions])
         processed = process_targets(sessions, window_rows, out.logits)  # (probabilistic windows with drafts)
-        host_hidden, ids = self._to_host(out.hidden[:num_rows], (out.greedy_ids if drawn is None else drawn)[:num_rows])
+        host_hidden, ids = self._ring_read(self._ring_copy(
+            out.hidden[:num_rows], (out.greedy_ids if drawn is None else drawn)[:num_rows]), num_rows)
         targets: list[SparseRows | None] = [None] * len(rounds)  # p rows on the host; greedy: None
         for rows, parts in processed:
             rows = rows.to("cpu")  # one copy per sampling group
@@ -331,47 +267,67 @@ class Engine:
         if self.window_sizing and len(rounds) > 1:  # (one session's window costs less: not a batch)
             self.row_cost.record(num_rows, forward_s * 1e3)
         spans, row = [], 0
-        for _, window, _ in windows:
-            spans.append(slice(row, row + len(window)))
-            row += len(window)
+        for size in window_rows:
+            spans.append(slice(row, row + size))
+            row += size
         verdicts = round_verdicts([(r.session, r.drafts, r.q_rows, ids[span], target)
                                    for r, span, target in zip(rounds, spans, targets)], self.draw_secret)
         verify_s = time.perf_counter() - started - forward_s
-        return [self._commit(r.session, r.drafts, host_hidden[span], verdict, forward_s, verify_s, 0,
+        misses = self.slot_misses() - misses
+        return [self._commit(r.session, r.drafts, host_hidden[span], verdict, forward_s, verify_s, misses,
                              first_row=span.start)
                 for r, span, verdict in zip(rounds, spans, verdicts)]
 
-    def _decode_batch(self, rounds: list[RoundRequest]) -> list[RoundOutcome]:
-        """One-token rounds of several sessions: one decode batch, with decode-ahead when every
-        session asks for it (the next batch step is enqueued, fed on the device by this one's
-        tokens — greedy ids or draws —, before this one is read; the next call uses it if it is
-        exactly the same sessions, in any order)."""
+    def _commit(self, session: Session, drafts: list[int], host_hidden: Tensor, verdict: tuple[list[int], int],
+                forward_s: float, verify_s: float, slot_misses: int, first_row: int = 0) -> RoundOutcome:
+        """Commit a round's verdict (emitted tokens, accepted drafts) and its rows to the session;
+        first_row: where its window began in the step's rows (the runner keeps that row's state
+        when the window rolls back)."""
+        emitted, accepted = verdict
+        base = len(session.token_ids)  # position of the first token this round decides
+        session.cache.truncate(base + accepted)  # keep the head's and accepted drafts' rows
+        self.runner.settle(session.slot, first_row + accepted if accepted < len(drafts) else None)
+        rows = host_hidden[: accepted + 1].to(torch.bfloat16, copy=True)
+        session.hidden_rows.append(rows)
+        session.token_ids.extend(emitted)
+        if drafts:
+            session.acceptance.record(len(drafts), accepted)
+        return RoundOutcome(emitted, accepted, rows, forward_s * 1e3, verify_s * 1e3, slot_misses, len(drafts))
+
+    def _decode_step(self, rounds: list[RoundRequest]) -> list[RoundOutcome]:
+        """One-token rounds of one or more sessions: one decode step, with decode-ahead when every
+        session asks for it (the next step is enqueued, fed on the device by this one's tokens —
+        greedy ids or draws —, before this one is read; the next call uses it if it is exactly
+        the same sessions, in any order)."""
         started = time.perf_counter()
+        misses = self.slot_misses()
         sessions = [r.session for r in rounds]
         ahead, self.ahead = self.ahead, None
-        order = ahead.matches(sessions) if ahead is not None and len(ahead.sessions) > 1 else None
+        order = ahead.matches(sessions) if ahead is not None else None
         positions = [s.cache.reserve(1) for s in sessions]
         fresh = order is None
         if not fresh:  # this step is already computed (or on its way)
-            ring, batch_sessions, batch_positions = ahead.ring, ahead.sessions, ahead.positions
+            ring, step_sessions, step_positions = ahead.ring, ahead.sessions, ahead.positions
         else:
-            out = self.windows.run_batch([(s.slot, s.token_ids[-1:], p) for s, p in zip(sessions, positions)])
+            out = self.runner.run([Window(s.slot, s.token_ids[-1:], p) for s, p in zip(sessions, positions)])
             ring = self._ring_copy(out.hidden[: len(rounds)], self._next_tokens(sessions, out, [p + 1 for p in positions]))
-            order, batch_sessions, batch_positions = list(range(len(rounds))), sessions, positions
-        if all(r.decode_ahead for r in rounds) and all(s.cache.length < s.cache.max_length for s in sessions):
-            out = self.windows.run_batch_chained()
-            self.ahead = Ahead(list(batch_sessions), [p + 1 for p in batch_positions],
+            order, step_sessions, step_positions = list(range(len(rounds))), sessions, positions
+        if (self.runner.can_run_ahead and all(r.decode_ahead for r in rounds)
+                and all(s.cache.length < s.cache.max_length for s in sessions)):
+            out = self.runner.run_next()
+            self.ahead = Ahead(list(step_sessions), [p + 1 for p in step_positions],
                                self._ring_copy(out.hidden[: len(rounds)],
-                                               self._next_tokens(batch_sessions, out, [p + 2 for p in batch_positions])))
+                                               self._next_tokens(step_sessions, out, [p + 2 for p in step_positions])))
         host_hidden, ids = self._ring_read(ring, len(rounds))
         forward_s = time.perf_counter() - started
-        if self.window_sizing and fresh:  # (the read waits for this step only: the chained one is behind it)
+        if self.window_sizing and fresh and len(rounds) > 1:  # (the read waits for this step only)
             self.row_cost.record(len(rounds), forward_s * 1e3)
-        return [self._commit(r.session, [], host_hidden[row : row + 1], ([ids[row]], 0), forward_s, 0.0, 0)
+        misses = self.slot_misses() - misses
+        return [self._commit(r.session, [], host_hidden[row : row + 1], ([ids[row]], 0), forward_s, 0.0, misses)
                 for r, row in zip(rounds, order)]
 
     def _ring_copy(self, hidden: Tensor, greedy_ids: Tensor) -> int:
-        """Enqueue the copy of a window's hidden rows [T, H] and greedy ids [T] to the next host
+        """Enqueue the copy of a step's hidden rows [T, H] and greedy ids [T] to the next host
         slot; returns the slot."""
         ring = self.ring_next
         self.ring_next ^= 1
@@ -388,40 +344,15 @@ class Engine:
             self.ring_events[ring].synchronize()
         return self.ring_hidden[ring, :num_rows], self.ring_ids[ring, :num_rows].tolist()
 
-    def _plain_round(self, session: Session, decode_ahead: bool) -> RoundOutcome:
-        """One token on the captured 1-row step, with decode-ahead (see run_round); a sampled
-        request's token is drawn on the device and fed to the step ahead like a greedy one."""
-        started = time.perf_counter()
-        start = session.cache.reserve(1)
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None and ahead.sessions == [session] and ahead.positions == [start]:
-            ring = ahead.ring  # enqueued during the last round
-        else:
-            out = self.windows.run(session.slot, session.token_ids[-1:], start)
-            ring = self._ring_copy(out.hidden, self._next_tokens([session], out, [start + 1]))
-        if decode_ahead and session.cache.length < session.cache.max_length:
-            out = self.windows.run_chained()
-            self.ahead = Ahead([session], [start + 1], self._ring_copy(out.hidden, self._next_tokens([session], out, [start + 2])))
-        hidden, ids = self._ring_read(ring, 1)
-        token = ids[0]
-        rows = hidden.to(torch.bfloat16, copy=True)
-        forwarded = time.perf_counter()
-        session.hidden_rows.append(rows)
-        session.token_ids.append(token)
-        self.windows.settle(session.slot)
-        return RoundOutcome([token], 0, rows, (forwarded - started) * 1e3, 0.0, 0)
-
     def _next_tokens(self, sessions: list[Session], out: WindowOutput, positions: list[int]) -> Tensor:
         """[n] on the device: the token each session's row of a one-row-per-session step decides
-        (greedy ids, or draws: sampled_rounds.own_tokens), fed to the step that may be
-        enqueued next (run_chained / run_batch_chained)."""
+        (greedy ids, or draws: sampled_rounds.own_tokens), fed to the step that may be enqueued
+        next (run_next)."""
         token_ids = own_tokens(sessions, [1] * len(sessions), out.logits, out.greedy_ids, positions)
         if token_ids is None:
             return out.greedy_ids[: len(sessions)]
-        if len(sessions) == 1:
-            self.windows.feed_next(token_ids)
-        else:
-            self.windows.feed_next_batch(token_ids)
+        if self.runner.can_run_ahead:
+            self.runner.feed_next(token_ids)
         return token_ids
 
     def slot_misses(self) -> int:

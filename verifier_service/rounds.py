@@ -17,10 +17,10 @@ from verifier_service.window_sizing import Acceptance
 @dataclass
 class Session:
     spec: RequestSpec
-    cache: CacheLength  # its KVCache (reference path) or its pool slot's length (fused path)
+    cache: CacheLength  # the length of its rows in the runner (shared.model.runner: acquire)
     token_ids: list[int]  # committed: prompt + completion
     hidden_rows: list[Tensor] = field(default_factory=list)  # final-norm rows of token_ids[:-1], CPU bf16
-    slot: int | None = None  # KV pool slot (fused path)
+    slot: int | None = None  # its slot in the runner (None once closed)
     acceptance: Acceptance = field(default_factory=Acceptance)  # of its verified drafts (window sizing)
 
     @property
@@ -44,7 +44,7 @@ class RoundOutcome:
     hidden_rows: Tensor  # [num_accepted + 1, hidden]: rows of the head and accepted drafts (CPU bf16)
     forward_ms: float
     verify_ms: float
-    slot_misses: int = 0  # expert slot misses of the target model in this round
+    slot_misses: int = 0  # expert slot misses of the target model in the step this round ran in
     num_verified: int = 0  # drafts verified: a prefix of those asked when a batch sized its windows
 
 

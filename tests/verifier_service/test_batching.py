@@ -146,8 +146,8 @@ def test_decode_batches_ahead_commit_what_each_commits_alone(tiny_mtp_model, tem
     sessions = {i: engine.open(r) for i, r in enumerate(requests[:3])}  # the fourth joins later
     emitted = {i: [] for i in range(4)}
     launched = []  # decode batches launched from the host (the others were computed ahead)
-    run_batch = engine.windows.run_batch
-    engine.windows.run_batch = lambda windows: launched.append(len(windows)) or run_batch(windows)
+    run = engine.runner.run
+    engine.runner.run = lambda windows: launched.append(len(windows)) or run(windows)
     step = batched_steps = 0
     while sessions:
         live = sorted(sessions)

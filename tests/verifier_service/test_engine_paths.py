@@ -130,7 +130,7 @@ def test_prefill_warm_up_touches_no_session_and_gives_its_blocks_back(tiny_mtp_m
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (torch_reference_ops)
     engine = Engine(tiny_mtp_model, max_context=128, prefill_chunk=40, fused="on", max_sessions=2, max_window=5,
                     kv_block_size=8)
-    pool = engine.windows.pool
+    pool = engine.runner.pool
     request = spec([3, 9, 27, 81, 17], temperature=0.0)
     session = engine.open(request)
     held = pool.read(session.slot, 4)
@@ -188,7 +188,7 @@ def test_offloaded_experts_commit_the_all_resident_tokens(tiny_mtp_model, torch_
     few = load_model(config=ModelConfig.from_dict(TINY_MTP), random_weights=True, seed=2, num_expert_slots=2)
     resident = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="on", max_window=5)
     offloaded = Engine(few, max_context=128, prefill_chunk=5, fused="on", max_window=5, expert_prefetch=True)
-    assert offloaded.path == "fused" and offloaded.windows.fused.offloaded
+    assert offloaded.path == "fused" and offloaded.runner.fused.offloaded
     rng = random.Random(1)
     prompt = [rng.randrange(97) for _ in range(11)]
     plain = decode(resident, spec(prompt, temperature=temperature, max_new_tokens=20), lambda ids: [])
@@ -198,4 +198,4 @@ def test_offloaded_experts_commit_the_all_resident_tokens(tiny_mtp_model, torch_
         return [t if rng.random() < 0.7 else (t + 1) % 97 for t in plain[done : done + 4]]
 
     assert decode(offloaded, spec(prompt, temperature=temperature, max_new_tokens=20), drafts_of) == plain
-    assert offloaded.slot_misses() > 0 and offloaded.windows.fused.offload.counters.predicted > 0
+    assert offloaded.slot_misses() > 0 and offloaded.runner.fused.offload.counters.predicted > 0

@@ -9,7 +9,7 @@ import torch
 from shared.model import ModelConfig, RoutingOptions, load_model
 from shared.model.families.qwen3_moe.fused import FusedModel, unsupported_reason
 from shared.model.rows import Rows
-from shared.model.graphs import WindowGraphs
+from shared.model.graphs import FusedRunner
 from shared.model.kv_cache import KVPool
 
 CONFIG = dict(
@@ -137,12 +137,12 @@ def test_fused_mtp_matches_reference(model, fused, moce):
 
 
 def test_window_runner_decodes_like_the_reference(model, fused):
-    """Greedy decoding through WindowGraphs over a paged pool slot (blocks of 4, shuffled by an
+    """Greedy decoding through FusedRunner over a paged pool slot (blocks of 4, shuffled by an
     earlier tenant) equals the reference, and a verify window's rows agree with the single-row
     steps that follow the same path."""
     pool = new_pool(model, 3, max_length=64, block_size=4)
     first, _ = pool.acquire(8)  # takes blocks, then gives them back out of order
-    runner = WindowGraphs(fused, pool, max_rows=8)
+    runner = FusedRunner(fused, pool, max_rows=8)
     assert not runner.use_graphs  # CPU: eager
     prompt = [5, 17, 42, 8, 71, 3]
     reference = list(prompt)
@@ -159,10 +159,10 @@ def test_window_runner_decodes_like_the_reference(model, fused):
     fused.prefill(torch.tensor(prompt[:-1]), [(0, 5, slot)], pool.paged())
     tokens = list(prompt)
     for _ in range(8):
-        out = runner.run(slot, tokens[-1:], len(tokens) - 1)
+        out = runner.run([(slot, tokens[-1:], len(tokens) - 1)])
         tokens.append(int(out.greedy_ids[0]))
     assert tokens == reference
-    window = runner.run(slot, reference[6:10], 6)  # re-verify four committed tokens as one window
+    window = runner.run([(slot, reference[6:10], 6)])  # re-verify four committed tokens as one window
     assert window.greedy_ids.tolist() == reference[7:11]
     pool.release(slot)
 
@@ -222,7 +222,7 @@ def test_dependent_launch_changes_no_bit():
     for pdl in (True, False):
         pool = KVPool(num_layers=3, num_slots=1, max_length=64, num_kv_heads=2, head_dim=16, dtype=model.dtype,
                       device="cuda")
-        runner = WindowGraphs(FusedModel(model, max_rows=8, max_length=64, pdl=pdl), pool, max_rows=8)
+        runner = FusedRunner(FusedModel(model, max_rows=8, max_length=64, pdl=pdl), pool, max_rows=8)
         runner.capture([1, 5])
         runners.append(runner)
     prompt = [5, 17, 42, 8, 71, 3, 9, 60, 11, 2]
@@ -256,13 +256,13 @@ def test_a_batch_of_windows_matches_each_window_alone(model, fused):
     """run_batch: several sequences' windows in one ragged forward give each window's rows."""
     prompts = [[5, 17, 42, 8], [9, 1, 60, 33, 2, 70], [11, 12]]
     pool, slots, scratch = _prefilled_pool(model, prompts, "cpu")
-    runner = WindowGraphs(fused, pool, max_rows=4, max_batch_rows=8, scratch_slot=scratch)
+    runner = FusedRunner(fused, pool, max_rows=4, max_batch_rows=8, scratch_slot=scratch)
     windows = [(slots[0], [3], 4), (slots[1], [44, 45, 46], 6), (slots[2], [7], 2)]
-    batch = runner.run_batch(windows).logits[:5].clone()
-    alone = torch.cat([runner.run(slot, ids, start).logits.clone() for slot, ids, start in windows])
+    batch = runner.run(windows).logits[:5].clone()
+    alone = torch.cat([runner.run([(slot, ids, start)]).logits.clone() for slot, ids, start in windows])
     torch.testing.assert_close(batch, alone, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="rows"):
-        runner.run_batch([(slots[0], [1] * 5, 4), (slots[1], [1] * 4, 6)])  # 9 rows > max_batch_rows
+        runner.run([(slots[0], [1] * 5, 4), (slots[1], [1] * 4, 6)])  # 9 rows > max_batch_rows
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs of decode batches need a CUDA device")
@@ -274,40 +274,42 @@ def test_decode_batch_graphs_give_each_row_its_one_row_bits():
     model = load_model(config=config, random_weights=True, seed=5, dtype=torch.bfloat16, device="cuda")
     prompts = [[5, 17, 42, 8], [9, 1, 60, 33, 2, 70], [11, 12], [40, 41, 42]]
     pool, slots, scratch = _prefilled_pool(model, prompts, "cuda")
-    runner = WindowGraphs(FusedModel(model, max_rows=8, max_length=64), pool, max_rows=5, max_batch_rows=8,
+    runner = FusedRunner(FusedModel(model, max_rows=8, max_length=64), pool, max_rows=5, max_batch_rows=8,
                           scratch_slot=scratch, verify_window=3)
     runner.capture()
-    assert sorted(runner.batch_graphs) == [2, 4, 8] and sorted(runner.verify_graphs) == [4, 8]
+    assert sorted(runner.graphs) == [(1, 1, 1), (2, 1, 2), (2, 2, 1), (3, 1, 3), (4, 1, 4), (4, 4, 1), (4, 4, 3),
+                                     (5, 1, 5), (8, 8, 1), (8, 8, 3)]
+    assert sorted(runner.chained) == [(1, 1, 1), (2, 2, 1), (4, 4, 1), (8, 8, 1)]
     decode = [(slot, [20 + i], len(p)) for i, (slot, p) in enumerate(zip(slots, prompts))][:3]  # bucket 4, one pad
-    batch = runner.run_batch(decode).logits[:3].clone()
-    alone = torch.cat([runner.run(slot, ids, start).logits.clone() for slot, ids, start in decode])
+    batch = runner.run(decode).logits[:3].clone()
+    alone = torch.cat([runner.run([(slot, ids, start)]).logits.clone() for slot, ids, start in decode])
     assert torch.equal(batch, alone)
     # decode-ahead: the chained batch step feeds each row's greedy token at its next position
-    first = runner.run_batch(decode)
+    first = runner.run(decode)
     next_ids = first.greedy_ids[:3].tolist()
-    chained = runner.run_batch_chained().logits[:3].clone()
-    explicit = runner.run_batch([(slot, [t], start + 1) for (slot, _, start), t in zip(decode, next_ids)])
+    chained = runner.run_next().logits[:3].clone()
+    explicit = runner.run([(slot, [t], start + 1) for (slot, _, start), t in zip(decode, next_ids)])
     assert torch.equal(chained, explicit.logits[:3])
     for verify in ([(slots[0], [3, 4, 5], 4), (slots[1], [6], 6), (slots[3], [7, 8], 3)],  # the 8-row graph
                    [(slots[0], [3, 4, 5, 6], 4), (slots[2], [9], 2)]):  # a 4-row window: eager
         rows = sum(len(ids) for _, ids, _ in verify)
-        batch = runner.run_batch(verify).logits[:rows].clone()
-        alone = torch.cat([runner.run(slot, ids, start).logits.clone() for slot, ids, start in verify])
+        batch = runner.run(verify).logits[:rows].clone()
+        alone = torch.cat([runner.run([(slot, ids, start)]).logits.clone() for slot, ids, start in verify])
         assert torch.equal(batch, alone)
 
 
 def test_chained_decode_batch_feeds_each_rows_greedy_token(model, fused):
     prompts = [[5, 17, 42, 8], [9, 1, 60]]
     pool, slots, scratch = _prefilled_pool(model, prompts, "cpu")
-    runner = WindowGraphs(fused, pool, max_rows=4, max_batch_rows=4, scratch_slot=scratch)
+    runner = FusedRunner(fused, pool, max_rows=4, max_batch_rows=4, scratch_slot=scratch)
     decode = [(slots[0], [3], 4), (slots[1], [7], 3)]
-    next_ids = runner.run_batch(decode).greedy_ids[:2].tolist()
-    chained = runner.run_batch_chained().logits[:2].clone()
-    explicit = runner.run_batch([(slot, [t], start + 1) for (slot, _, start), t in zip(decode, next_ids)]).logits[:2]
+    next_ids = runner.run(decode).greedy_ids[:2].tolist()
+    chained = runner.run_next().logits[:2].clone()
+    explicit = runner.run([(slot, [t], start + 1) for (slot, _, start), t in zip(decode, next_ids)]).logits[:2]
     torch.testing.assert_close(chained, explicit, rtol=1e-5, atol=1e-5)
-    runner.run(slots[0], [1], 6)
-    with pytest.raises(ValueError, match="follows a decode batch"):
-        runner.run_batch_chained()
+    runner.run([(slots[0], [1, 2], 6)])  # a verify window: no decode step to chain
+    with pytest.raises(ValueError, match="follows a decode step"):
+        runner.run_next()
 
 
 @pytest.fixture(params=["interpreter", "torch"])
@@ -348,10 +350,10 @@ def test_cpu_rows_are_bit_identical_to_their_one_row_steps(model, path, cpu_ops)
 def test_cpu_batches_give_each_row_its_one_row_bits(model, fused, cpu_ops):
     prompts = [[5, 17, 42, 8], [9, 1, 60, 33, 2, 70], [11, 12]]
     pool, slots, scratch = _prefilled_pool(model, prompts, "cpu")
-    runner = WindowGraphs(fused, pool, max_rows=4, max_batch_rows=8, scratch_slot=scratch)
+    runner = FusedRunner(fused, pool, max_rows=4, max_batch_rows=8, scratch_slot=scratch)
     windows = [(slots[0], [3, 50], 4), (slots[1], [44, 45, 46], 6), (slots[2], [7], 2)]
-    batch = runner.run_batch(windows).logits[:6].clone()
-    singles = torch.cat([runner.run(slot, [token], start + j).logits.clone()
+    batch = runner.run(windows).logits[:6].clone()
+    singles = torch.cat([runner.run([(slot, [token], start + j)]).logits.clone()
                          for slot, ids, start in windows for j, token in enumerate(ids)])
     assert torch.equal(batch, singles)
 
@@ -377,20 +379,20 @@ def test_the_embedded_models_cpu_batches_are_row_invariant(monkeypatch, dtype):
         fused = FusedModel(model, max_rows=24, max_length=128)
         pool = KVPool(num_layers=c.num_hidden_layers, num_slots=5, max_length=128, num_kv_heads=c.num_key_value_heads,
                       head_dim=c.head_dim, dtype=dtype, device="cpu")
-        runner = WindowGraphs(fused, pool, max_rows=17, max_batch_rows=24)
+        runner = FusedRunner(fused, pool, max_rows=17, max_batch_rows=24)
         slots = [pool.acquire(128)[0] for _ in range(4)]
         g = torch.Generator().manual_seed(8)
         prompts = [torch.randint(0, c.vocab_size, (12 + 5 * i,), generator=g) for i in range(4)]
         for slot, prompt in zip(slots, prompts):
             fused.prefill(prompt, [(0, len(prompt), slot)], runner.kv)
         text = torch.randint(0, c.vocab_size, (4, 17), generator=g).tolist()
-        singles = [torch.cat([runner.run(slot, [token], len(prompt) + j).logits.clone()
+        singles = [torch.cat([runner.run([(slot, [token], len(prompt) + j)]).logits.clone()
                               for j, token in enumerate(ids)]) for slot, prompt, ids in zip(slots, prompts, text)]
         for rows in range(1, 18):
-            assert torch.equal(runner.run(slots[0], text[0][:rows], len(prompts[0])).logits, singles[0][:rows]), rows
+            assert torch.equal(runner.run([(slots[0], text[0][:rows], len(prompts[0]))]).logits, singles[0][:rows]), rows
         for sizes in ([1, 1, 1, 1], [5, 1, 3, 2], [2, 6], [1, 17], [4, 4, 4, 4]):
             windows = [(slots[i], text[i][:n], len(prompts[i])) for i, n in enumerate(sizes)]
-            batch = runner.run_batch(windows).logits
+            batch = runner.run(windows).logits
             want = torch.cat([singles[i][:n] for i, n in enumerate(sizes)])
             assert torch.equal(batch[: len(want)], want), sizes
     finally:

@@ -8,7 +8,7 @@ from shared.model import ModelConfig, load_model
 from shared.model.experts import ExpertStore
 from shared.model.families.qwen3_moe.fused import FusedModel
 from shared.model.rows import Rows
-from shared.model.graphs import WindowGraphs
+from shared.model.graphs import FusedRunner
 from shared.model.kv_cache import KVPool
 from shared.model.offload import RoutingMemory
 
@@ -86,7 +86,7 @@ def test_offloaded_windows_replay_as_graph_segments_on_the_gpu():
     for model in (full, few):
         pool = KVPool(num_layers=3, num_slots=2, max_length=64, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16,
                       device="cuda")
-        runner = WindowGraphs(FusedModel(model, max_rows=8, max_length=64), pool, 5, use_graphs=True)
+        runner = FusedRunner(FusedModel(model, max_rows=8, max_length=64), pool, 5, use_graphs=True)
         runner.capture()
         runners.append(runner)
         slots.append(pool.acquire(64)[0])
@@ -94,7 +94,7 @@ def test_offloaded_windows_replay_as_graph_segments_on_the_gpu():
     ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     position = 0
     for window in (1, 1, 2, 1, 5, 2, 5, 1, 3, 3):  # a shape's first run is eager, later ones replay
-        outs = [runner.run(slot, ids[position : position + window], position) for runner, slot in zip(runners, slots)]
+        outs = [runner.run([(slot, ids[position : position + window], position)]) for runner, slot in zip(runners, slots)]
         assert torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].hidden, outs[1].hidden)
         position += window
     assert sorted(runners[1].segments) == [(1,), (2,), (3,), (5,)]
@@ -140,7 +140,7 @@ def test_offloaded_windows_run_eagerly(torch_reference_ops):
     fused = FusedModel(few, max_rows=8, max_length=64)
     pool = KVPool(num_layers=3, num_slots=2, max_length=64, num_kv_heads=2, head_dim=8, dtype=torch.float32,
                   device="cpu")
-    assert WindowGraphs(fused, pool, 5, use_graphs=True).use_graphs is False
+    assert FusedRunner(fused, pool, 5, use_graphs=True).use_graphs is False
 
 
 def test_routing_memory_votes_and_forgets():

@@ -225,7 +225,7 @@ def test_offloaded_hybrid_windows_replay_as_graph_segments_on_the_gpu():
     each window shape's first run is eager and later runs replay graph segments; every window
     (verify windows rolled back to a row, one-row steps, decode-ahead chains) gives the
     all-resident model's bits, and the committed linear states stay equal."""
-    from shared.model.graphs import WindowGraphs
+    from shared.model.graphs import FusedRunner
 
     runners, slots = [], []
     for num_slots in (None, SLOTS):
@@ -235,10 +235,9 @@ def test_offloaded_hybrid_windows_replay_as_graph_segments_on_the_gpu():
         fused = build_fused(model, max_rows=8, max_length=64, num_state_slots=2)
         pool = KVPool(num_layers=model.num_kv_layers, num_slots=2, max_length=64, num_kv_heads=c.num_key_value_heads,
                       head_dim=c.head_dim, dtype=model.dtype, device="cuda")
-        runner = WindowGraphs(fused, pool, 5, use_graphs=True)
+        runner = FusedRunner(fused, pool, 5, use_graphs=True)
         runner.capture()
-        slot, _ = pool.acquire(64)
-        runner.reset_state(slot)
+        slot, _ = runner.acquire(64)
         runners.append(runner)
         slots.append(slot)
     assert runners[0].graphs and not runners[1].graphs and runners[1].segments == {}
@@ -246,14 +245,14 @@ def test_offloaded_hybrid_windows_replay_as_graph_segments_on_the_gpu():
     position = 0
     # (window, rows kept): a shape's first run is eager, later ones replay its segments
     for window, kept in ((1, 1), (1, 1), (3, 2), (1, 1), (5, 3), (3, 3), (5, 5), (1, 1), (3, 1), (5, 2)):
-        outs = [runner.run(slot, ids[position : position + window], position) for runner, slot in zip(runners, slots)]
+        outs = [runner.run([(slot, ids[position : position + window], position)]) for runner, slot in zip(runners, slots)]
         assert torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].hidden, outs[1].hidden)
         for runner, slot in zip(runners, slots):
             runner.settle(slot, kept - 1 if window > 1 else None)
         position += kept
     for runner, slot in zip(runners, slots):
-        runner.run(slot, ids[position : position + 1], position)
-    chained = [runner.run_chained() for runner in runners]
+        runner.run([(slot, ids[position : position + 1], position)])
+    chained = [runner.run_next() for runner in runners]
     assert torch.equal(chained[0].logits, chained[1].logits)
     assert sorted(runners[1].segments) == [(1,), (3,), (5,)]
     assert torch.equal(runners[0].states.rec, runners[1].states.rec)

@@ -8,7 +8,7 @@ import torch
 from shared.model.families import build_fused
 from shared.model.families.hybrid.fused import HybridFused, unsupported_reason
 from shared.model.rows import Rows
-from shared.model.graphs import WindowGraphs
+from shared.model.graphs import FusedRunner
 from shared.model.kv_cache import KVPool
 from shared.model.families.hybrid.loader import random_next
 from shared.model.families.hybrid.config import NextConfig
@@ -143,33 +143,33 @@ def test_a_step_computed_ahead_and_dropped_leaves_the_committed_state(fused):
     state as if the step had never run."""
     model, fused = fused
     pool = new_pool(model, num_slots=4)
-    runner = WindowGraphs(fused, pool, 5, max_batch_rows=8, use_graphs=False)
+    runner = FusedRunner(fused, pool, 5, max_batch_rows=8, use_graphs=False)
     prompt = [5, 17, 33, 2, 41, 9]
     dropped, kept = (start(fused, pool, prompt) for _ in range(2))
     for slot in (dropped, kept):
-        runner.run(slot, [60], 6)
+        runner.run([(slot, [60], 6)])
         runner.settle(slot)
         if slot == dropped:
-            runner.run_chained()  # (not settled: dropped)
-    a = runner.run(dropped, [61, 62, 63], 7).logits.clone()
-    b = runner.run(kept, [61, 62, 63], 7).logits.clone()
+            runner.run_next()  # (not settled: dropped)
+    a = runner.run([(dropped, [61, 62, 63], 7)]).logits.clone()
+    b = runner.run([(kept, [61, 62, 63], 7)]).logits.clone()
     assert torch.equal(a, b)
 
 
 def test_the_chained_step_continues_from_the_step_before(fused):
     model, fused = fused
     pool = new_pool(model, num_slots=4)
-    runner = WindowGraphs(fused, pool, 5, max_batch_rows=8, use_graphs=False)
+    runner = FusedRunner(fused, pool, 5, max_batch_rows=8, use_graphs=False)
     prompt = [5, 17, 33, 2, 41, 9]
     chained, stepped = (start(fused, pool, prompt) for _ in range(2))
-    first = runner.run(chained, [60], 6)
+    first = runner.run([(chained, [60], 6)])
     token = int(first.greedy_ids[0])
     runner.settle(chained)
-    ahead = runner.run_chained().logits.clone()
+    ahead = runner.run_next().logits.clone()
     runner.settle(chained)
-    runner.run(stepped, [60], 6)
+    runner.run([(stepped, [60], 6)])
     runner.settle(stepped)
-    assert torch.equal(runner.run(stepped, [token], 7).logits, ahead)
+    assert torch.equal(runner.run([(stepped, [token], 7)]).logits, ahead)
 
 
 def test_unsupported_shapes_are_named():
