@@ -5,11 +5,11 @@ last, built from (trunk hidden[i], token[i+1]); the last row's logits give q_0, 
 distribution of the first draft. Each further step feeds the MTP layer's own output hidden
 state and the drafted token back in; draft rows are rolled back after the chain is sent.
 
-Batching (issue 11): on the fused path the sessions' rows live in one paged pool (a slot
-each), so the chains of every session with a draft pending run step by step as one ragged
-forward, and so do their commits' catch-ups (`draft_batch`, `settle_batch`); the kernels are
-row-invariant, so a chain is bit for bit what it is alone. The reference modules (the CPU
-default) keep a cache per session and run the sessions one after another.
+Batching: the chains of every session with a draft pending run step by step as one call of the
+MTP runner (shared.model.mtp_runner), and so do their commits' catch-ups (`draft_batch`,
+`settle_batch`). On the fused path the sessions' rows live in one paged pool and a call is one
+ragged forward of row-invariant kernels, so a chain is bit for bit what it is alone; the
+reference modules (the CPU default) keep a cache per session and run them one after another.
 
 Draws (q_j is the processed distribution of the MTP logits, the target's sampling settings):
 - greedy: the argmax (point masses, no q rows sent);
@@ -25,29 +25,23 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels.fused import paged_rows
 from kernels.retention import RetentionPolicy
 from kernels.sampling import SamplingParams, SparseRows, draw, process_logits
 from kernels.speculative import Gate, Mode, admission_confidences
-from shared.model import Qwen3MoeModel, RoutingOptions
-from shared.model.families.qwen3_moe.fused import FusedModel
-from shared.model.rows import Rows
-from shared.model.kv_cache import CacheLength, KVPool
+from shared.model.fused import FusedForward
+from shared.model.kv_cache import CacheLength
+from shared.model.layers import RoutingOptions
+from shared.model.mtp_runner import MtpRows, MtpRunner, PooledMtpRunner, ReferenceMtpRunner
 from drafter_service.proposers import Proposal
-
-POOL_BLOCK = 64  # positions per block of the fused path's MTP pool
-POOL_START_BLOCKS = 64  # blocks at start; the pool doubles when a session needs more
-POOL_START_SLOTS = 8
 
 
 class MTPState:
-    """The MTP layer's per-session cache and the pending first-draft logits. The cache is the
-    session's own KVCache (reference modules) or a slot of the proposer's shared pool (fused
-    path: every session's rows run in one forward); MTPProposer.new_state makes either."""
+    """A session's MTP rows (a slot of the proposer's runner and their length) and the pending
+    first-draft logits; MTPProposer.new_state makes it."""
 
-    def __init__(self, cache: CacheLength, slot: int | None = None) -> None:
+    def __init__(self, cache: CacheLength, slot: int | None) -> None:
         self.cache = cache
-        self.slot = slot  # slot of the proposer's pool (None: cache is the session's own KVCache)
+        self.slot = slot  # the runner's slot (None once released)
         self.next_logits: Tensor | None = None  # [vocab]: q_0 of the next chain
         self.last_out: Tensor | None = None  # [hidden]: MTP output of the last committed row
         # Committed rows not yet run through the MTP layer (MTPProposer.settle): a commit's rows
@@ -85,118 +79,25 @@ class _Chain:
 
 
 class MTPProposer:
-    def __init__(self, model: Qwen3MoeModel, routing: RoutingOptions | None = None,
-                 fused: FusedModel | None = None) -> None:
+    def __init__(self, model, routing: RoutingOptions | None = None, fused: FusedForward | None = None) -> None:
+        """model: a loaded model with an MTP layer (any family); fused: its fused forward (the
+        pooled runner: every session's rows in one forward), else the reference modules."""
         self.model = model
-        self.routing = routing
-        self.fused = fused  # the fused-kernel MTP forward (None = reference modules, a cache per session)
-        self.pool: KVPool | None = self._new_pool() if fused is not None else None
+        self.runner: MtpRunner = (ReferenceMtpRunner(model, routing) if fused is None
+                                  else PooledMtpRunner(model, fused, routing))
 
-    def _new_pool(self) -> KVPool:
-        c = self.model.config
-        return KVPool(num_layers=1, num_slots=POOL_START_SLOTS, max_length=c.max_position_embeddings,
-                      num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=self.model.dtype,
-                      device=self.model.device, block_size=POOL_BLOCK, num_blocks=POOL_START_BLOCKS)
-
-    # -- sessions' caches ---------------------------------------------------------------------
+    # -- sessions -------------------------------------------------------------------------------
 
     def new_state(self, max_length: int) -> MTPState:
         """A session's MTP state with room for max_length rows."""
-        if self.pool is None:
-            return MTPState(self.model.new_mtp_cache(max_length))
-        pool = self.pool
-        if not 1 <= max_length <= pool.max_length:
-            raise ValueError(f"MTP cache length {max_length} must lie in [1, {pool.max_length}]")
-        needed = pool.blocks_for(max_length)
-        if needed > pool.num_free_blocks or not pool.num_free:
-            pool.grow(num_blocks=max(2 * pool.num_blocks, pool.num_blocks - pool.num_free_blocks + needed),
-                      num_slots=2 * pool.num_slots if not pool.num_free else None)
-        slot, cache = pool.acquire(max_length)
+        slot, cache = self.runner.acquire(max_length)
         return MTPState(cache, slot)
 
     def release(self, state: MTPState) -> None:
-        """Give a session's pool slot back (run on the worker, behind the session's last job).
-        The last session out of a pool that grew shrinks it to its start size: a burst of long
-        sessions does not keep its memory for the drafter's lifetime."""
-        if state.slot is None:
-            return
-        pool = self.pool
-        pool.release(state.slot)
-        state.slot = None
-        if pool.num_free == pool.num_slots and (pool.num_blocks > POOL_START_BLOCKS or pool.num_slots > POOL_START_SLOTS):
-            self.pool = self._new_pool()
-            del pool
-            if self.model.device.type == "cuda":
-                torch.cuda.empty_cache()  # (the drafter often shares its GPU with a verifier)
-
-    # -- forwards -------------------------------------------------------------------------------
-
-    def _forward_batch(self, items: list[tuple[MTPState, Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
-        """Each item's MTP rows (state, hidden [m, H], next token ids [m]) appended to its cache;
-        on the fused path the sessions' rows run as one ragged forward (row-invariant kernels:
-        each row's bits are what it gets alone). Per item: logits [m, vocab], MTP hidden [m, H]."""
-        if self.fused is None:
-            return [self.model.forward_mtp(hidden, ids, state.cache, routing=self._routing(ids.shape[0]))
-                    for state, hidden, ids in items]
-        results: list[tuple[Tensor, Tensor] | None] = [None] * len(items)
-        group: list[int] = []
-        for index, (state, _, ids) in enumerate(items):
-            rows = ids.shape[0]
-            if rows > self.fused.max_rows:  # a long catch-up (a prompt): the reference modules
-                results[index] = self._long_catch_up(*items[index])
-                continue
-            if sum(items[i][2].shape[0] for i in group) + rows > self.fused.max_rows:
-                self._run_group([items[i] for i in group], results, group)
-                group = []
-            group.append(index)
-        if group:
-            self._run_group([items[i] for i in group], results, group)
-        return results
-
-    def _run_group(self, items: list[tuple[MTPState, Tensor, Tensor]], results: list, indices: list[int]) -> None:
-        device = self.model.device
-        positions, slots, starts = [], [], [0]
-        for state, _, ids in items:
-            start = state.cache.reserve(ids.shape[0])
-            positions.extend(range(start, start + ids.shape[0]))
-            slots.extend([state.slot] * ids.shape[0])
-            starts.append(starts[-1] + ids.shape[0])
-        seq_slots = [state.slot for state, _, _ in items]
-        rows = Rows(
-            positions=torch.tensor(positions, device=device), slots=torch.tensor(slots, device=device),
-            seq_starts=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_slots=torch.tensor(seq_slots, device=device),
-            max_rows_per_seq=max(ids.shape[0] for _, _, ids in items),
-        )
-        hidden = torch.cat([h.to(device) for _, h, _ in items])
-        ids = torch.cat([i.to(device) for _, _, i in items])
-        logits, out = self.fused.forward_mtp(hidden, ids, rows, self.pool.paged(), routing=self._routing(ids.shape[0]))
-        for index, start, end in zip(indices, starts, starts[1:]):
-            results[index] = (logits[start:end], out[start:end])
-
-    def _long_catch_up(self, state: MTPState, hidden: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """Rows beyond the fused path's max_rows through the reference modules, on a contiguous
-        copy of the session's rows, written back to its blocks."""
-        pool, length, rows = self.pool, state.cache.length, ids.shape[0]
-        cache = self.model.new_mtp_cache(length + rows)
-        if length:
-            keys, values = pool.read(state.slot, length)
-            cache.keys[:, :length], cache.values[:, :length] = keys, values
-        cache.length = length
-        result = self.model.forward_mtp(hidden, ids, cache, routing=self._routing(rows))
-        start = state.cache.reserve(rows)
-        span = torch.arange(start, start + rows, device=self.model.device)
-        blocks, offsets = paged_rows(pool.block_tables, torch.full_like(span, state.slot), span, pool.block_size)
-        pool.keys[0, blocks, offsets] = cache.keys[0, start:]
-        pool.values[0, blocks, offsets] = cache.values[0, start:]
-        return result
-
-    def _routing(self, rows: int) -> RoutingOptions | None:
-        if self.routing is None:
-            return None
-        draft_rows = torch.ones(rows, dtype=torch.bool, device=self.model.device)
-        return RoutingOptions(moce=True, scale=self.routing.scale, r1_scale=self.routing.r1_scale,
-                              protect=self.routing.protect, draft_rows=draft_rows)
+        """Give a session's slot back (run on the worker, behind the session's last job)."""
+        if state.slot is not None:
+            self.runner.release(state.slot)
+            state.slot = None
 
     # -- committed rows -------------------------------------------------------------------------
 
@@ -210,8 +111,8 @@ class MTPProposer:
         if not items:
             return
         device = self.model.device
-        outs = self._forward_batch([(state, hidden.to(device), torch.tensor(ids, dtype=torch.int64, device=device))
-                                    for state, hidden, ids in items])
+        outs = self.runner.run([MtpRows(state.slot, hidden, torch.tensor(ids, dtype=torch.int64, device=device))
+                                for state, hidden, ids in items])
         for (state, _, _), (logits, out) in zip(items, outs):
             state.next_logits, state.last_out = logits[-1], out[-1]
 
@@ -254,8 +155,8 @@ class MTPProposer:
                     forwards.append(chain)
             if forwards:
                 device = self.model.device
-                outs = self._forward_batch([(c.job.state, c.hidden.unsqueeze(0),
-                                             torch.tensor(c.token_ids[-1:], device=device)) for c in forwards])
+                outs = self.runner.run([MtpRows(c.job.state.slot, c.hidden.unsqueeze(0),
+                                                torch.tensor(c.token_ids[-1:], device=device)) for c in forwards])
                 for chain, (logits, out) in zip(forwards, outs):
                     chain.logits, chain.hidden = logits[0], out[0]
         proposals = []

@@ -63,7 +63,7 @@ async def test_concurrent_streams_batch_their_mtp_work_and_draft_what_they_draft
         jobs = metrics.get_sample_value("tandem_drafter_mtp_batch_count") - jobs_alone
         items = metrics.get_sample_value("tandem_drafter_mtp_batch_sum") - jobs_alone
         assert items == len(PROMPTS) * (ROUNDS + 1) and jobs < items  # every chain a batcher item; jobs shared
-        pool = server.service.drafter.mtp.pool
+        pool = server.service.drafter.mtp.runner.pool
         await asyncio.sleep(0.2)  # the streams' slots go back on the worker, after their last jobs
         assert pool.num_free == pool.num_slots and pool.num_free_blocks == pool.num_blocks
     finally:
@@ -85,7 +85,7 @@ async def test_a_reopened_or_broken_stream_gives_its_mtp_rows_back(tiny_mtp_mode
             await call.write(commit_up(tiny_mtp_model, round_id=5))  # the wrong round: refused, the stream ends
             with pytest.raises(grpc.aio.AioRpcError):
                 await call.read()
-        pool = server.service.drafter.mtp.pool
+        pool = server.service.drafter.mtp.runner.pool
         for _ in range(50):
             if pool.num_free == pool.num_slots:
                 break

@@ -5,6 +5,7 @@ reference path (its fused path: tests/verifier_service/test_hybrid_fused.py)."""
 
 import pytest
 
+from shared.model.mtp_runner import PooledMtpRunner
 from shared.protocol import common_pb2
 
 from ..shared.model.next_checkpoints import write_fused_checkpoint
@@ -21,7 +22,7 @@ def checkpoint(tmp_path_factory):
 async def test_fused_mtp_drafts_through_the_pair_are_lossless(pair, checkpoint):
     stub = await pair.start(None, model=str(checkpoint), drafter_deadline_ms=60000.0,  # (the interpreter is slow)
                             drafter_settings={"planner": "mtp", "model": str(checkpoint), "fused": "on"})
-    assert pair.drafter.service.drafter.mtp.fused is not None
+    assert isinstance(pair.drafter.service.drafter.mtp.runner, PooledMtpRunner)
     req = request(PROMPT, 10, temperature=0.0, seed=0)
     spec, final, rounds = await generate(stub, req)
     req.speculation.disable = True

@@ -3,12 +3,13 @@
 import pytest
 import torch
 
-from drafter_service.proposers.mtp import POOL_START_BLOCKS, POOL_START_SLOTS, MTPProposer
+from drafter_service.proposers.mtp import MTPProposer
 from kernels.retention import RetentionPolicy
 from kernels.sampling import SamplingParams
 from kernels.speculative import Gate, Mode
 from shared.model import RoutingOptions
 from shared.model.families.qwen3_moe.fused import FusedModel
+from shared.model.mtp_runner import POOL_START_BLOCKS, POOL_START_SLOTS
 
 
 @pytest.mark.parametrize("temperature,moce", [(0.0, False), (0.7, True)])
@@ -87,8 +88,8 @@ def test_a_suffix_round_leaves_the_mtp_rows_for_after_its_chain(tiny_mtp_model):
 
     drafter = Drafter(tiny_mtp_model, DrafterSettings(port=0, planner="suffix"))
     forwards = []
-    original = drafter.mtp._forward_batch
-    drafter.mtp._forward_batch = lambda *a, **k: forwards.append(1) or original(*a, **k)
+    original = drafter.mtp.runner.run
+    drafter.mtp.runner.run = lambda *a, **k: forwards.append(1) or original(*a, **k)
     prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
     session = drafter.open(open_up(tiny_mtp_model, prompt).open)
     drafter.propose(session)
@@ -156,8 +157,8 @@ def test_sessions_drafted_in_one_batch_get_their_chains_alone(tiny_mtp_model, mo
             assert [a.q_rows.row(i) for i in range(len(a.token_ids))] == [b.q_rows.row(i) for i in range(len(b.token_ids))]
         assert state_a.cache.length == state_b.cache.length == rows  # draft rows rolled back
         assert torch.equal(state_a.next_logits, state_b.next_logits)
-        keys_a, _ = alone_proposer.pool.read(state_a.slot, rows)
-        keys_b, _ = batch_proposer.pool.read(state_b.slot, rows)
+        keys_a, _ = alone_proposer.runner.pool.read(state_a.slot, rows)
+        keys_b, _ = batch_proposer.runner.pool.read(state_b.slot, rows)
         assert torch.equal(keys_a, keys_b)
     assert len(together[2].token_ids) < 5  # the retention cut that chain short
     assert [len(p.token_ids) for p in together] != [k for _, k, *_ in setups]
@@ -172,7 +173,7 @@ def test_the_mtp_pool_grows_and_keeps_every_sessions_rows(tiny_mtp_model, monkey
     _, hidden = model(tokens, model.new_cache(48))
     proposer = _fused_proposer(model)
     reference = MTPProposer(model)
-    pool = proposer.pool
+    pool = proposer.runner.pool
     first = proposer.new_state(39)
     proposer.catch_up(first, hidden[:30], tokens[1:31].tolist())  # 30 rows > max_rows 16: the long path
     before = pool.read(first.slot, 30)[0].clone()
@@ -188,17 +189,17 @@ def test_the_mtp_pool_grows_and_keeps_every_sessions_rows(tiny_mtp_model, monkey
     torch.testing.assert_close(first.next_logits, expected.next_logits, rtol=1e-4, atol=1e-4)
     for state in [first, *others[:-1]]:
         proposer.release(state)
-    assert proposer.pool is pool and pool.num_free == pool.num_slots - 1  # a session still holds its slot
+    assert proposer.runner.pool is pool and pool.num_free == pool.num_slots - 1  # a session still holds its slot
     proposer.release(others[-1])
     assert pool.num_free == pool.num_slots and pool.num_free_blocks == pool.num_blocks
     # the last session out of the grown pool shrank it to its start size; sessions use the new one
-    fresh = proposer.pool
+    fresh = proposer.runner.pool
     assert fresh is not pool and (fresh.num_blocks, fresh.num_slots) == (POOL_START_BLOCKS, POOL_START_SLOTS)
     again = proposer.new_state(39)
     proposer.catch_up(again, hidden[:33], tokens[1:34].tolist())
     torch.testing.assert_close(again.next_logits, expected.next_logits, rtol=1e-4, atol=1e-4)
     proposer.release(again)
-    assert proposer.pool is fresh  # (a pool at its start size stays)
+    assert proposer.runner.pool is fresh  # (a pool at its start size stays)
 
 
 def test_offloaded_mtp_layer_drafts_the_all_resident_chains(tiny_mtp_model):

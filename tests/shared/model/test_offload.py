@@ -97,7 +97,7 @@ def test_offloaded_windows_replay_as_graph_segments_on_the_gpu():
         outs = [runner.run([(slot, ids[position : position + window], position)]) for runner, slot in zip(runners, slots)]
         assert torch.equal(outs[0].logits, outs[1].logits) and torch.equal(outs[0].hidden, outs[1].hidden)
         position += window
-    assert sorted(runners[1].segments) == [(1,), (2,), (3,), (5,)]
+    assert sorted(runners[1].segments) == [(1, 1, 1), (2, 1, 2), (3, 1, 3), (5, 1, 5)]
     assert sum(store_of(few, i).counters.misses for i in (0, 2)) > 0
 
 

@@ -254,6 +254,6 @@ def test_offloaded_hybrid_windows_replay_as_graph_segments_on_the_gpu():
         runner.run([(slot, ids[position : position + 1], position)])
     chained = [runner.run_next() for runner in runners]
     assert torch.equal(chained[0].logits, chained[1].logits)
-    assert sorted(runners[1].segments) == [(1,), (3,), (5,)]
+    assert sorted(runners[1].segments) == [(1, 1, 1), (3, 1, 3), (5, 1, 5)]
     assert torch.equal(runners[0].states.rec, runners[1].states.rec)
     assert misses(runners[1].fused.model) > 0
