@@ -67,6 +67,7 @@ class Engine:
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
         self.stores = [layer.mlp.store for layer in model.layers if isinstance(layer.mlp, MoeBlock)]  # (both families)
+        self.offloaded_stores = [store for store in self.stores if not store.all_resident]  # (only they miss)
         c = model.config
         bytes_per_token = KVPool.bytes_per_token(num_layers=model.num_kv_layers, num_kv_heads=c.num_key_value_heads,
                                                  head_dim=c.head_dim, dtype=model.dtype)
@@ -247,17 +248,22 @@ class Engine:
         """Verify rounds (and any plain ones among them) as one step."""
         started = time.perf_counter()
         misses = self.slot_misses()
-        windows = []
+        windows, sessions, window_rows, spans, decided = [], [], [], [], []
+        row = 0
         for r in rounds:
-            window = [r.session.token_ids[-1], *r.drafts]
-            windows.append(Window(r.session.slot, window, r.session.cache.reserve(len(window))))
+            session, size = r.session, len(r.drafts) + 1
+            decided.append(len(session.token_ids))  # the position of the first token the round decides
+            windows.append(Window(session.slot, [session.token_ids[-1], *r.drafts], session.cache.reserve(size)))
+            sessions.append(session)
+            window_rows.append(size)
+            spans.append(slice(row, row + size))
+            row += size
+        num_rows = row
         out = self.runner.run(windows)
-        sessions, window_rows = [r.session for r in rounds], [len(w.token_ids) for w in windows]
-        num_rows = sum(window_rows)
-        drawn = own_tokens(sessions, window_rows, out.logits, out.greedy_ids, [len(s.token_ids) for s in sessions])
+        drawn = own_tokens(sessions, window_rows, out.logits, out.greedy_ids, decided)
         processed = process_targets(sessions, window_rows, out.logits)  # (probabilistic windows with drafts)
         host_hidden, ids = self._ring_read(self._ring_copy(
-            out.hidden[:num_rows], (out.greedy_ids if drawn is None else drawn)[:num_rows]), num_rows)
+            _head(out.hidden, num_rows), _head(out.greedy_ids if drawn is None else drawn, num_rows)), num_rows)
         targets: list[SparseRows | None] = [None] * len(rounds)  # p rows on the host; greedy: None
         for rows, parts in processed:
             rows = rows.to("cpu")  # one copy per sampling group
@@ -266,16 +272,13 @@ class Engine:
         forward_s = time.perf_counter() - started
         if self.window_sizing and len(rounds) > 1:  # (one session's window costs less: not a batch)
             self.row_cost.record(num_rows, forward_s * 1e3)
-        spans, row = [], 0
-        for size in window_rows:
-            spans.append(slice(row, row + size))
-            row += size
-        verdicts = round_verdicts([(r.session, r.drafts, r.q_rows, ids[span], target)
+        alone = len(rounds) == 1  # (no slicing on the one-request path: each slice costs the host a few µs)
+        verdicts = round_verdicts([(r.session, r.drafts, r.q_rows, ids if alone else ids[span], target)
                                    for r, span, target in zip(rounds, spans, targets)], self.draw_secret)
         verify_s = time.perf_counter() - started - forward_s
         misses = self.slot_misses() - misses
-        return [self._commit(r.session, r.drafts, host_hidden[span], verdict, forward_s, verify_s, misses,
-                             first_row=span.start)
+        return [self._commit(r.session, r.drafts, host_hidden if alone else host_hidden[span], verdict, forward_s,
+                             verify_s, misses, first_row=span.start)
                 for r, span, verdict in zip(rounds, spans, verdicts)]
 
     def _commit(self, session: Session, drafts: list[int], host_hidden: Tensor, verdict: tuple[list[int], int],
@@ -287,7 +290,7 @@ class Engine:
         base = len(session.token_ids)  # position of the first token this round decides
         session.cache.truncate(base + accepted)  # keep the head's and accepted drafts' rows
         self.runner.settle(session.slot, first_row + accepted if accepted < len(drafts) else None)
-        rows = host_hidden[: accepted + 1].to(torch.bfloat16, copy=True)
+        rows = _head(host_hidden, accepted + 1).to(torch.bfloat16, copy=True)
         session.hidden_rows.append(rows)
         session.token_ids.extend(emitted)
         if drafts:
@@ -310,19 +313,21 @@ class Engine:
             ring, step_sessions, step_positions = ahead.ring, ahead.sessions, ahead.positions
         else:
             out = self.runner.run([Window(s.slot, s.token_ids[-1:], p) for s, p in zip(sessions, positions)])
-            ring = self._ring_copy(out.hidden[: len(rounds)], self._next_tokens(sessions, out, [p + 1 for p in positions]))
+            ring = self._ring_copy(_head(out.hidden, len(rounds)), self._next_tokens(sessions, out, [p + 1 for p in positions]))
             order, step_sessions, step_positions = list(range(len(rounds))), sessions, positions
         if (self.runner.can_run_ahead and all(r.decode_ahead for r in rounds)
                 and all(s.cache.length < s.cache.max_length for s in sessions)):
             out = self.runner.run_next()
             self.ahead = Ahead(list(step_sessions), [p + 1 for p in step_positions],
-                               self._ring_copy(out.hidden[: len(rounds)],
+                               self._ring_copy(_head(out.hidden, len(rounds)),
                                                self._next_tokens(step_sessions, out, [p + 2 for p in step_positions])))
         host_hidden, ids = self._ring_read(ring, len(rounds))
         forward_s = time.perf_counter() - started
         if self.window_sizing and fresh and len(rounds) > 1:  # (the read waits for this step only)
             self.row_cost.record(len(rounds), forward_s * 1e3)
         misses = self.slot_misses() - misses
+        if len(rounds) == 1:  # (no slicing on the one-request path: each slice costs the host a few µs)
+            return [self._commit(rounds[0].session, [], host_hidden, ([ids[0]], 0), forward_s, 0.0, misses)]
         return [self._commit(r.session, [], host_hidden[row : row + 1], ([ids[row]], 0), forward_s, 0.0, misses)
                 for r, row in zip(rounds, order)]
 
@@ -350,15 +355,20 @@ class Engine:
         next (run_next)."""
         token_ids = own_tokens(sessions, [1] * len(sessions), out.logits, out.greedy_ids, positions)
         if token_ids is None:
-            return out.greedy_ids[: len(sessions)]
+            return _head(out.greedy_ids, len(sessions))
         if self.runner.can_run_ahead:
             self.runner.feed_next(token_ids)
         return token_ids
 
     def slot_misses(self) -> int:
-        return sum(store.counters.misses for store in self.stores)
+        return sum(store.counters.misses for store in self.offloaded_stores)
 
     def slot_hit_rate(self) -> float:
         hits = sum(store.counters.hits for store in self.stores)
         misses = self.slot_misses()
         return hits / (hits + misses) if hits + misses else 1.0
+
+
+def _head(rows: Tensor, count: int) -> Tensor:
+    """The first `count` rows (the tensor itself when that is all of it)."""
+    return rows if rows.shape[0] == count else rows[:count]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -57,19 +58,20 @@ class StepInputs:
             self.spans[name] = slice(offset, offset + sizes[name])
             offset += sizes[name]
         self.copied = torch.cuda.Event() if pinned else None
+        values = self.host.numpy()
+        self.fields = SimpleNamespace(**{name: values[span] for name, span in self.spans.items()})  # numpy views
 
     def on_device(self, name: str, count: int) -> Tensor:
         """The first `count` entries of a field in the device buffer (what a graph reads)."""
         span = self.spans[name]
         return self.device[span.start : span.start + count]
 
-    def to_fill(self) -> dict:
-        """The host buffer's fields as numpy views to fill, once the last step's copy has left
+    def to_fill(self) -> SimpleNamespace:
+        """The host buffer's fields (attributes) as numpy views to fill, once the last step's copy has left
         it (normally long done)."""
         if self.copied is not None:
             self.copied.synchronize()
-        values = self.host.numpy()
-        return {name: values[span] for name, span in self.spans.items()}
+        return self.fields
 
     def send(self) -> None:
         self.device.copy_(self.host, non_blocking=True)
@@ -108,6 +110,8 @@ class FusedRunner:
         # Linear-attention state buffers (the hybrid family): which each sequence reads and writes.
         self.states = fused.states
         self.inputs = StepInputs(max_batch_rows, self.device, pinned=self.device.type == "cuda")
+        self.token_ids = self.inputs.on_device("token_ids", max_batch_rows)
+        self._shape_rows: dict[Shape, Rows] = {}
         self.kv = pool.paged()
         self.graphs: dict[Shape, tuple[torch.cuda.CUDAGraph, WindowOutput]] = {}
         self.chained: dict[Shape, tuple[torch.cuda.CUDAGraph, WindowOutput]] = {}  # by the decode shape before
@@ -160,22 +164,28 @@ class FusedRunner:
         return self.fused.prefill(ids, [(start, len(ids), slot) for slot, ids, start in chunks], self.kv)
 
     def _rows(self, shape: Shape) -> Rows:
-        num_rows, num_seqs, longest = shape
-        states = {} if self.states is None else dict(state_in=self.inputs.on_device("state_in", num_seqs),
-                                                      state_out=self.inputs.on_device("state_out", num_seqs))
-        return Rows(
-            positions=self.inputs.on_device("positions", num_rows),
-            slots=self.inputs.on_device("slots", num_rows),
-            seq_starts=self.inputs.on_device("seq_starts", num_seqs + 1),
-            seq_slots=self.inputs.on_device("seq_slots", num_seqs),
-            max_rows_per_seq=longest,
-            live=None if num_seqs == 1 else self.inputs.on_device("live", num_rows),  # (one sequence: no padding)
-            **states,
-        )
+        """The step's rows as views of the device inputs (made once per shape: the buffer's
+        addresses never change, only what the host copies into it)."""
+        rows = self._shape_rows.get(shape)
+        if rows is None:
+            num_rows, num_seqs, longest = shape
+            view = self.inputs.on_device
+            states = {} if self.states is None else dict(state_in=view("state_in", num_seqs),
+                                                          state_out=view("state_out", num_seqs))
+            rows = self._shape_rows[shape] = Rows(
+                positions=view("positions", num_rows),
+                slots=view("slots", num_rows),
+                seq_starts=view("seq_starts", num_seqs + 1),
+                seq_slots=view("seq_slots", num_seqs),
+                max_rows_per_seq=longest,
+                live=None if num_seqs == 1 else view("live", num_rows),  # (one sequence: no padding)
+                **states,
+            )
+        return rows
 
     def _trunk(self, rows: Rows, shape: Shape) -> tuple[Tensor, Tensor]:
         """The fused forward of the rows in the inputs, by graph segments where the model offloads."""
-        token_ids = self.inputs.on_device("token_ids", shape[0])
+        token_ids = self.token_ids[: shape[0]]
         if self.segments is None:
             return self.fused.forward(token_ids, rows, self.kv)
         segmented = self.segments.get(shape)
@@ -194,18 +204,17 @@ class FusedRunner:
         return output
 
     def _chained_forward(self, shape: Shape) -> WindowOutput:
-        num_rows, num_seqs, _ = shape
-        self.inputs.on_device("token_ids", num_rows).copy_(self.last_ids[:num_rows])
-        positions = self.inputs.on_device("positions", num_rows)
-        if num_seqs == 1:
-            positions.add_(1)
+        num_rows = shape[0]
+        rows = self._rows(shape)
+        self.token_ids[:num_rows].copy_(self.last_ids[:num_rows])
+        if rows.live is None:
+            rows.positions.add_(1)
         else:
-            positions.add_(self.inputs.on_device("live", num_rows))
+            rows.positions.add_(rows.live)
         if self.states is not None:  # read the state the step before wrote, write the buffer it read
-            read, write = self.inputs.on_device("state_in", num_seqs), self.inputs.on_device("state_out", num_seqs)
-            before = read.clone()
-            read.copy_(write)
-            write.copy_(before)
+            before = rows.state_in.clone()
+            rows.state_in.copy_(rows.state_out)
+            rows.state_out.copy_(before)
         return self._forward(shape)
 
     # -- graphs ---------------------------------------------------------------------------------
@@ -277,34 +286,39 @@ class FusedRunner:
         padding)."""
         windows, num_rows = check_windows(windows, max_rows=self.max_rows, max_batch_rows=self.max_batch_rows)
         shape, padded = self._shape(windows, num_rows)
-        values = self.inputs.to_fill()
+        f = self.inputs.to_fill()
+        token_ids, positions, slots, seq_slots, seq_starts = f.token_ids, f.positions, f.slots, f.seq_slots, f.seq_starts
+        states = self.states
         row = 0
         for seq, (slot, ids, start) in enumerate(windows):
-            values["token_ids"][row : row + len(ids)] = ids
-            values["positions"][row : row + len(ids)] = range(start, start + len(ids))
-            values["slots"][row : row + len(ids)] = slot
-            values["seq_slots"][seq] = slot
-            values["seq_starts"][seq] = row
-            self._state_values(values, seq, slot)
-            row += len(ids)
+            end = row + len(ids)
+            token_ids[row:end] = ids
+            positions[row:end] = range(start, start + len(ids))
+            slots[row:end] = slot
+            seq_slots[seq] = slot
+            seq_starts[seq] = row
+            if states is not None:  # it reads the slot's committed state and writes the other buffer
+                f.state_in[seq], f.state_out[seq] = states.buffers(slot)
+            row = end
         num_seqs = len(windows)
         if padded:
-            bucket = shape[0]
+            bucket, scratch = shape[0], self.scratch_slot
             for pad in range(num_rows, bucket):  # one-row sequences at position 0 of the scratch slot
                 seq = num_seqs + pad - num_rows
-                values["token_ids"][pad] = 0
-                values["positions"][pad] = 0
-                values["slots"][pad] = self.scratch_slot
-                values["seq_slots"][seq] = self.scratch_slot
-                values["seq_starts"][seq] = pad
-                self._state_values(values, seq, self.scratch_slot)
+                token_ids[pad] = positions[pad] = 0
+                slots[pad] = seq_slots[seq] = scratch
+                seq_starts[seq] = pad
+                if states is not None:
+                    f.state_in[seq], f.state_out[seq] = states.buffers(scratch)
             used = num_seqs + bucket - num_rows
-            values["seq_starts"][used : bucket + 1] = bucket  # the bucket's unused sequences are empty
-            values["seq_slots"][used:bucket] = self.scratch_slot
-            values["live"][:bucket] = [1] * num_rows + [0] * (bucket - num_rows)
+            seq_starts[used : bucket + 1] = bucket  # the bucket's unused sequences are empty
+            seq_slots[used:bucket] = scratch
+            f.live[:num_rows] = 1
+            f.live[num_rows:bucket] = 0
         else:
-            values["seq_starts"][num_seqs] = num_rows
-            values["live"][:num_rows] = 1
+            seq_starts[num_seqs] = num_rows
+            if num_seqs > 1:
+                f.live[:num_rows] = 1
         self.inputs.send()
         self.last_shape = shape
         self.last_decode = shape if shape[2] == 1 else None
@@ -319,11 +333,6 @@ class FusedRunner:
         """The graph the last `run` replayed (None: it ran eagerly); benchmarks replay it."""
         captured = self.graphs.get(self.last_shape) if self.use_graphs else None
         return None if captured is None else captured[0]
-
-    def _state_values(self, values: dict, seq: int, slot: int) -> None:
-        """Sequence `seq` of the next step reads the slot's committed state and writes the other buffer."""
-        if self.states is not None:
-            values["state_in"][seq], values["state_out"][seq] = self.states.buffers(slot)
 
     def feed_next(self, token_ids: Tensor) -> None:
         """The tokens [n] the real rows of the next chained step decode, in place of the last

@@ -82,14 +82,21 @@ class Runner(Protocol):
 def check_windows(windows: list[Window], *, max_rows: int, max_batch_rows: int) -> tuple[list[Window], int]:
     """(the windows as Windows (plain (slot, token_ids, start) tuples are taken), the step's rows);
     ValueError unless 1..max_batch_rows rows, none empty, one sequence's window at most max_rows."""
-    windows = [w if isinstance(w, Window) else Window(*w) for w in windows]
-    num_rows = sum(len(w.token_ids) for w in windows)
-    if not windows or any(not w.token_ids for w in windows) or num_rows > max_batch_rows:
-        raise ValueError(f"a step of {num_rows} rows in {len(windows)} windows (1..{max_batch_rows} rows, "
-                         "none empty)")
-    if len(windows) == 1 and num_rows > max_rows:
+    checked, num_rows = [], 0
+    for w in windows:
+        if not isinstance(w, Window):
+            w = Window(*w)
+        if not w.token_ids:
+            num_rows = -1
+            break
+        num_rows += len(w.token_ids)
+        checked.append(w)
+    if not checked or num_rows < 1 or num_rows > max_batch_rows:
+        total = sum(len(w[1]) for w in windows)
+        raise ValueError(f"a step of {total} rows in {len(windows)} windows (1..{max_batch_rows} rows, none empty)")
+    if len(checked) == 1 and num_rows > max_rows:
         raise ValueError(f"a window of {num_rows} rows (1..{max_rows} allowed)")
-    return windows, num_rows
+    return checked, num_rows
 
 
 class ReferenceRunner:
