@@ -1,6 +1,7 @@
 """Plain decoding through the verifier service, measured from the client (issue 10).
 
-One run, random bf16 weights at Qwen3-30B-A3B shapes (or --small), on one GPU:
+One run, random bf16 weights at Qwen3-30B-A3B shapes (or --small; with --compare, --shapes
+picks others, e.g. qwen3.5-35b-a3b), on one GPU:
 - the service (`tandem verifier --random-weights`, fused path, CUDA graphs) in a child
   process, a greedy request per context (512-token prompt by default), timed on the client:
   decode tokens/s = (tokens after the first) / (last token's arrival − first token's);
@@ -37,10 +38,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pairbench.common import free_port, log  # noqa: E402  (puts the repo and protocol modules on sys.path)
+from pairbench.common import SHAPES, free_port, log  # noqa: E402  (puts the repo and protocol modules on sys.path)
 from pairbench.services import Children  # noqa: E402
 
-from bench.model_baseline import QWEN3_30B_A3B, SMALL, hf_model_sharing_weights  # noqa: E402
+from bench.model_baseline import SMALL, hf_model_sharing_weights  # noqa: E402
 from shared.client import GenerationConfig, VerifierClient  # noqa: E402
 
 
@@ -133,12 +134,16 @@ def main() -> None:
     parser.add_argument("--against-tree", type=Path, default=None, metavar="DIR",
                         help="compare with a service started from this checkout (its defaults, or --compare FLAGS)")
     parser.add_argument("--requests", default="greedy", help="with --compare: greedy, sampled, or both")
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="qwen3-30b-a3b",
+                        help="the random model's shapes (others than the default: with --compare / --against-tree)")
     args = parser.parse_args()
     if args.against_tree is not None and args.compare is None:
         args.compare = ""  # another tree's service with its defaults
+    if args.shapes != "qwen3-30b-a3b" and args.compare is None:
+        parser.error("--shapes other than qwen3-30b-a3b runs with --compare or --against-tree only")
     contexts = [int(c) for c in args.contexts.split(",")]
     max_positions = max(contexts) + args.new_tokens + 64
-    shapes = (SMALL if args.small else QWEN3_30B_A3B) | dict(max_position_embeddings=max(max_positions, 4096))
+    shapes = (SMALL if args.small else SHAPES[args.shapes]) | dict(max_position_embeddings=max(max_positions, 4096))
     workdir = Path(tempfile.mkdtemp(prefix="serve-decode-"))
     model_dir = workdir / "model"
     model_dir.mkdir()
