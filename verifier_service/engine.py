@@ -83,6 +83,10 @@ class Engine:
             fused_model = build_fused(model, max_rows=batch_rows, max_length=max_context, num_state_slots=max_sessions + 1,
                                       pdl=None if pdl else False, invariant=row_invariant or model.device.type == "cuda",
                                       expert_prefetch=expert_prefetch)
+            if model.device.type == "cuda":
+                # Building it may re-lay weights out: what the old layouts held goes back to the
+                # device before the KV plan reads its free memory (and for a drafter beside it).
+                torch.cuda.empty_cache()
         # The reference path allocates each session's cache itself: the plan only counts.
         self.kv_plan: KVPlan = plan_kv(requested_tokens=kv_cache_tokens, memory_fraction=kv_memory_fraction,
                                        block_size=kv_block_size, bytes_per_token=bytes_per_token, device=model.device,

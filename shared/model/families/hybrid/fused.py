@@ -412,4 +412,9 @@ def _with_shared_expert(mlp: SharedMoe) -> tuple[Tensor, Tensor]:
     shared.gate_proj.weight = nn.Parameter(all_gate_up[slot, :shared_width], requires_grad=False)
     shared.up_proj.weight = nn.Parameter(all_gate_up[slot, width : width + shared_width], requires_grad=False)
     shared.down_proj.weight = nn.Parameter(all_down[slot, :, :shared_width], requires_grad=False)
+    if store.device.type == "cuda":
+        # The layer's old expert tensors are free now: hand their blocks back before the next
+        # layer's copies, or the allocator splits them for those and keeps ~0.6 of them stuck
+        # in its cache (H200, 35B-A3B shapes: 40.6 GiB reserved beyond what was allocated).
+        torch.cuda.empty_cache()
     return all_gate_up, all_down
