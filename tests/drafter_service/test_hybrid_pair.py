@@ -44,7 +44,7 @@ async def test_a_drafter_with_experts_in_host_memory_and_moce_stays_lossless(pai
     stub = await pair.start(None, model=str(checkpoint), drafter_settings={
         "planner": "mtp", "model": str(checkpoint), "expert_slots": 2, "moce_scale": 3.0})
     drafter = pair.drafter.service
-    assert drafter.drafter.mtp.routing.moce and drafter.drafter.mtp.routing.scale == 3.0
+    assert drafter.drafter.mtp.runner.routing.moce and drafter.drafter.mtp.runner.routing.scale == 3.0
     stores = [experts.store for experts in expert_modules(drafter.model)]
     assert stores and all(store.num_slots == 2 and not store.all_resident for store in stores)
     spec, plain, final, rounds = await same_with_and_without(stub, PROMPT, 16, temperature, 0)
