@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--drafts", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--graphs-ab", action="store_true",
+                        help="arms: the batched path run eagerly against its chain steps replayed as CUDA graphs")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the batched arm's rounds (host time by function, on stderr)")
     args = parser.parse_args()
@@ -76,7 +78,8 @@ def main() -> None:
     print(f"### batched MTP drafting: {time.strftime('%Y-%m-%d')}, "
           f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, {args.model} model, {dtype}, "
           f"{args.drafts} drafts a chain, temperature {args.temperature}\n".replace("torch.", ""))
-    print("| sessions | one after another ms/round | batched ms/round | batched / one after another | chains identical |")
+    first, second = ("eager", "graphs") if args.graphs_ab else ("one after another", "batched")
+    print(f"| sessions | {first} ms/round | {second} ms/round | {second} / {first} | chains identical |")
     print("| ---: | ---: | ---: | ---: | --- |")
     sampling = SamplingParams(temperature=args.temperature)
     profiles: dict[int, pstats.Stats] = {}
@@ -86,8 +89,10 @@ def main() -> None:
                                                                                           generator=gen).tolist())
                    for _ in range(num)]
         arms = {}
-        for arm in ("one", "batched"):
-            proposer = MTPProposer(model, None, build_fused(model, max_rows=64, max_length=c.max_position_embeddings))
+        names = ("eager", "graphs") if args.graphs_ab else ("one", "batched")
+        for arm in names:
+            proposer = MTPProposer(model, None, build_fused(model, max_rows=64, max_length=c.max_position_embeddings),
+                                   use_graphs=arm == "graphs" if args.graphs_ab else False)
             states = [proposer.new_state(length) for _ in range(num)]
             for state, (hidden, ids) in zip(states, prompts):
                 proposer.catch_up(state, hidden, ids)
@@ -98,18 +103,18 @@ def main() -> None:
             commits = [(torch.randn(COMMIT, c.hidden_size, generator=gen),
                         torch.randint(0, c.vocab_size, (COMMIT,), generator=gen).tolist()) for _ in range(num)]
             chains = {}
-            for arm in (("one", "batched") if round_id % 2 == 0 else ("batched", "one")):
+            for arm in (names if round_id % 2 == 0 else names[::-1]):
                 proposer, states = arms[arm]
                 jobs = [DraftJob(state, args.drafts, sampling, s, PROMPT + round_id * COMMIT, Mode.EXACT, Gate.TOP,
                                  False, RetentionPolicy()) for s, state in enumerate(states)]
                 for state, (hidden, ids) in zip(states, commits):
                     proposer.defer(state, hidden, ids)
                 sync(args.device)
-                profiler = cProfile.Profile() if args.profile and arm == "batched" and round_id else None
+                profiler = cProfile.Profile() if args.profile and arm == names[1] and round_id else None
                 if profiler is not None:
                     profiler.enable()
                 started = time.perf_counter()
-                if arm == "one":
+                if arm == "one":  # (the --graphs-ab arms both run the batched path)
                     out = []
                     for job in jobs:
                         proposer.settle(job.state)
@@ -124,9 +129,9 @@ def main() -> None:
                 if round_id:  # the first round warms up
                     times[arm].append((time.perf_counter() - started) * 1e3)
                 chains[arm] = [p.token_ids for p in out]
-            same = same and chains["one"] == chains["batched"]
-        ratio = statistics.median(b / o for b, o in zip(times["batched"], times["one"]))
-        print(f"| {num} | {statistics.median(times['one']):.2f} | {statistics.median(times['batched']):.2f} "
+            same = same and chains[names[0]] == chains[names[1]]
+        ratio = statistics.median(b / o for b, o in zip(times[names[1]], times[names[0]]))
+        print(f"| {num} | {statistics.median(times[names[0]]):.2f} | {statistics.median(times[names[1]]):.2f} "
               f"| {ratio:.3f} | {same} |")
         sys.stdout.flush()
         log(f"  {num} sessions done")

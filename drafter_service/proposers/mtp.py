@@ -79,12 +79,14 @@ class _Chain:
 
 
 class MTPProposer:
-    def __init__(self, model, routing: RoutingOptions | None = None, fused: FusedForward | None = None) -> None:
+    def __init__(self, model, routing: RoutingOptions | None = None, fused: FusedForward | None = None, *,
+                 use_graphs: bool | None = None) -> None:
         """model: a loaded model with an MTP layer (any family); fused: its fused forward (the
-        pooled runner: every session's rows in one forward), else the reference modules."""
+        pooled runner: every session's rows in one forward; use_graphs: its chain steps as CUDA
+        graphs, default on CUDA), else the reference modules."""
         self.model = model
         self.runner: MtpRunner = (ReferenceMtpRunner(model, routing) if fused is None
-                                  else PooledMtpRunner(model, fused, routing))
+                                  else PooledMtpRunner(model, fused, routing, use_graphs=use_graphs))
 
     # -- sessions -------------------------------------------------------------------------------
 
@@ -110,8 +112,7 @@ class MTPProposer:
         items = [(state, hidden, ids) for state, hidden, ids in items if ids]
         if not items:
             return
-        device = self.model.device
-        outs = self.runner.run([MtpRows(state.slot, hidden, torch.tensor(ids, dtype=torch.int64, device=device))
+        outs = self.runner.run([MtpRows(state.slot, hidden, torch.tensor(ids, dtype=torch.int64))
                                 for state, hidden, ids in items])
         for (state, _, _), (logits, out) in zip(items, outs):
             state.next_logits, state.last_out = logits[-1], out[-1]
@@ -154,9 +155,8 @@ class MTPProposer:
                 elif step + 1 < chain.job.num_drafts:
                     forwards.append(chain)
             if forwards:
-                device = self.model.device
                 outs = self.runner.run([MtpRows(c.job.state.slot, c.hidden.unsqueeze(0),
-                                                torch.tensor(c.token_ids[-1:], device=device)) for c in forwards])
+                                                torch.tensor(c.token_ids[-1:], dtype=torch.int64)) for c in forwards])
                 for chain, (logits, out) in zip(forwards, outs):
                     chain.logits, chain.hidden = logits[0], out[0]
         proposals = []

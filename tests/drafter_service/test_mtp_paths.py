@@ -226,3 +226,63 @@ def test_offloaded_mtp_layer_drafts_the_all_resident_chains(tiny_mtp_model):
             chains.append((proposal.token_ids, proposal.confidences))
     assert fused.mtp_offload is not None and few.mtp.layers[0].mlp.experts.counters.misses > 0
     assert chains[:3] == chains[3:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_chain_steps_replayed_as_graphs_draft_the_eager_chains():
+    """On CUDA the pooled runner replays a graph per session count for chain steps (one row a
+    session); the chains, confidences, q rows and kept logits are the eager runner's bit for
+    bit — across 1-row commits (captured too), sampled and greedy chains, and the pool growing
+    (its graphs dropped and captured again) when sessions join."""
+    from drafter_service.proposers.mtp import DraftJob
+    from shared.model import ModelConfig, load_model
+    from tests.conftest import TINY_MTP
+
+    model = load_model(config=ModelConfig.from_dict(TINY_MTP | dict(head_dim=16)), random_weights=True, seed=7,
+                       dtype=torch.bfloat16, device="cuda")
+    c = model.config
+    gen = torch.Generator().manual_seed(3)
+    proposers = {graphs: MTPProposer(model, None, FusedModel(model, max_rows=16, max_length=c.max_position_embeddings),
+                                     use_graphs=graphs) for graphs in (False, True)}
+    assert proposers[True].runner.use_graphs and not proposers[False].runner.use_graphs
+    states = {graphs: [] for graphs in proposers}
+    lengths = []
+
+    def join(count: int) -> None:
+        for _ in range(count):
+            rows = int(torch.randint(8, 40, (1,), generator=gen))
+            hidden, ids = torch.randn(rows, c.hidden_size, generator=gen), torch.randint(0, 97, (rows,), generator=gen)
+            for graphs, proposer in proposers.items():
+                state = proposer.new_state(200)
+                proposer.catch_up(state, hidden.to(torch.bfloat16), ids.tolist())
+                states[graphs].append(state)
+            lengths.append(rows)
+
+    join(6)
+    for round_id in range(6):
+        if round_id == 3:
+            join(5)  # 11 sessions: the pool (8 slots at start) grows
+        commits = []
+        for i in range(len(lengths)):
+            rows = 1 if (i + round_id) % 2 else 3
+            commits.append((torch.randn(rows, c.hidden_size, generator=gen).to(torch.bfloat16),
+                            torch.randint(0, 97, (rows,), generator=gen).tolist()))
+            lengths[i] += rows
+        chains = {}
+        for graphs, proposer in proposers.items():
+            for state, (hidden, ids) in zip(states[graphs], commits):
+                proposer.defer(state, hidden, ids)
+            proposer.settle_batch(states[graphs])
+            jobs = [DraftJob(state, 4, SamplingParams(temperature=0.8 if i % 3 else 0.0, top_p=0.9), i,
+                             lengths[i] + 1, Mode.EXACT, Gate.TOP, False, RetentionPolicy())
+                    for i, state in enumerate(states[graphs])]
+            out = proposer.draft_batch(jobs)
+            chains[graphs] = ([(p.token_ids, p.confidences) for p in out],
+                              [None if p.q_rows is None else [p.q_rows.row(j) for j in range(len(p.token_ids))]
+                               for p in out],
+                              torch.stack([state.next_logits for state in states[graphs]]))
+        assert chains[True][0] == chains[False][0] and chains[True][1] == chains[False][1]
+        assert torch.equal(chains[True][2], chains[False][2])
+    runner = proposers[True].runner
+    assert runner.graphs and all(captured is not None for captured in runner.graphs.values())
+    assert runner.pool.num_slots > 8  # it grew (and the graphs were captured again)
