@@ -1,31 +1,41 @@
-"""Where a verifier round's time goes, speculative and plain (issue 13's per-round overhead).
+"""Where a verifier round's time goes, speculative and plain (issues 13 and 35).
 
-The drafter runs as its own process (`python -m shared.cli drafter`); the verifier runs in
-this process, with timers wrapped around the steps of a round (`VerifierService._round`):
+The drafter runs as its own process — tandem's (`python -m shared.cli drafter`, the embedded
+model) or, with --alpha, the synthetic replay drafter (bench/replay_drafter.py) proposing the
+verifier's own continuation, each draft corrupted with probability 1 − alpha. The verifier
+runs in this process, with timers wrapped around the steps of a round
+(`VerifierService._round`, per request: a context variable):
 
 - wait: `DrafterLink.next_chain` (the chain's round trip after the commit was written; the
   drafter's own compute, `DraftChain.costs.draft_ms`, is reported beside it);
 - checks: `_checked` + `retain` + the audit (the chain's validation and retention);
-- submit: `RoundBatcher.submit` until the outcome is back on the loop, split into the
-  engine's job on the model worker (`Engine.run_rounds`: forward, copies, the verdict) and
-  the rest (the hop to the worker and back, the batcher's wake-ups);
+- outcome: `Lane.outcome` (from the round handed to the engine loop, or granted to it, until
+  its outcome is read: ~0 when the loop ran the round before the coroutine asked for it);
 - tell: `DrafterLink.tell` (the commit: hidden rows encoded, written);
 - rest: the round's remaining host work (stats, metrics, span attributes, the event);
 - between: from the end of one round to the start of the next (the event's way out to the
   client's stream, the Generate loop).
 
-Each prompt runs speculative and plain (`speculation.disable`) back to back, alternating the
-order; greedy; medians over the rounds after each request's first. The timers cost a few µs
-a round themselves.
+The engine loop's thread is timed apart: its steps (`Engine.run_rounds`: launch, the
+device's work it waits for, the verdict, the commit), steps per second, rounds per step, and
+the share of the wall time it spent in them ("busy": near 1, the device sets the pace).
 
-    python bench/round_anatomy.py [--device cuda] [--prompts 4] [--max-new-tokens 128] [--planner adaptive]
+Each prompt runs speculative and plain (`speculation` off) back to back, alternating the
+order, `--concurrency` requests at a time; greedy; medians over the rounds after each
+request's first. The timers cost a few µs a round themselves.
+
+    python bench/round_anatomy.py [--device cuda] [--prompts 4] [--max-new-tokens 128]
+        [--random-shapes qwen3-30b-a3b --alpha 0.8] [--concurrency 8]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import functools
+import json
+import random
 import statistics
 import sys
 import tempfile
@@ -35,87 +45,102 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pairbench import REPO  # noqa: E402  (puts the repository and protocol modules on sys.path)
-from pairbench.common import free_port, log  # noqa: E402
+from pairbench.common import SHAPES, free_port, log  # noqa: E402
 from pairbench.services import Children  # noqa: E402
 from pairbench.setups import text_prompts  # noqa: E402
 
 import verifier_service.server as server_module  # noqa: E402
 from shared.client import AsyncVerifierClient, GenerationConfig  # noqa: E402
 from shared.model.registry import resolve_model  # noqa: E402
-from verifier_service.batcher import RoundBatcher  # noqa: E402
 from verifier_service.drafter_link import DrafterLink  # noqa: E402
 from verifier_service.engine import Engine  # noqa: E402
+from verifier_service.loop import Lane  # noqa: E402
 from verifier_service.server import VerifierServer, VerifierService  # noqa: E402
 from verifier_service.settings import VerifierSettings  # noqa: E402
 
-STEPS = ("wait", "checks", "engine", "submit hop", "tell", "rest", "round", "between")
+STEPS = ("wait", "checks", "outcome", "tell", "rest", "round", "between")
+CURRENT: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("round_timers", default=None)
 
 
 class Timers:
-    """Per-round step times (ms) of the round in progress, and the finished rounds."""
+    """Finished rounds' step times (ms), and the engine loop's steps."""
 
     def __init__(self) -> None:
-        self.current: dict[str, float] = {}
         self.rounds: list[dict[str, float]] = []
-        self.last_end: float | None = None
-
-    def add(self, step: str, ms: float) -> None:
-        self.current[step] = self.current.get(step, 0.0) + ms
+        self.steps: list[tuple[float, float, int]] = []  # (start, ms, rounds) of each run_rounds
+        self.last_end: dict[str, float] = {}  # a request's last round's end (by request id)
 
 
-def timed_async(timers: Timers, step: str, fn):
+def add(step: str, ms: float) -> None:
+    current = CURRENT.get()
+    if current is not None:
+        current[step] = current.get(step, 0.0) + ms
+
+
+def timed_async(step: str, fn):
     @functools.wraps(fn)
     async def wrapper(*args, **kwargs):
         started = time.perf_counter()
         try:
             return await fn(*args, **kwargs)
         finally:
-            timers.add(step, (time.perf_counter() - started) * 1e3)
+            add(step, (time.perf_counter() - started) * 1e3)
     return wrapper
 
 
-def timed_sync(timers: Timers, step: str, fn):
+def timed_sync(step: str, fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         started = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
-            timers.add(step, (time.perf_counter() - started) * 1e3)
+            add(step, (time.perf_counter() - started) * 1e3)
     return wrapper
 
 
 def instrument(timers: Timers) -> None:
     """Wrap the round's steps (class attributes: every instance made after this is timed)."""
-    DrafterLink.next_chain = timed_async(timers, "wait", DrafterLink.next_chain)
-    DrafterLink.tell = timed_async(timers, "tell", DrafterLink.tell)
-    VerifierService._checked = timed_sync(timers, "checks", VerifierService._checked)
-    VerifierService._audited = timed_sync(timers, "checks", VerifierService._audited)
-    server_module.retain = timed_sync(timers, "checks", server_module.retain)
-    RoundBatcher.submit = timed_async(timers, "submit", RoundBatcher.submit)
-    Engine.run_rounds = timed_sync(timers, "engine", Engine.run_rounds)  # (on the worker: one round in flight here)
+    DrafterLink.next_chain = timed_async("wait", DrafterLink.next_chain)
+    DrafterLink.tell = timed_async("tell", DrafterLink.tell)
+    VerifierService._checked = timed_sync("checks", VerifierService._checked)
+    VerifierService._audited = timed_sync("checks", VerifierService._audited)
+    server_module.retain = timed_sync("checks", server_module.retain)
+    Lane.outcome = timed_async("outcome", Lane.outcome)
+    run_rounds = Engine.run_rounds
+
+    @functools.wraps(run_rounds)
+    def step(self, rounds):  # (on the engine loop's thread)
+        started = time.perf_counter()
+        try:
+            return run_rounds(self, rounds)
+        finally:
+            timers.steps.append((started, (time.perf_counter() - started) * 1e3, len(rounds)))
+
+    Engine.run_rounds = step
     round_fn = VerifierService._round
 
     @functools.wraps(round_fn)
-    async def whole_round(self, session, link, governor, cap, completion, stats, round_id, span):
+    async def whole_round(self, running, span):
         started = time.perf_counter()
-        if timers.last_end is not None and round_id > 0:
-            between = (started - timers.last_end) * 1e3
-        else:
-            between = None
-        timers.current = {}
-        event, next_cap = await round_fn(self, session, link, governor, cap, completion, stats, round_id, span)
+        request_id = running.session.spec.request_id
+        last = timers.last_end.get(request_id)
+        token = CURRENT.set({})
+        try:
+            event = await round_fn(self, running, span)
+            steps = dict(CURRENT.get())
+        finally:
+            CURRENT.reset(token)
         ended = time.perf_counter()
-        steps = dict(timers.current)
         steps["round"] = (ended - started) * 1e3
         steps["speculative"] = float(event.round.speculative and event.round.retained > 0)
-        steps["round_id"] = round_id
+        steps["round_id"] = running.round_id
         steps["tokens"] = len(event.token_ids)
-        if between is not None:
-            steps["between"] = between
+        if last is not None:
+            steps["between"] = (started - last) * 1e3
         timers.rounds.append(steps)
-        timers.last_end = ended
-        return event, next_cap
+        timers.last_end[request_id] = ended
+        return event
 
     VerifierService._round = whole_round
 
@@ -123,30 +148,40 @@ def instrument(timers: Timers) -> None:
 def table(rounds: list[dict[str, float]], label: str) -> list[str]:
     rows = [r for r in rounds if r["round_id"] > 0]
     if not rows:
-        return [f"| {label} | 0 |" + " |" * len(STEPS)]
+        return [f"| {label} | 0 |" + " |" * (len(STEPS) + 1)]
     for r in rows:
-        r["submit hop"] = r.get("submit", 0.0) - r.get("engine", 0.0)
-        accounted = sum(r.get(s, 0.0) for s in ("wait", "checks", "submit", "tell"))
+        accounted = sum(r.get(s, 0.0) for s in ("wait", "checks", "outcome", "tell"))
         r["rest"] = r["round"] - accounted
     cells = [f"{statistics.median(r.get(step, 0.0) for r in rows):.3f}" for step in STEPS]
     tokens = sum(r["tokens"] for r in rows) / len(rows)
     return [f"| {label} | {len(rows)} | {tokens:.2f} | " + " | ".join(cells) + " |"]
 
 
+def random_model(workdir: Path, shapes: str, prompt_length: int, new_tokens: int) -> Path:
+    model_dir = workdir / f"{shapes}-shapes"
+    model_dir.mkdir()
+    config = SHAPES[shapes] | {"max_position_embeddings": max(4096, prompt_length + new_tokens + 64)}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
+
 async def main_async(args) -> None:
-    model_dir = resolve_model(args.model)
-    prompts = text_prompts(model_dir, args.prompts)
+    workdir = Path(tempfile.mkdtemp(prefix="anatomy-"))
+    if args.random_shapes:
+        model_dir = random_model(workdir, args.random_shapes, args.prompt_length, args.max_new_tokens)
+        vocab = SHAPES[args.random_shapes]["vocab_size"]
+        rng = random.Random(0)
+        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_length)] for _ in range(args.prompts)]
+    else:
+        model_dir = resolve_model(args.model)
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        prompts = text_prompts(model_dir, args.prompts)
     timers = Timers()
     instrument(timers)
-    workdir = Path(tempfile.mkdtemp(prefix="anatomy-"))
     children = Children(workdir, threads=args.threads)
     d_port = free_port()
-    drafter_args = ["--model", str(model_dir), "--device", args.device, "--dtype", args.dtype, "--port", str(d_port),
-                    "--planner", args.planner, "--global-index-mb", "0"]
-    children.start("drafter", [sys.executable, "-m", "shared.cli", "drafter", *drafter_args])
     verifier = None
     try:
-        await children.wait_serving("drafter", f"127.0.0.1:{d_port}", timeout=600)
         import torch
 
         from shared.model import load_model
@@ -154,56 +189,104 @@ async def main_async(args) -> None:
         if args.threads:
             torch.set_num_threads(args.threads)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-        model = load_model(model_dir, device=args.device, dtype=dtype)
+        log("loading the verifier's model ...")
+        model = load_model(model_dir, device=args.device, dtype=dtype, random_weights=bool(args.random_shapes),
+                           parts="trunk")
         settings = VerifierSettings(port=0, device=args.device, drafter=f"127.0.0.1:{d_port}",
-                                    max_draft_tokens=args.max_draft_tokens, governor=False)
+                                    max_draft_tokens=args.max_draft_tokens, governor=False,
+                                    max_sessions=max(8, args.concurrency),
+                                    max_context=args.prompt_length + args.max_new_tokens + 64 if args.random_shapes else 0)
         verifier = VerifierServer(settings, model=model)
         port = await verifier.start()
         await verifier.wait_loaded()
-        client = AsyncVerifierClient(f"127.0.0.1:{port}")
+        client = AsyncVerifierClient(f"127.0.0.1:{port}", timeout=1800)
+
+        def config(arm: str, tokens: int) -> GenerationConfig:
+            return GenerationConfig(max_new_tokens=tokens, speculation=arm == "speculative",
+                                    max_draft_tokens=args.max_draft_tokens)
+
+        if args.alpha is not None:  # the replay drafter proposes the verifier's own continuations
+            log("recording the references ...")
+            outs = [await client.generate(p, config("plain", args.max_new_tokens)) for p in prompts]
+            reference = workdir / "reference.json"
+            reference.write_text(json.dumps({"vocab_size": vocab, "references": [
+                {"prompt_ids": p, "token_ids": list(o.token_ids)} for p, o in zip(prompts, outs)]}))
+            children.start("drafter", [sys.executable, str(REPO / "bench" / "replay_drafter.py"), "--port", str(d_port),
+                                       "--reference", str(reference), "--alpha", str(args.alpha),
+                                       "--max-drafts", str(args.max_draft_tokens)])
+        else:
+            children.start("drafter", [sys.executable, "-m", "shared.cli", "drafter", "--model", str(model_dir),
+                                       "--device", args.device, "--dtype", args.dtype, "--port", str(d_port),
+                                       "--planner", args.planner, "--global-index-mb", "0"])
+        await children.wait_serving("drafter", f"127.0.0.1:{d_port}", timeout=600)
         runs: dict[str, list[dict[str, float]]] = {"speculative": [], "plain": []}
+        walls: dict[str, list[tuple[float, int]]] = {"speculative": [], "plain": []}  # (seconds, tokens) per batch
+        busy: dict[str, list[float]] = {"speculative": [], "plain": []}  # the loop thread's share, per batch
+        step_log: dict[str, list[tuple[float, float, int]]] = {"speculative": [], "plain": []}
+        groups = [prompts[i:i + args.concurrency] for i in range(0, len(prompts), args.concurrency)]
         for warm in (True, False):
-            for index, prompt in enumerate(prompts):
-                order = ("speculative", "plain") if index % 2 == 0 else ("plain", "speculative")
-                for arm in order:
-                    config = GenerationConfig(max_new_tokens=8 if warm else args.max_new_tokens,
-                                              speculation=arm == "speculative", max_draft_tokens=args.max_draft_tokens)
-                    timers.rounds, timers.last_end = [], None
-                    await client.generate(prompt, config)
+            for index, group in enumerate(groups):
+                for arm in (("speculative", "plain") if index % 2 == 0 else ("plain", "speculative")):
+                    tokens = 8 if warm else args.max_new_tokens
+                    timers.rounds, timers.steps = [], []
+                    started = time.perf_counter()
+                    outs = await asyncio.gather(*(client.generate(p, config(arm, tokens)) for p in group))
+                    seconds = time.perf_counter() - started
                     if not warm:
                         runs[arm] += timers.rounds
+                        walls[arm].append((seconds, sum(len(o.token_ids) for o in outs)))
+                        busy[arm].append(sum(ms for _, ms, _ in timers.steps) / 1e3 / seconds)
+                        step_log[arm] += timers.steps
             log("warm-up done" if warm else "timed requests done")
         await client.close()
     finally:
         if verifier is not None:
             await verifier.stop(0)
         children.stop()
-    spec_rounds = [r for r in runs["speculative"] if r["speculative"]]
-    print(f"### round_anatomy: {time.strftime('%Y-%m-%d')}, device {args.device}, {args.dtype}, planner {args.planner}, "
-          f"{args.prompts} prompts x {args.max_new_tokens} tokens, greedy, k = {args.max_draft_tokens}\n")
-    print("Median ms per round (rounds after each request's first); submit hop = submit − engine.\n")
+    drafter = f"replay drafter, alpha {args.alpha:g}" if args.alpha is not None else f"tandem's drafter ({args.planner})"
+    model_name = f"random {args.dtype} weights at {args.random_shapes} shapes" if args.random_shapes else model_dir.name
+    print(f"### round_anatomy: {time.strftime('%Y-%m-%d')}, device {args.device}, {model_name}, {drafter}, "
+          f"{args.prompts} prompts x {args.max_new_tokens} tokens, {args.concurrency} at a time, greedy, "
+          f"k = {args.max_draft_tokens}\n")
+    print("Median ms per round (rounds after each request's first).\n")
     print("| rounds | count | tokens/round | " + " | ".join(STEPS) + " |")
     print("| --- | ---: | ---: | " + " | ".join("---:" for _ in STEPS) + " |")
+    spec_rounds = [r for r in runs["speculative"] if r["speculative"]]
     for line in table(spec_rounds, "speculative (with drafts)") + table(runs["plain"], "plain"):
         print(line)
-    for arm, rows in runs.items():
-        rows = [r for r in rows if r["round_id"] > 0]
-        total_ms = sum(r["round"] + r.get("between", 0.0) for r in rows)
-        tokens = sum(r["tokens"] for r in rows)
-        print(f"\n{arm}: {tokens / total_ms * 1e3:.1f} tokens/s over the timed rounds" if total_ms else "")
+    print("\n| arm | tokens/s (wall, all requests) | ms per token | engine steps | rounds per step | "
+          "ms per step (median) | loop thread busy |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for arm in ("speculative", "plain"):
+        seconds = sum(s for s, _ in walls[arm])
+        tokens = sum(t for _, t in walls[arm])
+        steps = step_log[arm]
+        if not tokens or not steps:
+            continue
+        print(f"| {arm} | {tokens / seconds:.1f} | {seconds / tokens * 1e3:.3f} | {len(steps)} | "
+              f"{statistics.fmean(n for _, _, n in steps):.2f} | {statistics.median(ms for _, ms, _ in steps):.3f} | "
+              f"{statistics.median(busy[arm]):.2f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None)
+    parser.add_argument("--random-shapes", choices=sorted(SHAPES), default=None,
+                        help="random weights at these shapes (random prompts of --prompt-length ids)")
+    parser.add_argument("--prompt-length", type=int, default=512)
+    parser.add_argument("--alpha", type=float, default=None, help="the synthetic replay drafter at this acceptance")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=1, help="requests at a time (each arm)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-draft-tokens", type=int, default=4)
     parser.add_argument("--planner", default="adaptive", choices=("adaptive", "mtp", "suffix"))
     parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
-    asyncio.run(main_async(parser.parse_args(argv)))
+    args = parser.parse_args(argv)
+    if args.random_shapes and args.alpha is None:
+        parser.error("--random-shapes needs --alpha (tandem's drafter needs a checkpoint)")
+    asyncio.run(main_async(args))
     return 0
 
 

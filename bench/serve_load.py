@@ -15,9 +15,13 @@ With --alpha A a synthetic replay drafter (bench/replay_drafter.py: the verifier
 continuation — greedy, or sampled with the request's seed (its prompt's index) — each draft corrupted with probability 1 − A) joins the same verifier;
 each concurrency, and each arrival rate (the same arrival times), then runs plain and
 speculative requests in alternating blocks on that one service (plain requests ask for no
-speculation), and reports speculative / plain. An open loop at a steady rate is the load the
-verifier's load gate (--verifier-arg=--load-gate) is for: a closed loop's clients start and
-end together, and their prompts prefill in bursts.
+speculation), and reports speculative / plain. An open loop's arrivals are steady; a closed
+loop's clients start and end together, and their prompts prefill in bursts.
+
+With --against-tree DIR a second verifier, started from another checkout (the code before a
+change) on the same weights and drafter, runs every closed-loop arm too, the two services
+alternating block by block (order reversed each block); the report adds this / that per arm
+(median of per-block ratios of output tokens/s, and of TPOT p50).
 
 Usage: python bench/serve_load.py [--small | --shapes qwen3.5-35b-a3b] [--concurrency 1,8,32,64] [--rates ...] [--alpha 0.8]
 """
@@ -28,6 +32,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -110,11 +115,6 @@ class Load:
     def metrics(self) -> list[str]:
         return urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode().splitlines()
 
-    def gate_lines(self) -> list[str]:
-        """The verifier's load gate counters (cumulative)."""
-        return [line for line in self.metrics()
-                if line.startswith(("tandem_verifier_load_gate_epochs_total", "tandem_verifier_gated_rounds_total"))]
-
     def batch_counts(self) -> tuple[float, float]:
         """(sum, count) of the verifier's tandem_verifier_batch_rounds histogram."""
         values = {}
@@ -188,6 +188,8 @@ def main() -> None:
     parser.add_argument("--max-position-embeddings", type=int, default=0,
                         help="the random model's context (0: 4,096 or what the requests need)")
     parser.add_argument("--verifier-arg", action="append", default=[], help="extra verifier flag (repeatable)")
+    parser.add_argument("--against-tree", type=Path, default=None, metavar="DIR",
+                        help="also run a verifier from this checkout (the code before a change), paired block by block")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -203,10 +205,16 @@ def main() -> None:
     port, metrics_port = free_port(), free_port()
     address = f"127.0.0.1:{port}"
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
-    verifier_argv = [sys.executable, "-m", "shared.cli", "verifier", "--model", str(workdir / "model"), "--random-weights",
-                     "--device", args.device, "--dtype", dtype, "--port", str(port), "--metrics-port", str(metrics_port),
-                     "--max-sessions", str(max(levels)), "--max-context", str(args.prompt_tokens + args.new_tokens + 32),
-                     "--grace-s", "2", *args.verifier_arg]
+
+    def argv_for(port: int, metrics_port: int) -> list[str]:
+        return [sys.executable, "-m", "shared.cli", "verifier", "--model", str(workdir / "model"), "--random-weights",
+                "--device", args.device, "--dtype", dtype, "--port", str(port), "--metrics-port", str(metrics_port),
+                "--max-sessions", str(max(levels)), "--max-context", str(args.prompt_tokens + args.new_tokens + 32),
+                "--grace-s", "2", *args.verifier_arg]
+
+    verifier_argv = argv_for(port, metrics_port)
+    other_port, other_metrics_port = free_port(), free_port()
+    other_argv = argv_for(other_port, other_metrics_port)
     results: dict = {"args": vars(args) | {"out": str(args.out)}, "closed": {}, "open": {}}
     try:
         if args.alpha is not None:
@@ -220,21 +228,28 @@ def main() -> None:
                                               "--alpha", str(args.alpha), "--vocab-size", str(shapes["vocab_size"])])
             asyncio.run(children.wait_serving("replay-drafter", f"127.0.0.1:{drafter_port}", timeout=120))
             verifier_argv += ["--drafter", f"127.0.0.1:{drafter_port}"]
+            other_argv += ["--drafter", f"127.0.0.1:{drafter_port}"]
         children.start("verifier", verifier_argv)
         asyncio.run(children.wait_serving("verifier", address, timeout=900))
         load = Load(address, prompts, args.new_tokens, metrics_port, args.temperature, args.draft_tokens)
         asyncio.run(load.closed_loop(1, 1, False))  # warm-up
+        services = {"": load}  # key prefix -> service
+        if args.against_tree is not None:
+            children.start("other-verifier", other_argv, tree=args.against_tree)
+            asyncio.run(children.wait_serving("other-verifier", f"127.0.0.1:{other_port}", timeout=900))
+            services["before:"] = Load(f"127.0.0.1:{other_port}", prompts, args.new_tokens, other_metrics_port,
+                                       args.temperature, args.draft_tokens)
+            asyncio.run(services["before:"].closed_loop(1, 1, False))  # warm-up
         arms = [False, True] if args.alpha is not None else [False]
         for block in range(args.blocks):
             for c in levels:
                 for speculation in (arms if block % 2 == 0 else arms[::-1]):
-                    key = f"{'spec' if speculation else 'plain'}@{c}"
-                    s = asyncio.run(load.closed_loop(c, args.requests_per_client, speculation))
-                    results["closed"].setdefault(key, []).append(s)
-                    log(f"  block {block} {key}: {s['tokens_per_s']:.1f} tok/s, mean batch {s['mean_batch']:.1f}, "
-                        f"TPOT p50 {s['tpot_ms']['p50']:.2f} ms")
-                    if speculation:  # the load gate's counts so far (cumulative)
-                        log("    " + "; ".join(line.removeprefix("tandem_verifier_") for line in load.gate_lines()))
+                    for prefix in (list(services) if block % 2 == 0 else list(services)[::-1]):
+                        key = f"{prefix}{'spec' if speculation else 'plain'}@{c}"
+                        s = asyncio.run(services[prefix].closed_loop(c, args.requests_per_client, speculation))
+                        results["closed"].setdefault(key, []).append(s)
+                        log(f"  block {block} {key}: {s['tokens_per_s']:.1f} tok/s, mean batch {s['mean_batch']:.1f}, "
+                            f"TPOT p50 {s['tpot_ms']['p50']:.2f} ms")
         for i, rate in enumerate(rates):
             for speculation in (arms if i % 2 == 0 else arms[::-1]):  # (the same arrival times for both)
                 key = f"{'spec' if speculation else 'plain'}@{rate:g}/s"
@@ -243,11 +258,6 @@ def main() -> None:
                 log(f"  {key}: {s['tokens_per_s']:.1f} tok/s, mean batch {s['mean_batch']:.1f}, "
                     f"TTFT p50 {s['ttft_ms']['p50']:.0f} ms, TPOT p50 {s['tpot_ms']['p50']:.2f} ms, "
                     f"refused {s['refused']}")
-                if speculation:
-                    log("    " + "; ".join(line.removeprefix("tandem_verifier_") for line in load.gate_lines()))
-        if args.alpha is not None:
-            log("  the verifier's load gate verdicts:\n" + "\n".join(
-                line for line in children.tail("verifier", 100_000).splitlines() if "load gate" in line))
     finally:
         children.stop()
     report(results, levels, rates, args)
@@ -298,6 +308,25 @@ def report(results: dict, levels: list[int], rates: list[float], args) -> None:
             plain, spec = median_arm(f"plain@{c}"), median_arm(f"spec@{c}")
             if plain and spec:
                 print(f"- concurrency {c}: {spec['tokens_per_s'] / plain['tokens_per_s']:.2f}x")
+    if args.against_tree is not None:
+        print(f"\nthis tree against `{args.against_tree}` (median of per-block ratios, {args.blocks} blocks):\n")
+        print("| arm | tokens/s, this | tokens/s, that | this / that | TPOT p50 that / this |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for c in levels:
+            for kind in ("plain", "spec"):
+                this, that = results["closed"].get(f"{kind}@{c}"), results["closed"].get(f"before:{kind}@{c}")
+                if not this or not that:
+                    continue
+                ratio = statistics.median(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(this, that))
+                tpot = statistics.median(b["tpot_ms"]["p50"] / a["tpot_ms"]["p50"] for a, b in zip(this, that))
+                print(f"| {kind}, concurrency {c} | {statistics.median(a['tokens_per_s'] for a in this):.1f} | "
+                      f"{statistics.median(b['tokens_per_s'] for b in that):.1f} | {ratio:.3f} | {tpot:.3f} |")
+        if args.alpha is not None:
+            print("\nspeculative / plain, the tree before:")
+            for c in levels:
+                plain, spec = median_arm(f"before:plain@{c}"), median_arm(f"before:spec@{c}")
+                if plain and spec:
+                    print(f"- concurrency {c}: {spec['tokens_per_s'] / plain['tokens_per_s']:.2f}x")
     if rates:
         print(f"\nopen loop (Poisson arrivals), {args.num_requests} requests per rate\n")
         print(HEADER)

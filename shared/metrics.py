@@ -44,17 +44,6 @@ class VerifierMetrics:
                               ["kind"], registry=r)
         self.detaches = Counter("tandem_verifier_drafter_detaches",
                                 "Times a request stopped asking its drafter because speculation did not pay", registry=r)
-        self.gated = Counter("tandem_verifier_gated_rounds",
-                             "Rounds of requests with a drafter that the load gate held plain (speculation did not pay at "
-                             "this load)", registry=r)
-        self.load_gate_epochs = Counter("tandem_verifier_load_gate_epochs",
-                                        "Load gate epochs by regime (the cap on a round's drafts: plain, cap_N, uncapped) and "
-                                        "outcome (measured; moved: the load changed bucket; idle: no round with a drafter for a while; "
-                                        "short: it never settled)",
-                                        ["regime", "outcome"], registry=r)
-        self.load_gate_cap = Gauge("tandem_verifier_load_gate_cap",
-                                   "Most drafts a round may verify in the load gate's current epoch (0: every round "
-                                   "plain); -1: no cap, or no gate", registry=r)
         self.ahead = Counter("tandem_verifier_ahead_chains",
                              "Chains drafted ahead of a commit: hit (used) or miss (dropped)", ["outcome"], registry=r)
         self.drafter_reachable = Gauge(

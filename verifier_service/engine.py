@@ -35,7 +35,6 @@ from verifier_service.kv_memory import KVPlan, plan_kv
 from verifier_service.requests import RequestSpec
 from verifier_service.rounds import Ahead, RoundOutcome, RoundRequest, Session
 from verifier_service.sampled_rounds import own_tokens, process_targets, round_verdicts
-from verifier_service.window_sizing import RowCost, cut_chains
 
 
 class Engine:
@@ -56,13 +55,11 @@ class Engine:
         progress: Callable[[str], None] | None = None,
         draw_secret: bytes = b"",
         row_invariant: bool = True,
-        window_sizing: bool = False,
         kv_block_size: int = 64,
         kv_cache_tokens: int = 0,
         kv_memory_fraction: float = 0.9,
     ) -> None:
         self.model = model
-        self.window_sizing = window_sizing  # batches verify the draft prefixes that pay (window_sizing.py)
         self.draw_secret = draw_secret  # keys the accept/residual draws (verifier_service.audit)
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
@@ -120,7 +117,6 @@ class Engine:
         self.ring_hidden = torch.zeros((2, batch_rows, c.hidden_size), dtype=model.dtype, pin_memory=pinned)
         self.ring_events = [torch.cuda.Event(), torch.cuda.Event()] if pinned else None
         self.ring_next = 0
-        self.row_cost = RowCost(max_rows=batch_rows)  # ms of the batched forwards by their rows
         self.ahead: Ahead | None = None
 
     @property
@@ -210,6 +206,12 @@ class Engine:
             self.runner.release(session.slot)
             session.slot = None
 
+    def computed_ahead(self) -> list[Session]:
+        """The sessions whose next plain round is already computed (or on its way): the decode
+        step enqueued ahead, used if the next step is exactly theirs."""
+        ahead = self.ahead
+        return ahead.sessions if ahead is not None else []
+
     @property
     def free_slots(self) -> int | None:
         return self.runner.num_free_slots
@@ -237,8 +239,6 @@ class Engine:
         if all(not r.drafts for r in rounds) and len(rounds) <= self.runner.max_batch_rows:
             return self._decode_step(rounds)
         self.ahead = None
-        if self.window_sizing and len(rounds) > 1 and self.row_cost.known and any(r.drafts for r in rounds):
-            rounds = cut_chains(rounds, self.row_cost)
         outcomes: list[RoundOutcome] = []
         group: list[RoundRequest] = []
         for r in rounds:  # steps of at most max_batch_rows rows
@@ -274,8 +274,6 @@ class Engine:
             for i, span in parts:
                 targets[i] = rows[span]
         forward_s = time.perf_counter() - started
-        if self.window_sizing and len(rounds) > 1:  # (one session's window costs less: not a batch)
-            self.row_cost.record(num_rows, forward_s * 1e3)
         alone = len(rounds) == 1  # (no slicing on the one-request path: each slice costs the host a few µs)
         verdicts = round_verdicts([(r.session, r.drafts, r.q_rows, ids if alone else ids[span], target)
                                    for r, span, target in zip(rounds, spans, targets)], self.draw_secret)
@@ -297,8 +295,6 @@ class Engine:
         rows = _head(host_hidden, accepted + 1).to(torch.bfloat16, copy=True)
         session.hidden_rows.append(rows)
         session.token_ids.extend(emitted)
-        if drafts:
-            session.acceptance.record(len(drafts), accepted)
         return RoundOutcome(emitted, accepted, rows, forward_s * 1e3, verify_s * 1e3, slot_misses, len(drafts))
 
     def _decode_step(self, rounds: list[RoundRequest]) -> list[RoundOutcome]:
@@ -327,8 +323,6 @@ class Engine:
                                                self._next_tokens(step_sessions, out, [p + 2 for p in step_positions])))
         host_hidden, ids = self._ring_read(ring, len(rounds))
         forward_s = time.perf_counter() - started
-        if self.window_sizing and fresh and len(rounds) > 1:  # (the read waits for this step only)
-            self.row_cost.record(len(rounds), forward_s * 1e3)
         misses = self.slot_misses() - misses
         if len(rounds) == 1:  # (no slicing on the one-request path: each slice costs the host a few µs)
             return [self._commit(rounds[0].session, [], host_hidden, ([ids[0]], 0), forward_s, 0.0, misses)]

@@ -215,6 +215,17 @@ class Governor:
     def next_speculates(self) -> bool:
         return self.speculating
 
+    def plain_ahead(self) -> int | None:
+        """How many rounds after the current one (its `begin` called) will certainly be plain
+        (None: every one): the next round's kind is decided, later ones only when a phase
+        ends — at the `begin` where the phase's rounds reach its length. The engine loop runs
+        that many plain rounds without waiting for this request's coroutine."""
+        if not self.drafting:
+            return None
+        if self.speculating:
+            return 0
+        return max(self.phase_length - self.phase_rounds, 1)
+
     def begin(self, now: float) -> bool:
         """Close the last round (measured up to now); whether this round waits for a chain."""
         if self.started is not None:
@@ -228,15 +239,6 @@ class Governor:
         if self.drafting and self.phase_rounds >= self.phase_length:
             self._decide()  # the next round's kind, from the rounds closed so far
         return self.round_speculated
-
-    def pause(self, now: float) -> None:
-        """The server's load gate holds this round plain (verifier_service/load_gate.py): close
-        the last round (measured up to now) and keep held rounds out of the estimates; the next
-        round let through opens a phase (its first round pays the drafter's catch-up)."""
-        if self.started is not None:
-            self._record(now - self.started, self.tokens)
-        self.started, self.tokens = None, 0
-        self.new_phase = True
 
     def end(self, tokens: int) -> None:
         """The current round committed `tokens`."""

@@ -11,7 +11,6 @@ from torch import Tensor
 from kernels.sampling import SparseRows
 from shared.model.kv_cache import CacheLength
 from verifier_service.requests import RequestSpec
-from verifier_service.window_sizing import Acceptance
 
 
 @dataclass
@@ -21,7 +20,6 @@ class Session:
     token_ids: list[int]  # committed: prompt + completion
     hidden_rows: list[Tensor] = field(default_factory=list)  # final-norm rows of token_ids[:-1], CPU bf16
     slot: int | None = None  # its slot in the runner (None once closed)
-    acceptance: Acceptance = field(default_factory=Acceptance)  # of its verified drafts (window sizing)
 
     @property
     def prefill_left(self) -> int:
@@ -32,6 +30,14 @@ class Session:
     def capacity_left(self) -> int:
         """Drafts a window may still carry without overrunning the cache."""
         return self.cache.max_length - self.cache.length - 1
+
+    def may_decode(self) -> bool:
+        """Whether a plain round could still commit a token the request wants (the engine loop
+        runs granted rounds only while it can: verifier_service.loop)."""
+        if self.cache.length >= self.cache.max_length:
+            return False
+        produced = len(self.token_ids) - len(self.spec.prompt_ids)
+        return produced < self.spec.max_new_tokens and not (produced and self.token_ids[-1] in self.spec.eos_token_ids)
 
     def hidden(self) -> Tensor:
         return torch.cat(self.hidden_rows) if self.hidden_rows else torch.zeros((0, 0), dtype=torch.bfloat16)

@@ -1,8 +1,10 @@
 """The verifier gRPC service: Generate, health checking, reflection, graceful drain.
 
-Each request: validate → open a session (prefill on the model worker) → open the Draft
-stream → rounds of (await chain within the deadline, validate, retain, verify on the model
-worker, stream the committed tokens, commit to the drafter) → final event with stats.
+Each request: validate → open a session (prefill on the engine loop's thread) → open the
+Draft stream → rounds of (await chain within the deadline, validate, retain, hand the round to
+the engine loop, stream the committed tokens, commit to the drafter) → final event with stats.
+Rounds the request's governor knows will be plain are granted to the engine loop, which runs
+them on its own (verifier_service/loop.py); the coroutine streams their outcomes.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import grpc
 import structlog
@@ -36,17 +38,15 @@ from shared.protocol import (
 )
 from shared.service import ServiceServer, require_model, run_until_signalled
 from shared.tokenizer import load_tokenizer
-from shared.worker import ModelWorker
 from verifier_service.admission import Admission, AdmissionLimits, AdmissionRefused
 from verifier_service.audit import HonestyAudit, accept_key
 from verifier_service.chains import ChainFault, retain, validate_chain
 from verifier_service.drafter_link import DeadlineTracker, DrafterHealth, DrafterLink, drafter_channel, open_message
 from verifier_service.governor import Governor, GovernorSettings, Ledger
-from verifier_service.load_gate import service_gate
-from verifier_service.batcher import BatchSettings, RoundBatcher
-from verifier_service.prefill import PrefillBatcher
 from verifier_service.engine import Engine
-from verifier_service.rounds import RoundRequest, Session
+from verifier_service.loop import BatchSettings, EngineLoop, Lane, RoundsExhausted
+from verifier_service.prefill import PrefillBatcher
+from verifier_service.rounds import RoundOutcome, RoundRequest, Session
 from verifier_service.requests import RequestError, RequestSpec, parse_request
 from verifier_service.settings import VerifierSettings
 from verifier_service.stats import RequestStats, finish_span
@@ -57,14 +57,36 @@ SOURCE_ENUM = {"MTP": common_pb2.DRAFT_SOURCE_MTP, "SUFFIX": common_pb2.DRAFT_SO
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@dataclass
+class Running:
+    """A request past its prefill, as its rounds see it."""
+
+    session: Session
+    lane: Lane
+    link: DrafterLink | None
+    governor: Governor | None
+    completion: Completion
+    stats: RequestStats
+    round_id: int = 0  # the next round's
+    granted_until: int = 0  # rounds before this one are granted to the engine loop (plain)
+    num_tokens: int = 0  # committed tokens this coroutine has read (prompt and completion)
+
+    def plain_ahead(self) -> int | None:
+        """Rounds after the current one that will certainly be plain (None: all)."""
+        if self.link is None:
+            return None
+        return self.governor.plain_ahead() if self.governor is not None else 0
+
+
 class VerifierService(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, settings: VerifierSettings, model=None, tokenizer=None):
         self.settings = settings
-        self.worker = ModelWorker("verifier-model")
+        self.worker = EngineLoop("verifier-model", BatchSettings(max_rounds=settings.max_sessions,
+                                                                 gather_s=settings.batch_gather_ms / 1e3),
+                                 on_step=self.metrics_step)
         self.model = model
         self.tokenizer = tokenizer
         self.engine: Engine | None = None
-        self.batcher: RoundBatcher | None = None
         self.prefiller: PrefillBatcher | None = None
         self.admission = Admission(AdmissionLimits(settings.max_sessions, settings.max_queued, settings.queue_timeout_s))
         self.draining = False
@@ -76,9 +98,6 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                                                   probe_share=settings.governor_probe_share)
         self.ledger = Ledger(self.governor_settings)  # what speculation realises lately, all requests
         self.metrics = VerifierMetrics()
-        self.gate = service_gate(settings.load_gate_epoch_ms, settings.max_draft_tokens, self.metrics.load_gate_epochs, log) \
-            if settings.load_gate and settings.drafter else None
-        self.decoding = 0  # requests past their prefill (the load the gate sees)
         self.channel = drafter_channel(settings) if settings.drafter else None
         self.drafter = drafter_pb2_grpc.DrafterStub(self.channel) if self.channel else None
         self.metrics.queued.set_function(lambda: self.admission.queued)
@@ -86,7 +105,9 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.metrics.kv_blocks_held.set_function(lambda: self.admission.blocks_held)
         self.drafter_health = DrafterHealth(settings.drafter or "", self.metrics.drafter_reachable, log)
         self.metrics.drafter_reachable.set(-1 if self.channel is None else 0)
-        self.metrics.load_gate_cap.set_function(lambda: -1 if self.gate is None or self.gate.cap is None else self.gate.cap)
+
+    def metrics_step(self, num_rounds: int) -> None:
+        self.metrics.batch_rounds.observe(num_rounds)
 
     @property
     def active(self) -> int:
@@ -122,14 +143,12 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             cuda_graphs=s.cuda_graphs, pdl=s.pdl != "off", expert_prefetch=s.expert_prefetch, max_sessions=s.max_sessions,
             max_window=s.max_draft_tokens_limit + 1, max_batch_rows=s.max_batch_rows, verify_window=s.max_draft_tokens + 1,
             progress=lambda message: log.info(message), draw_secret=self.draw_secret, row_invariant=s.row_invariant,
-            window_sizing=s.window_sizing, kv_block_size=s.kv_block_size, kv_cache_tokens=s.kv_cache_tokens,
+            kv_block_size=s.kv_block_size, kv_cache_tokens=s.kv_cache_tokens,
             kv_memory_fraction=s.kv_memory_fraction,
         )
         plan = self.engine.kv_plan  # admission counts the pool's blocks from now on (no request ran yet)
         self.admission.limits = replace(self.admission.limits, kv_blocks=plan.num_blocks, kv_block_size=plan.block_size)
-        self.batcher = RoundBatcher(self.worker, self.engine.run_rounds,
-                                    BatchSettings(max_rounds=s.max_sessions, gather_s=s.batch_gather_ms / 1e3),
-                                    on_batch=self.metrics.batch_rounds.observe)
+        self.worker.start(self.engine)
         self.prefiller = PrefillBatcher(self.worker, self.engine.prefill, s.prefill_chunk, on_job=self._prefill_job)
         self.metrics.model_bytes.set(model_bytes := resident_bytes(self.model))
         log.info("verifier ready", address=s.address, drafter=s.drafter, vocab=self.model.config.vocab_size,
@@ -185,8 +204,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         link: DrafterLink | None = None
         governor: Governor | None = None
         opened: Session | None = None
+        lane: Lane | None = None
         completion: Completion | None = None
-        decoding = False
         tracer = telemetry.tracer("tandem.verifier")
         # The request's span is current only between yields, never while this generator is
         # suspended: gRPC may close it from another context (a client gone while an event
@@ -211,24 +230,24 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 if link is not None and (governor is None or governor.next_speculates):  # else at its first probe
                     await link.open(open_message(session, 0, self.settings.draft_ahead), self._trace_context())
                 completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences, self.tokenizer)
-            round_id = 0
-            self.decoding += 1
-            decoding = True
-            # the load gate's cap on the next round's drafts (decided as the last one ended; None: none)
-            cap = None if link is None or self.gate is None else self.gate.open(time.perf_counter(), self.decoding)
+            lane = self.worker.join(session)
+            running = Running(session, lane, link, governor, completion, stats, num_tokens=len(session.token_ids))
             while completion.finish_reason is None:
-                if session.cache.length >= session.cache.max_length:
+                if running.num_tokens - 1 >= session.cache.max_length:  # (the cache holds all but the head)
                     completion.finish_reason = "length"
                     break
                 if self.finish_by is not None and time.monotonic() >= self.finish_by:
                     completion.finish_reason = "shutdown"  # the service is stopping
                     break
                 with telemetry.use_span(span), \
-                        tracer.start_as_current_span("round", attributes={"tandem.round_id": round_id}) as round_span:
-                    event, cap = await self._round(session, link, governor, cap, completion, stats, round_id,
-                                                   round_span)
+                        tracer.start_as_current_span("round", attributes={"tandem.round_id": running.round_id}) as round_span:
+                    try:
+                        event = await self._round(running, round_span)
+                    except RoundsExhausted:  # (a limit this coroutine did not see first)
+                        completion.finish_reason = "length"
+                        break
                 yield event
-                round_id += 1
+                running.round_id += 1
             faults = sum(v for k, v in (link.faults if link else {}).items() if k != "resync")
             message = stats.message(len(completion.token_ids), faults)
             if link is not None:
@@ -247,15 +266,14 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             raise
         finally:
             span.end()
-            if decoding:
-                self.decoding -= 1
+            if lane is not None:
+                lane.leave()
             if opened is not None:
-                self.batcher.leave(opened)
-                # On the worker, behind any round of this session still running there: a request
+                # On the loop's thread, behind any step of this session running there: a request
                 # cancelled while its batch ran released its KV slot under that batch, which then
                 # failed for every request in it (tests/verifier_service/test_concurrency.py).
                 self.worker.submit(self.engine.close, opened)
-            self.admission.release(kv_blocks)  # (the worker frees the blocks before any later begin)
+            self.admission.release(kv_blocks)  # (the loop frees the blocks before any later begin)
             self.metrics.active.dec()
             if governor is not None:  # (cancelled requests too)
                 governor.close()
@@ -333,21 +351,18 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         telemetry.inject_context(carrier)
         return carrier
 
-    async def _round(self, session: Session, link: DrafterLink | None, governor: Governor | None, cap: int | None,
-                     completion: Completion, stats: RequestStats, round_id: int, span
-                     ) -> tuple[verifier_pb2.GenerateEvent, int | None]:
-        """One round: chain (bounded wait) → validate → retain → verify → commit. Returns the
-        round's event and the load gate's cap on the next round's drafts (0: plain; None: none)."""
-        spec = session.spec
+    async def _round(self, running: Running, span) -> verifier_pb2.GenerateEvent:
+        """One round: chain (bounded wait) → validate → retain → verify → commit; its event.
+        A round granted to the engine loop (plain) is only read here: the loop ran it."""
+        session, link, governor, completion, stats = \
+            running.session, running.link, running.governor, running.completion, running.stats
+        spec, round_id = session.spec, running.round_id
         started = time.perf_counter()
-        gated = link is not None and cap == 0
-        if gated:  # the load gate holds it plain: the request's governor neither decides nor measures it
-            if governor is not None:
-                governor.pause(started)
-            speculate = False
-            self.metrics.gated.inc()
-        else:  # (a request without a drafter still runs the governor: its rounds teach the server the plain cost)
-            speculate = (governor.begin(started) if governor is not None else True) and link is not None
+        granted = round_id < running.granted_until
+        # (a request without a drafter still runs the governor: its rounds teach the server the plain cost)
+        speculate = (governor.begin(started) if governor is not None else True) and link is not None
+        if granted and speculate:
+            raise RuntimeError(f"round {round_id} was granted as plain, but the governor speculates")
         chain, raw, wait_ms, bytes_up = None, None, 0.0, 0
         if speculate:
             bytes_up += await link.ask(lambda: open_message(session, round_id, self.settings.draft_ahead), self._trace_context)
@@ -356,17 +371,22 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 chain = self._checked(raw, session, round_id, link)
         proposed = chain.proposed if chain else 0
         if chain is not None:
-            limit = min(spec.max_draft_tokens, session.capacity_left, spec.max_draft_tokens if cap is None else cap)
-            chain = retain(chain, mode=spec.mode, gate=spec.gate, policy=spec.retention, limit=limit)
+            chain = retain(chain, mode=spec.mode, gate=spec.gate, policy=spec.retention,
+                           limit=min(spec.max_draft_tokens, session.capacity_left))
             chain = self._audited(chain, session, link)
         drafts = chain.token_ids if chain else []
-        # A plain round followed by another: let the engine enqueue the next one before this one
-        # is read, unless this round may be the last. (The gate's verdict for the next round is
-        # taken now and kept, so that a step computed ahead is never one the next round skips.)
-        next_cap = None if link is None or self.gate is None else self.gate.open(time.perf_counter(), self.decoding)
-        next_plain = link is None or next_cap == 0 or (governor is not None and not governor.next_speculates)
-        ahead = not drafts and next_plain and spec.max_new_tokens - len(completion.token_ids) > 1
-        outcome = await self.batcher.submit(RoundRequest(session, drafts, chain.q_rows if chain else None, ahead))
+        if not granted:
+            running.lane.turn(RoundRequest(session, drafts, chain.q_rows if chain else None))
+        # Rounds the governor already knows will be plain go to the loop now: it runs the next
+        # one as soon as this one is committed (its step enqueued before this one is read).
+        ahead = running.plain_ahead()
+        left = spec.max_new_tokens - len(completion.token_ids) - 1  # (tokens the next rounds may still stream)
+        until = round_id + 1 + (left if ahead is None else min(ahead, left))
+        if until > running.granted_until:
+            running.lane.grant(until - max(running.granted_until, round_id + 1))
+            running.granted_until = until
+        outcome = await running.lane.outcome()
+        running.num_tokens += len(outcome.emitted)
         source = chain.source if chain else "NONE"
         tokens, delta = completion.extend(outcome.emitted)
         # committed: the tokens delivered, and the eos or stop token that ended the request
@@ -377,29 +397,13 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             self.metrics.ttft_seconds.observe(stats.first_token_at - stats.started)
         if governor is not None:
             governor.end(len(outcome.emitted))
-        if self.gate is not None:
-            self.gate.record(time.perf_counter(), len(outcome.emitted))
         if link is not None and completion.finish_reason is None:  # (told when it is next asked, if not now)
-            bytes_up += await link.tell(round_id, outcome, outcome.num_verified, not next_plain, self._trace_context,
-                                        draft_cap=next_cap or 0)
+            ask_next = governor is None or governor.next_speculates
+            bytes_up += await link.tell(round_id, outcome, outcome.num_verified, ask_next, self._trace_context)
+        confidences = list(raw.confidences[: spec.max_draft_tokens]) if raw is not None else []
+        self._observe(span, outcome, speculate, source, proposed, len(drafts), tokens, raw, confidences, wait_ms,
+                      bytes_up, started)
         verify_ms = outcome.forward_ms + outcome.verify_ms
-        draft_ms = raw.costs.draft_ms if raw is not None else 0.0
-        self.metrics.round_done(tokens=len(tokens), emitted=len(outcome.emitted), seconds=time.perf_counter() - started,
-                                speculative=speculate, source=source, retained=len(drafts),
-                                accepted=outcome.num_accepted, slot_hit_rate=self.engine.slot_hit_rate())
-        span.set_attributes({
-            "tandem.speculative": speculate, "tandem.gated": gated, "tandem.draft_cap": -1 if cap is None else cap,
-            "tandem.source": source, "tandem.proposed": proposed,
-            "tandem.retained": len(drafts),
-            "tandem.verified": outcome.num_verified, "tandem.accepted": outcome.num_accepted,
-            "tandem.emitted": len(outcome.emitted),
-            "tandem.confidences": list(raw.confidences[: spec.max_draft_tokens]) if raw is not None else [],
-            "tandem.draft_ms": draft_ms, "tandem.rpc_ms": max(wait_ms - draft_ms, 0.0), "tandem.wait_ms": wait_ms,
-            "tandem.verify_ms": verify_ms, "tandem.bytes_up": bytes_up,
-            "tandem.bytes_down": raw.ByteSize() if raw is not None else 0,
-            "tandem.drafter_slot_misses": raw.costs.expert_slot_misses if raw is not None else 0,
-            "tandem.verifier_slot_misses": outcome.slot_misses,
-        })
         return verifier_pb2.GenerateEvent(
             token_ids=tokens,
             text_delta=delta if self.tokenizer is not None else None,  # set: the client knows text is streamed
@@ -407,7 +411,28 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 round_id=round_id, source=SOURCE_ENUM[source], proposed=proposed, retained=len(drafts),
                 accepted=outcome.num_accepted, verify_ms=verify_ms, draft_wait_ms=wait_ms, speculative=speculate,
             ),
-        ), next_cap
+        )
+
+    def _observe(self, span, outcome: RoundOutcome, speculate: bool, source: str, proposed: int, retained: int,
+                 tokens: list[int], raw: drafter_pb2.DraftChain | None, confidences: list[float], wait_ms: float,
+                 bytes_up: int, started: float) -> None:
+        """A round's metrics and span attributes."""
+        draft_ms = raw.costs.draft_ms if raw is not None else 0.0
+        self.metrics.round_done(tokens=len(tokens), emitted=len(outcome.emitted), seconds=time.perf_counter() - started,
+                                speculative=speculate, source=source, retained=retained,
+                                accepted=outcome.num_accepted, slot_hit_rate=self.engine.slot_hit_rate())
+        span.set_attributes({
+            "tandem.speculative": speculate, "tandem.source": source, "tandem.proposed": proposed,
+            "tandem.retained": retained,
+            "tandem.verified": outcome.num_verified, "tandem.accepted": outcome.num_accepted,
+            "tandem.emitted": len(outcome.emitted),
+            "tandem.confidences": confidences,
+            "tandem.draft_ms": draft_ms, "tandem.rpc_ms": max(wait_ms - draft_ms, 0.0), "tandem.wait_ms": wait_ms,
+            "tandem.verify_ms": outcome.forward_ms + outcome.verify_ms, "tandem.bytes_up": bytes_up,
+            "tandem.bytes_down": raw.ByteSize() if raw is not None else 0,
+            "tandem.drafter_slot_misses": raw.costs.expert_slot_misses if raw is not None else 0,
+            "tandem.verifier_slot_misses": outcome.slot_misses,
+        })
 
     def _checked(self, raw: drafter_pb2.DraftChain, session: Session, round_id: int, link: DrafterLink):
         spec = session.spec
@@ -461,8 +486,6 @@ class VerifierServer(ServiceServer):
         return self.service.active + self.service.admission.queued
 
     async def close(self) -> None:
-        if self.service.batcher is not None:
-            await self.service.batcher.close()
         if self.service.prefiller is not None:
             await self.service.prefiller.close()
         if self.service.channel is not None:

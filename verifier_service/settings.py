@@ -36,7 +36,6 @@ class VerifierSettings:
     max_context: int = field(default=0, metadata={"help": "prompt + completion limit in tokens (0 = the model's max_position_embeddings)"})
     prefill_chunk: int = field(default=2048, metadata={"help": "prompt tokens per prefill forward, shared by the prompts that prefill together (H200, 30B-A3B shapes: 16k tokens/s at 512, 41k at 2048, 60k at 4096)"})
     max_batch_rows: int = field(default=64, metadata={"help": "most rows (all sessions' windows together) in one batched forward; decode batches up to it run as CUDA graphs"})
-    window_sizing: bool = field(default=False, metadata={"help": "a batched forward verifies, of each session's drafts, the prefix that maximises the batch's expected tokens per ms of forward (each session's measured acceptance, the forward's measured cost by rows). Off by default: on the H200 it cost more than it saved (it prices the forward only, not each round's own host and drafter work; docs/PERFORMANCE.md)"})
     batch_gather_ms: float = field(default=2.0, metadata={"help": "how long a batch waits for the sessions of the last one to submit their next round"})
     max_draft_tokens: int = field(default=4, metadata={"help": "drafts per round when a request does not say"})
     max_draft_tokens_limit: int = field(default=16, metadata={"help": "largest max_draft_tokens a request may ask for"})
@@ -48,8 +47,6 @@ class VerifierSettings:
     governor: bool = field(default=True, metadata={"help": "measure what rounds with drafts realise against plain rounds, per request, and decode plainly (probing now and then) while speculation does not pay"})
     governor_hold: int = field(default=16, metadata={"help": "plain rounds of a request after speculation stopped paying before it may probe again"})
     governor_probe_share: float = field(default=0.03, metadata={"help": "of the time spent decoding plainly, what probing a drafter that does not pay may cost (0.03: a useless drafter slows requests by at most 3%, plus one probe)"})
-    load_gate: bool = field(default=False, metadata={"help": "with 2+ sessions decoding, cap how many drafts a round may verify, per load level, on a ladder from 0 (every round plain) to max_draft_tokens, then none: compare what the whole server delivers (tokens/s) under neighbouring caps in alternating stretches (paired neighbours) and climb to the better, probing the neighbours now and then (in a batch, sessions waiting for chains split the forward and every draft row can pull in experts, which no request's governor sees). Off by default: not yet shown to pay on the GPU (docs/PERFORMANCE.md, sessions 12-13)"})
-    load_gate_epoch_ms: float = field(default=250.0, metadata={"help": "load gate: how long one stretch (one cap) lasts"})
     metrics_port: int = field(default=0, metadata={"help": "port of the Prometheus /metrics endpoint (0 = off)"})
     tls_cert: str | None = field(default=None, metadata={"help": "PEM server certificate: serve TLS (with tls_key)"})
     tls_key: str | None = field(default=None, metadata={"help": "PEM private key of tls_cert"})
@@ -86,8 +83,6 @@ class VerifierSettings:
             raise ValueError(
                 f"max_draft_tokens {self.max_draft_tokens} must lie in [0, max_draft_tokens_limit = {self.max_draft_tokens_limit}]"
             )
-        if not (math.isfinite(self.load_gate_epoch_ms) and self.load_gate_epoch_ms > 0):
-            raise ValueError(f"load_gate_epoch_ms {self.load_gate_epoch_ms!r} must be finite and > 0")
         for name in ("drafter_deadline_ms", "drafter_deadline_margin_ms", "batch_gather_ms"):  # (grace_s: base)
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):

@@ -118,7 +118,6 @@ class Servers:
         # Every round asks the drafter unless a test turns the governor on: whether speculation
         # pays on this machine at this moment must not decide what these tests see.
         settings.setdefault("governor", False)
-        settings.setdefault("load_gate", False)  # (the same for the server's load gate)
         self.verifier = VerifierServer(VerifierSettings(port=0, drafter=target, **settings), model=model, tokenizer=tokenizer)
         port = await self.verifier.start()
         await self.verifier.wait_loaded()

@@ -297,3 +297,41 @@ def test_an_explorer_that_ends_before_judging_gives_its_place_back():
     second.close()
     kinds = run(third, SETTINGS.verdict_rounds + 1, slow_drafter)
     assert kinds == [False] * SETTINGS.verdict_rounds + [True] and third.exploring
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rounds_promised_plain_are_plain(seed):
+    """plain_ahead() is what the engine loop runs without asking the request (verifier_service.loop):
+    every round it promises after the current one must begin plain, through detaches, probes,
+    calibration, verdict looks and explorers (8 requests, random paying and non-paying costs)."""
+    import random
+
+    rng = random.Random(seed)
+    settings = GovernorSettings(judge_rounds=3, min_hold=4, probe_share=0.2, window=4, server_window=8,
+                                max_explorers=1, verdict_rounds=2)
+    ledger = Ledger(settings)
+    governors = [Governor(settings, ledger, drafting=i != 7) for i in range(8)]
+    promised = [0] * 8  # rounds still promised plain, per request
+    clock = [0.0] * 8
+    checked = 0
+    for _ in range(300):
+        for i, governor in enumerate(governors):
+            speculative = governor.begin(clock[i])
+            if promised[i]:
+                assert not speculative, (seed, i)
+                promised[i] -= 1
+                checked += 1
+            ahead = governor.plain_ahead()
+            if ahead is None:
+                assert not governor.drafting
+                ahead = 10
+            promised[i] = max(promised[i], ahead)
+            paying = rng.random() < 0.5
+            clock[i] += (0.004 if paying else 0.030) if speculative else 0.005
+            governor.end(rng.randint(1, 4) if speculative else 1)
+        if rng.random() < 0.02:  # a request ends; a new one takes its place
+            j = rng.randrange(7)
+            governors[j].close()
+            governors[j], promised[j] = Governor(settings, ledger), 0
+    assert checked > 500  # (the promises were exercised)
+    assert sum(g.detaches + g.probes for g in governors) > 0

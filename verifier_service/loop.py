@@ -1,0 +1,348 @@
+"""The engine loop: one thread owns the model, runs its jobs and steps every running session.
+
+Request coroutines feed it and read from it; nothing on the event loop sits between two steps
+of the device (DESIGN §9, "The engine loop"):
+
+- jobs (`run`, `submit`): loading, a session's begin and close, prefill chunks — run between
+  steps, in the order they came;
+- lanes (`join`): a session's rounds. A lane's next round is either a turn its coroutine hands
+  in (`Lane.turn`: drafts to verify, or none) or, where the coroutine granted it plain rounds
+  (`Lane.grant`: rounds its governor already knows will be plain), one the loop runs on its
+  own as soon as the last one is committed — with the step after it enqueued on the device
+  before this one's tokens are read (decode-ahead). Outcomes wait in the lane, in round
+  order, until its coroutine reads them (`Lane.outcome`); a lane runs at most `max_lead`
+  rounds ahead of its reader, so a reader that falls behind holds its lane instead of the
+  device decoding tokens nobody streams yet;
+- a step: the lanes with a round ready (at most `max_rounds`) as one `run_rounds` call (one
+  session's round is a batch of one). After a step the loop waits, at most `gather_s`, for
+  that step's lanes to be ready again, never for one that left, so that a batch does not
+  split into a straggler and the rest; a lane waiting for its drafter's chain comes back
+  later and joins a later step. Where the device already computed a step ahead for some
+  lanes' plain rounds and another lane's verify round is ready too, the computed step is
+  taken first rather than thrown away.
+
+A plain round run ahead is the round the coroutine would have asked for (its drafts: none), so
+running it early changes no token: the output law is the rounds' (DESIGN §2–3).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from verifier_service.rounds import RoundOutcome, RoundRequest
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    max_rounds: int  # sessions per step
+    gather_s: float  # how long a step waits for the last step's lanes to be ready again
+    max_lead: int = 3  # granted plain rounds a lane may run ahead of its reader
+
+    def __post_init__(self) -> None:
+        if self.max_rounds < 1:
+            raise ValueError(f"max_rounds {self.max_rounds} must be >= 1")
+        if not 0 <= self.gather_s < 1:
+            raise ValueError(f"gather_s {self.gather_s} must lie in [0, 1)")
+        if self.max_lead < 1:
+            raise ValueError(f"max_lead {self.max_lead} must be >= 1")
+
+
+class Stepper(Protocol):
+    """What the loop steps: verifier_service.engine.Engine."""
+
+    def run_rounds(self, rounds: list[RoundRequest]) -> list[RoundOutcome]: ...
+
+    def computed_ahead(self) -> list[Any]:
+        """The sessions whose next plain round the device already computed (decode-ahead)."""
+        ...
+
+
+class LoopClosed(RuntimeError):
+    """The engine loop stopped (the service is shutting down)."""
+
+
+class RoundsExhausted(RuntimeError):
+    """A lane's granted plain rounds will not run: its session decodes no more (its cache is
+    full, it reached max_new_tokens or an end-of-sequence token)."""
+
+
+class Lane:
+    """One session's rounds in the loop. Made by EngineLoop.join; used from the event loop."""
+
+    def __init__(self, loop: EngineLoop, session: Any, aloop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.session = session
+        self._aloop = aloop
+        self._outcomes: asyncio.Queue[RoundOutcome | BaseException] = asyncio.Queue()
+        # guarded by the loop's lock:
+        self._turns: deque[RoundRequest] = deque()  # rounds handed in, not yet run
+        self._plain_left = 0  # granted plain rounds not yet run
+        self._unread = 0  # outcomes run, not yet read
+        self.left = False
+
+    def turn(self, request: RoundRequest) -> None:
+        """Hand in the lane's next round (after every granted one)."""
+        if request.session is not self.session:
+            raise ValueError("a lane runs its own session's rounds")
+        with self._loop._cond:
+            self._turns.append(request)
+            self._loop._cond.notify()
+
+    def grant(self, num_rounds: int) -> None:
+        """Let the loop run `num_rounds` more plain rounds of this lane on its own."""
+        if num_rounds < 0:
+            raise ValueError(f"num_rounds {num_rounds} must be >= 0")
+        if num_rounds:
+            with self._loop._cond:
+                self._plain_left += num_rounds
+                self._loop._cond.notify()
+
+    async def outcome(self) -> RoundOutcome:
+        """The next round's outcome, in round order (a failed step raises its error)."""
+        result = await self._outcomes.get()
+        with self._loop._cond:
+            self._unread -= 1
+            if self._plain_left:  # a lane held by its lead may run again
+                self._loop._cond.notify()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def leave(self) -> None:
+        """The session runs no more rounds (idempotent); rounds not yet run are dropped."""
+        with self._loop._cond:
+            if not self.left:
+                self.left = True
+                self._turns.clear()
+                self._plain_left = 0
+                self._loop._lanes.pop(id(self.session), None)
+                self._loop._cond.notify()
+
+    # -- on the loop's thread, under its lock --
+
+    def _ready(self, max_lead: int) -> bool:
+        if self.left:
+            return False
+        if self._turns:
+            return True
+        return self._plain_left > 0 and self._unread < max_lead and self.session.may_decode()
+
+    def _take(self) -> RoundRequest:
+        self._unread += 1
+        if self._turns:
+            return self._turns.popleft()
+        self._plain_left -= 1
+        # another granted round follows: enqueue its step before this one is read
+        return RoundRequest(self.session, [], None, decode_ahead=self._plain_left > 0)
+
+    def _deliver(self, result: RoundOutcome | BaseException) -> None:  # (on the event loop)
+        self._outcomes.put_nowait(result)
+
+
+@dataclass
+class _Job:
+    fn: Callable[..., Any]
+    args: tuple
+    kwargs: dict
+    future: asyncio.Future | None
+    aloop: asyncio.AbstractEventLoop | None
+
+
+class EngineLoop:
+    """The model thread: `run`/`submit` jobs, `join` lanes; `start` after the engine exists."""
+
+    def __init__(self, name: str, settings: BatchSettings, on_step: Callable[[int], None] | None = None) -> None:
+        self.settings = settings
+        self.on_step = on_step  # called (on the loop's thread) with each step's number of rounds
+        self._cond = threading.Condition()
+        self._jobs: deque[_Job] = deque()
+        self._lanes: dict[int, Lane] = {}
+        self._stepper: Stepper | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+        # Stopped before the interpreter finalises (as concurrent.futures' workers are): a
+        # daemon thread still inside torch then aborts the process.
+        stop = weakref.WeakMethod(self.shutdown)
+        threading._register_atexit(lambda: (method := stop()) is not None and method(wait=True))
+
+    # -- from the event loop --
+
+    async def run(self, fn: Callable[..., Any], *args, **kwargs) -> Any:
+        """Run fn(*args, **kwargs) on the loop's thread, between steps; its result."""
+        aloop = asyncio.get_running_loop()
+        future = aloop.create_future()
+        self._queue_job(_Job(fn, args, kwargs, future, aloop))
+        return await future
+
+    def submit(self, fn: Callable[..., Any], *args) -> None:
+        """Queue fn(*args) behind the jobs already queued, without waiting for it (housekeeping
+        that must not race the model code, e.g. from a `finally` that cannot await)."""
+        self._queue_job(_Job(fn, args, {}, None, None))
+
+    def start(self, stepper: Stepper) -> None:
+        """Step lanes through `stepper` from now on."""
+        with self._cond:
+            self._stepper = stepper
+            self._cond.notify()
+
+    def join(self, session: Any) -> Lane:
+        """The session's lane (its rounds run from now on)."""
+        lane = Lane(self, session, asyncio.get_running_loop())
+        with self._cond:
+            if id(session) in self._lanes:
+                raise ValueError("the session already has a lane")
+            self._lanes[id(session)] = lane
+        return lane
+
+    @property
+    def num_lanes(self) -> int:
+        return len(self._lanes)
+
+    def shutdown(self, wait: bool = False) -> None:
+        """Stop after the job or step in hand; jobs and rounds not yet run fail with LoopClosed.
+        wait: until the loop's thread has ended."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _queue_job(self, job: _Job) -> None:
+        with self._cond:
+            if self._closed:
+                raise LoopClosed("the engine loop is stopped")
+            self._jobs.append(job)
+            self._cond.notify()
+
+    # -- the loop's thread --
+
+    def _main(self) -> None:
+        expected: list[Lane] = []  # the last step's lanes, waited for (bounded) before the next
+        after_job = False
+        while True:
+            with self._cond:
+                job, rounds, expected = self._next_work(expected, after_job)
+                if job is None and rounds is None:  # closed
+                    break
+            after_job = job is not None
+            if job is not None:
+                self._run_job(job)
+            else:
+                expected = self._step(rounds)
+        self._fail_pending()
+
+    def _next_work(self, expected: list[Lane], after_job: bool
+                   ) -> tuple[_Job | None, list[tuple[Lane, RoundRequest]] | None, list[Lane]]:
+        """Under the lock: the next job, else the next step's rounds (waiting for either). Jobs
+        and steps alternate while both are waiting: a long prompt's prefill jobs, queued one
+        after another, stall the decoding lanes for one job at a time, not for all of them."""
+        gather_until: float | None = None
+        while True:
+            if self._closed:
+                return None, None, []
+            ready = []
+            if self._stepper is not None:
+                self._end_exhausted()
+                ready = [lane for lane in self._lanes.values() if lane._ready(self.settings.max_lead)]
+            if self._jobs and not (after_job and ready):
+                return self._jobs.popleft(), None, expected
+            if self._stepper is not None:
+                lead = self.settings.max_lead
+                waiting = [lane for lane in expected if not lane.left and not lane._ready(lead)]
+                if ready and waiting:  # the last step's lanes not back yet: wait for them, bounded
+                    now = time.monotonic()
+                    if gather_until is None:
+                        gather_until = now + self.settings.gather_s
+                    if now < gather_until:
+                        self._cond.wait(gather_until - now)
+                        continue
+                if ready:
+                    return None, self._plan(ready), []
+            self._cond.wait()
+
+    def _end_exhausted(self) -> None:
+        """Under the lock: a lane granted plain rounds its session cannot decode learns so (its
+        reader, if it still reads, would otherwise wait for them)."""
+        for lane in self._lanes.values():
+            if lane._plain_left and not lane._turns and not lane.session.may_decode():
+                lane._plain_left = 0
+                _post(lane._aloop, _deliver_all, [(lane, RoundsExhausted("the session decodes no more"))])
+
+    def _plan(self, ready: list[Lane]) -> list[tuple[Lane, RoundRequest]]:
+        """The step's rounds (under the lock): at most max_rounds, oldest lanes first; where
+        the device computed some lanes' next plain round ahead and other lanes' rounds are
+        ready too, those lanes' computed step alone (then the rest joins the next step)."""
+        ready = ready[: self.settings.max_rounds]
+        ahead = {id(s) for s in self._stepper.computed_ahead()}
+        if ahead and len(ready) > len(ahead):
+            computed = [lane for lane in ready if id(lane.session) in ahead and not lane._turns]
+            if len(computed) == len(ahead):
+                return [(lane, replace(lane._take(), decode_ahead=False)) for lane in computed]
+        return [(lane, lane._take()) for lane in ready]
+
+    def _run_job(self, job: _Job) -> None:
+        try:
+            result = job.fn(*job.args, **job.kwargs)
+        except BaseException as error:  # noqa: BLE001 (it reaches the job's caller)
+            if job.future is not None:
+                _post(job.aloop, _settle, job.future, None, error)
+            return
+        if job.future is not None:
+            _post(job.aloop, _settle, job.future, result, None)
+
+    def _step(self, rounds: list[tuple[Lane, RoundRequest]]) -> list[Lane]:
+        lanes = [lane for lane, _ in rounds]
+        if self.on_step is not None:
+            self.on_step(len(rounds))
+        try:
+            results: list[RoundOutcome | BaseException] = list(self._stepper.run_rounds([r for _, r in rounds]))
+        except Exception as error:  # every round of the step fails; the loop goes on
+            results = [error] * len(lanes)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Lane, Any]]] = {}
+        for lane, result in zip(lanes, results, strict=True):
+            by_loop.setdefault(lane._aloop, []).append((lane, result))
+        for aloop, pairs in by_loop.items():  # one wake-up of the event loop for the whole step
+            _post(aloop, _deliver_all, pairs)
+        return lanes
+
+    def _fail_pending(self) -> None:
+        with self._cond:
+            jobs, self._jobs = list(self._jobs), deque()
+            lanes = list(self._lanes.values())
+        closed = LoopClosed("the engine loop is stopped")
+        for job in jobs:
+            if job.future is not None:
+                _post(job.aloop, _settle, job.future, None, closed)
+        for lane in lanes:
+            if lane._turns or lane._plain_left:
+                _post(lane._aloop, _deliver_all, [(lane, closed)])
+
+
+def _post(aloop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args) -> None:
+    try:
+        aloop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the event loop is closed: nobody waits any more
+        pass
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # (its caller was cancelled)
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _deliver_all(pairs: list[tuple[Lane, Any]]) -> None:
+    for lane, result in pairs:
+        if not lane.left:
+            lane._deliver(result)
