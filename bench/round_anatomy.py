@@ -194,15 +194,15 @@ async def main_async(args) -> None:
                            parts="trunk")
         settings = VerifierSettings(port=0, device=args.device, drafter=f"127.0.0.1:{d_port}",
                                     max_draft_tokens=args.max_draft_tokens, governor=False,
-                                    max_sessions=max(8, args.concurrency),
+                                    max_sessions=max(8, *args.levels),
                                     max_context=args.prompt_length + args.max_new_tokens + 64 if args.random_shapes else 0)
         verifier = VerifierServer(settings, model=model)
         port = await verifier.start()
         await verifier.wait_loaded()
         client = AsyncVerifierClient(f"127.0.0.1:{port}", timeout=1800)
 
-        def config(arm: str, tokens: int) -> GenerationConfig:
-            return GenerationConfig(max_new_tokens=tokens, speculation=arm == "speculative",
+        def config(arm: str, tokens: int | None) -> GenerationConfig:
+            return GenerationConfig(max_new_tokens=tokens or args.max_new_tokens, speculation=arm == "speculative",
                                     max_draft_tokens=args.max_draft_tokens)
 
         if args.alpha is not None:  # the replay drafter proposes the verifier's own continuations
@@ -219,25 +219,9 @@ async def main_async(args) -> None:
                                        "--device", args.device, "--dtype", args.dtype, "--port", str(d_port),
                                        "--planner", args.planner, "--global-index-mb", "0"])
         await children.wait_serving("drafter", f"127.0.0.1:{d_port}", timeout=600)
-        runs: dict[str, list[dict[str, float]]] = {"speculative": [], "plain": []}
-        walls: dict[str, list[tuple[float, int]]] = {"speculative": [], "plain": []}  # (seconds, tokens) per batch
-        busy: dict[str, list[float]] = {"speculative": [], "plain": []}  # the loop thread's share, per batch
-        step_log: dict[str, list[tuple[float, float, int]]] = {"speculative": [], "plain": []}
-        groups = [prompts[i:i + args.concurrency] for i in range(0, len(prompts), args.concurrency)]
-        for warm in (True, False):
-            for index, group in enumerate(groups):
-                for arm in (("speculative", "plain") if index % 2 == 0 else ("plain", "speculative")):
-                    tokens = 8 if warm else args.max_new_tokens
-                    timers.rounds, timers.steps = [], []
-                    started = time.perf_counter()
-                    outs = await asyncio.gather(*(client.generate(p, config(arm, tokens)) for p in group))
-                    seconds = time.perf_counter() - started
-                    if not warm:
-                        runs[arm] += timers.rounds
-                        walls[arm].append((seconds, sum(len(o.token_ids) for o in outs)))
-                        busy[arm].append(sum(ms for _, ms, _ in timers.steps) / 1e3 / seconds)
-                        step_log[arm] += timers.steps
-            log("warm-up done" if warm else "timed requests done")
+        results: dict[int, dict] = {}
+        for level in args.levels:
+            results[level] = await measure(client, prompts, level, config, timers)
         await client.close()
     finally:
         if verifier is not None:
@@ -245,27 +229,52 @@ async def main_async(args) -> None:
         children.stop()
     drafter = f"replay drafter, alpha {args.alpha:g}" if args.alpha is not None else f"tandem's drafter ({args.planner})"
     model_name = f"random {args.dtype} weights at {args.random_shapes} shapes" if args.random_shapes else model_dir.name
-    print(f"### round_anatomy: {time.strftime('%Y-%m-%d')}, device {args.device}, {model_name}, {drafter}, "
-          f"{args.prompts} prompts x {args.max_new_tokens} tokens, {args.concurrency} at a time, greedy, "
-          f"k = {args.max_draft_tokens}\n")
-    print("Median ms per round (rounds after each request's first).\n")
-    print("| rounds | count | tokens/round | " + " | ".join(STEPS) + " |")
-    print("| --- | ---: | ---: | " + " | ".join("---:" for _ in STEPS) + " |")
-    spec_rounds = [r for r in runs["speculative"] if r["speculative"]]
-    for line in table(spec_rounds, "speculative (with drafts)") + table(runs["plain"], "plain"):
-        print(line)
-    print("\n| arm | tokens/s (wall, all requests) | ms per token | engine steps | rounds per step | "
-          "ms per step (median) | loop thread busy |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for arm in ("speculative", "plain"):
-        seconds = sum(s for s, _ in walls[arm])
-        tokens = sum(t for _, t in walls[arm])
-        steps = step_log[arm]
-        if not tokens or not steps:
-            continue
-        print(f"| {arm} | {tokens / seconds:.1f} | {seconds / tokens * 1e3:.3f} | {len(steps)} | "
-              f"{statistics.fmean(n for _, _, n in steps):.2f} | {statistics.median(ms for _, ms, _ in steps):.3f} | "
-              f"{statistics.median(busy[arm]):.2f} |")
+    for level, (runs, walls, busy, step_log) in results.items():
+        print(f"### round_anatomy: {time.strftime('%Y-%m-%d')}, device {args.device}, {model_name}, {drafter}, "
+              f"{args.prompts} prompts x {args.max_new_tokens} tokens, {level} at a time, greedy, "
+              f"k = {args.max_draft_tokens}\n")
+        print("Median ms per round (rounds after each request's first).\n")
+        print("| rounds | count | tokens/round | " + " | ".join(STEPS) + " |")
+        print("| --- | ---: | ---: | " + " | ".join("---:" for _ in STEPS) + " |")
+        spec_rounds = [r for r in runs["speculative"] if r["speculative"]]
+        for line in table(spec_rounds, "speculative (with drafts)") + table(runs["plain"], "plain"):
+            print(line)
+        print("\n| arm | tokens/s (wall, all requests) | ms per token | engine steps | rounds per step | "
+              "ms per step (median) | loop thread busy |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for arm in ("speculative", "plain"):
+            seconds = sum(s for s, _ in walls[arm])
+            tokens = sum(t for _, t in walls[arm])
+            steps = step_log[arm]
+            if not tokens or not steps:
+                continue
+            print(f"| {arm} | {tokens / seconds:.1f} | {seconds / tokens * 1e3:.3f} | {len(steps)} | "
+                  f"{statistics.fmean(n for _, _, n in steps):.2f} | {statistics.median(ms for _, ms, _ in steps):.3f} | "
+                  f"{statistics.median(busy[arm]):.2f} |")
+        print()
+
+
+async def measure(client, prompts, level: int, config, timers: Timers):
+    """Each group of `level` prompts speculative and plain, alternating the order; a warm-up pass first."""
+    runs: dict[str, list[dict[str, float]]] = {"speculative": [], "plain": []}
+    walls: dict[str, list[tuple[float, int]]] = {"speculative": [], "plain": []}  # (seconds, tokens) per group
+    busy: dict[str, list[float]] = {"speculative": [], "plain": []}  # the loop thread's share, per group
+    step_log: dict[str, list[tuple[float, float, int]]] = {"speculative": [], "plain": []}
+    groups = [prompts[i:i + level] for i in range(0, len(prompts), level)]
+    for warm in (True, False):
+        for index, group in enumerate(groups):
+            for arm in (("speculative", "plain") if index % 2 == 0 else ("plain", "speculative")):
+                timers.rounds, timers.steps = [], []
+                started = time.perf_counter()
+                outs = await asyncio.gather(*(client.generate(p, config(arm, 8 if warm else None)) for p in group))
+                seconds = time.perf_counter() - started
+                if not warm:
+                    runs[arm] += timers.rounds
+                    walls[arm].append((seconds, sum(len(o.token_ids) for o in outs)))
+                    busy[arm].append(sum(ms for _, ms, _ in timers.steps) / 1e3 / seconds)
+                    step_log[arm] += timers.steps
+        log(f"{level} at a time: " + ("warm-up done" if warm else "timed requests done"))
+    return runs, walls, busy, step_log
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,12 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--concurrency", type=int, default=1, help="requests at a time (each arm)")
+    parser.add_argument("--concurrency", default="1", help="requests at a time (each arm), comma separated levels")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-draft-tokens", type=int, default=4)
     parser.add_argument("--planner", default="adaptive", choices=("adaptive", "mtp", "suffix"))
     parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     args = parser.parse_args(argv)
+    args.levels = [int(c) for c in args.concurrency.split(",")]
     if args.random_shapes and args.alpha is None:
         parser.error("--random-shapes needs --alpha (tandem's drafter needs a checkpoint)")
     asyncio.run(main_async(args))
