@@ -83,6 +83,11 @@ def use_span(span: trace.Span):
     return trace.use_span(span, end_on_exit=False)
 
 
+def set_span_in_context(span: trace.Span) -> context.Context:
+    """A context whose current span is `span` (the parent of a span started in another task)."""
+    return trace.set_span_in_context(span)
+
+
 def inject_context(carrier: MutableMapping[str, str]) -> None:
     """Write the current span's context into a string map (carried per stream message)."""
     propagate.inject(carrier)

@@ -17,6 +17,7 @@ answering the commit is awaited. Hits and misses are counted (`ahead`), not as f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import deque
@@ -132,6 +133,7 @@ class DrafterLink:
         self.arrived = asyncio.Event()
         self.ahead = {"hit": 0, "miss": 0}  # chains drafted ahead: taken, dropped for a wrong assumption
         self.reader: asyncio.Task | None = None
+        self.sending: asyncio.Task | None = None  # the last commit's write (writes go out in order)
         self.broken: str | None = "not opened"
         self.after_open = 0  # chains still due the lenient deadline (LENIENT_CHAINS after an open or resume)
         self.next_round = 0  # chains for earlier rounds are useless
@@ -250,8 +252,21 @@ class DrafterLink:
         # how long the next chain will be waited for (what the drafter sheds MTP drafts by)
         message.wait_ms = self.deadlines.deadline_s(after_open=self.after_open > 0) * 1e3
         up = drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, commit=message, trace_context=trace_context or {})
-        await self._write(up)
+        # Not awaited: the round goes on (its event, the next round's wait for the chain) while
+        # the write completes; the next write waits for this one (a stream takes one at a time).
+        self.sending = asyncio.ensure_future(self._write_after(self.sending, up))
         return up.ByteSize()
+
+    async def flush(self) -> None:
+        """Wait until every commit queued so far is written (or the stream broke)."""
+        if self.sending is not None:
+            await self.sending
+
+    async def _write_after(self, previous: asyncio.Task | None, message: drafter_pb2.DraftUp) -> None:
+        if previous is not None:
+            await previous
+        if self.usable:
+            await self._write(message)
 
     async def ask(self, message_for_open: Callable[[], drafter_pb2.DraftOpen],
                   trace_context: Callable[[], dict[str, str]]) -> int:
@@ -322,6 +337,10 @@ class DrafterLink:
         return chain, waited
 
     async def close(self) -> None:
+        if self.sending is not None:  # (the writes already queued go out before the stream ends)
+            sending, self.sending = self.sending, None
+            with contextlib.suppress(Exception):
+                await sending
         if self.call is not None:
             try:
                 await self.call.done_writing()

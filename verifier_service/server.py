@@ -58,6 +58,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 @dataclass
+class Begun:
+    """A round's first half (VerifierService._begin_round): its chain, handed to the engine loop."""
+
+    span: object  # the round's span (ended by the Generate loop)
+    started: float
+    speculate: bool
+    raw: drafter_pb2.DraftChain | None
+    chain: object  # the validated, retained chain (verifier_service.chains), or None
+    proposed: int  # drafts the drafter sent (0: none, or an invalid chain)
+    wait_ms: float
+    bytes_up: int
+
+
+@dataclass
 class Running:
     """A request past its prefill, as its rounds see it."""
 
@@ -70,6 +84,17 @@ class Running:
     round_id: int = 0  # the next round's
     granted_until: int = 0  # rounds before this one are granted to the engine loop (plain)
     num_tokens: int = 0  # committed tokens this coroutine has read (prompt and completion)
+
+    def may_go_on(self, finish_by: float | None) -> bool:
+        """Whether another round may start (else the completion's finish reason says why)."""
+        completion = self.completion
+        if completion.finish_reason is not None:
+            return False
+        if self.num_tokens - 1 >= self.session.cache.max_length:  # (the cache holds all but the head)
+            completion.finish_reason = "length"
+        elif finish_by is not None and time.monotonic() >= finish_by:
+            completion.finish_reason = "shutdown"  # the service is stopping
+        return completion.finish_reason is None
 
     def plain_ahead(self) -> int | None:
         """Rounds after the current one that will certainly be plain (None: all)."""
@@ -205,6 +230,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         governor: Governor | None = None
         opened: Session | None = None
         lane: Lane | None = None
+        begun: asyncio.Future | None = None  # the next round's first half, under way
         completion: Completion | None = None
         tracer = telemetry.tracer("tandem.verifier")
         # The request's span is current only between yields, never while this generator is
@@ -232,22 +258,26 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences, self.tokenizer)
             lane = self.worker.join(session)
             running = Running(session, lane, link, governor, completion, stats, num_tokens=len(session.token_ids))
-            while completion.finish_reason is None:
-                if running.num_tokens - 1 >= session.cache.max_length:  # (the cache holds all but the head)
+            # A round's first half (its chain awaited, validated, handed to the engine loop) starts
+            # as soon as the last round ended, before that round's event goes out: the device
+            # does not wait for the event's way to the client.
+            while running.may_go_on(self.finish_by):
+                if begun is None:
+                    begun = asyncio.ensure_future(self._begin_round(running, span, tracer))
+                begun_round = await begun
+                begun = None
+                try:
+                    with telemetry.use_span(begun_round.span):
+                        event = await self._end_round(running, begun_round)
+                except RoundsExhausted:  # (a limit this coroutine did not see first)
                     completion.finish_reason = "length"
                     break
-                if self.finish_by is not None and time.monotonic() >= self.finish_by:
-                    completion.finish_reason = "shutdown"  # the service is stopping
-                    break
-                with telemetry.use_span(span), \
-                        tracer.start_as_current_span("round", attributes={"tandem.round_id": running.round_id}) as round_span:
-                    try:
-                        event = await self._round(running, round_span)
-                    except RoundsExhausted:  # (a limit this coroutine did not see first)
-                        completion.finish_reason = "length"
-                        break
-                yield event
+                finally:
+                    begun_round.span.end()
                 running.round_id += 1
+                if running.may_go_on(self.finish_by):
+                    begun = asyncio.ensure_future(self._begin_round(running, span, tracer))
+                yield event
             faults = sum(v for k, v in (link.faults if link else {}).items() if k != "resync")
             message = stats.message(len(completion.token_ids), faults)
             if link is not None:
@@ -265,6 +295,10 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             log.info("request cancelled", tokens=len(completion.token_ids) if completion else 0)
             raise
         finally:
+            if begun is not None:
+                begun.cancel()
+                with contextlib.suppress(BaseException):
+                    await begun
             span.end()
             if lane is not None:
                 lane.leave()
@@ -351,11 +385,20 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         telemetry.inject_context(carrier)
         return carrier
 
-    async def _round(self, running: Running, span) -> verifier_pb2.GenerateEvent:
-        """One round: chain (bounded wait) → validate → retain → verify → commit; its event.
-        A round granted to the engine loop (plain) is only read here: the loop ran it."""
-        session, link, governor, completion, stats = \
-            running.session, running.link, running.governor, running.completion, running.stats
+    async def _begin_round(self, running: Running, parent, tracer) -> Begun:
+        """A round's first half: chain (bounded wait) → validate → retain → hand the round to the
+        engine loop. A round granted to the loop (plain) only opens here: the loop runs it."""
+        span = tracer.start_span("round", context=telemetry.set_span_in_context(parent),
+                                 attributes={"tandem.round_id": running.round_id})
+        try:
+            with telemetry.use_span(span):
+                return await self._begin_round_in(running, span)
+        except BaseException:
+            span.end()
+            raise
+
+    async def _begin_round_in(self, running: Running, span) -> Begun:
+        session, link, governor = running.session, running.link, running.governor
         spec, round_id = session.spec, running.round_id
         started = time.perf_counter()
         granted = round_id < running.granted_until
@@ -374,17 +417,27 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             chain = retain(chain, mode=spec.mode, gate=spec.gate, policy=spec.retention,
                            limit=min(spec.max_draft_tokens, session.capacity_left))
             chain = self._audited(chain, session, link)
-        drafts = chain.token_ids if chain else []
         if not granted:
-            running.lane.turn(RoundRequest(session, drafts, chain.q_rows if chain else None))
+            running.lane.turn(RoundRequest(session, chain.token_ids if chain else [], chain.q_rows if chain else None))
         # Rounds the governor already knows will be plain go to the loop now: it runs the next
         # one as soon as this one is committed (its step enqueued before this one is read).
         ahead = running.plain_ahead()
-        left = spec.max_new_tokens - len(completion.token_ids) - 1  # (tokens the next rounds may still stream)
+        left = spec.max_new_tokens - len(running.completion.token_ids) - 1  # (tokens the next rounds may still stream)
         until = round_id + 1 + (left if ahead is None else min(ahead, left))
         if until > running.granted_until:
             running.lane.grant(until - max(running.granted_until, round_id + 1))
             running.granted_until = until
+        return Begun(span, started, speculate, raw, chain, proposed, wait_ms, bytes_up)
+
+    async def _end_round(self, running: Running, begun: Begun) -> verifier_pb2.GenerateEvent:
+        """A round's second half: its outcome → stream it, tell the drafter; the round's event."""
+        session, link, governor, completion, stats = \
+            running.session, running.link, running.governor, running.completion, running.stats
+        spec, round_id = session.spec, running.round_id
+        started, speculate, raw, chain, proposed, wait_ms, bytes_up = (begun.started, begun.speculate, begun.raw,
+                                                                        begun.chain, begun.proposed, begun.wait_ms,
+                                                                        begun.bytes_up)
+        drafts = chain.token_ids if chain else []
         outcome = await running.lane.outcome()
         running.num_tokens += len(outcome.emitted)
         source = chain.source if chain else "NONE"
@@ -401,7 +454,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             ask_next = governor is None or governor.next_speculates
             bytes_up += await link.tell(round_id, outcome, outcome.num_verified, ask_next, self._trace_context)
         confidences = list(raw.confidences[: spec.max_draft_tokens]) if raw is not None else []
-        self._observe(span, outcome, speculate, source, proposed, len(drafts), tokens, raw, confidences, wait_ms,
+        self._observe(begun.span, outcome, speculate, source, proposed, len(drafts), tokens, raw, confidences, wait_ms,
                       bytes_up, started)
         verify_ms = outcome.forward_ms + outcome.verify_ms
         return verifier_pb2.GenerateEvent(

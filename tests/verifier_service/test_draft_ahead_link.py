@@ -78,6 +78,7 @@ async def test_the_two_chains_after_a_resume_get_the_lenient_deadline_and_stay_o
     link.hold(3, [10], torch.zeros(1, 4))
     link.hold(4, [11], torch.zeros(1, 4))
     assert await link.resume() > 0
+    await link.flush()  # (commits are written behind the round)
     (message,) = link.call.sent
     assert (message.commit.round_id, message.commit.num_rounds, list(message.commit.emitted_token_ids)) == (4, 2, [10, 11])
     for round_id in (5, 6, 7):
