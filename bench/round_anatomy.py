@@ -4,7 +4,7 @@ The drafter runs as its own process — tandem's (`python -m shared.cli drafter`
 model) or, with --alpha, the synthetic replay drafter (bench/replay_drafter.py) proposing the
 verifier's own continuation, each draft corrupted with probability 1 − alpha. The verifier
 runs in this process, with timers wrapped around the steps of a round
-(`VerifierService._round`, per request: a context variable):
+(`VerifierService._begin_round` to `_end_round`, per request: a context variable):
 
 - wait: `DrafterLink.next_chain` (the chain's round trip after the commit was written; the
   drafter's own compute, `DraftChain.costs.draft_ms`, is reported beside it);
@@ -13,8 +13,8 @@ runs in this process, with timers wrapped around the steps of a round
   its outcome is read: ~0 when the loop ran the round before the coroutine asked for it);
 - tell: `DrafterLink.tell` (the commit: hidden rows encoded, written);
 - rest: the round's remaining host work (stats, metrics, span attributes, the event);
-- between: from the end of one round to the start of the next (the event's way out to the
-  client's stream, the Generate loop).
+- between: from the end of one round to the start of the next (the next round's first half
+  starts before the event goes out to the client, so this is the Generate loop's own hop).
 
 The engine loop's thread is timed apart: its steps (`Engine.run_rounds`: launch, the
 device's work it waits for, the verdict, the commit), steps per second, rounds per step, and
@@ -69,6 +69,7 @@ class Timers:
         self.rounds: list[dict[str, float]] = []
         self.steps: list[tuple[float, float, int]] = []  # (start, ms, rounds) of each run_rounds
         self.last_end: dict[str, float] = {}  # a request's last round's end (by request id)
+        self.open: dict[int, tuple[dict[str, float], float]] = {}  # rounds begun: their steps and start
 
 
 def add(step: str, ms: float) -> None:
@@ -118,17 +119,23 @@ def instrument(timers: Timers) -> None:
             timers.steps.append((started, (time.perf_counter() - started) * 1e3, len(rounds)))
 
     Engine.run_rounds = step
-    round_fn = VerifierService._round
+    begin_fn, end_fn = VerifierService._begin_round, VerifierService._end_round
 
-    @functools.wraps(round_fn)
-    async def whole_round(self, running, span):
-        started = time.perf_counter()
+    @functools.wraps(begin_fn)
+    async def begin(self, running, parent, tracer):  # (in its own task: the timers are its context's)
+        steps: dict[str, float] = {}
+        timers.open[id(running)] = (steps, time.perf_counter())
+        CURRENT.set(steps)
+        return await begin_fn(self, running, parent, tracer)
+
+    @functools.wraps(end_fn)
+    async def end(self, running, begun):
+        steps, started = timers.open.pop(id(running))
         request_id = running.session.spec.request_id
         last = timers.last_end.get(request_id)
-        token = CURRENT.set({})
+        token = CURRENT.set(steps)
         try:
-            event = await round_fn(self, running, span)
-            steps = dict(CURRENT.get())
+            event = await end_fn(self, running, begun)
         finally:
             CURRENT.reset(token)
         ended = time.perf_counter()
@@ -142,7 +149,7 @@ def instrument(timers: Timers) -> None:
         timers.last_end[request_id] = ended
         return event
 
-    VerifierService._round = whole_round
+    VerifierService._begin_round, VerifierService._end_round = begin, end
 
 
 def table(rounds: list[dict[str, float]], label: str) -> list[str]:
