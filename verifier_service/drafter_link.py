@@ -222,6 +222,16 @@ class DrafterLink:
         self.chains = kept
         return found
 
+    def take_ahead(self, round_id: int, base_length: int) -> drafter_pb2.DraftChain | None:
+        """A chain drafted ahead for `round_id`, assuming tokens that follow `base_length`
+        committed ones, if one has arrived (no wait); it leaves the queue."""
+        for chain in self.chains:
+            if (chain.round_id == round_id and chain.assumed_token_ids
+                    and chain.base_length == base_length + len(chain.assumed_token_ids)):
+                self.chains.remove(chain)
+                return chain
+        return None
+
     async def _read(self, call) -> None:
         try:
             async for message in call:

@@ -19,7 +19,13 @@ of the device (DESIGN §9, "The engine loop"):
   split into a straggler and the rest; a lane waiting for its drafter's chain comes back
   later and joins a later step. Where the device already computed a step ahead for some
   lanes' plain rounds and another lane's verify round is ready too, the computed step is
-  taken first rather than thrown away.
+  taken first rather than thrown away;
+- a follower (`Lane.follow`): the round after a round in flight, valid only if that round
+  emits exactly the tokens it assumes (a chain the drafter drafted ahead, assuming every draft
+  accepted and its guess of the bonus). When the round commits and emitted them, the loop
+  hands the follower in as the lane's next turn at once — it runs in the next step, without
+  waiting for the coroutine or the drafter's round trip; otherwise it is dropped. The
+  coroutine knows which by the same comparison (`Lane.follow` said whether it was in time).
 
 A plain round run ahead is the round the coroutine would have asked for (its drafts: none), so
 running it early changes no token: the output law is the rounds' (DESIGN §2–3).
@@ -85,6 +91,8 @@ class Lane:
         self._turns: deque[RoundRequest] = deque()  # rounds handed in, not yet run
         self._plain_left = 0  # granted plain rounds not yet run
         self._unread = 0  # outcomes run, not yet read
+        self._committed = 0  # rounds run (every round: turns and granted ones, in order)
+        self._follower: tuple[int, list[int], RoundRequest] | None = None  # (after round, assumed emitted, round)
         self.left = False
 
     def turn(self, request: RoundRequest) -> None:
@@ -94,6 +102,18 @@ class Lane:
         with self._loop._cond:
             self._turns.append(request)
             self._loop._cond.notify()
+
+    def follow(self, round_index: int, emitted: list[int], request: RoundRequest) -> bool:
+        """Run `request` right after round `round_index` (counted from the lane's first round) if
+        that round emits exactly `emitted`. False: too late (that round already ran), nothing
+        is kept."""
+        if request.session is not self.session:
+            raise ValueError("a lane runs its own session's rounds")
+        with self._loop._cond:
+            if self.left or self._committed > round_index:
+                return False
+            self._follower = (round_index, list(emitted), request)
+            return True
 
     def grant(self, num_rounds: int) -> None:
         """Let the loop run `num_rounds` more plain rounds of this lane on its own."""
@@ -122,6 +142,7 @@ class Lane:
                 self.left = True
                 self._turns.clear()
                 self._plain_left = 0
+                self._follower = None
                 self._loop._lanes.pop(id(self.session), None)
                 self._loop._cond.notify()
 
@@ -141,6 +162,20 @@ class Lane:
         self._plain_left -= 1
         # another granted round follows: enqueue its step before this one is read
         return RoundRequest(self.session, [], None, decode_ahead=self._plain_left > 0)
+
+    def _ran(self, result: RoundOutcome | BaseException) -> None:
+        """Under the loop's lock, when a round of this lane ran: its follower, if its round's
+        outcome is what it assumed, becomes the next turn."""
+        index = self._committed
+        self._committed += 1
+        follower, self._follower = self._follower, None
+        if follower is None or self.left:
+            return
+        after, emitted, request = follower
+        if after == index and not isinstance(result, BaseException) and list(result.emitted) == emitted:
+            self._turns.appendleft(request)
+        elif after > index:  # (for a later round)
+            self._follower = follower
 
     def _deliver(self, result: RoundOutcome | BaseException) -> None:  # (on the event loop)
         self._outcomes.put_nowait(result)
@@ -306,6 +341,9 @@ class EngineLoop:
             results: list[RoundOutcome | BaseException] = list(self._stepper.run_rounds([r for _, r in rounds]))
         except Exception as error:  # every round of the step fails; the loop goes on
             results = [error] * len(lanes)
+        with self._cond:
+            for lane, result in zip(lanes, results, strict=True):
+                lane._ran(result)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Lane, Any]]] = {}
         for lane, result in zip(lanes, results, strict=True):
             by_loop.setdefault(lane._aloop, []).append((lane, result))

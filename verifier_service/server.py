@@ -72,6 +72,19 @@ class Begun:
 
 
 @dataclass
+class Follower:
+    """The next round, handed to the engine loop before this one's outcome (Lane.follow): it
+    runs if this round emits `emitted` (what the drafter's chain drafted ahead assumed)."""
+
+    round_id: int  # the round it follows
+    emitted: list[int]
+    raw: drafter_pb2.DraftChain
+    chain: object  # validated, retained
+    proposed: int
+    ran: bool = False  # (known once the round it follows is read)
+
+
+@dataclass
 class Running:
     """A request past its prefill, as its rounds see it."""
 
@@ -84,6 +97,7 @@ class Running:
     round_id: int = 0  # the next round's
     granted_until: int = 0  # rounds before this one are granted to the engine loop (plain)
     num_tokens: int = 0  # committed tokens this coroutine has read (prompt and completion)
+    follower: Follower | None = None
 
     def may_go_on(self, finish_by: float | None) -> bool:
         """Whether another round may start (else the completion's finish reason says why)."""
@@ -406,6 +420,13 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         speculate = (governor.begin(started) if governor is not None else True) and link is not None
         if granted and speculate:
             raise RuntimeError(f"round {round_id} was granted as plain, but the governor speculates")
+        follower, running.follower = running.follower, None
+        if follower is not None and follower.ran:  # the loop runs it already
+            if not speculate:
+                raise RuntimeError(f"round {round_id} followed its chain drafted ahead, but the governor decodes plainly")
+            link.next_round = round_id
+            self._grant(running)
+            return Begun(span, started, True, follower.raw, follower.chain, follower.proposed, 0.0, 0)
         chain, raw, wait_ms, bytes_up = None, None, 0.0, 0
         if speculate:
             bytes_up += await link.ask(lambda: open_message(session, round_id, self.settings.draft_ahead), self._trace_context)
@@ -419,15 +440,78 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             chain = self._audited(chain, session, link)
         if not granted:
             running.lane.turn(RoundRequest(session, chain.token_ids if chain else [], chain.q_rows if chain else None))
-        # Rounds the governor already knows will be plain go to the loop now: it runs the next
-        # one as soon as this one is committed (its step enqueued before this one is read).
+        self._grant(running)
+        return Begun(span, started, speculate, raw, chain, proposed, wait_ms, bytes_up)
+
+    @staticmethod
+    def _grant(running: Running) -> None:
+        """Rounds the governor already knows will be plain go to the loop now: it runs the next
+        one as soon as this one is committed (its step enqueued before this one is read)."""
+        round_id = running.round_id
         ahead = running.plain_ahead()
-        left = spec.max_new_tokens - len(running.completion.token_ids) - 1  # (tokens the next rounds may still stream)
+        left = running.session.spec.max_new_tokens - len(running.completion.token_ids) - 1  # (what the next rounds may stream)
         until = round_id + 1 + (left if ahead is None else min(ahead, left))
         if until > running.granted_until:
             running.lane.grant(until - max(running.granted_until, round_id + 1))
             running.granted_until = until
-        return Begun(span, started, speculate, raw, chain, proposed, wait_ms, bytes_up)
+
+    def _may_follow(self, running: Running, begun: Begun) -> bool:
+        """Whether the round after this verify round may be handed in before its outcome: exact
+        mode (probabilistic chains feed the honesty audit as they are used), the next round asks
+        the drafter too."""
+        spec = running.session.spec
+        return (self.settings.draft_ahead and begun.chain is not None and spec.mode == Mode.EXACT
+                and running.link is not None and running.link.usable
+                and (running.governor is None or running.governor.next_speculates))
+
+    def _follow(self, running: Running) -> bool:
+        """Hand the loop the next round, from a chain drafted ahead if one has arrived; whether
+        the chain was taken (handed in, or dropped as invalid or too late)."""
+        session, link, round_id = running.session, running.link, running.round_id
+        spec = session.spec
+        raw = link.take_ahead(round_id + 1, running.num_tokens)
+        if raw is None:
+            return False
+        emitted = list(raw.assumed_token_ids)
+        try:
+            chain = validate_chain(raw, round_id=round_id + 1, base_length=raw.base_length, vocab_size=self.engine.vocab_size,
+                                   max_drafts=spec.max_draft_tokens, max_support=spec.sampling.max_support)
+        except ChainFault as fault:
+            link.fault("invalid_chain")
+            log.warning("dropped draft chain", request_id=spec.request_id, round_id=round_id + 1, reason=str(fault))
+            return True
+        if chain is None:
+            return True
+        capacity = session.cache.max_length - running.num_tokens - len(emitted)  # (after this round: all but its head)
+        proposed = chain.proposed
+        chain = retain(chain, mode=spec.mode, gate=spec.gate, policy=spec.retention,
+                       limit=min(spec.max_draft_tokens, capacity))
+        if chain.token_ids and running.lane.follow(round_id, emitted,
+                                                   RoundRequest(session, chain.token_ids, chain.q_rows)):
+            running.follower = Follower(round_id, emitted, raw, chain, proposed)
+        else:
+            link.ahead["miss"] += 1
+        return True
+
+    async def _outcome(self, running: Running, begun: Begun) -> RoundOutcome:
+        """This round's outcome; meanwhile, where it may, the next round is handed to the loop as
+        soon as the drafter's chain drafted ahead for it arrives (DESIGN §9)."""
+        lane, link = running.lane, running.link
+        if not self._may_follow(running, begun) or self._follow(running):
+            return await lane.outcome()
+        outcome = asyncio.ensure_future(lane.outcome())
+        try:
+            while not outcome.done() and link.usable:
+                link.arrived.clear()
+                arrived = asyncio.ensure_future(link.arrived.wait())
+                await asyncio.wait((outcome, arrived), return_when=asyncio.FIRST_COMPLETED)
+                arrived.cancel()
+                if not outcome.done() and self._follow(running):
+                    break
+            return await outcome
+        except BaseException:
+            outcome.cancel()
+            raise
 
     async def _end_round(self, running: Running, begun: Begun) -> verifier_pb2.GenerateEvent:
         """A round's second half: its outcome → stream it, tell the drafter; the round's event."""
@@ -438,8 +522,12 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                                                                         begun.chain, begun.proposed, begun.wait_ms,
                                                                         begun.bytes_up)
         drafts = chain.token_ids if chain else []
-        outcome = await running.lane.outcome()
+        outcome = await self._outcome(running, begun)
         running.num_tokens += len(outcome.emitted)
+        follower = running.follower
+        if follower is not None:  # (the loop made the same comparison)
+            follower.ran = list(outcome.emitted) == follower.emitted
+            link.ahead["hit" if follower.ran else "miss"] += 1
         source = chain.source if chain else "NONE"
         tokens, delta = completion.extend(outcome.emitted)
         # committed: the tokens delivered, and the eos or stop token that ended the request
