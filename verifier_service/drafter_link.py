@@ -232,6 +232,10 @@ class DrafterLink:
                 return chain
         return None
 
+    def put_back(self, chain: drafter_pb2.DraftChain) -> None:
+        """A chain taken with take_ahead but not used: the round it is for takes it as usual."""
+        self.chains.appendleft(chain)
+
     async def _read(self, call) -> None:
         try:
             async for message in call:

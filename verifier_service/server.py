@@ -489,8 +489,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         if chain.token_ids and running.lane.follow(round_id, emitted,
                                                    RoundRequest(session, chain.token_ids, chain.q_rows)):
             running.follower = Follower(round_id, emitted, raw, chain, proposed)
-        else:
-            link.ahead["miss"] += 1
+        else:  # too late (the round ran already): the next round takes it as any chain drafted ahead
+            link.put_back(raw)  # (a drafter whose assumption held sends no other chain for that round)
         return True
 
     async def _outcome(self, running: Running, begun: Begun) -> RoundOutcome:

@@ -133,3 +133,22 @@ async def test_the_loop_runs_a_follower_only_after_a_round_that_emitted_what_it_
         assert engine.steps == [[("a", [1, 2])], [("a", [3, 4])], [("a", [5])]]  # the follower was dropped
     finally:
         loop.shutdown(wait=True)
+
+
+async def test_a_follower_too_late_leaves_its_chain_to_the_next_round(servers, tiny_model, monkeypatch):
+    """When the round a chain drafted ahead follows has run already, the chain goes back to the
+    link: a drafter whose assumption held sends no other chain for that round, so dropping it
+    would cost the round its drafter's deadline (a plain round and a fault)."""
+    from verifier_service.loop import Lane
+
+    monkeypatch.setattr(Lane, "follow", lambda self, *args: False)  # always too late
+    drafter = AheadDrafter(tiny_model.config.vocab_size)
+    stub = await servers.start(tiny_model, fused="on", drafter=drafter, drafter_deadline_ms=500.0)
+    prompt = [5, 17, 42, 8]
+    tokens, _, _ = await generate(stub, request(prompt, 30, disable=True))
+    drafter.references[tuple(prompt)] = prompt + tokens
+    spec_tokens, final, rounds = await generate(stub, request(prompt, 30, max_draft_tokens=K))
+    assert spec_tokens == tokens
+    assert final.stats.drafter_faults == 0
+    assert all(r.speculative and r.retained for r in rounds[:-1])  # every round verified drafts
+    assert final.stats.ahead_hits >= 2
