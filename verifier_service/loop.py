@@ -26,6 +26,7 @@ of the device (DESIGN §9, "The engine loop"):
   hands the follower in as the lane's next turn at once — it runs in the next step, without
   waiting for the coroutine or the drafter's round trip; otherwise it is dropped. The
   coroutine knows which by the same comparison (`Lane.follow` said whether it was in time).
+  Only a lane alone in the loop follows: in a batch the other lanes keep the device busy.
 
 A plain round run ahead is the round the coroutine would have asked for (its drafts: none), so
 running it early changes no token: the output law is the rounds' (DESIGN §2–3).
@@ -110,7 +111,9 @@ class Lane:
         if request.session is not self.session:
             raise ValueError("a lane runs its own session's rounds")
         with self._loop._cond:
-            if self.left or self._committed > round_index:
+            # In a batch the other lanes keep the device busy, and a lane running ahead of them
+            # splits the step they would share (H200, 8 sessions: 4.8 rounds a step against 7.0).
+            if self.left or self._committed > round_index or len(self._loop._lanes) > 1:
                 return False
             self._follower = (round_index, list(emitted), request)
             return True

@@ -1,7 +1,8 @@
 """Followers (verifier_service.loop: Lane.follow): the round after a verify round, handed to the
 engine loop from the drafter's chain drafted ahead before that round's outcome, runs at once
-when the round emitted what the chain assumed and never otherwise; exact mode's tokens stay
-those of plain decoding, greedy and sampled, alone and together."""
+when the round emitted what the chain assumed and never otherwise, and only for a lane alone
+in the loop; exact mode's tokens stay those of plain decoding, greedy and sampled, alone and
+together."""
 
 import asyncio
 
@@ -79,8 +80,9 @@ async def test_followers_run_when_their_assumption_holds_and_tokens_stay_plain(s
 
     alone = [await generate(stub, spec(*p)) for p in PROMPTS]
     together = await asyncio.gather(*(generate(stub, spec(*p)) for p in PROMPTS))
-    for (tokens, final, rounds), reference in zip([*alone, *together], [*plain, *plain]):
-        assert tokens == reference  # exact mode: the tokens of plain decoding
+    assert [tokens for tokens, _, _ in together] == plain  # exact mode: the tokens of plain decoding
+    for (tokens, final, rounds), reference in zip(alone, plain):  # (only a lane alone follows)
+        assert tokens == reference
         followed = [r for r in rounds if r.speculative and r.retained and r.draft_wait_ms == 0.0]
         assert len(followed) >= 2, [(r.retained, r.accepted, r.draft_wait_ms) for r in rounds]
         assert final.stats.ahead_hits >= len(followed)
@@ -152,3 +154,16 @@ async def test_a_follower_too_late_leaves_its_chain_to_the_next_round(servers, t
     assert final.stats.drafter_faults == 0
     assert all(r.speculative and r.retained for r in rounds[:-1])  # every round verified drafts
     assert final.stats.ahead_hits >= 2
+
+
+async def test_a_lane_follows_only_while_it_is_alone():
+    loop = EngineLoop("test-followers", BatchSettings(max_rounds=4, gather_s=0.0))
+    try:
+        a, b = Session("a"), Session("b")
+        lane = loop.join(a)
+        other = loop.join(b)
+        assert not lane.follow(0, [1, 0], RoundRequest(a, [2]))  # b's rounds keep the device busy
+        other.leave()
+        assert lane.follow(0, [1, 0], RoundRequest(a, [2]))
+    finally:
+        loop.shutdown(wait=True)
