@@ -457,10 +457,11 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
 
     def _may_follow(self, running: Running, begun: Begun) -> bool:
         """Whether the round after this verify round may be handed in before its outcome: exact
-        mode (probabilistic chains feed the honesty audit as they are used), the next round asks
-        the drafter too."""
+        mode (probabilistic chains feed the honesty audit as they are used), the request alone in
+        the engine loop, the next round asks the drafter too."""
         spec = running.session.spec
         return (self.settings.draft_ahead and begun.chain is not None and spec.mode == Mode.EXACT
+                and self.worker.num_lanes == 1  # (Lane.follow: in a batch, lanes do not follow)
                 and running.link is not None and running.link.usable
                 and (running.governor is None or running.governor.next_speculates))
 
