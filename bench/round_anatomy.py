@@ -4,7 +4,7 @@ The drafter runs as its own process — tandem's (`python -m shared.cli drafter`
 model) or, with --alpha, the synthetic replay drafter (bench/replay_drafter.py) proposing the
 verifier's own continuation, each draft corrupted with probability 1 − alpha. The verifier
 runs in this process, with timers wrapped around the steps of a round
-(`VerifierService._begin_round` to `_end_round`, per request: a context variable):
+(`RequestRounds.begin_round` to `end_round`, per request: a context variable):
 
 - wait: `DrafterLink.next_chain` (the chain's round trip after the commit was written; the
   drafter's own compute, `DraftChain.costs.draft_ms`, is reported beside it);
@@ -49,13 +49,14 @@ from pairbench.common import SHAPES, free_port, log  # noqa: E402
 from pairbench.services import Children  # noqa: E402
 from pairbench.setups import text_prompts  # noqa: E402
 
-import verifier_service.server as server_module  # noqa: E402
+import verifier_service.request_rounds as rounds_module  # noqa: E402
 from shared.client import AsyncVerifierClient, GenerationConfig  # noqa: E402
 from shared.model.registry import resolve_model  # noqa: E402
 from verifier_service.drafter_link import DrafterLink  # noqa: E402
 from verifier_service.engine import Engine  # noqa: E402
 from verifier_service.loop import Lane  # noqa: E402
-from verifier_service.server import VerifierServer, VerifierService  # noqa: E402
+from verifier_service.request_rounds import RequestRounds  # noqa: E402
+from verifier_service.server import VerifierServer  # noqa: E402
 from verifier_service.settings import VerifierSettings  # noqa: E402
 
 STEPS = ("wait", "checks", "outcome", "tell", "rest", "round", "between")
@@ -104,9 +105,9 @@ def instrument(timers: Timers) -> None:
     """Wrap the round's steps (class attributes: every instance made after this is timed)."""
     DrafterLink.next_chain = timed_async("wait", DrafterLink.next_chain)
     DrafterLink.tell = timed_async("tell", DrafterLink.tell)
-    VerifierService._checked = timed_sync("checks", VerifierService._checked)
-    VerifierService._audited = timed_sync("checks", VerifierService._audited)
-    server_module.retain = timed_sync("checks", server_module.retain)
+    RequestRounds._checked = timed_sync("checks", RequestRounds._checked)
+    RequestRounds._audited = timed_sync("checks", RequestRounds._audited)
+    rounds_module.retain = timed_sync("checks", rounds_module.retain)
     Lane.outcome = timed_async("outcome", Lane.outcome)
     run_rounds = Engine.run_rounds
 
@@ -119,7 +120,7 @@ def instrument(timers: Timers) -> None:
             timers.steps.append((started, (time.perf_counter() - started) * 1e3, len(rounds)))
 
     Engine.run_rounds = step
-    begin_fn, end_fn = VerifierService._begin_round, VerifierService._end_round
+    begin_fn, end_fn = RequestRounds.begin_round, RequestRounds.end_round
 
     @functools.wraps(begin_fn)
     async def begin(self, running, parent, tracer):  # (in its own task: the timers are its context's)
@@ -149,7 +150,7 @@ def instrument(timers: Timers) -> None:
         timers.last_end[request_id] = ended
         return event
 
-    VerifierService._begin_round, VerifierService._end_round = begin, end
+    RequestRounds.begin_round, RequestRounds.end_round = begin, end
 
 
 def table(rounds: list[dict[str, float]], label: str) -> list[str]:

@@ -64,7 +64,7 @@ async def test_one_trace_from_client_to_drafter(spans, tiny_mtp_model):
     for r in by_name["round"]:
         for key in ("tandem.source", "tandem.proposed", "tandem.retained", "tandem.accepted", "tandem.confidences",
                     "tandem.draft_ms", "tandem.rpc_ms", "tandem.verify_ms", "tandem.bytes_up", "tandem.bytes_down",
-                    "tandem.drafter_slot_misses", "tandem.verifier_slot_misses", "tandem.speculative"):
+                    "tandem.drafter_slot_misses", "tandem.verifier_slot_misses", "tandem.speculative", "tandem.followed"):
             assert key in r.attributes, key
         assert r.parent.span_id == generate.context.span_id
     drafted = [r for r in by_name["round"] if r.attributes["tandem.retained"] > 0]
