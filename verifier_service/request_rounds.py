@@ -210,14 +210,8 @@ class RequestRounds:
         if raw is None:
             return False
         emitted = list(raw.assumed_token_ids)
-        try:
-            chain = validate_chain(raw, round_id=round_id + 1, base_length=raw.base_length, vocab_size=self.engine.vocab_size,
-                                   max_drafts=spec.max_draft_tokens, max_support=spec.sampling.max_support)
-        except ChainFault as fault:
-            link.fault("invalid_chain")
-            log.warning("dropped draft chain", request_id=spec.request_id, round_id=round_id + 1, reason=str(fault))
-            return True
-        if chain is None:
+        chain = self._checked(raw, session, round_id + 1, link, base_length=raw.base_length)
+        if chain is None:  # (invalid, or empty)
             return True
         capacity = session.cache.max_length - running.num_tokens - len(emitted)  # (after this round: all but its head)
         proposed = chain.proposed
@@ -255,9 +249,7 @@ class RequestRounds:
         session, link, governor, completion, stats = \
             running.session, running.link, running.governor, running.completion, running.stats
         spec, round_id = session.spec, running.round_id
-        started, speculate, raw, chain, proposed, wait_ms, bytes_up = (begun.started, begun.speculate, begun.raw,
-                                                                        begun.chain, begun.proposed, begun.wait_ms,
-                                                                        begun.bytes_up)
+        speculate, chain, proposed, bytes_up = begun.speculate, begun.chain, begun.proposed, begun.bytes_up
         drafts = chain.token_ids if chain else []
         outcome = await self._outcome(running, begun)
         running.num_tokens += len(outcome.emitted)
@@ -278,34 +270,31 @@ class RequestRounds:
         if link is not None and completion.finish_reason is None:  # (told when it is next asked, if not now)
             ask_next = governor is None or governor.next_speculates
             bytes_up += await link.tell(round_id, outcome, outcome.num_verified, ask_next, trace_context)
-        confidences = list(raw.confidences[: spec.max_draft_tokens]) if raw is not None else []
-        begun.span.set_attribute("tandem.followed", begun.followed)
-        self._observe(begun.span, outcome, speculate, source, proposed, len(drafts), tokens, raw, confidences, wait_ms,
-                      bytes_up, started)
+        self._observe(begun, outcome, source, len(drafts), tokens, bytes_up, spec.max_draft_tokens)
         verify_ms = outcome.forward_ms + outcome.verify_ms
         return verifier_pb2.GenerateEvent(
             token_ids=tokens,
             text_delta=delta if self.streams_text else None,  # set: the client knows text is streamed
             round=verifier_pb2.RoundInfo(
                 round_id=round_id, source=SOURCE_ENUM[source], proposed=proposed, retained=len(drafts),
-                accepted=outcome.num_accepted, verify_ms=verify_ms, draft_wait_ms=wait_ms, speculative=speculate,
+                accepted=outcome.num_accepted, verify_ms=verify_ms, draft_wait_ms=begun.wait_ms, speculative=speculate,
             ),
         )
 
-    def _observe(self, span, outcome: RoundOutcome, speculate: bool, source: str, proposed: int, retained: int,
-                 tokens: list[int], raw: drafter_pb2.DraftChain | None, confidences: list[float], wait_ms: float,
-                 bytes_up: int, started: float) -> None:
+    def _observe(self, begun: Begun, outcome: RoundOutcome, source: str, retained: int, tokens: list[int],
+                 bytes_up: int, max_drafts: int) -> None:
         """A round's metrics and span attributes."""
+        raw, wait_ms = begun.raw, begun.wait_ms
         draft_ms = raw.costs.draft_ms if raw is not None else 0.0
-        self.metrics.round_done(tokens=len(tokens), emitted=len(outcome.emitted), seconds=time.perf_counter() - started,
-                                speculative=speculate, source=source, retained=retained,
+        self.metrics.round_done(tokens=len(tokens), emitted=len(outcome.emitted), seconds=time.perf_counter() - begun.started,
+                                speculative=begun.speculate, source=source, retained=retained,
                                 accepted=outcome.num_accepted, slot_hit_rate=self.engine.slot_hit_rate())
-        span.set_attributes({
-            "tandem.speculative": speculate, "tandem.source": source, "tandem.proposed": proposed,
-            "tandem.retained": retained,
+        begun.span.set_attributes({
+            "tandem.speculative": begun.speculate, "tandem.followed": begun.followed, "tandem.source": source,
+            "tandem.proposed": begun.proposed, "tandem.retained": retained,
             "tandem.verified": outcome.num_verified, "tandem.accepted": outcome.num_accepted,
             "tandem.emitted": len(outcome.emitted),
-            "tandem.confidences": confidences,
+            "tandem.confidences": list(raw.confidences[:max_drafts]) if raw is not None else [],
             "tandem.draft_ms": draft_ms, "tandem.rpc_ms": max(wait_ms - draft_ms, 0.0), "tandem.wait_ms": wait_ms,
             "tandem.verify_ms": outcome.forward_ms + outcome.verify_ms, "tandem.bytes_up": bytes_up,
             "tandem.bytes_down": raw.ByteSize() if raw is not None else 0,
@@ -313,11 +302,15 @@ class RequestRounds:
             "tandem.verifier_slot_misses": outcome.slot_misses,
         })
 
-    def _checked(self, raw: drafter_pb2.DraftChain, session: Session, round_id: int, link: DrafterLink):
+    def _checked(self, raw: drafter_pb2.DraftChain, session: Session, round_id: int, link: DrafterLink,
+                 base_length: int | None = None):
+        """The chain validated for round `round_id` after `base_length` committed tokens (default:
+        the session's), None when empty or invalid (a fault, logged)."""
         spec = session.spec
         try:
             return validate_chain(
-                raw, round_id=round_id, base_length=len(session.token_ids), vocab_size=self.engine.vocab_size,
+                raw, round_id=round_id, base_length=len(session.token_ids) if base_length is None else base_length,
+                vocab_size=self.engine.vocab_size,
                 max_drafts=spec.max_draft_tokens, max_support=spec.sampling.max_support,
             )
         except ChainFault as fault:
