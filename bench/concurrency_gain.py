@@ -66,10 +66,10 @@ class Pair:
         from shared.client import AsyncVerifierClient
 
         async with AsyncVerifierClient(f"127.0.0.1:{self.v_port}", timeout=600) as client:
-            async def one(index: int) -> tuple[list[int], float]:
+            async def one(index: int) -> tuple[list[int], float, dict]:
                 started = time.perf_counter()
                 g = await client.generate(prompts[index], config(index, max_new_tokens, tag))
-                return g.token_ids, time.perf_counter() - started
+                return g.token_ids, time.perf_counter() - started, g.stats
 
             started = time.perf_counter()
             if together:
@@ -77,7 +77,10 @@ class Pair:
             else:
                 results = [await one(i) for i in range(len(prompts))]
             wall = time.perf_counter() - started
-        return {"tokens": [ids for ids, _ in results], "walls": sum(w for _, w in results), "wall": wall}
+        rounds = sum(stats.get("rounds", 0) for _, _, stats in results)
+        speculative = sum(stats.get("speculative_rounds", 0) for _, _, stats in results)
+        return {"tokens": [ids for ids, _, _ in results], "walls": sum(w for _, w, _ in results), "wall": wall,
+                "speculative": speculative / rounds if rounds else 0.0}
 
 
 async def main_async(args) -> None:
@@ -116,21 +119,25 @@ async def main_async(args) -> None:
                 rows.append(dict(
                     tree=pair.name, block=block, one=one_tps, together=together_tps, ratio=together_tps / one_tps,
                     identical=sum(a == b for a, b in zip(alone["tokens"], both["tokens"])),
+                    spec_alone=alone["speculative"], spec_together=both["speculative"],
                     stable=sum(a == b for a, b in zip(alone["tokens"], reference[pair.name]))))
                 log(f"block {block + 1}/{args.blocks} {pair.name}: one request {one_tps:.1f} tokens/s, "
                     f"{len(prompts)} together {together_tps:.1f} ({together_tps / one_tps:.2f}x), identical "
-                    f"{rows[-1]['identical']}/{len(prompts)}")
+                    f"{rows[-1]['identical']}/{len(prompts)}, speculative rounds {alone['speculative']:.0%} alone, "
+                    f"{both['speculative']:.0%} together")
     finally:
         children.stop()
     print(f"\n### concurrency_gain: {datetime.date.today()}, {platform.node()}, device {args.device}, "
           f"model {model_dir.name}, {len(prompts)} requests (greedy and sampled alternating), "
           f"{args.max_new_tokens} new tokens, verifier flags: this tree {' '.join(args.verifier_arg) or 'defaults'}"
           + (f", baseline {' '.join(args.baseline_verifier_arg) or 'defaults'}" if args.baseline_tree else "") + "\n")
-    print("| tree | block | one request, tokens/s | together, tokens/s | together / one | together = alone | alone = block 1 |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| tree | block | one request, tokens/s | together, tokens/s | together / one | together = alone | alone = block 1 "
+          "| speculative rounds alone / together |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['tree']} | {r['block'] + 1} | {r['one']:.1f} | {r['together']:.1f} | {r['ratio']:.2f} "
-              f"| {r['identical']}/{len(prompts)} | {r['stable']}/{len(prompts)} |")
+              f"| {r['identical']}/{len(prompts)} | {r['stable']}/{len(prompts)} "
+              f"| {r['spec_alone']:.0%} / {r['spec_together']:.0%} |")
     print()
     for pair in pairs:
         ratios = [r["ratio"] for r in rows if r["tree"] == pair.name]

@@ -24,7 +24,7 @@ import math
 import torch
 from torch import Tensor
 
-from kernels.fused import cdiv, early_reads, launch_options, next_power_of_2, paged_rows, use_triton
+from kernels.fused import cdiv, early_reads, launch_options, next_power_of_2, use_triton
 
 MIN_BLOCK_M = 16  # query rows × heads per program: a multiple of the GQA group (tl.dot needs >= 16)
 MERGE_SLICE = 32  # head-dim columns per merge program
@@ -49,15 +49,22 @@ def attention_reference(
     """[T, Hq, D]: each row attends to positions 0..positions[i] of its slot (float32 softmax);
     with a gate, times sigmoid(gate) as GatedAttention rounds it."""
     num_rows, num_heads, head_dim = q.shape
-    group = num_heads // cache_keys.shape[2]
+    block_size, num_kv = cache_keys.shape[1], cache_keys.shape[2]
+    group = num_heads // num_kv
+    scale = 1.0 / math.sqrt(head_dim)
     out = torch.empty_like(q)
-    for i in range(num_rows):
-        span = torch.arange(int(positions[i]) + 1, device=q.device)
-        blocks, offsets = paged_rows(block_tables, slots[i].expand_as(span), span, cache_keys.shape[1])
-        keys = cache_keys[blocks, offsets].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
-        values = cache_values[blocks, offsets].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[i].float(), keys) / math.sqrt(head_dim)
-        out[i] = torch.einsum("hl,lhd->hd", torch.softmax(scores, dim=-1), values).to(q.dtype)
+    # Row by row (a row's bits are its own whatever shares the batch: the CPU runs batches
+    # through here), in as few ops as a row allows: its blocks' keys in one gather, the query
+    # heads of a KV head as one matrix (GQA) instead of keys repeated per query head.
+    for i, (position, slot) in enumerate(zip(positions.tolist(), slots.tolist())):
+        length = position + 1
+        blocks = block_tables[slot, : cdiv(length, block_size)].long()
+        keys = cache_keys[blocks].flatten(0, 1)[:length].float()  # [L, Hkv, D]
+        values = cache_values[blocks].flatten(0, 1)[:length].float()
+        heads = q[i].view(num_kv, group, head_dim).float()  # [Hkv, group, D]
+        scores = torch.matmul(heads, keys.permute(1, 2, 0)) * scale  # [Hkv, group, L]
+        mixed = torch.matmul(torch.softmax(scores, dim=-1), values.transpose(0, 1))  # [Hkv, group, D]
+        out[i] = mixed.view(num_heads, head_dim).to(q.dtype)
     if gate is not None:  # as GatedAttention: on [T, Hq * D] rows (CPU ops' bits follow the layout)
         rows = _gate_heads(gate, q).reshape(num_rows, num_heads * head_dim)
         out = (out.view(num_rows, -1) * torch.sigmoid(rows)).to(q.dtype).view(num_rows, num_heads, head_dim)

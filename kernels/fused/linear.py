@@ -19,6 +19,10 @@ from kernels.fused import cdiv, launch_options, next_power_of_2, use_triton
 
 MAX_FUSED_ROWS = 64  # above this (prefill chunks) cuBLAS is faster than re-reading weights per BLOCK_M rows
 BLOCK_M = 16  # tl.dot's smallest M; rows past the input are masked
+# The CPU's row-invariant products (rowwise_linear): weights with this many outputs or more run
+# in tiles of TILE_ROWS rows (the matmul reads a wide weight once per tile, not once per row).
+WIDE_OUTPUTS = 2048
+TILE_ROWS = 2
 # Prefill's projections (prefill_linear): one tile for every row count, so a prompt's rows are
 # the same bits whatever other prompts share its forward (cuBLAS picks its kernel by the row
 # count). (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages.)
@@ -138,12 +142,24 @@ def linear(
 
 
 def rowwise_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x [M, K] @ weight[N, K]^T → [M, N] by torch ops, each row's bits independent of M: one
-    [1, K] × [K, N] product per row in one batched matmul (every row runs the same kernel
-    whatever M is, where F.linear picks its kernel by M). The CPU's reference of `linear`, so
-    windows and batches run as one forward there with their rows' one-row bits."""
+    """x [M, K] @ weight[N, K]^T → [M, N] by torch ops, each row's bits independent of M and of
+    the other rows: every row runs the same fixed-shape product whatever M is, where F.linear
+    picks its kernel by M. The CPU's reference of `linear`, so windows and batches run as one
+    forward there with their rows' one-row bits. How, by the weight's shape only (so a weight's
+    rows always take the same way):
+    - narrow weights: one [1, K] × [K, N] product per row, in one batched matmul;
+    - wide ones (the lm_head): [TILE_ROWS, K] tiles, zero-padded, one matmul each — a product
+      of fixed shape reads the weight once per tile instead of once per row, and its rows'
+      bits depend neither on their place in the tile nor on the tile's other row."""
     num_rows, num_in = x.shape
-    return torch.bmm(x.unsqueeze(1), weight.t().unsqueeze(0).expand(num_rows, num_in, weight.shape[0])).squeeze(1)
+    num_out = weight.shape[0]
+    if num_out < WIDE_OUTPUTS or num_rows == 0:
+        return torch.bmm(x.unsqueeze(1), weight.t().unsqueeze(0).expand(num_rows, num_in, num_out)).squeeze(1)
+    pad = -num_rows % TILE_ROWS
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, num_in)])
+    tiles = [F.linear(x[row : row + TILE_ROWS], weight) for row in range(0, num_rows + pad, TILE_ROWS)]
+    return torch.cat(tiles)[:num_rows]
 
 
 def prefill_linear(x: Tensor, weight: Tensor) -> Tensor:

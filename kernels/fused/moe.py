@@ -61,17 +61,25 @@ def experts_reference(
 ) -> Tensor:
     """Per-route expert outputs [T*k, H] float32, route r = t*k + rank (zeros where the id is -1)."""
     num_tokens, top_k = expert_ids.shape
+    num_experts = gate_up.shape[0]
     out = torch.zeros((num_tokens * top_k, x.shape[1]), dtype=torch.float32, device=x.device)
     flat = expert_ids.reshape(-1)
     # On the CPU each route's bits are its own whatever else routes to its expert (windows and
     # batches run as one forward there); on a GPU this runs prompt chunks only (cuBLAS).
     product = rowwise_linear if x.device.type == "cpu" else F.linear
-    for expert in [e for e in torch.unique(flat).tolist() if e >= 0]:
-        routes = torch.nonzero(flat == expert).reshape(-1)
-        rows = x[routes // top_k]
-        gate, up = product(rows, gate_up[expert]).float().chunk(2, dim=-1)
-        act = (F.silu(gate) * up).to(x.dtype)
-        out[routes] = product(act, down[expert]).float()
+    # The routes sorted by expert (id -1 first, not computed), then each expert's routes as one slice.
+    order = torch.argsort(flat, stable=True)  # [T*k]
+    counts = torch.bincount(flat + 1, minlength=num_experts + 1).tolist()
+    rows = x[order // top_k]  # [T*k, H], grouped by expert
+    start, outputs = counts[0], []
+    for expert, count in enumerate(counts[1:]):
+        if count:
+            gate, up = product(rows[start : start + count], gate_up[expert]).float().chunk(2, dim=-1)
+            act = (F.silu(gate) * up).to(x.dtype)
+            outputs.append(product(act, down[expert]).float())
+            start += count
+    if outputs:
+        out[order[counts[0] :]] = torch.cat(outputs)
     return out
 
 
