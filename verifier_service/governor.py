@@ -27,7 +27,10 @@ are compared with plain ones:
   included). So a drafter that never pays costs at most `probe_share` of the plain decoding
   time (plus one probe), however long it fails;
 - the first round of each phase stays out of the estimates (a probe's first chain pays the
-  drafter's catch-up of the rounds it missed; a first plain round may lose a compute-ahead).
+  drafter's catch-up of the rounds it missed; a first plain round may lose a compute-ahead);
+- in a batch, a round with drafts also costs what its draft rows added to the other lanes'
+  rounds of its step (the engine loop's estimate, verifier_service.step_costs): counted with
+  its own time, so speculation goes on where it pays the batch, not only the request.
 
 Estimates: seconds per committed token over the last `window` rounds of a kind, the
 request's own, else the server's (fed by every request, the plain rounds of requests
@@ -209,6 +212,7 @@ class Governor:
         # the current round: its kind, whether it opened its phase, whether it belongs to a probe
         self.round_speculated = self.round_first = self.round_probe = False
         self.tokens = 0
+        self.cost_to_others_s = 0.0  # the current round's cost to the other lanes of its step
         self.rounds = self.speculative_rounds = self.detaches = self.probes = 0
 
     @property
@@ -229,8 +233,8 @@ class Governor:
     def begin(self, now: float) -> bool:
         """Close the last round (measured up to now); whether this round waits for a chain."""
         if self.started is not None:
-            self._record(now - self.started, self.tokens)
-        self.started, self.tokens = now, 0
+            self._record(now - self.started + self.cost_to_others_s, self.tokens)
+        self.started, self.tokens, self.cost_to_others_s = now, 0, 0.0
         self.round_speculated, self.round_probe = self.speculating, self.probing
         self.round_first, self.new_phase = self.new_phase, False
         self.rounds += 1
@@ -240,9 +244,11 @@ class Governor:
             self._decide()  # the next round's kind, from the rounds closed so far
         return self.round_speculated
 
-    def end(self, tokens: int) -> None:
-        """The current round committed `tokens`."""
+    def end(self, tokens: int, cost_to_others_s: float = 0.0) -> None:
+        """The current round committed `tokens`; its drafts cost the other lanes of its step
+        `cost_to_others_s` (RoundOutcome.cost_to_others_s)."""
         self.tokens = tokens
+        self.cost_to_others_s = cost_to_others_s
 
     def _record(self, seconds: float, tokens: int) -> None:
         if not self.round_speculated:

@@ -26,7 +26,10 @@ of the device (DESIGN §9, "The engine loop"):
   hands the follower in as the lane's next turn at once — it runs in the next step, without
   waiting for the coroutine or the drafter's round trip; otherwise it is dropped. The
   coroutine knows which by the same comparison (`Lane.follow` said whether it was in time).
-  Only a lane alone in the loop follows: in a batch the other lanes keep the device busy.
+  Only a lane alone in the loop follows: in a batch the other lanes keep the device busy;
+- costs: each step's rows and seconds feed a per-row cost (verifier_service.step_costs), and
+  a round with drafts in a step shared with other lanes carries what its draft rows added to
+  their rounds (`RoundOutcome.cost_to_others_s`), which its governor counts as its own cost.
 
 A plain round run ahead is the round the coroutine would have asked for (its drafts: none), so
 running it early changes no token: the output law is the rounds' (DESIGN §2–3).
@@ -44,6 +47,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from verifier_service.rounds import RoundOutcome, RoundRequest
+from verifier_service.step_costs import StepCosts
 
 
 @dataclass(frozen=True)
@@ -196,9 +200,11 @@ class _Job:
 class EngineLoop:
     """The model thread: `run`/`submit` jobs, `join` lanes; `start` after the engine exists."""
 
-    def __init__(self, name: str, settings: BatchSettings, on_step: Callable[[int], None] | None = None) -> None:
+    def __init__(self, name: str, settings: BatchSettings, on_step: Callable[[int], None] | None = None,
+                 step_costs: StepCosts | None = None) -> None:
         self.settings = settings
         self.on_step = on_step  # called (on the loop's thread) with each step's number of rounds
+        self.step_costs = step_costs or StepCosts()  # (touched on the loop's thread only)
         self._cond = threading.Condition()
         self._jobs: deque[_Job] = deque()
         self._lanes: dict[int, Lane] = {}
@@ -340,10 +346,13 @@ class EngineLoop:
         lanes = [lane for lane, _ in rounds]
         if self.on_step is not None:
             self.on_step(len(rounds))
+        started = time.perf_counter()
         try:
             results: list[RoundOutcome | BaseException] = list(self._stepper.run_rounds([r for _, r in rounds]))
         except Exception as error:  # every round of the step fails; the loop goes on
             results = [error] * len(lanes)
+        else:
+            results = self._charged(rounds, results, time.perf_counter() - started)
         with self._cond:
             for lane, result in zip(lanes, results, strict=True):
                 lane._ran(result)
@@ -353,6 +362,17 @@ class EngineLoop:
         for aloop, pairs in by_loop.items():  # one wake-up of the event loop for the whole step
             _post(aloop, _deliver_all, pairs)
         return lanes
+
+    def _charged(self, rounds: list[tuple[Lane, RoundRequest]], results: list, seconds: float) -> list:
+        """The step's outcomes, each round with drafts charged what they added to the other
+        lanes' rounds; the step's rows and time go into the per-row cost."""
+        costs = self.step_costs
+        costs.add(sum(len(r.drafts) + 1 for _, r in rounds), seconds)
+        if len(rounds) == 1:
+            return results
+        return [replace(result, cost_to_others_s=costs.cost_to_others_s(len(r.drafts), len(rounds)))
+                if r.drafts and isinstance(result, RoundOutcome) else result
+                for (_, r), result in zip(rounds, results, strict=True)]
 
     def _fail_pending(self) -> None:
         with self._cond:

@@ -84,6 +84,31 @@ def test_a_drafter_that_pays_is_kept():
     assert governor.detaches == 0
 
 
+def test_a_drafter_that_pays_the_request_but_not_its_batch_is_detached():
+    """In a batch the round's drafts also cost the other lanes (RoundOutcome.cost_to_others_s):
+    8 ms for 3 tokens pays against 5 ms a token alone, not with 10 ms more of the others'."""
+    governor = Governor(SETTINGS, Ledger(SETTINGS))
+    clock = [0.0]
+    kinds = []
+    for _ in range(20):
+        speculative = governor.begin(clock[0])
+        seconds, tokens = fast_drafter(speculative)
+        clock[0] += seconds
+        governor.end(tokens, cost_to_others_s=0.010 if speculative else 0.0)
+        kinds.append(speculative)
+    assert runs(kinds) == [(True, 5), (False, 15)] and governor.detaches == 1  # calibrated, then detached
+    assert governor.speculative.per_token() == pytest.approx(0.018 / 3)  # own time and the others' together
+    # the same rounds with a small cost to the others (a GPU's nearly free rows) keep speculating
+    kept = Governor(SETTINGS, Ledger(SETTINGS))
+    clock = [0.0]
+    for _ in range(20):
+        speculative = kept.begin(clock[0])
+        seconds, tokens = fast_drafter(speculative)
+        clock[0] += seconds
+        kept.end(tokens, cost_to_others_s=0.002 if speculative else 0.0)
+    assert kept.detaches == 0 and kept.next_speculates
+
+
 def test_a_known_plain_cost_skips_the_calibration():
     ledger = Ledger(SETTINGS)
     run(Governor(SETTINGS, ledger, drafting=False), 10, slow_drafter)  # a request without drafts

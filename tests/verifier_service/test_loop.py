@@ -8,8 +8,11 @@ import threading
 
 import pytest
 
+import torch
+
 from verifier_service.loop import BatchSettings, EngineLoop, LoopClosed, RoundsExhausted
-from verifier_service.rounds import RoundRequest
+from verifier_service.rounds import RoundOutcome, RoundRequest
+from verifier_service.step_costs import StepCosts
 
 
 class Session:
@@ -250,6 +253,46 @@ async def test_a_stopped_loop_refuses_jobs_and_fails_waiting_lanes(engine):
         await lane.outcome()
     with pytest.raises(LoopClosed):
         await loop.run(print)
+
+
+class OutcomeEngine(FakeEngine):
+    """Rounds end as RoundOutcomes (every draft accepted), as the engine's."""
+
+    def run_rounds(self, rounds):
+        super().run_rounds(rounds)
+        return [RoundOutcome([1] * (len(r.drafts) + 1), len(r.drafts), torch.zeros(len(r.drafts) + 1, 4), 1.0, 0.0)
+                for r in rounds]
+
+
+class KnownCosts(StepCosts):
+    """2 ms a row, whatever the steps measured (they are recorded all the same)."""
+
+    def per_row_s(self):
+        return 0.002
+
+
+async def test_a_round_with_drafts_in_a_shared_step_carries_its_cost_to_the_other_lanes():
+    engine = OutcomeEngine()
+    costs = KnownCosts()
+    loop = EngineLoop("test-loop", BatchSettings(max_rounds=8, gather_s=0.5), step_costs=costs)
+    loop.start(engine)
+    try:
+        a, b, c = (loop.join(Session(n)) for n in "abc")
+        engine.gate.clear()
+        outcomes = [asyncio.create_task(round_of(a, [5, 6, 7])), asyncio.create_task(round_of(b)),
+                    asyncio.create_task(round_of(c, [5]))]
+        await asyncio.sleep(0.05)
+        engine.gate.set()
+        with_3, plain, with_1 = await asyncio.gather(*outcomes)
+        assert engine.names() == [["a", "b", "c"]]
+        assert with_3.cost_to_others_s == pytest.approx(0.002 * 3 * 2)  # 3 draft rows, 2 other lanes
+        assert with_1.cost_to_others_s == pytest.approx(0.002 * 1 * 2) and plain.cost_to_others_s == 0.0
+        assert list(costs.steps)[0][0] == 3 + 1 + 1 + 2  # the step's rows went into the fit
+        b.leave(), c.leave()
+        alone = await round_of(a, [5, 6])
+        assert alone.cost_to_others_s == 0.0  # nobody else waited for its rows
+    finally:
+        loop.shutdown(wait=True)
 
 
 def test_batch_settings_are_validated():

@@ -1,0 +1,58 @@
+"""The engine loop's per-row step cost (verifier_service.step_costs): the slope of a step's
+seconds on its rows over the last steps, and what a round's drafts cost the other lanes."""
+
+import random
+
+import pytest
+
+from verifier_service.step_costs import StepCosts
+
+
+def test_the_per_row_cost_is_the_slope_of_the_steps_seconds_on_their_rows():
+    costs = StepCosts(window=64, min_steps=8)
+    rng = random.Random(0)
+    for _ in range(64):
+        rows = rng.randint(1, 40)
+        costs.add(rows, 0.002 + 0.0005 * rows + rng.uniform(-1e-5, 1e-5))
+    assert costs.per_row_s() == pytest.approx(0.0005, rel=0.02)
+    # 4 drafts in a step of 8 lanes: 4 rows more for 7 other rounds
+    assert costs.cost_to_others_s(4, 8) == pytest.approx(4 * 7 * 0.0005, rel=0.02)
+    assert costs.cost_to_others_s(0, 8) == 0.0 and costs.cost_to_others_s(4, 1) == 0.0
+
+
+def test_unknown_until_enough_steps_of_different_rows():
+    costs = StepCosts(window=16, min_steps=4)
+    for _ in range(10):
+        costs.add(8, 0.01)
+    assert costs.per_row_s() is None and costs.cost_to_others_s(4, 8) == 0.0  # one row count: no slope
+    costs.add(1, 0.003)
+    assert costs.per_row_s() == pytest.approx(0.001)
+    fresh = StepCosts(window=16, min_steps=4)
+    for rows in (1, 8, 1):
+        fresh.add(rows, 0.001 * rows)
+    assert fresh.per_row_s() is None  # fewer than min_steps
+
+
+def test_old_steps_leave_the_window_and_a_falling_line_reads_as_free_rows():
+    costs = StepCosts(window=10, min_steps=2)
+    for i in range(10):
+        costs.add(1 + i % 5, 0.001 * (1 + i % 5))  # 1 ms a row
+    for i in range(10):
+        costs.add(1 + i % 5, 0.002 + 0.0001 * (1 + i % 5))  # the device got cheaper per row
+    assert costs.per_row_s() == pytest.approx(0.0001)
+    for i in range(10):
+        costs.add(1 + i % 5, 0.01 - 0.001 * (1 + i % 5))  # noise that falls with rows: not a negative cost
+    assert costs.per_row_s() == 0.0
+
+
+@pytest.mark.parametrize("args", [(1, 1), (8, 1), (8, 9)])
+def test_bad_windows_are_refused(args):
+    with pytest.raises(ValueError):
+        StepCosts(*args)
+
+
+def test_bad_steps_are_refused():
+    with pytest.raises(ValueError):
+        StepCosts().add(0, 0.1)
+    with pytest.raises(ValueError):
+        StepCosts().add(3, float("nan"))
