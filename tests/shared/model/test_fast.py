@@ -11,6 +11,7 @@ from shared.model.families.qwen3_moe.fused import FusedModel, unsupported_reason
 from shared.model.rows import Rows
 from shared.model.graphs import FusedRunner
 from shared.model.kv_cache import KVPool
+from shared.model.runner import Window
 
 CONFIG = dict(
     model_type="qwen3_moe", vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
@@ -224,13 +225,14 @@ def test_dependent_launch_changes_no_bit():
                       device="cuda")
         runner = FusedRunner(FusedModel(model, max_rows=8, max_length=64, pdl=pdl), pool, max_rows=8)
         runner.capture([1, 5])
-        runners.append(runner)
+        slot, _ = pool.acquire(64)  # (after the capture, whose warm-up writes where no request is)
+        runners.append((runner, slot))
     prompt = [5, 17, 42, 8, 71, 3, 9, 60, 11, 2]
     for start in range(0, 10, 5):  # captured 5-row windows, then 1-row steps (captured) and a 3-row (eager)
-        outs = [r.run(0, prompt[start : start + 5], start).logits.clone() for r in runners]
+        outs = [r.run([Window(slot, prompt[start : start + 5], start)]).logits.clone() for r, slot in runners]
         assert torch.equal(outs[0], outs[1])
     for position, size in ((10, 1), (11, 3)):
-        outs = [r.run(0, prompt[:size], position).logits.clone() for r in runners]
+        outs = [r.run([Window(slot, prompt[:size], position)]).logits.clone() for r, slot in runners]
         assert torch.equal(outs[0], outs[1])
 
 
