@@ -33,11 +33,8 @@ are compared with plain ones:
   its own time, so speculation goes on where it pays the batch, not only the request.
 
 Estimates: seconds per committed token over the last `window` rounds of a kind, the
-request's own, else the server's at the request's load (fed by every request, the plain rounds
-of requests without drafting included). The server's rounds are kept per load level (requests
-running together: 1, 2, 3–4, 5–8, ...): a round's seconds per token grow with the batch it
-runs in, so plain rounds measured eight at a time would make speculation alone look paying
-(and a verdict learned alone does not hold for eight). The decision changes only whether a round has drafts: in exact
+request's own, else the server's (fed by every request, the plain rounds of requests
+without drafting included). The decision changes only whether a round has drafts: in exact
 mode the committed tokens are the same either way; in probabilistic mode the law is the
 same (as for any round whose chain came late).
 """
@@ -127,19 +124,21 @@ class CostWindow:
         return mean > z * math.sqrt(variance / n)
 
 
-def load_level(num_lanes: int) -> int:
-    """Requests running together in powers of two: 1 → 0, 2 → 1, 3–4 → 2, 5–8 → 3, ..."""
-    return max(num_lanes - 1, 0).bit_length()
-
-
-class ServerRounds:
-    """The server's rounds of one load level, over all requests: the prior of a request that
-    has not measured a kind, and the server's verdict."""
+class Ledger:
+    """The server's view over all requests (the prior of a request that has not measured a
+    kind) and the probe budget. Requests run on one event loop; the lock keeps it right
+    should they not."""
 
     def __init__(self, settings: GovernorSettings) -> None:
         self.settings = settings
         self.speculative = CostWindow(settings.server_window)
         self.plain = CostWindow(settings.server_window)
+        self.credit_s = 0.0  # what probes may still lose
+        self.explorers = 0  # requests speculating to give the server its first verdict
+        # what the first round of a speculative phase loses against plain: the drafter's (re)open
+        # or catch-up on the rounds it missed, kept out of the estimates but not out of a probe's cost
+        self.opening_excess_s = 0.0
+        self._lock = threading.Lock()
 
     def pays(self) -> bool | None:
         """Whether speculation has paid lately (None: too few rounds of either kind to say). As
@@ -149,28 +148,6 @@ class ServerRounds:
             return None
         s = self.settings  # the same rule as a request's detach: slower by the margin, beyond noise
         return not self.speculative.slower(self.plain.per_token() * (1 + s.margin), s.confidence_z)
-
-
-class Ledger:
-    """The server's view over all requests: its rounds per load level (`at`) and the probe
-    budget. Requests run on one event loop; the lock keeps it right should they not."""
-
-    def __init__(self, settings: GovernorSettings) -> None:
-        self.settings = settings
-        self.levels: dict[int, ServerRounds] = {}
-        self.credit_s = 0.0  # what probes may still lose
-        self.explorers = 0  # requests speculating to give the server its first verdict
-        # what the first round of a speculative phase loses against plain: the drafter's (re)open
-        # or catch-up on the rounds it missed, kept out of the estimates but not out of a probe's cost
-        self.opening_excess_s = 0.0
-        self._lock = threading.Lock()
-
-    def at(self, level: int) -> ServerRounds:
-        """The server's rounds at load level `level` (load_level)."""
-        rounds = self.levels.get(level)
-        if rounds is None:
-            rounds = self.levels[level] = ServerRounds(self.settings)
-        return rounds
 
     def explore(self) -> bool:
         """Take one of the `max_explorers` places (False: all taken)."""
@@ -211,17 +188,15 @@ class Governor:
     back from a drafter that will not be asked and a plain step computed ahead); `end(tokens)`:
     the tokens it committed (its cost is closed by the next `begin`)."""
 
-    def __init__(self, settings: GovernorSettings, ledger: Ledger, drafting: bool = True, num_lanes: int = 1) -> None:
+    def __init__(self, settings: GovernorSettings, ledger: Ledger, drafting: bool = True) -> None:
         self.settings = settings
         self.ledger = ledger
         self.drafting = drafting  # False: the request never drafts; its plain rounds still teach the ledger
-        self.server = ledger.at(load_level(num_lanes))  # the server's rounds at this request's load
-        self.round_server = self.server  # (the current round's)
         self.speculative = CostWindow(settings.window)
         self.plain = CostWindow(settings.window)
         self.exploring = False  # speculating to give the server a verdict (holds a Ledger.explore place)
         self.awaiting = False  # plain until the server's rounds give a verdict (no explorer place was free)
-        verdict = self.server.pays() if drafting else False
+        verdict = ledger.pays() if drafting else False
         if verdict is None:
             self.exploring = ledger.explore()
             self.awaiting = not self.exploring
@@ -255,15 +230,11 @@ class Governor:
             return 0
         return max(self.phase_length - self.phase_rounds, 1)
 
-    def begin(self, now: float, num_lanes: int | None = None) -> bool:
-        """Close the last round (measured up to now); whether this round waits for a chain.
-        num_lanes: requests running now (None: as at the last round)."""
+    def begin(self, now: float) -> bool:
+        """Close the last round (measured up to now); whether this round waits for a chain."""
         if self.started is not None:
             self._record(now - self.started + self.cost_to_others_s, self.tokens)
         self.started, self.tokens, self.cost_to_others_s = now, 0, 0.0
-        if num_lanes is not None:
-            self.server = self.ledger.at(load_level(num_lanes))
-        self.round_server = self.server
         self.round_speculated, self.round_probe = self.speculating, self.probing
         self.round_first, self.new_phase = self.new_phase, False
         self.rounds += 1
@@ -292,19 +263,18 @@ class Governor:
                 self.ledger.charge(excess - self.reserved_s)
         if self.round_first or tokens <= 0:
             return
-        level = self.round_server
-        own, server = (self.speculative, level.speculative) if self.round_speculated else (self.plain, level.plain)
+        own, server = (self.speculative, self.ledger.speculative) if self.round_speculated else (self.plain, self.ledger.plain)
         own.add(seconds, tokens)
         server.add(seconds, tokens)
 
     def estimate(self, speculative: bool) -> float | None:
         """Seconds per committed token: the request's own recent rounds, else the server's."""
-        own, server = (self.speculative, self.server.speculative) if speculative else (self.plain, self.server.plain)
+        own, server = (self.speculative, self.ledger.speculative) if speculative else (self.plain, self.ledger.plain)
         return own.per_token() if len(own) else server.per_token()
 
     def _slower(self, plain: float) -> bool:
         """Whether speculating is slower than plain decoding (by the margin, beyond noise)."""
-        window = self.speculative if len(self.speculative) else self.server.speculative
+        window = self.speculative if len(self.speculative) else self.ledger.speculative
         return window.slower(plain * (1 + self.settings.margin), self.settings.confidence_z)
 
     def _expected_probe_loss(self) -> float:
@@ -312,7 +282,7 @@ class Governor:
         if plain is None:
             return 0.0
         # the server's window: many rounds, so one request's unlucky stretch does not price its probes
-        window = self.server.speculative if len(self.server.speculative) else self.speculative
+        window = self.ledger.speculative if len(self.ledger.speculative) else self.speculative
         excess = window.excess(plain)
         opening = max(self.ledger.opening_excess_s, 0.0)
         return max(excess or 0.0, 0.0) * (self.settings.judge_rounds - 1) + opening
@@ -354,7 +324,7 @@ class Governor:
     def _look_for_verdict(self) -> None:
         """A request waiting for the server's verdict: speculate where it pays (or where an
         explorer's place is free again), stay plain — as if detached — where it does not."""
-        verdict = self.server.pays()
+        verdict = self.ledger.pays()
         if verdict is None and not self.ledger.explore():
             self.phase_rounds = 0  # look again in verdict_rounds
             return

@@ -153,7 +153,7 @@ class RequestRounds:
         started = time.perf_counter()
         granted = round_id < running.granted_until
         # (a request without a drafter still runs the governor: its rounds teach the server the plain cost)
-        speculate = (governor.begin(started, self.loop.num_lanes) if governor is not None else True) and link is not None
+        speculate = (governor.begin(started) if governor is not None else True) and link is not None
         if granted and speculate:
             raise RuntimeError(f"round {round_id} was granted as plain, but the governor speculates")
         follower, running.follower = running.follower, None

@@ -201,8 +201,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 if self.drafter is not None and spec.speculate and self._may_draft(spec):
                     link = DrafterLink(self.drafter, self.deadlines, security.bearer_metadata(self.settings.drafter_token),
                                        self.drafter_health)
-                governor = Governor(self.governor_settings, self.ledger, drafting=link is not None,
-                                    num_lanes=self.worker.num_lanes + 1) if self.settings.governor else None
+                governor = Governor(self.governor_settings, self.ledger, drafting=link is not None) \
+                    if self.settings.governor else None
                 if link is not None and (governor is None or governor.next_speculates):  # else at its first probe
                     await link.open(open_message(session, 0, self.settings.draft_ahead), trace_context())
                 completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences, self.tokenizer)

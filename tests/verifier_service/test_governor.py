@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from verifier_service.governor import CostWindow, Governor, GovernorSettings, Ledger, load_level
+from verifier_service.governor import CostWindow, Governor, GovernorSettings, Ledger
 
 SETTINGS = GovernorSettings(judge_rounds=5, min_hold=4, probe_share=0.05, window=8, server_window=8)
 
@@ -109,37 +109,10 @@ def test_a_drafter_that_pays_the_request_but_not_its_batch_is_detached():
     assert kept.detaches == 0 and kept.next_speculates
 
 
-def test_the_server_s_rounds_are_kept_by_load_level():
-    assert [load_level(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 1, 2, 2, 3, 3, 4, 4, 5]
-    ledger = Ledger(SETTINGS)
-
-    def batched(speculative: bool) -> tuple[float, int]:  # 8 requests share each step: 15 ms a plain round
-        return (0.036, 3) if speculative else (0.015, 1)  # (speculation pays there: 12 ms a token)
-
-    for _ in range(3):
-        run(Governor(SETTINGS, ledger, num_lanes=8), 40, batched)
-    assert ledger.at(3).pays() is True and ledger.at(0).pays() is None
-    # Alone, the slow drafter (13.3 ms a token) loses against plain decoding alone (5 ms): judged
-    # against the batch's 15 ms plain rounds it would look paying and never detach.
-    alone = Governor(SETTINGS, ledger, num_lanes=1)
-    kinds = []
-    clock = [0.0]
-    for _ in range(30):
-        speculative = alone.begin(clock[0], num_lanes=1)
-        seconds, tokens = slow_drafter(speculative)
-        clock[0] += seconds
-        alone.end(tokens)
-        kinds.append(speculative)
-    assert runs(kinds)[:2] == [(True, 5), (False, 25)] and alone.detaches == 1  # calibrated alone, detached
-    assert ledger.at(0).pays() is False and ledger.at(3).pays() is True  # what it learnt stays at its level
-    # a request joining eight follows the verdict learnt at eight
-    assert Governor(SETTINGS, ledger, num_lanes=7).next_speculates
-
-
 def test_a_known_plain_cost_skips_the_calibration():
     ledger = Ledger(SETTINGS)
     run(Governor(SETTINGS, ledger, drafting=False), 10, slow_drafter)  # a request without drafts
-    assert len(ledger.at(0).plain) == 8 and len(ledger.at(0).speculative) == 0  # (its first round is not measured)
+    assert len(ledger.plain) == 8 and len(ledger.speculative) == 0  # (its first round is not measured)
     governor = Governor(SETTINGS, ledger)
     kinds = run(governor, 10, slow_drafter)
     assert runs(kinds) == [(True, 5), (False, 5)]  # detached at the first judgement (no budget to probe yet)
@@ -168,7 +141,7 @@ def test_a_new_request_starts_plain_when_the_server_says_speculation_does_not_pa
     ledger = Ledger(SETTINGS)
     for _ in range(3):
         run(Governor(SETTINGS, ledger), 40, slow_drafter)
-    assert ledger.at(0).pays() is False
+    assert ledger.pays() is False
     governor = Governor(SETTINGS, ledger)
     assert not governor.next_speculates
     ledger.credit_s = 10.0  # plenty: it probes after its hold, then detaches again
@@ -178,7 +151,7 @@ def test_a_new_request_starts_plain_when_the_server_says_speculation_does_not_pa
     paying = Ledger(SETTINGS)
     for _ in range(3):
         run(Governor(SETTINGS, paying), 40, fast_drafter)
-    assert paying.at(0).pays() is True and Governor(SETTINGS, paying).next_speculates
+    assert paying.pays() is True and Governor(SETTINGS, paying).next_speculates
 
 
 def test_a_probe_that_pays_reattaches_and_is_refunded():
@@ -212,7 +185,7 @@ def test_bad_settings_are_refused(kwargs):
 def test_requests_that_never_draft_do_not_fund_probes_and_openings_count_in_a_probe_s_cost():
     ledger = Ledger(SETTINGS)
     run(Governor(SETTINGS, ledger, drafting=False), 50, slow_drafter)
-    assert ledger.credit_s == 0.0 and len(ledger.at(0).plain) == 8
+    assert ledger.credit_s == 0.0 and len(ledger.plain) == 8
     governor = Governor(SETTINGS, ledger)
     first = [True]
 
@@ -298,9 +271,9 @@ def test_the_server_s_verdict_follows_the_same_noise_rule():
         settings = GovernorSettings()
         ledger = Ledger(settings)
         for _ in range(64):
-            ledger.at(0).speculative.add(0.0061, chain_tokens(rng))
-            ledger.at(0).plain.add(0.0033, 1)
-        assert ledger.at(0).pays() is True, seed
+            ledger.speculative.add(0.0061, chain_tokens(rng))
+            ledger.plain.add(0.0033, 1)
+        assert ledger.pays() is True, seed
 
 
 def round_robin(governors: list[Governor], rounds: int, cost) -> list[list[bool]]:
@@ -324,11 +297,11 @@ def test_requests_arriving_together_send_two_explorers_and_the_rest_follow_the_v
     kinds = round_robin(governors, 40, fast_drafter if paying else slow_drafter)
     waiting = kinds[2:]
     if paying:
-        assert ledger.at(0).pays() is True
+        assert ledger.pays() is True
         assert all(seen.index(True) <= 2 * SETTINGS.verdict_rounds for seen in waiting)
         assert all(all(seen[2 * SETTINGS.verdict_rounds:]) for seen in waiting)  # and they stay
     else:
-        assert ledger.at(0).pays() is False
+        assert ledger.pays() is False
         assert not any(any(seen) for seen in waiting)  # (the budget holds no probe yet)
         assert sum(g.detaches for g in governors) == 2
     assert ledger.explorers == 0  # both explorers judged: their places are free again
