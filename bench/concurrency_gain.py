@@ -69,7 +69,8 @@ class Pair:
             async def one(index: int) -> tuple[list[int], float, dict]:
                 started = time.perf_counter()
                 g = await client.generate(prompts[index], config(index, max_new_tokens, tag))
-                return g.token_ids, time.perf_counter() - started, g.stats
+                waits = [r["draft_wait_ms"] for r in g.rounds if r["speculative"]]
+                return g.token_ids, time.perf_counter() - started, {**g.stats, "wait_ms": sum(waits)}
 
             started = time.perf_counter()
             if together:
@@ -80,7 +81,8 @@ class Pair:
         rounds = sum(stats.get("rounds", 0) for _, _, stats in results)
         speculative = sum(stats.get("speculative_rounds", 0) for _, _, stats in results)
         return {"tokens": [ids for ids, _, _ in results], "walls": sum(w for _, w, _ in results), "wall": wall,
-                "speculative": speculative / rounds if rounds else 0.0}
+                "speculative": speculative / rounds if rounds else 0.0,
+                "wait_ms": sum(stats["wait_ms"] for _, _, stats in results)}
 
 
 async def main_async(args) -> None:
@@ -124,7 +126,8 @@ async def main_async(args) -> None:
                 log(f"block {block + 1}/{args.blocks} {pair.name}: one request {one_tps:.1f} tokens/s, "
                     f"{len(prompts)} together {together_tps:.1f} ({together_tps / one_tps:.2f}x), identical "
                     f"{rows[-1]['identical']}/{len(prompts)}, speculative rounds {alone['speculative']:.0%} alone, "
-                    f"{both['speculative']:.0%} together")
+                    f"{both['speculative']:.0%} together (their chains waited for: {alone['wait_ms']:.0f} / "
+                    f"{both['wait_ms']:.0f} ms in all)")
     finally:
         children.stop()
     print(f"\n### concurrency_gain: {datetime.date.today()}, {platform.node()}, device {args.device}, "

@@ -27,9 +27,11 @@ of the device (DESIGN §9, "The engine loop"):
   waiting for the coroutine or the drafter's round trip; otherwise it is dropped. The
   coroutine knows which by the same comparison (`Lane.follow` said whether it was in time).
   Only a lane alone in the loop follows: in a batch the other lanes keep the device busy;
-- costs: each step's rows and seconds feed a per-row cost (verifier_service.step_costs), and
-  a round with drafts in a step shared with other lanes carries what its draft rows added to
-  their rounds (`RoundOutcome.cost_to_others_s`), which its governor counts as its own cost.
+- costs: each step's rows and seconds feed a per-row cost (verifier_service.step_costs); a
+  round carries what it cost the other lanes (`RoundOutcome.cost_to_others_s`, which its
+  governor counts as its own cost): its draft rows' share of a step shared with them, and the
+  time they waited, ready, for this lane before its step (the gather: a lane waiting for its
+  drafter's chain holds the batch up to `gather_s`).
 
 A plain round run ahead is the round the coroutine would have asked for (its drafts: none), so
 running it early changes no token: the output law is the rounds' (DESIGN §2–3).
@@ -98,6 +100,7 @@ class Lane:
         self._unread = 0  # outcomes run, not yet read
         self._committed = 0  # rounds run (every round: turns and granted ones, in order)
         self._follower: tuple[int, list[int], RoundRequest] | None = None  # (after round, assumed emitted, round)
+        self._owed_s = 0.0  # lane-seconds the other lanes waited for this one (a step's gather), not yet charged
         self.left = False
 
     def turn(self, request: RoundRequest) -> None:
@@ -289,6 +292,7 @@ class EngineLoop:
         and steps alternate while both are waiting: a long prompt's prefill jobs, queued one
         after another, stall the decoding lanes for one job at a time, not for all of them."""
         gather_until: float | None = None
+        gather_from, waited_for = 0.0, []  # (when the gather began, the lanes it waited for)
         while True:
             if self._closed:
                 return None, None, []
@@ -305,10 +309,13 @@ class EngineLoop:
                     now = time.monotonic()
                     if gather_until is None:
                         gather_until = now + self.settings.gather_s
+                        gather_from, waited_for = now, waiting
                     if now < gather_until:
                         self._cond.wait(gather_until - now)
                         continue
                 if ready:
+                    if waited_for:
+                        _owe(waited_for, ready, time.monotonic() - gather_from)
                     return None, self._plan(ready), []
             self._cond.wait()
 
@@ -364,15 +371,19 @@ class EngineLoop:
         return lanes
 
     def _charged(self, rounds: list[tuple[Lane, RoundRequest]], results: list, seconds: float) -> list:
-        """The step's outcomes, each round with drafts charged what they added to the other
-        lanes' rounds; the step's rows and time go into the per-row cost."""
+        """The step's outcomes, each round charged what it cost the other lanes: its draft rows'
+        share of the step, and the time the other lanes waited for it before the step (the
+        gather); the step's rows and time go into the per-row cost."""
         costs = self.step_costs
         costs.add(sum(len(r.drafts) + 1 for _, r in rounds), seconds)
-        if len(rounds) == 1:
-            return results
-        return [replace(result, cost_to_others_s=costs.cost_to_others_s(len(r.drafts), len(rounds)))
-                if r.drafts and isinstance(result, RoundOutcome) else result
-                for (_, r), result in zip(rounds, results, strict=True)]
+        charged = []
+        for (lane, r), result in zip(rounds, results, strict=True):
+            cost = costs.cost_to_others_s(len(r.drafts), len(rounds)) + lane._owed_s
+            if cost and isinstance(result, RoundOutcome):
+                lane._owed_s = 0.0
+                result = replace(result, cost_to_others_s=cost)
+            charged.append(result)
+        return charged
 
     def _fail_pending(self) -> None:
         with self._cond:
@@ -385,6 +396,15 @@ class EngineLoop:
         for lane in lanes:
             if lane._turns or lane._plain_left:
                 _post(lane._aloop, _deliver_all, [(lane, closed)])
+
+
+def _owe(waited_for: list[Lane], ready: list[Lane], seconds: float) -> None:
+    """The lanes a step waited for owe the ready lanes' wait (lane-seconds), shared among them."""
+    others = [lane for lane in ready if lane not in waited_for]
+    if others and seconds > 0:
+        share = seconds * len(others) / len(waited_for)
+        for lane in waited_for:
+            lane._owed_s += share
 
 
 def _post(aloop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args) -> None:

@@ -295,6 +295,27 @@ async def test_a_round_with_drafts_in_a_shared_step_carries_its_cost_to_the_othe
         loop.shutdown(wait=True)
 
 
+async def test_a_lane_the_step_waited_for_owes_the_ready_lanes_their_wait():
+    engine = OutcomeEngine()
+    loop = EngineLoop("test-loop", BatchSettings(max_rounds=8, gather_s=0.5), step_costs=KnownCosts())
+    loop.start(engine)
+    try:
+        a, b, c = (loop.join(Session(n)) for n in "abc")
+        await asyncio.gather(*(round_of(lane) for lane in (a, b, c)))
+        # a and b come back at once; c (waiting, say, for its drafter's chain) 0.2 s later: the
+        # step waited for it while two lanes were ready
+        first = [asyncio.create_task(round_of(lane)) for lane in (a, b)]
+        await asyncio.sleep(0.2)
+        late = await round_of(c)
+        ready_a, ready_b = await asyncio.gather(*first)
+        assert engine.names()[1] == ["a", "b", "c"]
+        assert ready_a.cost_to_others_s == ready_b.cost_to_others_s == 0.0
+        assert 2 * 0.15 <= late.cost_to_others_s <= 2 * 0.5 + 0.2  # two lanes waited about 0.2 s each
+        assert (await round_of(c)).cost_to_others_s == 0.0  # charged once
+    finally:
+        loop.shutdown(wait=True)
+
+
 def test_batch_settings_are_validated():
     with pytest.raises(ValueError, match="max_rounds"):
         BatchSettings(max_rounds=0, gather_s=0.0)
