@@ -19,6 +19,7 @@ class DrafterSettings:
     random_weights: bool = field(default=False, metadata={"help": "benchmarks: random weights from the model directory's config.json (no safetensors needed; drafts are then noise, their cost is real)"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16 or float16"})
+    cpu_threads: int = field(default=0, metadata={"help": "torch CPU threads of the model (0 = auto: 1 on the CPU, leaving the other cores to a verifier on this host; two processes spinning on the same cores slow each other several-fold)"})
     fused: str = field(default="auto", metadata={"help": "fused-kernel MTP path: auto (on for CUDA when the model allows), on, off (reference path)"})
     max_sessions: int = field(default=256, metadata={"help": "sessions kept; the least recently used is evicted (its verifier re-syncs)"})
     max_streams_per_peer: int = field(default=64, metadata={"help": "Draft streams one unauthenticated peer (client address) may hold open; more get RESOURCE_EXHAUSTED. Callers authenticated by --auth-token or --tls-client-ca are not capped by address"})

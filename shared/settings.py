@@ -133,6 +133,8 @@ def validate_service(settings: Any) -> None:
         value = getattr(settings, name)
         if not 0 <= value <= 65535:
             raise ValueError(f"{name} {value} must lie in [0, 65535]")
+    if settings.cpu_threads < 0:
+        raise ValueError(f"cpu_threads {settings.cpu_threads} must be >= 0 (0 = auto)")
     if settings.dtype not in DTYPES:
         raise ValueError(f"dtype {settings.dtype!r} must be one of {', '.join(DTYPES)}")
     device = settings.device

@@ -27,6 +27,9 @@ of the device (DESIGN §9, "The engine loop"):
   waiting for the coroutine or the drafter's round trip; otherwise it is dropped. The
   coroutine knows which by the same comparison (`Lane.follow` said whether it was in time).
   Only a lane alone in the loop follows: in a batch the other lanes keep the device busy;
+- threads: `on_drafting` hears, on the loop's thread before a step, when whether some lane's
+  drafter works (its last round verified drafts, until a granted plain round) changed — the
+  verifier then yields a drafter on its host a core (shared/threads.py);
 - costs: each step's rows and seconds feed a per-row cost (verifier_service.step_costs); a
   round carries what it cost the other lanes (`RoundOutcome.cost_to_others_s`, which its
   governor counts as its own cost): its draft rows' share of a step shared with them, and the
@@ -101,6 +104,7 @@ class Lane:
         self._committed = 0  # rounds run (every round: turns and granted ones, in order)
         self._follower: tuple[int, list[int], RoundRequest] | None = None  # (after round, assumed emitted, round)
         self._owed_s = 0.0  # lane-seconds the other lanes waited for this one (a step's gather), not yet charged
+        self._drafting = False  # its last round verified drafts (until a granted plain round): its drafter works
         self.left = False
 
     def turn(self, request: RoundRequest) -> None:
@@ -168,7 +172,10 @@ class Lane:
     def _take(self) -> RoundRequest:
         self._unread += 1
         if self._turns:
-            return self._turns.popleft()
+            request = self._turns.popleft()
+            self._drafting = self._drafting or bool(request.drafts)
+            return request
+        self._drafting = False
         self._plain_left -= 1
         # another granted round follows: enqueue its step before this one is read
         return RoundRequest(self.session, [], None, decode_ahead=self._plain_left > 0)
@@ -204,9 +211,14 @@ class EngineLoop:
     """The model thread: `run`/`submit` jobs, `join` lanes; `start` after the engine exists."""
 
     def __init__(self, name: str, settings: BatchSettings, on_step: Callable[[int], None] | None = None,
-                 step_costs: StepCosts | None = None) -> None:
+                 step_costs: StepCosts | None = None, on_drafting: Callable[[bool], None] | None = None) -> None:
         self.settings = settings
         self.on_step = on_step  # called (on the loop's thread) with each step's number of rounds
+        # called on the loop's thread before a step when whether some lane's drafter works
+        # changed (its last round verified drafts; shared/threads.py yields it a core then)
+        self.on_drafting = on_drafting
+        self._drafting = False  # (what on_drafting last said)
+        self._drafting_next = False  # (set by _plan under the lock, read by _step)
         self.step_costs = step_costs or StepCosts()  # (touched on the loop's thread only)
         self._cond = threading.Condition()
         self._jobs: deque[_Job] = deque()
@@ -332,6 +344,7 @@ class EngineLoop:
         the device computed some lanes' next plain round ahead and other lanes' rounds are
         ready too, those lanes' computed step alone (then the rest joins the next step)."""
         ready = ready[: self.settings.max_rounds]
+        self._drafting_next = any(lane._drafting for lane in self._lanes.values())
         ahead = {id(s) for s in self._stepper.computed_ahead()}
         if ahead and len(ready) > len(ahead):
             computed = [lane for lane in ready if id(lane.session) in ahead and not lane._turns]
@@ -351,6 +364,10 @@ class EngineLoop:
 
     def _step(self, rounds: list[tuple[Lane, RoundRequest]]) -> list[Lane]:
         lanes = [lane for lane, _ in rounds]
+        drafting = self._drafting_next or any(r.drafts for _, r in rounds)
+        if self.on_drafting is not None and drafting != self._drafting:
+            self._drafting = drafting
+            self.on_drafting(drafting)
         if self.on_step is not None:
             self.on_step(len(rounds))
         started = time.perf_counter()

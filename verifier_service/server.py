@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kernels.speculative import Gate, Mode
 from shared import security, telemetry
+from shared.threads import model_threads, use_threads
 from shared.metrics import VerifierMetrics
 from shared.model import load_model, resident_bytes
 from shared.model.registry import resolve_model
@@ -53,9 +54,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class VerifierService(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, settings: VerifierSettings, model=None, tokenizer=None):
         self.settings = settings
+        self.threads = model_threads(settings.cpu_threads, device=settings.device, role="verifier",
+                                     drafter=settings.drafter)
         self.worker = EngineLoop("verifier-model", BatchSettings(max_rounds=settings.max_sessions,
                                                                  gather_s=settings.batch_gather_ms / 1e3),
-                                 on_step=self.metrics_step)
+                                 on_step=self.metrics_step, on_drafting=self._drafting if self.threads.adapts else None)
         self.model = model
         self.tokenizer = tokenizer
         self.engine: Engine | None = None
@@ -78,6 +81,10 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.metrics.kv_blocks_held.set_function(lambda: self.admission.blocks_held)
         self.drafter_health = DrafterHealth(settings.drafter or "", self.metrics.drafter_reachable, log)
         self.metrics.drafter_reachable.set(-1 if self.channel is None else 0)
+
+    def _drafting(self, drafting: bool) -> None:
+        """On the engine loop's thread: a drafter on this host works (or stopped): yield it a core."""
+        use_threads(self.threads.drafting if drafting else self.threads.full)
 
     def metrics_step(self, num_rounds: int) -> None:
         self.metrics.batch_rounds.observe(num_rounds)
@@ -102,6 +109,9 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
 
     async def load(self) -> None:
         s = self.settings
+        if self.threads.full is not None:  # (shared/threads.py: before any model work)
+            await self.worker.run(use_threads, self.threads.full)  # (the engine loop's thread runs the ops)
+            log.info("cpu threads", threads=self.threads.full, while_drafting=self.threads.drafting)
         if self.model is None:
             path = resolve_model(s.model)
             log.info("loading model", path=str(path), device=s.device, dtype=s.dtype)
