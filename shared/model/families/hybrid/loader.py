@@ -26,6 +26,7 @@ from safetensors import safe_open
 from shared.model.families.hybrid.config import NextConfig
 from shared.model.experts import copy_streams
 from shared.model.families.hybrid.modules import Experts, Qwen3NextModel, SharedMoe
+from shared.model.fp8 import CheckpointTensors, Fp8Blocks
 from shared.model.loader import PARTS, list_files, problem
 
 PREFIXES = ("model.language_model.", "model.")  # the trunk's tensors, longest first
@@ -59,7 +60,8 @@ def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: s
         raise ValueError(f"parts {parts!r} must be one of {', '.join(PARTS)}")
     path = Path(path)
     device = torch.device(device)
-    files = list_files(path)
+    tensors = CheckpointTensors(list_files(path), Fp8Blocks.of_checkpoint(path))  # (FP8: shared/model/fp8.py)
+    files = tensors.names()
     has_mtp = any(name.startswith("mtp.") for name in files)
     config = read_config(path, has_mtp=has_mtp and parts != "trunk")
     model = _empty_model(config, dtype=dtype, device=device, trunk=parts != "mtp")
@@ -81,12 +83,12 @@ def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: s
                 match = EXPERT.match(ours)
                 if match:
                     layer, expert, kind = match.group(1), int(match.group(2)), match.group(3)
-                    per_expert.setdefault((layer, kind), {})[expert] = handle.get_tensor(name)
+                    per_expert.setdefault((layer, kind), {})[expert] = tensors.get(handle, file, name)
                     continue
                 if ours not in params:
                     unexpected.append(name)
                     continue
-                tensor = handle.get_tensor(name)
+                tensor = tensors.get(handle, file, name)
                 if tensor.shape != params[ours].shape:
                     misshaped.append(f"{name} {tuple(tensor.shape)} (expected {tuple(params[ours].shape)})")
                     continue

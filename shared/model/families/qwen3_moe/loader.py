@@ -20,6 +20,7 @@ from shared.model.experts import ExpertStore, copy_streams
 from shared.model.families.qwen3_moe.config import ModelConfig
 from shared.model.moe import MoeBlock
 from shared.model.families.qwen3_moe.model import Qwen3MoeModel
+from shared.model.fp8 import CheckpointTensors, Fp8Blocks
 from shared.model.loader import list_files, problem
 from shared.model.registry import resolve_model
 
@@ -70,7 +71,8 @@ def load_qwen3_moe(path: Path | None, *, device: torch.device, dtype: torch.dtyp
                              trunk=parts != "mtp")
     path = resolve_model(path)
     config = ModelConfig.from_file(path)
-    files = list_files(path)
+    tensors = CheckpointTensors(list_files(path), Fp8Blocks.of_checkpoint(path))  # (FP8: shared/model/fp8.py)
+    files = tensors.names()
     has_mtp = config.has_mtp or any(name.startswith("mtp.") for name in files)
     if has_mtp != config.has_mtp or parts == "trunk":  # MTP tensors present / not wanted
         config = ModelConfig.from_dict({**config.to_dict(), "mtp_num_hidden_layers": int(has_mtp and parts != "trunk")})
@@ -101,7 +103,7 @@ def load_qwen3_moe(path: Path | None, *, device: torch.device, dtype: torch.dtyp
                 match = EXPERT_NAME.match(name)
                 if match and match.group(1) in experts and int(match.group(2)) < config.num_experts:
                     prefix, expert, kind = match.group(1), int(match.group(2)), match.group(3)
-                    tensor = handle.get_tensor(name)
+                    tensor = tensors.get(handle, file, name)
                     if tuple(tensor.shape) != expert_shape[kind]:
                         misshaped.append(f"{name} {tuple(tensor.shape)} (expected {expert_shape[kind]})")
                         continue
@@ -116,7 +118,7 @@ def load_qwen3_moe(path: Path | None, *, device: torch.device, dtype: torch.dtyp
                 if shape != tuple(param.shape):
                     misshaped.append(f"{name} {shape} (expected {tuple(param.shape)})")
                     continue
-                param.copy_(handle.get_tensor(name).to(dtype))
+                param.copy_(tensors.get(handle, file, name).to(dtype))
                 seen.add(name)
     bar.close()
     missing = sorted(set(expected) - seen)

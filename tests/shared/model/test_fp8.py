@@ -1,0 +1,130 @@
+"""FP8 checkpoints in the published layout (shared/model/fp8.py): block scales applied as
+transformers applies them, both families, sharded files with scales in another shard, odd
+sizes, and an error that names what is wrong for any other scheme."""
+
+import json
+
+import pytest
+import torch
+
+from shared.model import load_model
+from shared.model.families.hybrid.loader import load_next
+from shared.model.fp8 import CheckpointTensors, Fp8Blocks, dequantize
+
+from .conftest import make_hf_checkpoint
+from .fp8_checkpoints import quantize, quantize_checkpoint
+from .next_checkpoints import with_mtp, write_checkpoint
+from .test_qwen3_next import pair
+
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+@pytest.mark.parametrize("shape,block", [((37, 50), (16, 16)), ((32, 48), (16, 16)), ((8, 300), (128, 128)),
+                                         ((5, 7), (2, 3))])
+def test_dequantize_applies_each_block_s_scale(shape, block):
+    g = torch.Generator().manual_seed(shape[0])
+    q = (torch.randn(shape, generator=g) * 100).to(torch.float8_e4m3fn)
+    scales = torch.rand(-(-shape[0] // block[0]), -(-shape[1] // block[1]), generator=g) + 0.01
+    out = dequantize(q, scales, block)
+    expected = torch.empty(shape)
+    for i in range(shape[0]):
+        for j in range(shape[1]):
+            expected[i, j] = q[i, j].float() * scales[i // block[0], j // block[1]]
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+    with pytest.raises(ValueError, match=r"w_scale_inv .* does not fit w"):
+        dequantize(q, scales[:-1], block, "w")
+
+
+def test_quantize_then_dequantize_is_within_fp8_rounding():
+    w = torch.randn(40, 72, generator=torch.Generator().manual_seed(1))
+    q, scale_inv = quantize(w, (16, 16))
+    back = dequantize(q, scale_inv, (16, 16))
+    scale = dequantize(torch.ones_like(w).to(torch.float8_e4m3fn), scale_inv, (16, 16))  # each element's block scale
+    # e4m3: half an ulp of 3 mantissa bits, or half the smallest subnormal (2**-9) for the small ones
+    assert ((back - w).abs() <= w.abs() * 2**-4 + scale * 2**-10).all()
+
+
+def test_the_published_config_is_read_and_other_schemes_are_named():
+    assert Fp8Blocks.from_config({"model_type": "qwen3_moe"}) is None
+    assert Fp8Blocks.from_config({"quantization_config": FP8}) == Fp8Blocks((128, 128))
+    assert Fp8Blocks.from_config({"quantization_config": {k: v for k, v in FP8.items() if k != "fmt"}}).block == (128, 128)
+    for change, field in ((dict(quant_method="awq"), "quant_method 'awq'"), (dict(fmt="e5m2"), "fmt 'e5m2'"),
+                          (dict(activation_scheme="static"), "activation_scheme 'static'"),
+                          (dict(weight_block_size=None), "weight_block_size None"),
+                          (dict(weight_block_size=[128]), r"weight_block_size \[128\]"),
+                          (dict(weight_block_size=[128, 0]), r"weight_block_size \[128, 0\]")):
+        with pytest.raises(ValueError, match=rf"quantization_config.{field} .*tandem loads quant_method 'fp8'"):
+            Fp8Blocks.from_config({"quantization_config": FP8 | change})
+    with pytest.raises(ValueError, match="quantization_config must be an object"):
+        Fp8Blocks.from_config({"quantization_config": "fp8"})
+
+
+@pytest.mark.parametrize("sizes", [dict(hidden_size=48, moe_intermediate_size=32), dict(hidden_size=40, moe_intermediate_size=24)],
+                         ids=["blocks-divide", "odd-sizes"])
+def test_a_qwen3_moe_fp8_checkpoint_loads_as_transformers_loads_it(tmp_path, sizes):
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    path, original = make_hf_checkpoint(tmp_path / "fp8", seed=4, **sizes)
+    quantized = quantize_checkpoint(path, (16, 16), dequantized_twin=tmp_path / "twin")
+    assert any(".experts." in name for name in quantized) and any("self_attn" in name for name in quantized)
+    ours, twin = load_model(path), load_model(tmp_path / "twin")
+    tokens = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(3))
+    logits, _ = ours.score(tokens)
+    assert torch.equal(logits, twin.score(tokens)[0])  # the dequantized weights, bit for bit
+    # FP8's rounding, no more: a projection's weights within half an e4m3 ulp (or subnormal step) of the original's
+    w = original.model.layers[1].self_attn.o_proj.weight.float()
+    ours_w = ours.layers[1].self_attn.o_proj.weight
+    assert not torch.equal(ours_w, w) and ((ours_w - w).abs() <= w.abs() * 2**-4 + w.abs().max() * 2**-9 / 448).all()
+    assert torch.equal(ours.embed_tokens.weight, original.model.embed_tokens.weight)  # left as it was
+    if sizes["moe_intermediate_size"] % 16:
+        return  # (transformers fuses the experts' FP8 tensors before applying their scales: blocks must divide them)
+    reference = AutoModelForCausalLM.from_pretrained(path, quantization_config=FineGrainedFP8Config(dequantize=True),
+                                                     dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference(tokens[None]).logits[0]
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)  # transformers' own FP8 loading
+
+
+@pytest.mark.parametrize("block", [(16, 16), (8, 24)])
+def test_a_sharded_hybrid_fp8_checkpoint_with_scales_in_the_other_shard_loads_every_part(tmp_path, block):
+    source = with_mtp(pair("qwen3.5")[1])
+    path = write_checkpoint(tmp_path / "fp8", source)
+    quantized = quantize_checkpoint(path, block, scales_elsewhere=True, dequantized_twin=tmp_path / "twin")
+    assert any("linear_attn" in name for name in quantized) and any(name.startswith("mtp.") for name in quantized)
+    tokens = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(4))
+    for parts in ("all", "trunk"):
+        ours, twin = load_next(path, parts=parts), load_next(tmp_path / "twin", parts=parts)
+        logits, _ = ours(tokens, ours.new_cache(32))
+        assert torch.equal(logits, twin(tokens, twin.new_cache(32))[0])
+        assert (logits - source(tokens, source.new_cache(32))[0]).abs().max() > 0  # (FP8 changed the weights)
+    lean, lean_twin = load_next(path, parts="mtp"), load_next(tmp_path / "twin", parts="mtp")
+    assert all(torch.equal(a, b) for a, b in zip(lean.parameters(), lean_twin.parameters(), strict=True))
+
+
+def test_fp8_tensors_without_their_scale_or_their_config_are_named(tmp_path):
+    path, _ = make_hf_checkpoint(tmp_path / "a", seed=5)
+    quantize_checkpoint(path, (16, 16))
+    name = "model.layers.1.self_attn.o_proj.weight"
+    with torch.no_grad():
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(path / "model.safetensors")
+        del tensors[name + "_scale_inv"]
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{name} is FP8 but the checkpoint has no {name}_scale_inv"):
+        load_model(path)
+    config = json.loads((path / "config.json").read_text())
+    del config["quantization_config"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="is stored in torch.float8_e4m3fn but config.json has no quantization_config"):
+        load_model(path)
+    config["quantization_config"] = FP8 | {"quant_method": "gptq"}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quant_method 'gptq' is not supported"):
+        load_model(path)
+
+
+def test_scales_are_not_tensors_of_the_model(tmp_path):
+    files = {"a.weight": tmp_path / "x", "a.weight_scale_inv": tmp_path / "x", "stray_scale_inv": tmp_path / "x"}
+    assert CheckpointTensors(files, Fp8Blocks((2, 2))).names() == {"a.weight": tmp_path / "x",
+                                                                 "stray_scale_inv": tmp_path / "x"}
