@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=5)
     parser.add_argument("--device", default="cuda", help="cpu: a plumbing check (the service then runs the reference path too)")
     args = parser.parse_args()
-    from bench.serve_decode import make_spec
+    from bench.pairbench.common import request_spec
     from shared.model import load_model
     from shared.model.registry import resolve_model
     from shared.tokenizer import load_tokenizer
@@ -46,7 +46,7 @@ def main() -> None:
     engine = Engine(model, max_context=model.config.max_position_embeddings, prefill_chunk=2048, fused="off")
     reference = []
     for prompt in prompts:
-        session = engine.open(make_spec(prompt, args.max_new_tokens))
+        session = engine.open(request_spec(prompt, args.max_new_tokens, max_draft_tokens=0))
         while len(session.token_ids) - len(prompt) < args.max_new_tokens:
             engine.run_round(session, [], None)
         reference.append(session.token_ids[len(prompt) : len(prompt) + args.max_new_tokens])

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pairbench.common import SHAPES, free_port, log  # noqa: E402  (puts the repo and protocol modules on sys.path)
+from pairbench.common import SHAPES, free_port, log, request_spec  # noqa: E402  (puts the repo and protocol modules on sys.path)
 from pairbench.services import Children  # noqa: E402
 
 from bench.model_baseline import SMALL, hf_model_sharing_weights  # noqa: E402
@@ -102,20 +102,6 @@ def engine_loop(engine, spec) -> tuple[float, float]:
         return (spec.max_new_tokens - 1) / (time.perf_counter() - t), first_ms
     finally:
         engine.close(session)
-
-
-def make_spec(prompt: list[int], new_tokens: int):
-    from kernels.retention import RetentionPolicy
-    from kernels.sampling import SamplingParams
-    from kernels.speculative import Gate, Mode
-    from verifier_service.requests import RequestSpec
-
-    return RequestSpec(
-        request_id="bench", prompt_ids=tuple(prompt), max_new_tokens=new_tokens, sampling=SamplingParams(temperature=0.0),
-        seed=0, mode=Mode.EXACT, gate=Gate.TOP, speculate=False, coupled=False, max_draft_tokens=0,
-        retention=RetentionPolicy(), retention_schedule="", retention_min_cum=0.0, eos_token_ids=frozenset(),
-        stop_sequences=(),
-    )
 
 
 def main() -> None:
@@ -193,7 +179,7 @@ def main() -> None:
                         row["service"] = client_decode(address, prompt, greedy)
                     else:
                         row["raw"] = raw_step_tokens_per_s(engine.runner, context, args.new_tokens)
-                row["engine"], row["engine_ttft_ms"] = engine_loop(engine, make_spec(prompt, min(args.new_tokens, 64)))
+                row["engine"], row["engine_ttft_ms"] = engine_loop(engine, request_spec(prompt, min(args.new_tokens, 64), max_draft_tokens=0))
                 rows.append(row)
                 log(f"  context {context} block {block}: service {row['service']['decode_tokens_per_s']:.1f} tok/s, "
                     f"raw step {row['raw']:.1f}, engine loop {row['engine']:.1f}; TTFT ms client "

@@ -83,8 +83,10 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.metrics.drafter_reachable.set(-1 if self.channel is None else 0)
 
     def _drafting(self, drafting: bool) -> None:
-        """On the engine loop's thread: a drafter on this host works (or stopped): yield it a core."""
-        use_threads(self.threads.drafting if drafting else self.threads.full)
+        """On the engine loop's thread: a drafter on this host works (or stopped): yield it a core.
+        (The thread's count was taken at load, so setting it is all; nothing here may raise into
+        the loop.)"""
+        torch.set_num_threads(self.threads.drafting if drafting else self.threads.full)
 
     def metrics_step(self, num_rounds: int) -> None:
         self.metrics.batch_rounds.observe(num_rounds)

@@ -53,21 +53,6 @@ def expected_distinct(num_experts: int, top_k: int, rows: int) -> float:
     return num_experts * (1 - (1 - top_k / num_experts) ** rows)
 
 
-def make_spec(prompt: list[int], new_tokens: int, *, temperature: float = 0.0, seed: int = 0, request_id: str = "b"):
-    from kernels.retention import RetentionPolicy
-    from kernels.sampling import SamplingParams
-    from kernels.speculative import Gate, Mode
-    from verifier_service.requests import RequestSpec
-
-    sampling = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0)
-    return RequestSpec(
-        request_id=request_id, prompt_ids=tuple(prompt), max_new_tokens=new_tokens, sampling=sampling, seed=seed,
-        mode=Mode.EXACT, gate=Gate.TOP, speculate=True, coupled=False, max_draft_tokens=4,
-        retention=RetentionPolicy(), retention_schedule="", retention_min_cum=0.0, eos_token_ids=frozenset(),
-        stop_sequences=(),
-    )
-
-
 def replay_ms(graph, steps: int) -> float:
     """ms per replay of a captured graph, `steps` back to back (CUDA events)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

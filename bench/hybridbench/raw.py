@@ -10,9 +10,9 @@ import time
 from dataclasses import replace
 
 import torch
-from hybridbench.common import (CHUNK, DEVICE, SMALL, elapsed, expected_distinct, make_spec, rel_err, replay_ms,
-                                step_bytes, sync)
-from pairbench.common import QWEN3_5_35B_A3B, log
+from hybridbench.common import (CHUNK, DEVICE, SMALL, elapsed, expected_distinct, rel_err, replay_ms, step_bytes,
+                                sync)
+from pairbench.common import QWEN3_5_35B_A3B, log, request_spec
 
 from bench.model_baseline import copy_bandwidth
 
@@ -215,7 +215,7 @@ class Raw:
             prompts = [self.ids(min(300, self.contexts[0]) + 7 * i) for i in range(3)]
             plain = []
             for i, prompt in enumerate(prompts):
-                session = engine.open(make_spec(prompt, new_tokens, temperature=temperature, seed=i))
+                session = engine.open(request_spec(prompt, new_tokens, temperature=temperature, seed=i))
                 while len(session.token_ids) - len(prompt) < new_tokens:
                     engine.run_round(session, [], None, decode_ahead=True)
                 plain.append(session.token_ids[len(prompt) : len(prompt) + new_tokens])
@@ -223,7 +223,7 @@ class Raw:
             # alone
             alone_ok = 0
             for i, prompt in enumerate(prompts):
-                session = engine.open(make_spec(prompt, new_tokens, temperature=temperature, seed=i))
+                session = engine.open(request_spec(prompt, new_tokens, temperature=temperature, seed=i))
                 rounds = 0
                 while len(session.token_ids) - len(prompt) < new_tokens:
                     done = len(session.token_ids) - len(prompt)
@@ -237,7 +237,7 @@ class Raw:
             # batched
             from verifier_service.rounds import RoundRequest
 
-            sessions = [engine.open(make_spec(p, new_tokens, temperature=temperature, seed=i))
+            sessions = [engine.open(request_spec(p, new_tokens, temperature=temperature, seed=i))
                         for i, p in enumerate(prompts)]
             rounds = 0
             while any(len(s.token_ids) - len(p) < new_tokens for s, p in zip(sessions, prompts)):

@@ -48,6 +48,24 @@ MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
+def request_spec(prompt: list[int], new_tokens: int, *, temperature: float = 0.0, seed: int = 0,
+                 request_id: str = "bench", max_draft_tokens: int = 4):
+    """An exact-mode RequestSpec for benchmarks that drive the Engine directly (top-p 0.95 when
+    sampled; max_draft_tokens 0: a request that never drafts)."""
+    from kernels.retention import RetentionPolicy
+    from kernels.sampling import SamplingParams
+    from kernels.speculative import Gate, Mode
+    from verifier_service.requests import RequestSpec
+
+    sampling = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0)
+    return RequestSpec(
+        request_id=request_id, prompt_ids=tuple(prompt), max_new_tokens=new_tokens, sampling=sampling, seed=seed,
+        mode=Mode.EXACT, gate=Gate.TOP, speculate=max_draft_tokens > 0, coupled=False,
+        max_draft_tokens=max_draft_tokens, retention=RetentionPolicy(), retention_schedule="", retention_min_cum=0.0,
+        eos_token_ids=frozenset(), stop_sequences=(),
+    )
+
+
 def log(*parts: object) -> None:
     print(*parts, file=sys.stderr, flush=True)
 
