@@ -28,9 +28,10 @@ are compared with plain ones:
   time (plus one probe), however long it fails;
 - the first round of each phase stays out of the estimates (a probe's first chain pays the
   drafter's catch-up of the rounds it missed; a first plain round may lose a compute-ahead);
-- in a batch, a round with drafts also costs what its draft rows added to the other lanes'
-  rounds of its step (the engine loop's estimate, verifier_service.step_costs): counted with
-  its own time, so speculation goes on where it pays the batch, not only the request.
+- in a batch, a round also costs what it cost the other lanes: its draft rows' share of their
+  step, and the time they waited for it before the step (the engine loop's estimate,
+  verifier_service.step_costs / loop): counted with its own time, so speculation goes on where
+  it pays the batch, not only the request.
 
 Estimates: seconds per committed token over the last `window` rounds of a kind, the
 request's own, else the server's (fed by every request, the plain rounds of requests
@@ -245,8 +246,8 @@ class Governor:
         return self.round_speculated
 
     def end(self, tokens: int, cost_to_others_s: float = 0.0) -> None:
-        """The current round committed `tokens`; its drafts cost the other lanes of its step
-        `cost_to_others_s` (RoundOutcome.cost_to_others_s)."""
+        """The current round committed `tokens` and cost the other lanes `cost_to_others_s`
+        (RoundOutcome.cost_to_others_s)."""
         self.tokens = tokens
         self.cost_to_others_s = cost_to_others_s
 

@@ -52,7 +52,7 @@ class RoundOutcome:
     verify_ms: float
     slot_misses: int = 0  # expert slot misses of the target model in the step this round ran in
     num_verified: int = 0  # drafts verified: a prefix of those asked when a batch sized its windows
-    cost_to_others_s: float = 0.0  # what its drafts added to the other lanes' rounds of its step (engine loop)
+    cost_to_others_s: float = 0.0  # what it cost the other lanes: its draft rows in their step, their wait for it (engine loop)
 
 
 def greedy_verdict(drafts: list[int], greedy_ids: list[int]) -> tuple[list[int], int]:
