@@ -65,7 +65,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             self.model = await self.worker.run(
                 load_model, path, device=self.settings.device, dtype=DTYPES[self.settings.dtype],
                 num_expert_slots=self.settings.expert_slots or None, random_weights=self.settings.random_weights,
-                parts="mtp",
+                parts="mtp", quantize=self.settings.quantize,
             )
         self.drafter = Drafter(self.model, self.settings)
         model_bytes = resident_bytes(self.model)

@@ -91,6 +91,7 @@ def help_rows(cls: type, env_prefix: str) -> Sequence[tuple[str, str, str, str]]
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZE_CHOICES = ("none", "fp8")  # --quantize: weights made block-scaled FP8 on load (shared.model.quantize)
 FUSED_CHOICES = ("auto", "on", "off")  # the fused-kernel path: auto = on for CUDA when the model allows
 
 
@@ -137,6 +138,8 @@ def validate_service(settings: Any) -> None:
         raise ValueError(f"cpu_threads {settings.cpu_threads} must be >= 0 (0 = auto)")
     if settings.dtype not in DTYPES:
         raise ValueError(f"dtype {settings.dtype!r} must be one of {', '.join(DTYPES)}")
+    if settings.quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize {settings.quantize!r} must be one of {', '.join(QUANTIZE_CHOICES)}")
     device = settings.device
     if not (device == "cpu" or device == "cuda" or device.startswith("cuda:")):
         raise ValueError(f"device {device!r} must be cpu, cuda or cuda:N")

@@ -52,3 +52,9 @@ TINY_MTP = dict(
 @pytest.fixture(scope="session")
 def tiny_mtp_model():
     return load_model(config=ModelConfig.from_dict(TINY_MTP), random_weights=True, seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8_model():
+    """tiny_mtp_model's shapes with its projections and experts block-scaled FP8 (--quantize fp8)."""
+    return load_model(config=ModelConfig.from_dict(TINY_MTP), random_weights=True, seed=2, quantize="fp8")

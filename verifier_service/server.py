@@ -116,10 +116,10 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             log.info("cpu threads", threads=self.threads.full, while_drafting=self.threads.drafting)
         if self.model is None:
             path = resolve_model(s.model)
-            log.info("loading model", path=str(path), device=s.device, dtype=s.dtype)
+            log.info("loading model", path=str(path), device=s.device, dtype=s.dtype, quantize=s.quantize)
             self.model = await self.worker.run(
                 load_model, path, device=s.device, dtype=DTYPES[s.dtype], num_expert_slots=s.num_expert_slots or None,
-                random_weights=s.random_weights, parts="trunk",  # (the MTP layer is the drafter's)
+                random_weights=s.random_weights, parts="trunk", quantize=s.quantize,  # (the MTP layer is the drafter's)
             )
             self.tokenizer = load_tokenizer(path)
         max_context = min(s.max_context or self.model.config.max_position_embeddings, self.model.config.max_position_embeddings)

@@ -19,6 +19,7 @@ class VerifierSettings:
     drafter: str | None = field(default=None, metadata={"help": "drafter address (host:port, dns:///name:port, ipv4:a:p,b:p); none = decode without drafts"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16 or float16"})
+    quantize: str = field(default="none", metadata={"help": "weights made block-scaled FP8 (e4m3, blocks of 128 x 128) on load: none, fp8 (the projections and routed experts; routers and lm_head stay; --dtype stays the activations'). FP8 checkpoints are read as they are published"})
     cpu_threads: int = field(default=0, metadata={"help": "torch CPU threads of the model (0 = auto: on the CPU all cores, but one left to a drafter on this host, a loopback --drafter address, while some request drafts; two processes spinning on the same cores slow each other several-fold)"})
     random_weights: bool = field(default=False, metadata={"help": "benchmarks: random weights from the model directory's config.json (no safetensors needed)"})
     fused: str = field(default="auto", metadata={"help": "fused-kernel decode/verify path: auto (on where the model's family allows it, the CPU included: rounds of concurrent requests batched into one forward, every row keeping its one-row bits), on (the same, or an error naming why not), off (the reference modules: rounds one by one)"})

@@ -16,6 +16,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.fused import cdiv, launch_options, next_power_of_2, use_triton
+from kernels.fused.fp8 import Fp8Weight
+
+Weight = Tensor | Fp8Weight  # [N, K]: full precision, or block-scaled FP8 (kernels.fused.fp8)
 
 MAX_FUSED_ROWS = 64  # above this (prefill chunks) cuBLAS is faster than re-reading weights per BLOCK_M rows
 BLOCK_M = 16  # tl.dot's smallest M; rows past the input are masked
@@ -30,6 +33,13 @@ PREFILL_TILE = (64, 128, 64, 4, 4)
 INVARIANT_PREFILL = True  # False: cuBLAS (bench/hybrid_fast.py --sections prefill_sharing measures both)
 
 
+# FP8 weights' tiles against bf16's: FP8_WIDEN times its K tile (more bytes a load) and
+# FP8_WIDE_N times its column block; the projections' and the experts' (EXPERT_FP8_WIDEN) as
+# measured on the H200 (bench/fp8_kernels.py, docs/PERFORMANCE.md): the kernels' in-register
+# dequantisation, not the bytes, bounds them, so wider tiles measured slower.
+FP8_WIDEN = 2
+EXPERT_FP8_WIDEN = 1
+FP8_WIDE_N = 1
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipelined tiles of a program may take
 
 
@@ -69,51 +79,41 @@ def linear_config(num_out: int, num_in: int, element_size: int = 2) -> tuple[int
 @functools.cache
 def _kernels():
     """Triton is imported on first use, so CPU-only installs never need it."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def linear_kernel(
-        x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, stride_ys,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-        SPLITS: tl.constexpr, PDL: tl.constexpr,
-    ):
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
-        split = tl.program_id(2)  # split-K: this program sums K range [split, split + 1) * k_per_split
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, BLOCK_K)
-        row_ok = rows < M
-        col_ok = cols < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        k_start = 0
-        k_stop = K
-        if SPLITS > 1:  # (a compile-time branch: the unsplit loop keeps its simple bounds)
-            y_ptr += split * stride_ys
-            k_start = split * k_per_split
-            k_stop = tl.minimum(K, k_start + k_per_split)
-        if PDL:  # everything below reads what earlier kernels wrote
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        for k0 in range(k_start, k_stop, BLOCK_K):
-            kk = k0 + ks
-            k_ok = kk < K
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
-        out = acc.to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])
+    from kernels.fused.linear_kernels import linear_kernel
 
     return linear_kernel
 
 
+def weight_config(weight: Weight, x_dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of a weight: linear_config by its shape and
+    element size; FP8 weights take FP8_WIDEN times bf16's K tile (the same bytes a load),
+    made to fit the block's columns (Fp8Weight.tile_k)."""
+    num_out, num_in = weight.shape
+    if not isinstance(weight, Fp8Weight):
+        return linear_config(num_out, num_in, torch.finfo(x_dtype).bits // 8)
+    block_n, block_k, warps, stages = linear_config(num_out, num_in, 2)
+    block_n = min(FP8_WIDE_N * block_n, max(16, next_power_of_2(num_out)))
+    block_k = weight.tile_k(min(FP8_WIDEN * block_k, max(16, next_power_of_2(num_in))))
+    x_bytes = torch.finfo(x_dtype).bits // 8
+    return block_n, block_k, warps, pipeline_stages(stages, (BLOCK_M * x_bytes + block_n) * block_k)
+
+
+def dense(weight: Weight, dtype: torch.dtype) -> Tensor:
+    """The weight in full precision (an FP8 weight dequantised: the references' and prefill's view)."""
+    return weight.dequantize(dtype) if isinstance(weight, Fp8Weight) else weight
+
+
+def _check(name: str, x: Tensor, weight: Weight) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"{name}: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+    if isinstance(weight, Fp8Weight) and use_triton(x) and not weight.kernel_ready():
+        raise ValueError(f"{name}: an FP8 weight in blocks of {list(weight.block)} is not one the kernels read "
+                         f"(columns a multiple of 16, rows contiguous)")
+
+
 def linear(
     x: Tensor,  # [M, K]
-    weight: Tensor,  # [N, K] (nn.Linear layout)
+    weight: Weight,  # [N, K] (nn.Linear layout), or block-scaled FP8
     *,
     out_dtype: torch.dtype | None = None,
     pdl: bool = False,
@@ -124,17 +124,16 @@ def linear(
     Measured on the H200 (bench/pdl_chain.py): it helps a GEMV behind a small kernel but slows
     one behind another bandwidth-bound GEMV (the early programs take SM slots), so callers
     leave it off there."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+    _check("linear", x, weight)
     num_rows, num_in = x.shape
     num_out = weight.shape[0]
     out_dtype = out_dtype or x.dtype
     if num_rows > MAX_FUSED_ROWS:
-        return F.linear(x, weight).to(out_dtype)
+        return F.linear(x, dense(weight, x.dtype)).to(out_dtype)
     if not use_triton(x):
-        return rowwise_linear(x, weight).to(out_dtype)
+        return rowwise_linear(x, dense(weight, x.dtype)).to(out_dtype)
     x = x.contiguous()
-    if weight.stride(1) != 1:
+    if _rows_of(weight).stride(1) != 1:
         raise ValueError("linear: weight rows must be contiguous")
     out = torch.empty((num_rows, num_out), dtype=out_dtype, device=x.device)
     _launch(x, weight, out, 1, pdl)
@@ -162,11 +161,13 @@ def rowwise_linear(x: Tensor, weight: Tensor) -> Tensor:
     return torch.cat(tiles)[:num_rows]
 
 
-def prefill_linear(x: Tensor, weight: Tensor) -> Tensor:
+def prefill_linear(x: Tensor, weight: Weight) -> Tensor:
     """x @ weight^T [M, N] in x's dtype for prompt rows, each row's bits independent of the other
-    rows (PREFILL_TILE for every M); cuBLAS where Triton does not run, or with INVARIANT_PREFILL off."""
+    rows (PREFILL_TILE for every M); cuBLAS where Triton does not run, or with INVARIANT_PREFILL off.
+    An FP8 weight is dequantised for the call (prompt rows are compute-bound: the bytes matter less)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"prefill_linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+    weight = dense(weight, x.dtype)
     if not (INVARIANT_PREFILL and use_triton(x)):
         return F.linear(x, weight)
     if weight.stride(1) != 1:
@@ -191,7 +192,7 @@ def split_k(num_out: int, num_in: int) -> int:
 
 def linear_partials(
     x: Tensor,  # [M, K]
-    weight: Tensor,  # [N, K]
+    weight: Weight,  # [N, K]
     splits: int,
     *,
     pdl: bool = False,
@@ -199,39 +200,51 @@ def linear_partials(
     """Split-K partial products [M, splits, N] float32: partial s sums K range s·K/splits ...
     (consumers add them in split order, so rows stay invariant). Narrow weights (the router,
     o_proj) get enough programs to fill the GPU this way."""
+    _check("linear_partials", x, weight)
     num_rows, num_in = x.shape
     if not use_triton(x) or num_rows > MAX_FUSED_ROWS:
-        step = _k_per_split(weight.shape[0], num_in, splits)
+        step = _k_per_split(weight, x.dtype, splits)
         product = F.linear if num_rows > MAX_FUSED_ROWS else rowwise_linear
-        return torch.stack([product(x[:, s * step : (s + 1) * step].float(), weight[:, s * step : (s + 1) * step].float())
+        full = dense(weight, x.dtype)
+        return torch.stack([product(x[:, s * step : (s + 1) * step].float(), full[:, s * step : (s + 1) * step].float())
                             for s in range(splits)], dim=1)
     out = torch.empty((num_rows, splits, weight.shape[0]), dtype=torch.float32, device=x.device)
     _launch(x.contiguous(), weight, out, splits, pdl)
     return out
 
 
-def _launch(x: Tensor, weight: Tensor, out: Tensor, splits: int, pdl: bool,
+def _rows_of(weight: Weight) -> Tensor:
+    return weight.q if isinstance(weight, Fp8Weight) else weight
+
+
+def _launch(x: Tensor, weight: Weight, out: Tensor, splits: int, pdl: bool,
             tile: tuple[int, int, int, int, int] | None = None) -> None:
     """tile: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for every row count (prefill, no
-    K splits); None: BLOCK_M rows and the weight's linear_config."""
+    K splits); None: BLOCK_M rows and the weight's weight_config."""
     num_rows, num_in = x.shape
     num_out = weight.shape[0]
     if tile is None:
-        block_m, (block_n, block_k, warps, stages) = BLOCK_M, linear_config(num_out, num_in, x.element_size())
+        block_m, (block_n, block_k, warps, stages) = BLOCK_M, weight_config(weight, x.dtype)
     else:
         block_m, block_n, block_k, warps, stages = tile
-    k_per_split = _k_per_split(num_out, num_in, splits)
+    k_per_split = cdiv(cdiv(num_in, splits), block_k) * block_k
     grid = (cdiv(num_out, block_n), cdiv(num_rows, block_m), splits)
     stride_ym = out.stride(0)
     stride_ys = out.stride(1) if splits > 1 else 0
+    fp8 = isinstance(weight, Fp8Weight)
+    w = _rows_of(weight)
+    scale = weight.scale if fp8 else w
+    sbn, sbk = weight.block if fp8 else (1, 1)
     _kernels()[grid](
-        x, weight, out, num_rows, num_out, num_in, x.stride(0), weight.stride(0), stride_ym, k_per_split, stride_ys,
+        x, w, out, scale, num_rows, num_out, num_in, x.stride(0), w.stride(0), stride_ym, k_per_split, stride_ys,
+        scale.stride(0) if fp8 else 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, SPLITS=splits,
-        PDL=pdl,
+        PDL=pdl, FP8=fp8, SBN=sbn, SBK=sbk, SUB=min(block_k, sbk),
         num_warps=warps, num_stages=stages, **launch_options(pdl),
     )
 
 
-def _k_per_split(num_out: int, num_in: int, splits: int) -> int:
-    block_k = linear_config(num_out, num_in)[1]
-    return cdiv(cdiv(num_in, splits), block_k) * block_k
+def _k_per_split(weight: Weight, dtype: torch.dtype, splits: int) -> int:
+    """K columns per split: whole K tiles of the weight's configuration (as the kernel splits)."""
+    block_k = weight_config(weight, dtype)[1]
+    return cdiv(cdiv(weight.shape[1], splits), block_k) * block_k

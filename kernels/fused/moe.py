@@ -23,7 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.fused import cdiv, early_reads, launch_options, next_power_of_2, use_triton
-from kernels.fused.linear import pipeline_stages, rowwise_linear
+from kernels.fused.fp8 import Fp8Weight
+from kernels.fused import linear as linear_module
+from kernels.fused.linear import Weight, dense, pipeline_stages, rowwise_linear
 from kernels.fused.norm import add_rmsnorm_reference
 
 BLOCK_M = 16  # routes of one expert per program (tl.dot's smallest M)
@@ -56,10 +58,11 @@ def moe_config(num_out: int, num_in: int, element_size: int = 2) -> tuple[int, i
 def experts_reference(
     x: Tensor,  # [T, H]
     expert_ids: Tensor,  # [T, k]
-    gate_up: Tensor,  # [E, 2I, H]
-    down: Tensor,  # [E, H, I]
+    gate_up: Weight,  # [E, 2I, H]
+    down: Weight,  # [E, H, I]
 ) -> Tensor:
-    """Per-route expert outputs [T*k, H] float32, route r = t*k + rank (zeros where the id is -1)."""
+    """Per-route expert outputs [T*k, H] float32, route r = t*k + rank (zeros where the id is -1).
+    FP8 weights: each routed expert's dequantised to x's dtype."""
     num_tokens, top_k = expert_ids.shape
     num_experts = gate_up.shape[0]
     out = torch.zeros((num_tokens * top_k, x.shape[1]), dtype=torch.float32, device=x.device)
@@ -74,9 +77,9 @@ def experts_reference(
     start, outputs = counts[0], []
     for expert, count in enumerate(counts[1:]):
         if count:
-            gate, up = product(rows[start : start + count], gate_up[expert]).float().chunk(2, dim=-1)
+            gate, up = product(rows[start : start + count], dense(gate_up[expert], x.dtype)).float().chunk(2, dim=-1)
             act = (F.silu(gate) * up).to(x.dtype)
-            outputs.append(product(act, down[expert]).float())
+            outputs.append(product(act, dense(down[expert], x.dtype)).float())
             start += count
     if outputs:
         out[order[counts[0] :]] = torch.cat(outputs)
@@ -121,20 +124,27 @@ def silu_mul(gate_up: Tensor) -> Tensor:  # [R, 2I] (gate columns, then up) -> [
 def fused_experts(
     x: Tensor,  # [T, H]
     expert_ids: Tensor,  # [T, k] int64
-    gate_up: Tensor,  # [E, 2I, H]
-    down: Tensor,  # [E, H, I]
+    gate_up: Weight,  # [E, 2I, H] (or block-scaled FP8: kernels.fused.fp8)
+    down: Weight,  # [E, H, I]
     *,
     pdl: bool = False,  # launch as programmatic dependents (kernels.fused.pdl_supported)
 ) -> Tensor:
     """Per-route expert outputs [T*k, H] float32 (route r = t*k + rank)."""
+    fp8 = isinstance(gate_up, Fp8Weight)
+    if fp8 != isinstance(down, Fp8Weight):
+        raise ValueError("fused_experts: gate_up and down must both be FP8 or neither")
     if not use_triton(x):
         return experts_reference(x, expert_ids, gate_up, down)
     num_tokens, top_k = expert_ids.shape
     hidden = x.shape[1]
     inter = down.shape[2]
     num_routes = num_tokens * top_k
-    if not (gate_up.is_contiguous() and down.is_contiguous()):
+    gate_up_q, down_q = (gate_up.q, down.q) if fp8 else (gate_up, down)
+    if not (gate_up_q.is_contiguous() and down_q.is_contiguous()):
         raise ValueError("fused_experts: expert weights must be contiguous")
+    if fp8 and not (gate_up.kernel_ready() and down.kernel_ready()):
+        raise ValueError(f"fused_experts: FP8 experts in blocks of {list(gate_up.block)} are not ones the kernels "
+                         f"read (columns a multiple of 16)")
     gate_up_kernel, down_kernel, _, _, table_kernel = _kernels()
     ids = expert_ids.contiguous()
     r_pad = max(16, next_power_of_2(num_routes))
@@ -150,21 +160,50 @@ def fused_experts(
     else:
         sorted_routes = tile_len = ids  # (unread)
     act = torch.empty((num_routes, inter), dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = moe_config(2 * inter, hidden, x.element_size())
+    block_n, block_k, warps, stages = expert_config(gate_up, x.dtype)
     gate_up_kernel[(num_routes, cdiv(inter, block_n))](
-        x.contiguous(), ids, sorted_routes, tile_len, gate_up, act, num_routes, inter, hidden,
+        x.contiguous(), ids, sorted_routes, tile_len, gate_up_q, act, *_scales(gate_up), num_routes, inter, hidden,
+        *_scale_strides(gate_up),
         TOP_K=top_k, R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, PDL=pdl,
-        TABLE=table, num_warps=warps, num_stages=stages, **launch_options(pdl),
+        TABLE=table, **_scale_blocks(gate_up, block_k), num_warps=warps, num_stages=stages, **launch_options(pdl),
     )
     out = torch.empty((num_routes, hidden), dtype=torch.float32, device=x.device)
-    block_n, block_k, warps, stages = moe_config(hidden, inter, x.element_size())
+    block_n, block_k, warps, stages = expert_config(down, x.dtype)
     down_pdl = pdl and DOWN_PDL
     down_kernel[(num_routes, cdiv(hidden, block_n))](
-        act, ids, sorted_routes, tile_len, down, out, num_routes, inter, hidden,
+        act, ids, sorted_routes, tile_len, down_q, out, *_scales(down), num_routes, inter, hidden, *_scale_strides(down),
         R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, PDL=down_pdl, TABLE=table,
-        PRELOAD=DOWN_PRELOAD, num_warps=warps, num_stages=stages, **launch_options(down_pdl),
+        PRELOAD=DOWN_PRELOAD, **_scale_blocks(down, block_k), num_warps=warps, num_stages=stages, **launch_options(down_pdl),
     )
     return out
+
+
+def expert_config(weight: Weight, x_dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """moe_config of an expert stack [E, N, K]; FP8: EXPERT_FP8_WIDEN times bf16's K tile and
+    FP8_WIDE_N times its column block (linear.py)."""
+    num_out, num_in = weight.shape[1:]
+    x_bytes = torch.finfo(x_dtype).bits // 8
+    if not isinstance(weight, Fp8Weight):
+        return moe_config(num_out, num_in, x_bytes)
+    block_n, block_k, warps, _ = moe_config(num_out, num_in, 2)
+    block_n = min(linear_module.FP8_WIDE_N * block_n, max(16, next_power_of_2(num_out)))
+    block_k = weight.tile_k(min(linear_module.EXPERT_FP8_WIDEN * block_k, max(16, next_power_of_2(num_in))))
+    return block_n, block_k, warps, pipeline_stages(4, (BLOCK_M * x_bytes + 2 * block_n) * block_k)
+
+
+def _scales(weight: Weight) -> tuple[Tensor]:
+    """The kernels' s_ptr argument (an unread stand-in for full-precision weights)."""
+    return (weight.scale,) if isinstance(weight, Fp8Weight) else (weight,)
+
+
+def _scale_strides(weight: Weight) -> tuple[int, int]:
+    return (weight.scale.stride(0), weight.scale.stride(1)) if isinstance(weight, Fp8Weight) else (0, 0)
+
+
+def _scale_blocks(weight: Weight, block_k: int) -> dict:
+    fp8 = isinstance(weight, Fp8Weight)
+    sbn, sbk = weight.block if fp8 else (1, 1)
+    return {"FP8": fp8, "SBN": sbn, "SBK": sbk, "SUB": min(block_k, sbk)}
 
 
 def combine_add_rmsnorm(

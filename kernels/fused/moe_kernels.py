@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from kernels.fused.fp8_kernels import dequant_tile
+
 
 @triton.jit
 def _group(ids_ptr, r, R, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -60,11 +62,27 @@ def route_table_kernel(ids_ptr, sorted_ptr, tile_len_ptr, R, R_PAD: tl.constexpr
 
 
 @triton.jit
+def _dot(a, w, acc, s_ptr, s_rows, s_ok, k0, K, IEEE: tl.constexpr, FP8: tl.constexpr, SBK: tl.constexpr,
+         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr):
+    """acc + a @ w^T; FP8: w [BLOCK_N, BLOCK_K] is float8, dequantised in registers with its block
+    scales at s_ptr + s_rows (the columns' scale rows), rounded to a's dtype (fp8_kernels.dequant_tile)."""
+    if FP8:
+        w = dequant_tile(w, s_ptr, s_rows, s_ok, k0, K, SBK, BLOCK_N, BLOCK_K, SUB).to(a.dtype)
+    if IEEE:
+        return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
 def gate_up_kernel(
-    x_ptr, ids_ptr, sorted_ptr, tile_len_ptr, w_ptr, act_ptr, R, I, H,
+    x_ptr, ids_ptr, sorted_ptr, tile_len_ptr, w_ptr, act_ptr, s_ptr, R, I, H, stride_se, stride_sn,
     TOP_K: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr,
+    FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SUB: tl.constexpr,
 ):
+    """FP8: float8 weights with one float32 scale per block of SBN rows × SBK columns at s_ptr
+    (experts stride_se apart, block rows stride_sn), dequantised tile by tile (_dot)."""
     if PDL:  # wait for the predecessor kernel before touching anything it may write or read
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -79,28 +97,29 @@ def gate_up_kernel(
         w_base = w_ptr + expert.to(tl.int64) * (2 * I * H)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        s_base = s_ptr + expert.to(tl.int64) * stride_se
+        s_gate = (n // SBN) * stride_sn
+        s_up = ((n + I) // SBN) * stride_sn
         for k0 in range(0, H, BLOCK_K):
             kk = k0 + ks
             k_ok = kk < H
             x = tl.load(x_ptr + tokens[:, None] * H + kk[None, :], mask=member_ok[:, None] & k_ok[None, :], other=0.0)
             wg = tl.load(w_base + n[:, None] * H + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             wu = tl.load(w_base + (n[:, None] + I) * H + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if IEEE:
-                acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision="ieee")
-                acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision="ieee")
-            else:
-                acc_g = tl.dot(x, tl.trans(wg), acc_g)
-                acc_u = tl.dot(x, tl.trans(wu), acc_u)
+            acc_g = _dot(x, wg, acc_g, s_base, s_gate, n_ok, k0, H, IEEE, FP8, SBK, BLOCK_N, BLOCK_K, SUB)
+            acc_u = _dot(x, wu, acc_u, s_base, s_up, n_ok, k0, H, IEEE, FP8, SBK, BLOCK_N, BLOCK_K, SUB)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(act_ptr + members[:, None] * I + n[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=member_ok[:, None] & n_ok[None, :])
 
 @triton.jit
 def down_kernel(
-    act_ptr, ids_ptr, sorted_ptr, tile_len_ptr, w_ptr, out_ptr, R, I, H,
+    act_ptr, ids_ptr, sorted_ptr, tile_len_ptr, w_ptr, out_ptr, s_ptr, R, I, H, stride_se, stride_sn,
     R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr, PRELOAD: tl.constexpr,
+    FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SUB: tl.constexpr,
 ):
+    """FP8: as gate_up_kernel's."""
     r = tl.program_id(0)
     pid_n = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -117,25 +136,21 @@ def down_kernel(
         expert, opens, members, member_ok = _tile(ids_ptr, sorted_ptr, tile_len_ptr, r, R, R_PAD, BLOCK_M, TABLE)
     if opens:
         w_base = w_ptr + expert.to(tl.int64) * (H * I)
+        s_base = s_ptr + expert.to(tl.int64) * stride_se
+        s_rows = (n // SBN) * stride_sn
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         k_first = 0
         if PRELOAD:  # the loop's first step on the early tile (same order of sums)
             a = tl.load(act_ptr + members[:, None] * I + ks[None, :], mask=member_ok[:, None] & (ks < I)[None, :],
                         other=0.0)
-            if IEEE:
-                acc = tl.dot(a, tl.trans(w_first), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(w_first), acc)
+            acc = _dot(a, w_first, acc, s_base, s_rows, n_ok, 0, I, IEEE, FP8, SBK, BLOCK_N, BLOCK_K, SUB)
             k_first = BLOCK_K
         for k0 in range(k_first, I, BLOCK_K):
             kk = k0 + ks
             k_ok = kk < I
             a = tl.load(act_ptr + members[:, None] * I + kk[None, :], mask=member_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_base + n[:, None] * I + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(w), acc)
+            acc = _dot(a, w, acc, s_base, s_rows, n_ok, k0, I, IEEE, FP8, SBK, BLOCK_N, BLOCK_K, SUB)
         tl.store(out_ptr + members[:, None] * H + n[None, :], acc, mask=member_ok[:, None] & n_ok[None, :])
 
 @triton.jit

@@ -19,6 +19,10 @@ rows first, then up rows) and down [experts, hidden, intermediate].
 Fixed experts (`with_fixed`: the hybrid family's shared expert) sit after the slots in the
 same device tensors, resident for good, so one fused kernel launch runs routed and shared
 routes alike: fixed expert i is slot num_slots + i, and route id num_experts + i names it.
+
+FP8 experts (`quantize`, or block-scaled stacks given as kernels.fused.fp8.Fp8Weight): the
+fused kernels read them as they are; the reference paths here dequantise the experts they
+run. So far every expert resident (slots of FP8 experts: issue 36).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.fused.fp8 import Fp8Weight, cat_rows, quantize
+from kernels.fused.linear import Weight, dense
 from kernels.fused.moe import silu_mul
 from kernels.moe import moe_forward
 
@@ -61,8 +67,8 @@ class ExpertCounters:
 class ExpertStore:
     def __init__(
         self,
-        gate_up: Tensor,  # [experts, 2*intermediate, hidden]
-        down: Tensor,  # [experts, hidden, intermediate]
+        gate_up: Weight,  # [experts, 2*intermediate, hidden]
+        down: Weight,  # [experts, hidden, intermediate]
         *,
         device: torch.device | str,
         num_slots: int | None = None,
@@ -78,6 +84,12 @@ class ExpertStore:
         if not 1 <= num_slots <= num_experts:
             raise ValueError(f"num_slots {num_slots} must lie in [1, {num_experts}]")
         self.device = torch.device(device)
+        self.fp8 = isinstance(gate_up, Fp8Weight)
+        if self.fp8 != isinstance(down, Fp8Weight):
+            raise ValueError("gate_up and down must both be FP8 or neither")
+        if self.fp8 and num_slots != num_experts:
+            raise ValueError("FP8 experts with expert slots (offloading) are not supported yet: every FP8 expert "
+                             "is resident")
         self.num_experts = num_experts
         self.num_slots = num_slots
         self.counters = ExpertCounters()
@@ -121,8 +133,12 @@ class ExpertStore:
             raise ValueError(f"fixed experts {tuple(gate_up.shape)}, {tuple(down.shape)} do not match the slots "
                              f"{tuple(self.gate_up.shape)}, {tuple(self.down.shape)}")
         self.ready()  # copies still landing in the slots finish before the slots are copied over
-        all_gate_up = torch.cat([self.gate_up.detach(), gate_up.to(self.device, self.gate_up.dtype)])
-        all_down = torch.cat([self.down.detach(), down.to(self.device, self.down.dtype)])
+        if self.fp8:
+            all_gate_up = cat_rows([self.gate_up, gate_up.to(self.device)], dim=0)
+            all_down = cat_rows([self.down, down.to(self.device)], dim=0)
+        else:
+            all_gate_up = torch.cat([self.gate_up.detach(), gate_up.to(self.device, self.gate_up.dtype)])
+            all_down = torch.cat([self.down.detach(), down.to(self.device, self.down.dtype)])
         self.gate_up, self.down = all_gate_up[: self.num_slots], all_down[: self.num_slots]
         self.num_fixed = gate_up.shape[0]
         if not self.all_resident:  # route id num_experts + i -> slot num_slots + i (slots_of); -1 stays last
@@ -134,8 +150,26 @@ class ExpertStore:
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one expert's weights."""
+        """Bytes of one expert's weights (FP8: its scales too)."""
+        if self.fp8:
+            return self.gate_up[0].nbytes + self.down[0].nbytes
         return (self.gate_up[0].numel() + self.down[0].numel()) * self.gate_up.element_size()
+
+    def quantize(self, block: tuple[int, int]) -> None:
+        """Make the experts block-scaled FP8 in place (every expert resident; fixed ones not yet
+        added): an expert at a time, so one expert's float32 copy is the most alive at once."""
+        if self.fp8:
+            return
+        if not self.all_resident or self.num_fixed:
+            raise ValueError("only a store with every expert resident and no fixed experts quantizes")
+        self.gate_up = cat_rows([quantize(self.gate_up[e], block)[None] for e in range(self.num_experts)], dim=0)
+        self.down = cat_rows([quantize(self.down[e], block)[None] for e in range(self.num_experts)], dim=0)
+        self.fp8 = True
+
+    def tensors(self) -> list[Tensor]:
+        """The device tensors behind the weights (FP8: values and scales)."""
+        weights = [self.gate_up, self.down]
+        return [t for w in weights for t in ((w.q, w.scale) if isinstance(w, Fp8Weight) else (w,))]
 
     def expert_weights(self, expert: int) -> tuple[Tensor, Tensor]:
         """(gate_up, down) of one expert, wherever it lives."""
@@ -269,7 +303,7 @@ class ExpertStore:
         of experts resident at a time), else with every expert resident a gather (sync-free)."""
         if device.type != "cuda":
             return "dispatch"
-        if grouped_mm_available(self.gate_up.dtype):
+        if grouped_mm_available(torch.bfloat16 if self.fp8 else self.gate_up.dtype):
             return "grouped"
         return "gather" if self.all_resident else "dispatch"
 
@@ -304,8 +338,8 @@ class ExpertStore:
             if streamed:
                 self.ensure([expert])
             slot = self.slot(expert)
-            gate, up = F.linear(rows, self.gate_up[slot]).chunk(2, dim=-1)
-            return F.linear(F.silu(gate) * up, self.down[slot])
+            gate, up = F.linear(rows, dense(self.gate_up[slot], rows.dtype)).chunk(2, dim=-1)
+            return F.linear(F.silu(gate) * up, dense(self.down[slot], rows.dtype))
 
         return moe_forward(hidden, expert_ids, weights, run, num_experts=self.num_experts, resident=None)
 
@@ -363,6 +397,9 @@ class ExpertStore:
         t*k + rank runs weights[keys[r]] (default: the slots'); keys equal to len(weights) sort
         behind the last offset and are not computed (their rows hold garbage)."""
         gate_up, down = weights or (self.gate_up, self.down)
+        # (FP8: every expert dequantised for the call — prompt rows, compute-bound; a grouped FP8
+        # GEMM would spare the copy)
+        gate_up, down = dense(gate_up, hidden.dtype), dense(down, hidden.dtype)
         num_groups = gate_up.shape[0]
         order = torch.argsort(keys, stable=True)
         rows = hidden[order // top_k]  # [T*k, hidden], grouped by key
@@ -377,8 +414,9 @@ class ExpertStore:
         num_tokens, top_k = expert_ids.shape
         flat = expert_ids.reshape(-1)  # [T*k]
         rows = hidden.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [T*k, hidden, 1]
-        gate, up = torch.bmm(self.gate_up[flat], rows).squeeze(-1).chunk(2, dim=-1)
-        out = torch.bmm(self.down[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [T*k, hidden]
+        gate_up, down = dense(self.gate_up[flat], hidden.dtype), dense(self.down[flat], hidden.dtype)
+        gate, up = torch.bmm(gate_up, rows).squeeze(-1).chunk(2, dim=-1)
+        out = torch.bmm(down, (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [T*k, hidden]
         out = out.view(num_tokens, top_k, -1) * weights.unsqueeze(-1).to(out.dtype)
         return out.sum(dim=1)
 

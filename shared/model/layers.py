@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shared.model.quantize import Fp8Linear, fuse_fp8_rows
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -77,9 +79,16 @@ class RoutingOptions:
 FULL_ROUTING = RoutingOptions()
 
 
-def fuse_linear_rows(linears: list[nn.Linear]) -> Tensor:
+def fuse_linear_rows(linears: list[nn.Module]):
     """Concatenate nn.Linear weights by rows and re-point each module at its view (the fused
-    forwards' one GEMV for several projections; no copy kept, the reference modules unchanged)."""
+    forwards' one GEMV for several projections; no copy kept, the reference modules unchanged).
+    FP8 projections (shared.model.quantize.Fp8Linear) give an Fp8Weight, all or none of them."""
+    fp8 = [isinstance(m, Fp8Linear) for m in linears]
+    if any(fp8):
+        if not all(fp8):
+            raise ValueError("projections fused into one matrix are FP8 all or none (a checkpoint that leaves "
+                             "some of them unconverted is not supported yet)")
+        return fuse_fp8_rows(linears)
     fused = torch.cat([m.weight.detach() for m in linears], dim=0).contiguous()
     start = 0
     for m in linears:

@@ -70,6 +70,7 @@ def load_model(
     seed: int = 0,
     progress: bool | None = None,
     parts: str = "all",
+    quantize: str = "none",
 ):
     """Load a checkpoint (a directory, a model name under models/, or None for the embedded
     default model), or build a random-weight model from `config` (a family's parsed config: a
@@ -77,11 +78,15 @@ def load_model(
 
     The family follows config.json's model_type (shared.model.families). parts: what a service
     runs — "all", "trunk" (the verifier: no MTP layer) or "mtp" (a lean drafter: embeddings,
-    the MTP layer when the checkpoint has one, lm_head; never the trunk)."""
+    the MTP layer when the checkpoint has one, lm_head; never the trunk). quantize: "fp8" makes
+    the projections and experts block-scaled FP8 once loaded (shared.model.quantize)."""
     from shared.model.families import family_for, family_of_config
+    from shared.model.quantize import QUANTIZE, quantize_model
 
     if parts not in PARTS:
         raise ValueError(f"parts {parts!r} must be one of {', '.join(PARTS)}")
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize {quantize!r} must be one of {', '.join(QUANTIZE)}")
     device = torch.device(device)
     if progress is None:
         progress = sys.stderr.isatty()
@@ -90,8 +95,13 @@ def load_model(
         family = family_for(model_type(path))
     else:
         family = family_of_config(config)
-    return family.load(path, device=device, dtype=dtype, num_expert_slots=num_expert_slots,
-                       random_weights=random_weights, config=config, seed=seed, progress=progress, parts=parts)
+    if quantize == "fp8" and family.name != "qwen3_moe":
+        raise ValueError(f"quantize 'fp8' runs the qwen3_moe family so far, not {family.name} (issue 36)")
+    if quantize == "fp8" and num_expert_slots:
+        raise ValueError("quantize 'fp8' keeps every expert resident so far: leave num_expert_slots unset (issue 36)")
+    model = family.load(path, device=device, dtype=dtype, num_expert_slots=num_expert_slots,
+                        random_weights=random_weights, config=config, seed=seed, progress=progress, parts=parts)
+    return quantize_model(model) if quantize == "fp8" else model
 
 
 def resident_bytes(model: torch.nn.Module) -> int:
@@ -102,7 +112,7 @@ def resident_bytes(model: torch.nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, MoeBlock) and module.store is not None:
             store = module.store
-            tensors += [store.gate_up, store.down]
+            tensors += store.tensors()
             if not store.all_resident:  # its experts' host copies (a hybrid block's parameters) are not counted
                 seen.update(t.untyped_storage().data_ptr() for t in (store.host_gate_up, store.host_down))
     for tensor in tensors:

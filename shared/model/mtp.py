@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from kernels.fused.linear import linear
 from kernels.fused.norm import add_rmsnorm
+from shared.model.quantize import weight_of
 
 
 class MTPLayer(nn.Module):
@@ -38,5 +39,5 @@ def fused_mtp_inputs(mtp: MTPLayer, embedded: Tensor, hidden: Tensor, input_norm
     embedded, _ = add_rmsnorm(embedded, None, mtp.pre_fc_norm_embedding.weight, eps, centred=centred, pdl=pdl)
     prior, _ = add_rmsnorm(hidden.to(embedded.dtype), None, mtp.pre_fc_norm_hidden.weight, eps, centred=centred,
                            pdl=pdl)
-    x = linear(torch.cat([embedded, prior], dim=-1), mtp.fc.weight, pdl=pdl)
+    x = linear(torch.cat([embedded, prior], dim=-1), weight_of(mtp.fc), pdl=pdl)
     return add_rmsnorm(x, None, input_norm, eps, centred=centred, pdl=pdl)

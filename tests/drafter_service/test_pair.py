@@ -38,6 +38,17 @@ async def test_exact_mode_identical_random_weight_checkpoint(pair, tiny_mtp_mode
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
+async def test_exact_mode_identical_fp8_model(pair, tiny_fp8_model, temperature):
+    """FP8 weights (--quantize fp8) on both sides: the drafter's MTP rows and the verifier's
+    trunk read the same FP8 model, and exact mode still emits what plain decoding emits."""
+    stub = await pair.start(tiny_fp8_model, drafter_settings={"planner": "mtp"})
+    for seed in range(2):
+        spec, plain, final, _ = await same_with_and_without(stub, PROMPT, 24, temperature, seed)
+        assert spec == plain
+        assert final.stats.proposed > 0 and final.stats.drafter_faults == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
 async def test_exact_mode_identical_embedded_model(pair, demo_model, temperature):
     tokenizer = load_tokenizer(resolve_model(None))
     stub = await pair.start(demo_model, tokenizer=tokenizer)

@@ -83,3 +83,24 @@ async def test_eos_stops_and_is_not_emitted(servers, tiny_model):
     assert final.finish_reason == "stop"
     # the round that committed the eos counts, and so does its token: plain rounds commit one each
     assert final.stats.rounds == len(stopped) + 1 and final.stats.mean_accepted_length == 1.0
+
+
+async def test_quantize_fp8_loads_the_model_fp8_and_serves_its_tokens(servers):
+    """--quantize fp8: the verifier loads the embedded model, makes it FP8, and serves what that
+    model decodes (its reference forward, greedy) — a model with half its weight bytes or less."""
+    from shared.model.loader import resident_bytes
+    from shared.model.quantize import is_fp8
+
+    stub = await servers.start(None, quantize="fp8")
+    model = servers.verifier.service.model
+    assert is_fp8(model) and resident_bytes(model) < 0.5 * resident_bytes(load_model(resolve_model(None), parts="trunk"))
+    prompt = [0, 5, 17, 42, 7]
+    tokens, final, _ = await generate(stub, request(prompt, 12))
+    ids = torch.tensor(prompt)
+    expected = []
+    with torch.no_grad():
+        for _ in range(12):
+            logits, _ = model(ids, model.new_cache(64))
+            expected.append(int(logits[-1].argmax()))
+            ids = torch.cat([ids, torch.tensor(expected[-1:])])
+    assert tokens == expected and final is not None

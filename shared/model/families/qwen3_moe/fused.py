@@ -23,7 +23,7 @@ from torch import Tensor
 
 from kernels.fused import pdl_supported
 from kernels.fused.attention import AttentionWorkspace, decode_attention
-from kernels.fused.linear import linear, linear_partials, prefill_linear, split_k
+from kernels.fused.linear import dense, linear, linear_partials, prefill_linear, split_k
 from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, fused_experts, silu_mul
 from kernels.fused.norm import add_rmsnorm, qk_norm_rope_store
 from kernels.fused.router import route
@@ -36,6 +36,7 @@ from shared.model.mtp import fused_mtp_inputs
 from shared.model.families.qwen3_moe.model import Qwen3MoeModel
 from shared.model.layers import RoutingOptions, fuse_linear_rows
 from shared.model.offload import Offload, offload_over
+from shared.model.quantize import fp8_unsupported, weight_of
 from shared.model.rows import Rows, prefill_attention, prefill_rows
 
 
@@ -48,7 +49,7 @@ def unsupported_reason(model: Qwen3MoeModel) -> str | None:
         return f"head_dim {c.head_dim} is not a power of two"
     if c.head_dim < 16 and model.device.type == "cuda":
         return f"head_dim {c.head_dim} is below 16 (the attention kernel's smallest dot on a GPU)"
-    return None
+    return fp8_unsupported(model)
 
 
 class FusedLayer:
@@ -59,7 +60,7 @@ class FusedLayer:
         self.kv_index = kv_index  # its layer of the paged KV it runs against
         self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.qkv = fuse_linear_rows([attn.q_proj, attn.k_proj, attn.v_proj])  # [(Hq + 2 Hkv) * D, H]
-        self.o = attn.o_proj.weight
+        self.o = weight_of(attn.o_proj)
         self.o_splits = split_k(*self.o.shape)  # narrow weights: split-K partials, summed by the consumer
         self.q_norm, self.k_norm = attn.q_norm.weight, attn.k_norm.weight
         self.input_norm = layer.input_layernorm.weight
@@ -67,14 +68,14 @@ class FusedLayer:
         self.eps = layer.input_layernorm.eps
         self.moe = isinstance(layer.mlp, MoeBlock)
         if self.moe:
-            self.router = layer.mlp.gate.weight
+            self.router = weight_of(layer.mlp.gate)
             self.router_splits = split_k(*self.router.shape)
             self.store = layer.mlp.experts
             self.top_k, self.normalize = layer.mlp.top_k, layer.mlp.normalize
             self.route_width = self.top_k  # routes a row (the router's expert_ids columns)
         else:
             self.gate_up = fuse_linear_rows([layer.mlp.gate_proj, layer.mlp.up_proj])  # [2I, H]
-            self.down = layer.mlp.down_proj.weight
+            self.down = weight_of(layer.mlp.down_proj)
 
 
 class FusedModel(LayerwiseForward):
@@ -135,13 +136,13 @@ class FusedModel(LayerwiseForward):
         num_rows = normed.shape[0]
         pdl = self.pdl
         by_rows = self._by_rows(num_rows)
-        qkv = F.linear(normed, layer.qkv) if by_rows else linear(normed, layer.qkv, pdl=pdl)
+        qkv = F.linear(normed, dense(layer.qkv, normed.dtype)) if by_rows else linear(normed, layer.qkv, pdl=pdl)
         q = qk_norm_rope_store(qkv, layer.q_norm, layer.k_norm, self.cos, self.sin, rows.positions, rows.slots,
                                keys, values, tables, layer.num_heads, layer.num_kv_heads, layer.eps, pdl=pdl)
         attn = decode_attention(q, keys, values, tables, rows.positions, rows.slots, rows.seq_starts, rows.seq_slots,
                                 rows.max_rows_per_seq, self.workspace, pdl=pdl)
         if by_rows:
-            o_partials = F.linear(attn.view(num_rows, -1), layer.o)
+            o_partials = F.linear(attn.view(num_rows, -1), dense(layer.o, attn.dtype))
         else:
             o_partials = linear_partials(attn.view(num_rows, -1), layer.o, layer.o_splits, pdl=pdl)
         return add_rmsnorm(o_partials, residual, layer.post_norm, layer.eps, pdl=pdl)
@@ -157,7 +158,7 @@ class FusedModel(LayerwiseForward):
         num_rows = normed.shape[0]
         resident, tables, draft_rows = self.moce(layer.store, layer.top_k, routing)
         if self._by_rows(num_rows):
-            router_partials = F.linear(normed, layer.router)
+            router_partials = F.linear(normed, dense(layer.router, normed.dtype))
         else:
             router_partials = linear_partials(normed, layer.router, layer.router_splits, pdl=self.pdl)
         return route(router_partials, layer.top_k, round_to=normed.dtype, normalize=layer.normalize,

@@ -1,0 +1,113 @@
+"""FP8 weights inside a loaded model (issue 36; DESIGN §6): what the fused kernels read.
+
+A projection stored in block-scaled FP8 is an `Fp8Linear` (its parameters named as the
+published checkpoints name them, `weight` in float8 e4m3 and `weight_scale_inv`); routed
+experts are an ExpertStore over FP8 stacks. The reference forward dequantises per op (the
+CPU's path and the tests' oracle); the fused forwards hand the FP8 weights to the kernels
+(`weight_of`), which read a byte a weight instead of two.
+
+`quantize_model` makes a full-precision model FP8 on load (`--quantize fp8`): every
+projection and expert except the routers and the lm_head, in blocks of FP8_BLOCK — the
+scheme of the published releases, for benchmarks with random weights and for users' own
+models. `--dtype` keeps meaning the activations' dtype. Nothing here imports above shared/model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kernels.fused.fp8 import FP8_DTYPE, Fp8Weight, cat_rows, quantize, row_slice
+from kernels.fused.linear import Weight
+
+QUANTIZE = ("none", "fp8")  # --quantize
+FP8_BLOCK = (128, 128)  # the published FP8 releases' weight_block_size
+# Left in full precision by quantize_model: the routers (a route flips on a small change of its
+# logit) and the lm_head (the published releases keep both; the sampled distribution itself).
+KEPT = ("lm_head", "mlp.gate", "shared_expert_gate")
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ (q × scale)^T, no bias: a block-scaled FP8 projection."""
+
+    def __init__(self, weight: Fp8Weight) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight.q, requires_grad=False)  # [out, in] float8_e4m3fn
+        self.weight_scale_inv = nn.Parameter(weight.scale, requires_grad=False)  # [out / rows, in / columns] float32
+        self.block = weight.block
+
+    def fp8(self) -> Fp8Weight:
+        return Fp8Weight(self.weight, self.weight_scale_inv, self.block)
+
+    def repoint(self, weight: Fp8Weight) -> None:
+        """Become a view of `weight` (its rows fused into a larger weight elsewhere)."""
+        self.weight = nn.Parameter(weight.q, requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(weight.scale, requires_grad=False)
+        self.block = weight.block
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.fp8().dequantize(x.dtype))
+
+    def _apply(self, fn, recurse=True):
+        # model.to(dtype) would cast the float8 values as if they were weights: moves only.
+        if fn(torch.empty(0, dtype=FP8_DTYPE, device=self.weight.device)).dtype != FP8_DTYPE:
+            raise ValueError("an FP8 model's weights do not change dtype (--dtype is the activations')")
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 blocks={list(self.block)}"
+
+
+def weight_of(module: nn.Module) -> Weight:
+    """A projection's weight as the fused kernels take it: FP8 (Fp8Weight) or a tensor."""
+    return module.fp8() if isinstance(module, Fp8Linear) else module.weight
+
+
+def fuse_fp8_rows(linears: list[Fp8Linear]) -> Fp8Weight:
+    """The projections' FP8 weights concatenated by rows (one GEMV for several), each module
+    re-pointed at its rows (nothing kept twice): blocks kept where every part's rows are whole
+    blocks, else one scale per row (kernels.fused.fp8.cat_rows)."""
+    fused = cat_rows([m.fp8() for m in linears])
+    start = 0
+    for m in linears:
+        rows = m.out_features
+        m.repoint(row_slice(fused, start, start + rows))
+        start += rows
+    return fused
+
+
+def is_fp8(model: nn.Module) -> bool:
+    """Whether some of the model's weights are FP8."""
+    return any(isinstance(m, Fp8Linear) for m in model.modules()) or any(
+        getattr(getattr(m, "store", None), "fp8", False) for m in model.modules())
+
+
+@torch.inference_mode()
+def quantize_model(model: nn.Module, block: tuple[int, int] = FP8_BLOCK) -> nn.Module:
+    """Make the model's projections and routed experts block-scaled FP8 in place (KEPT stay),
+    module by module, so at most one module's full-precision copy is alive beside the FP8 ones."""
+    from shared.model.moe import MoeBlock  # (a sibling module: the import stays within shared/model)
+
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if type(child) is nn.Linear and child.bias is None and not full.endswith(KEPT):
+                setattr(parent, name, Fp8Linear(quantize(child.weight.detach(), block)))
+        if isinstance(parent, MoeBlock) and parent.store is not None:
+            parent.store.quantize(block)
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()  # (the full-precision weights' blocks back to the device)
+    return model
+
+
+def fp8_unsupported(model: nn.Module) -> str | None:
+    """Why the fused kernels cannot read this model's FP8 weights on its device (None: they can,
+    or it has none): a block's columns must hold whole K tiles (a multiple of 16)."""
+    if model.device.type != "cuda":
+        return None  # (the references dequantise any block)
+    for module in model.modules():
+        if isinstance(module, Fp8Linear) and not module.fp8().kernel_ready():
+            return f"FP8 blocks of {list(module.block)}: the kernels need block columns that are a multiple of 16"
+    return None
