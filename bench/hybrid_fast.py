@@ -68,11 +68,15 @@ def main() -> None:
     parser.add_argument("--long-context", type=int, default=32768)
     parser.add_argument("--small", action="store_true", help="raw: small shapes (a smoke test; on a CPU box too)")
     parser.add_argument("--bf16", action="store_true", help="raw on the CPU: bfloat16 weights (the GPU always is)")
+    parser.add_argument("--shapes", default="qwen3.5-35b-a3b", help="service: the random model's shapes "
+                        "(bench/pairbench/common.py SHAPES: qwen3.5-35b-a3b, qwen3-next-80b-a3b, smoke-hybrid)")
+    parser.add_argument("--verifier-args", default="", help='service: extra verifier flags, e.g. "--quantize fp8"')
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
+    shapes = args.shapes if args.part == "service" else "qwen3.5-35b-a3b"
     print(f"### hybrid fused path, {args.part}: {time.strftime('%Y-%m-%d')}, {device}, "
-          f"Qwen3.5-35B-A3B shapes, bf16, random weights\n")
+          f"{shapes} shapes, bf16 activations {args.verifier_args}, random weights\n")
     if args.part == "raw":
         res = run_raw(args)
         if args.out:

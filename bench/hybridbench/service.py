@@ -1,16 +1,18 @@
 """`--part service` of bench/hybrid_fast.py: `tandem verifier --random-weights` at the hybrid
-shapes in a child process, measured from the client."""
+shapes (`--shapes`, with `--verifier-args`, e.g. "--quantize fp8") in a child process, measured
+from the client."""
 
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from hybridbench.common import elapsed
-from pairbench.common import QWEN3_5_35B_A3B, free_port, log
+from pairbench.common import SHAPES, free_port, log
 
 def run_service(args) -> dict:
     from pairbench.services import Children
@@ -23,7 +25,7 @@ def run_service(args) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="hybrid-service-"))
     model_dir = workdir / "model"
     model_dir.mkdir()
-    shapes = QWEN3_5_35B_A3B | dict(max_position_embeddings=args.long_context + args.new_tokens + 64)
+    shapes = SHAPES[args.shapes] | dict(max_position_embeddings=args.long_context + args.new_tokens + 64)
     (model_dir / "config.json").write_text(json.dumps(shapes))
     children = Children(workdir)
     port = free_port()
@@ -31,7 +33,7 @@ def run_service(args) -> dict:
     try:
         children.start("verifier", [sys.executable, "-m", "shared.cli", "verifier", "--model", str(model_dir),
                                     "--random-weights", "--device", "cuda", "--dtype", "bfloat16", "--port", str(port),
-                                    "--max-sessions", "2", "--grace-s", "2"])
+                                    "--max-sessions", "2", "--grace-s", "2", *shlex.split(args.verifier_args)])
         address = f"127.0.0.1:{port}"
         asyncio.run(children.wait_serving("verifier", address, timeout=400))
         out["startup_s"] = elapsed()

@@ -31,8 +31,13 @@ QWEN3_5_35B_A3B = dict(  # transformers' Qwen3_5MoeTextConfig defaults (the 35B-
     layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
     mtp_num_hidden_layers=1, eos_token_id=[], model_type="qwen3_5_moe_text",
 )
+QWEN3_NEXT_80B_A3B = QWEN3_5_35B_A3B | dict(  # Qwen3-Next-80B-A3B's config.json: 48 layers, 512 experts, top 10
+    vocab_size=151936, num_hidden_layers=48, num_experts=512, num_experts_per_tok=10, rope_theta=1e7,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 12, model_type="qwen3_next",
+)
 SHAPES = {
     "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
     "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
     # a few-MB model of the same family: smoke-tests the random-weights path anywhere
     "smoke": QWEN3_30B_A3B | dict(vocab_size=4096, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,

@@ -144,6 +144,11 @@ def cat_rows(parts: list[Fp8Weight], dim: int = -2) -> Fp8Weight:
     return Fp8Weight(q, scale, parts[0].block)
 
 
+def stack(parts: list[Fp8Weight]) -> Fp8Weight:
+    """2-D weights of one shape and block stacked [len(parts), N, K] (experts)."""
+    return cat_rows([Fp8Weight(p.q[None], p.scale[None], p.block) for p in parts], dim=0)
+
+
 def row_slice(weight: Fp8Weight, start: int, stop: int) -> Fp8Weight:
     """Rows start:stop of a 2-D weight as views, when they are whole blocks (or the scale is per row)."""
     rows = weight.block[0]

@@ -7,11 +7,12 @@ bf16 — and each converted linear weight `<name>` [out, in] is a float8_e4m3fn 
 float32 `<name>_scale_inv` of one scale per block [ceil(out / rows), ceil(in / columns)]:
 the weight is q × scale_inv, block by block.
 
-This first step dequantises those weights while loading, to the model's dtype (`--dtype`
-keeps meaning the activation dtype): any checkpoint in the format loads and runs on every path,
-at the cost of bf16 weights' memory and bytes. Which tensors are FP8 follows the file (a
-tensor stored in float8 is dequantised, any other is read as is), so the modules a release
-leaves unconverted need no list. Nothing here imports above shared/model.
+The loaders either keep such weights FP8 (`get_fp8`: the qwen3_moe family's projections, and
+its experts where every one is resident; shared.model.quantize holds them) or dequantise them
+to the model's dtype (`get`: the rest, for now). `--dtype` keeps meaning the activations' dtype.
+Which tensors are FP8 follows the file (a tensor stored in float8 is FP8, any other is read as
+is), so the modules a release leaves unconverted need no list. Nothing here imports above
+shared/model.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kernels.fused.fp8 import Fp8Weight
+
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_HEADER_DTYPES = ("F8_E4M3",)  # safetensors' name of float8_e4m3fn
 SUPPORTED = "quant_method 'fp8' with fmt 'e4m3', a weight_block_size of two positive integers and activation_scheme 'dynamic'"
 
 
@@ -98,6 +102,31 @@ class CheckpointTensors:
         tensor = handle.get_tensor(name)
         if tensor.dtype not in FP8_DTYPES:
             return tensor
+        return dequantize(tensor, self._scale(handle, file, name, tensor), self.fp8.block, name)
+
+    def get_fp8(self, handle, file: Path, name: str) -> Fp8Weight:
+        """An FP8 weight as it is stored: its float8 values and block scales (kept FP8)."""
+        tensor = handle.get_tensor(name)
+        if tensor.dtype not in FP8_DTYPES:
+            raise ValueError(f"{name} is stored in {tensor.dtype}, not FP8")
+        scale = self._scale(handle, file, name, tensor).float()
+        try:
+            return Fp8Weight(tensor, scale, self.fp8.block)
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
+
+    def stored_fp8(self, names) -> set[str]:
+        """Which of `names` the checkpoint stores in float8 (read from the files' headers)."""
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.files[name], []).append(name)
+        found = set()
+        for file, file_names in by_file.items():
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                found.update(n for n in file_names if handle.get_slice(n).get_dtype() in FP8_HEADER_DTYPES)
+        return found
+
+    def _scale(self, handle, file: Path, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if self.fp8 is None:
             raise ValueError(f"{name} is stored in {tensor.dtype} but config.json has no quantization_config "
                              f"(tandem loads {SUPPORTED})")
@@ -106,8 +135,6 @@ class CheckpointTensors:
         if scale_file is None:
             raise ValueError(f"{name} is FP8 but the checkpoint has no {scale_name}")
         if scale_file == file:
-            scale = handle.get_tensor(scale_name)
-        else:  # (in another shard)
-            with safe_open(scale_file, framework="pt", device="cpu") as other:
-                scale = other.get_tensor(scale_name)
-        return dequantize(tensor, scale, self.fp8.block, name)
+            return handle.get_tensor(scale_name)
+        with safe_open(scale_file, framework="pt", device="cpu") as other:  # (in another shard)
+            return other.get_tensor(scale_name)

@@ -81,7 +81,7 @@ def load_model(
     the MTP layer when the checkpoint has one, lm_head; never the trunk). quantize: "fp8" makes
     the projections and experts block-scaled FP8 once loaded (shared.model.quantize)."""
     from shared.model.families import family_for, family_of_config
-    from shared.model.quantize import QUANTIZE, quantize_model
+    from shared.model.quantize import QUANTIZE
 
     if parts not in PARTS:
         raise ValueError(f"parts {parts!r} must be one of {', '.join(PARTS)}")
@@ -95,13 +95,11 @@ def load_model(
         family = family_for(model_type(path))
     else:
         family = family_of_config(config)
-    if quantize == "fp8" and family.name != "qwen3_moe":
-        raise ValueError(f"quantize 'fp8' runs the qwen3_moe family so far, not {family.name} (issue 36)")
     if quantize == "fp8" and num_expert_slots:
         raise ValueError("quantize 'fp8' keeps every expert resident so far: leave num_expert_slots unset (issue 36)")
-    model = family.load(path, device=device, dtype=dtype, num_expert_slots=num_expert_slots,
-                        random_weights=random_weights, config=config, seed=seed, progress=progress, parts=parts)
-    return quantize_model(model) if quantize == "fp8" else model
+    return family.load(path, device=device, dtype=dtype, num_expert_slots=num_expert_slots,
+                       random_weights=random_weights, config=config, seed=seed, progress=progress, parts=parts,
+                       quantize=quantize)
 
 
 def resident_bytes(model: torch.nn.Module) -> int:

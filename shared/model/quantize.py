@@ -38,6 +38,14 @@ class Fp8Linear(nn.Module):
         self.weight_scale_inv = nn.Parameter(weight.scale, requires_grad=False)  # [out / rows, in / columns] float32
         self.block = weight.block
 
+    @classmethod
+    def empty(cls, out_features: int, in_features: int, block: tuple[int, int], device: torch.device) -> Fp8Linear:
+        """An unfilled one (a loader copies a checkpoint's values and scales into it)."""
+        rows, columns = block
+        q = torch.empty((out_features, in_features), dtype=FP8_DTYPE, device=device)
+        scale = torch.empty((-(-out_features // rows), -(-in_features // columns)), dtype=torch.float32, device=device)
+        return cls(Fp8Weight(q, scale, block))
+
     def fp8(self) -> Fp8Weight:
         return Fp8Weight(self.weight, self.weight_scale_inv, self.block)
 
@@ -58,6 +66,19 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 blocks={list(self.block)}"
+
+
+def keep_fp8(model: nn.Module, stored_fp8, block: tuple[int, int]) -> list[str]:
+    """Make every bias-free nn.Linear of the model whose weight's name (module name + ".weight")
+    `stored_fp8` holds an unfilled Fp8Linear on the model's device; returns their weights' names."""
+    kept = []
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            weight_name = f"{parent_name}.{name}.weight" if parent_name else f"{name}.weight"
+            if type(child) is nn.Linear and child.bias is None and weight_name in stored_fp8:
+                setattr(parent, name, Fp8Linear.empty(child.out_features, child.in_features, block, child.weight.device))
+                kept.append(weight_name)
+    return kept
 
 
 def weight_of(module: nn.Module) -> Weight:
@@ -95,9 +116,9 @@ def quantize_model(model: nn.Module, block: tuple[int, int] = FP8_BLOCK) -> nn.M
             full = f"{parent_name}.{name}" if parent_name else name
             if type(child) is nn.Linear and child.bias is None and not full.endswith(KEPT):
                 setattr(parent, name, Fp8Linear(quantize(child.weight.detach(), block)))
-        if isinstance(parent, MoeBlock) and parent.store is not None:
-            parent.store.quantize(block)
-    if model.device.type == "cuda":
+        if isinstance(parent, MoeBlock) and parent.experts is not None:
+            parent.experts.quantize(block)  # (an ExpertStore, or the hybrid family's Experts module over one)
+    if any(p.is_cuda for p in model.parameters()):
         torch.cuda.empty_cache()  # (the full-precision weights' blocks back to the device)
     return model
 

@@ -10,6 +10,8 @@ import torch
 from shared.model import load_model
 from shared.model.families.hybrid.loader import load_next
 from shared.model.fp8 import CheckpointTensors, Fp8Blocks, dequantize
+from shared.model.loader import resident_bytes
+from shared.model.quantize import Fp8Linear, weight_of
 
 from .conftest import make_hf_checkpoint
 from .fp8_checkpoints import quantize, quantize_checkpoint
@@ -70,12 +72,20 @@ def test_a_qwen3_moe_fp8_checkpoint_loads_as_transformers_loads_it(tmp_path, siz
     ours, twin = load_model(path), load_model(tmp_path / "twin")
     tokens = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(3))
     logits, _ = ours.score(tokens)
-    assert torch.equal(logits, twin.score(tokens)[0])  # the dequantized weights, bit for bit
+    assert torch.equal(logits, twin.score(tokens)[0])  # the dequantized weights, bit for bit (kept FP8, dequantised per op)
     # FP8's rounding, no more: a projection's weights within half an e4m3 ulp (or subnormal step) of the original's
     w = original.model.layers[1].self_attn.o_proj.weight.float()
-    ours_w = ours.layers[1].self_attn.o_proj.weight
+    # kept FP8 (shared.model.quantize): the projections and the experts, the routers as stored
+    assert isinstance(ours.layers[1].self_attn.o_proj, Fp8Linear) and ours.layers[1].mlp.experts.fp8
+    assert type(ours.layers[1].mlp.gate) is torch.nn.Linear
+    assert resident_bytes(ours) < 0.5 * resident_bytes(twin)
+    ours_w = weight_of(ours.layers[1].self_attn.o_proj).dequantize()
     assert not torch.equal(ours_w, w) and ((ours_w - w).abs() <= w.abs() * 2**-4 + w.abs().max() * 2**-9 / 448).all()
     assert torch.equal(ours.embed_tokens.weight, original.model.embed_tokens.weight)  # left as it was
+    # experts in host memory behind slots: dequantised on load (FP8 slots: not yet), the rest FP8
+    slotted, slotted_twin = load_model(path, num_expert_slots=3), load_model(tmp_path / "twin", num_expert_slots=3)
+    assert isinstance(slotted.layers[1].self_attn.o_proj, Fp8Linear) and not slotted.layers[1].mlp.experts.fp8
+    assert torch.equal(slotted.score(tokens)[0], slotted_twin.score(tokens)[0])
     if sizes["moe_intermediate_size"] % 16:
         return  # (transformers fuses the experts' FP8 tensors before applying their scales: blocks must divide them)
     reference = AutoModelForCausalLM.from_pretrained(path, quantization_config=FineGrainedFP8Config(dequantize=True),

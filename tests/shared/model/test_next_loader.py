@@ -76,3 +76,30 @@ def test_a_lean_drafter_of_a_checkpoint_without_mtp_loads_no_layer(tmp_path):
     assert lean.mtp is None and len(lean.layers) == 0
     with pytest.raises(ValueError, match="no MTP layer"):
         lean.new_mtp_cache(8)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_random_weights_made_fp8_a_module_at_a_time_are_the_whole_model_quantized(tied):
+    """random_next(quantize="fp8") allocates and quantizes one module at a time (how an 80B-A3B
+    model is built on one GPU) and gives the same model as quantizing it once made whole."""
+    from shared.model.families.hybrid.config import NextConfig
+    from shared.model.families.hybrid.loader import random_next
+    from shared.model.quantize import is_fp8, quantize_model
+
+    config = NextConfig.from_dict(dict(
+        model_type="qwen3_next", vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, intermediate_size=40, moe_intermediate_size=16,
+        shared_expert_intermediate_size=12, num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        max_position_embeddings=128, layer_types=["linear_attention", "full_attention"] * 2, mlp_only_layers=[2], mtp_num_hidden_layers=1,
+        tie_word_embeddings=tied))
+    by_module = random_next(config, dtype=torch.float32, device="cpu", seed=3, quantize="fp8")
+    whole = quantize_model(random_next(config, dtype=torch.float32, device="cpu", seed=3))
+    assert is_fp8(by_module) and (by_module.lm_head.weight is by_module.embed_tokens.weight) == tied
+    mine, theirs = dict(by_module.named_parameters()), dict(whole.named_parameters())
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[n].view(torch.uint8) if mine[n].dtype == torch.float8_e4m3fn else mine[n],
+                           theirs[n].view(torch.uint8) if theirs[n].dtype == torch.float8_e4m3fn else theirs[n])
+               for n in mine)
+    tokens = torch.arange(12) % 97
+    assert torch.equal(by_module(tokens, by_module.new_cache(16))[0], whole(tokens, whole.new_cache(16))[0])

@@ -81,7 +81,7 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
 
     def new_state(self) -> LinearState:
-        device, dtype = self.out_proj.weight.device, self.out_proj.weight.dtype
+        device, dtype = self.conv1d.weight.device, self.conv1d.weight.dtype  # (projections may be FP8)
         return LinearState(
             conv=torch.zeros((self.conv_dim, self.conv_kernel - 1), dtype=dtype, device=device),
             recurrent=torch.zeros((self.num_v_heads, self.head_k_dim, self.head_v_dim), dtype=torch.float32,

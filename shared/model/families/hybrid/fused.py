@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from kernels.delta_rule import causal_conv, chunked
 from kernels.fused import pdl_supported
 from kernels.fused.attention import AttentionWorkspace, decode_attention
+from kernels.fused.fp8 import FP8_DTYPE, Fp8Weight, cat_rows, row_slice, take_rows
 from kernels.fused.deltanet import gated_delta_step
 from kernels.fused.linear import linear, linear_partials, prefill_linear, split_k
 from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, experts_reference, fused_experts
@@ -49,6 +50,7 @@ from shared.model.layers import RoutingOptions, fuse_linear_rows
 from shared.model.moe import MoceOptions
 from shared.model.mtp import fused_mtp_inputs
 from shared.model.offload import Offload, offload_over
+from shared.model.quantize import Fp8Linear, fp8_unsupported, weight_of
 from shared.model.rows import Rows, prefill_attention, prefill_rows
 
 
@@ -62,7 +64,7 @@ def unsupported_reason(model: Qwen3NextModel) -> str | None:
     if c.num_experts and c.shared_expert_intermediate_size > c.moe_intermediate_size:
         return (f"shared_expert_intermediate_size {c.shared_expert_intermediate_size} exceeds moe_intermediate_size "
                 f"{c.moe_intermediate_size} (the shared expert runs as one more routed expert)")
-    return None
+    return fp8_unsupported(model)
 
 
 class LinearMixer:
@@ -75,7 +77,7 @@ class LinearMixer:
         self.in_proj = fuse_linear_rows([attn.in_proj_qkv, attn.in_proj_z, attn.in_proj_b, attn.in_proj_a])  # [P, H]
         self.conv = attn.conv1d.weight[:, 0]  # [C, K]
         self.A_log, self.dt_bias, self.norm, self.eps = attn.A_log, attn.dt_bias, attn.norm.weight, attn.norm.eps
-        self.out = attn.out_proj.weight  # [H, Hv*dv]
+        self.out = weight_of(attn.out_proj)  # [H, Hv*dv]
         self.out_splits = split_k(*self.out.shape)
         self.shape = dict(num_k_heads=attn.num_k_heads, num_v_heads=attn.num_v_heads, head_k_dim=attn.head_k_dim,
                           head_v_dim=attn.head_v_dim)
@@ -90,7 +92,7 @@ class AttentionMixer:
         self.kv_index = kv_index  # among the full-attention layers (its KV pool layer)
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.qkv = fuse_linear_rows([attn.q_proj, attn.k_proj, attn.v_proj])  # [(2 Hq + 2 Hkv) * D, H]
-        self.o = attn.o_proj.weight
+        self.o = weight_of(attn.o_proj)
         self.o_splits = split_k(*self.o.shape)
         self.q_norm, self.k_norm, self.eps = attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps
 
@@ -123,7 +125,7 @@ class HybridLayer:
                 if self.store.all_resident else None
         else:
             self.gate_up = fuse_linear_rows([layer.mlp.gate_proj, layer.mlp.up_proj])  # [2I, H]
-            self.down = layer.mlp.down_proj.weight
+            self.down = weight_of(layer.mlp.down_proj)
 
 
 class HybridFused(LayerwiseForward):
@@ -373,21 +375,25 @@ class HybridFused(LayerwiseForward):
 
 def _split_grouped(attn: GatedDeltaNet) -> None:
     """Qwen3-Next's grouped in-projections as Qwen3.5's split ones: the same outputs, their rows
-    permuted (per key head [q, k, its value heads' v, z] and [b, a] → all q, all k, all v, z, b, a)."""
+    permuted (per key head [q, k, its value heads' v, z] and [b, a] → all q, all k, all v, z, b, a).
+    FP8 projections keep their values, one scale per row (kernels.fused.fp8.take_rows)."""
     hk, group = attn.num_k_heads, attn.num_v_heads // attn.num_k_heads
     dk, dv = attn.head_k_dim, attn.head_v_dim
-    qkvz = attn.in_proj_qkvz.weight.detach().unflatten(0, (hk, -1))  # [Hk, 2dk + 2 group dv, H]
+    qkvz = torch.arange(attn.in_proj_qkvz.out_features).unflatten(0, (hk, -1))  # [Hk, 2dk + 2 group dv] row ids
     q, k, v, z = qkvz.split([dk, dk, group * dv, group * dv], dim=1)
-    b, a = attn.in_proj_ba.weight.detach().unflatten(0, (hk, 2 * group)).split([group, group], dim=1)
-    hidden = qkvz.shape[-1]
+    b, a = torch.arange(attn.in_proj_ba.out_features).unflatten(0, (hk, 2 * group)).split([group, group], dim=1)
 
-    def linear_of(weight: Tensor) -> nn.Linear:
-        module = nn.Linear(hidden, weight.shape[0], bias=False, device="meta")
-        module.weight = nn.Parameter(weight.reshape(-1, hidden).contiguous(), requires_grad=False)
-        return module
+    def rows_of(module: nn.Module, index: Tensor) -> nn.Module:  # a projection of `module`'s rows `index`
+        if isinstance(module, Fp8Linear):
+            return Fp8Linear(take_rows(module.fp8(), index.flatten().to(module.weight.device)))
+        weight = module.weight.detach()[index.flatten().to(module.weight.device)].contiguous()
+        new = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        new.weight = nn.Parameter(weight, requires_grad=False)
+        return new
 
-    attn.in_proj_qkv = linear_of(torch.cat([q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)]))
-    attn.in_proj_z, attn.in_proj_b, attn.in_proj_a = linear_of(z), linear_of(b), linear_of(a)
+    attn.in_proj_qkv = rows_of(attn.in_proj_qkvz, torch.cat([q.flatten(), k.flatten(), v.flatten()]))
+    attn.in_proj_z, attn.in_proj_b, attn.in_proj_a = (rows_of(attn.in_proj_qkvz, z), rows_of(attn.in_proj_ba, b),
+                                                      rows_of(attn.in_proj_ba, a))
     del attn.in_proj_qkvz, attn.in_proj_ba
     attn.layout = "split"
 
@@ -399,6 +405,8 @@ def _with_shared_expert(mlp: SharedMoe) -> tuple[Tensor, Tensor]:
     store, shared = mlp.store, mlp.shared_expert
     if store.num_fixed:  # fused before (another forward over the same model)
         return store.fixed_weights
+    if store.fp8:
+        return _with_fp8_shared_expert(mlp)
     width, hidden = store.down.shape[2], store.down.shape[1]
     shared_width = shared.gate_proj.weight.shape[0]
     gate_up = torch.zeros((1, 2 * width, hidden), dtype=store.gate_up.dtype, device=store.device)
@@ -418,3 +426,45 @@ def _with_shared_expert(mlp: SharedMoe) -> tuple[Tensor, Tensor]:
         # in its cache (H200, 35B-A3B shapes: 40.6 GiB reserved beyond what was allocated).
         torch.cuda.empty_cache()
     return all_gate_up, all_down
+
+
+def _with_fp8_shared_expert(mlp: SharedMoe) -> tuple[Fp8Weight, Fp8Weight]:
+    """_with_shared_expert for FP8 experts: the shared expert's FP8 values and scales, zero-padded
+    to the routed width where narrower (zero values add exact zeros whatever their scale);
+    re-pointed at the store's copy where no padding was needed."""
+    store, shared = mlp.store, mlp.shared_expert
+    gate, up, down = (weight_of(shared.gate_proj), weight_of(shared.up_proj), weight_of(shared.down_proj))
+    if not all(isinstance(w, Fp8Weight) for w in (gate, up, down)):
+        raise ValueError("FP8 routed experts need an FP8 shared expert (a checkpoint mixing them is not supported yet)")
+    width = store.down.shape[2]
+    shared_width = gate.shape[0]
+    pad = width - shared_width
+    if pad:
+        gate, up = (cat_rows([w, _zeros(pad, w.shape[1], w.block, w.device)]) for w in (gate, up))
+        down = _pad_columns(down, width)
+    all_gate_up, all_down = store.with_fixed(cat_rows([gate, up])[None], Fp8Weight(down.q[None], down.scale[None],
+                                                                                    down.block))
+    mlp.experts.adopt(store)
+    if not pad:  # the reference modules as views of the store's copy (nothing kept twice)
+        slot = all_gate_up[store.num_slots]
+        shared.gate_proj.repoint(row_slice(slot, 0, width))
+        shared.up_proj.repoint(row_slice(slot, width, 2 * width))
+        shared.down_proj.repoint(all_down[store.num_slots])
+    if store.device.type == "cuda":
+        torch.cuda.empty_cache()  # (as in _with_shared_expert)
+    return all_gate_up, all_down
+
+
+def _zeros(rows: int, columns: int, block: tuple[int, int], device: torch.device) -> Fp8Weight:
+    q = torch.zeros((rows, columns), dtype=FP8_DTYPE, device=device)
+    scale = torch.ones((-(-rows // block[0]), -(-columns // block[1])), device=device)
+    return Fp8Weight(q, scale, block)
+
+
+def _pad_columns(weight: Fp8Weight, columns: int) -> Fp8Weight:
+    """weight [N, K] with zero columns up to `columns` (scale columns of 1 for whole new blocks)."""
+    rows, num_cols = weight.q.shape
+    q = torch.cat([weight.q, torch.zeros((rows, columns - num_cols), dtype=FP8_DTYPE, device=weight.device)], dim=1)
+    extra = -(-columns // weight.block[1]) - weight.scale.shape[1]
+    scale = torch.cat([weight.scale, torch.ones((weight.scale.shape[0], extra), device=weight.device)], dim=1)
+    return Fp8Weight(q.contiguous(), scale.contiguous(), weight.block)

@@ -22,12 +22,14 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from shared.model.families.hybrid.config import NextConfig
 from shared.model.experts import copy_streams
 from shared.model.families.hybrid.modules import Experts, Qwen3NextModel, SharedMoe
 from shared.model.fp8 import CheckpointTensors, Fp8Blocks
 from shared.model.loader import PARTS, list_files, problem
+from shared.model.quantize import quantize_model
 
 PREFIXES = ("model.language_model.", "model.")  # the trunk's tensors, longest first
 EXPERT = re.compile(r"^((?:mtp\.)?layers\.\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -124,39 +126,69 @@ def offload_experts(model: Qwen3NextModel, num_slots: int | None, device: torch.
 
 def load_hybrid(path: Path | None, *, device: torch.device, dtype: torch.dtype, num_expert_slots: int | None,
                 random_weights: bool, config: NextConfig | None, seed: int, progress: bool,
-                parts: str) -> Qwen3NextModel:
-    """shared.model.loader.load_model for this family (or its shapes with random weights)."""
+                parts: str, quantize: str = "none") -> Qwen3NextModel:
+    """shared.model.loader.load_model for this family (or its shapes with random weights);
+    quantize "fp8": shared.model.quantize (random weights: a module at a time, random_next)."""
     if random_weights:
         model = random_next(config or read_config(path, has_mtp=True), dtype=dtype, device=device, seed=seed,
-                            parts=parts)
+                            parts=parts, quantize=quantize)
         offload_experts(model, num_expert_slots, device)  # (made on the device: the same seed, the same experts)
         return model
-    return load_next(path, dtype=dtype, device=device, parts=parts, num_expert_slots=num_expert_slots)
+    model = load_next(path, dtype=dtype, device=device, parts=parts, num_expert_slots=num_expert_slots)
+    return quantize_model(model) if quantize == "fp8" else model
 
 
 def random_next(config: NextConfig, *, dtype: torch.dtype, device: str | torch.device, seed: int = 0,
-                parts: str = "all", std: float = 0.02) -> Qwen3NextModel:
+                parts: str = "all", std: float = 0.02, quantize: str = "none") -> Qwen3NextModel:
     """A model of `config`'s shapes with random N(0, std) weights (norm weights 0: the
-    zero-centred norms scale by 1 + w), made on the device (benchmarks at real sizes)."""
+    zero-centred norms scale by 1 + w), made on the device (benchmarks at real sizes), a module
+    at a time; quantize "fp8": each made block-scaled FP8 before the next is allocated, so a
+    model whose full-precision weights would not fit (80B-A3B in bf16 on one H200) is built.
+    The same seed gives the same values either way (one generator, the parameters' order)."""
     if parts not in PARTS:
         raise ValueError(f"parts {parts!r} must be one of {', '.join(PARTS)}")
     if parts == "trunk" and config.mtp_num_hidden_layers:
         config = replace(config, mtp_num_hidden_layers=0)
     device = torch.device(device)
-    model = _empty_model(config, dtype=dtype, device=device, trunk=parts != "mtp")
+    with torch.device("meta"):
+        model = Qwen3NextModel(config, trunk=parts != "mtp").to(dtype)
     generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("A_log"):
-                param.uniform_(-1.0, 1.0, generator=generator)
-            elif name.endswith("dt_bias"):
-                param.fill_(1.0)
-            elif "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1]:
-                param.fill_(1.0 if name.endswith("linear_attn.norm.weight") else 0.0)
-            else:
-                param.normal_(0.0, std, generator=generator)
+    for prefix, module in _build_units(model):
+        if config.tie_word_embeddings and prefix == "lm_head":  # the embedding, made already
+            model.lm_head.weight = model.embed_tokens.weight
+            continue
+        module.to_empty(device=device)
+        with torch.no_grad():
+            for name, param in module.named_parameters(prefix=prefix):
+                if name.endswith("A_log"):
+                    param.uniform_(-1.0, 1.0, generator=generator)
+                elif name.endswith("dt_bias"):
+                    param.fill_(1.0)
+                elif "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1]:
+                    param.fill_(1.0 if name.endswith("linear_attn.norm.weight") else 0.0)
+                else:
+                    param.normal_(0.0, std, generator=generator)
+        if quantize == "fp8":
+            quantize_model(module)
+    if quantize == "fp8":  # (what a unit is itself, e.g. mtp.fc, its parent converts; the rest is FP8 already)
+        quantize_model(model)
     _rebuild_rotary(model)
     return model.eval().requires_grad_(False)
+
+
+def _build_units(model: Qwen3NextModel):
+    """(name prefix, module) of the model's parts in parameter order, each decoder layer one."""
+    for name, child in model.named_children():
+        if isinstance(child, nn.ModuleList):
+            yield from ((f"{name}.{index}", layer) for index, layer in enumerate(child))
+        elif name == "mtp":
+            for sub_name, sub in child.named_children():
+                if isinstance(sub, nn.ModuleList):
+                    yield from ((f"mtp.{sub_name}.{index}", layer) for index, layer in enumerate(sub))
+                else:
+                    yield f"mtp.{sub_name}", sub
+        else:
+            yield name, child
 
 
 def _empty_model(config: NextConfig, *, dtype: torch.dtype, device: torch.device, trunk: bool) -> Qwen3NextModel:

@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.bias import causal_lower_right
 
+from kernels.fused.fp8 import FP8_DTYPE, Fp8Weight
+from kernels.fused.linear import Weight
 from shared.model.families.hybrid.config import NextConfig
 from shared.model.families.hybrid.deltanet import GatedDeltaNet, LinearState
 from shared.model.kv_cache import KVCache
@@ -97,13 +99,39 @@ class Experts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, intermediate))
+        self.block: tuple[int, int] | None = None  # FP8 blocks once quantized (then *_scale_inv too)
         self._store: ExpertStore | None = None
 
     @property
     def store(self) -> ExpertStore:
         if self._store is None:
-            self._store = ExpertStore(self.gate_up_proj, self.down_proj, device=self.gate_up_proj.device)
+            self._store = ExpertStore(*self._weights(), device=self.gate_up_proj.device)
         return self._store
+
+    def _weights(self) -> tuple[Weight, Weight]:
+        """(gate_up, down) as the parameters hold them: tensors, or FP8 with their scales (quantize)."""
+        if self.block is None:
+            return self.gate_up_proj, self.down_proj
+        return (Fp8Weight(self.gate_up_proj, self.gate_up_proj_scale_inv, self.block),
+                Fp8Weight(self.down_proj, self.down_proj_scale_inv, self.block))
+
+    def quantize(self, block: tuple[int, int]) -> None:
+        """Make the experts block-scaled FP8 in place (every expert resident): the store's FP8
+        stacks become the parameters (values `*_proj`, scales `*_proj_scale_inv`)."""
+        store = self.store
+        store.quantize(block)
+        self._hold(store)
+
+    def _hold(self, store: ExpertStore) -> None:
+        if store.fp8:
+            self.gate_up_proj = nn.Parameter(store.gate_up.q, requires_grad=False)
+            self.gate_up_proj_scale_inv = nn.Parameter(store.gate_up.scale, requires_grad=False)
+            self.down_proj = nn.Parameter(store.down.q, requires_grad=False)
+            self.down_proj_scale_inv = nn.Parameter(store.down.scale, requires_grad=False)
+            self.block = store.gate_up.block
+        else:
+            self.gate_up_proj = nn.Parameter(store.gate_up, requires_grad=False)
+            self.down_proj = nn.Parameter(store.down, requires_grad=False)
 
     def offload(self, num_slots: int, *, device: torch.device, copy_stream: torch.cuda.Stream | None = None,
                 prefetch_stream: torch.cuda.Stream | None = None) -> ExpertStore:
@@ -120,14 +148,15 @@ class Experts(nn.Module):
     def adopt(self, store: ExpertStore) -> None:
         """Point the parameters at the store's weights again after it moved them (with_fixed)."""
         if store.all_resident:
-            self.gate_up_proj = nn.Parameter(store.gate_up, requires_grad=False)
-            self.down_proj = nn.Parameter(store.down, requires_grad=False)
+            self._hold(store)
 
     def _apply(self, fn, recurse=True):
         # A move or cast (model.to) makes new parameters: an all-resident store is rebuilt over
         # them; experts in host memory stay where their store keeps them.
         if self._store is not None and not self._store.all_resident:
             raise ValueError("experts offloaded to host memory do not move with the model")
+        if self.block is not None and fn(torch.empty(0, dtype=FP8_DTYPE, device=self.gate_up_proj.device)).dtype != FP8_DTYPE:
+            raise ValueError("an FP8 model's weights do not change dtype (--dtype is the activations')")
         self._store = None
         return super()._apply(fn, recurse)
 

@@ -2,6 +2,8 @@
 
 Routed experts go to an ExpertStore per MoE layer (all resident by default, or
 `num_expert_slots` device slots with LRU replacement); the rest as shared.model.loader says.
+An FP8 checkpoint's weights stay FP8 (shared.model.quantize): its projections, and its experts
+unless they go to host memory behind slots (then dequantised, for now).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from shared.model.experts import ExpertStore, copy_streams
 from shared.model.families.qwen3_moe.config import ModelConfig
 from shared.model.moe import MoeBlock
 from shared.model.families.qwen3_moe.model import Qwen3MoeModel
-from shared.model.fp8 import CheckpointTensors, Fp8Blocks
+from kernels.fused.fp8 import FP8_DTYPE, cat_rows, stack
+from shared.model.fp8 import SCALE_SUFFIX, CheckpointTensors, Fp8Blocks
+from shared.model.quantize import keep_fp8, quantize_model
 from shared.model.loader import list_files, problem
 from shared.model.registry import resolve_model
 
@@ -60,8 +64,16 @@ def _build(config: ModelConfig, dtype: torch.dtype, device: torch.device, trunk:
 
 def load_qwen3_moe(path: Path | None, *, device: torch.device, dtype: torch.dtype, num_expert_slots: int | None,
                    random_weights: bool, config: ModelConfig | None, seed: int, progress: bool,
-                   parts: str) -> Qwen3MoeModel:
-    """shared.model.loader.load_model for this family (path resolved unless config is given)."""
+                   parts: str, quantize: str = "none") -> Qwen3MoeModel:
+    """shared.model.loader.load_model for this family (path resolved unless config is given);
+    quantize "fp8": shared.model.quantize once loaded."""
+    model = _load(path, device=device, dtype=dtype, num_expert_slots=num_expert_slots, random_weights=random_weights,
+                  config=config, seed=seed, progress=progress, parts=parts)
+    return quantize_model(model) if quantize == "fp8" else model
+
+
+def _load(path: Path | None, *, device: torch.device, dtype: torch.dtype, num_expert_slots: int | None,
+          random_weights: bool, config: ModelConfig | None, seed: int, progress: bool, parts: str) -> Qwen3MoeModel:
     if random_weights:
         if config is None:
             config = ModelConfig.from_file(path)
@@ -71,7 +83,8 @@ def load_qwen3_moe(path: Path | None, *, device: torch.device, dtype: torch.dtyp
                              trunk=parts != "mtp")
     path = resolve_model(path)
     config = ModelConfig.from_file(path)
-    tensors = CheckpointTensors(list_files(path), Fp8Blocks.of_checkpoint(path))  # (FP8: shared/model/fp8.py)
+    fp8 = Fp8Blocks.of_checkpoint(path)
+    tensors = CheckpointTensors(list_files(path), fp8)  # (FP8: shared/model/fp8.py)
     files = tensors.names()
     has_mtp = config.has_mtp or any(name.startswith("mtp.") for name in files)
     if has_mtp != config.has_mtp or parts == "trunk":  # MTP tensors present / not wanted
@@ -79,6 +92,13 @@ def load_qwen3_moe(path: Path | None, *, device: torch.device, dtype: torch.dtyp
     skipped = SKIPPED_BY_PARTS[parts]
     files = {name: file for name, file in files.items() if not name.startswith(skipped)}
     model = _build(config, dtype, device, trunk=parts != "mtp")
+    # FP8 weights stay FP8 (shared.model.quantize): the projections, and the routed experts where
+    # every one is resident and stored FP8 (slots of FP8 experts: not yet, they are dequantised)
+    stored = tensors.stored_fp8(files) if fp8 is not None else set()
+    if stored:
+        keep_fp8(model, {n for n, _ in model.named_parameters() if checkpoint_name(n) in stored}, fp8.block)
+    fp8_experts = not num_expert_slots and any(EXPERT_NAME.match(n) for n in stored) and all(
+        n in stored for n in files if EXPERT_NAME.match(n))
     params = dict(model.named_parameters())
     expected = {checkpoint_name(name): param for name, param in params.items()}
     if config.tie_word_embeddings:
@@ -103,11 +123,11 @@ def load_qwen3_moe(path: Path | None, *, device: torch.device, dtype: torch.dtyp
                 match = EXPERT_NAME.match(name)
                 if match and match.group(1) in experts and int(match.group(2)) < config.num_experts:
                     prefix, expert, kind = match.group(1), int(match.group(2)), match.group(3)
-                    tensor = tensors.get(handle, file, name)
+                    tensor = tensors.get_fp8(handle, file, name) if fp8_experts else tensors.get(handle, file, name)
                     if tuple(tensor.shape) != expert_shape[kind]:
                         misshaped.append(f"{name} {tuple(tensor.shape)} (expected {expert_shape[kind]})")
                         continue
-                    experts[prefix][kind][expert] = tensor.to(dtype)
+                    experts[prefix][kind][expert] = tensor if fp8_experts else tensor.to(dtype)
                     seen.add(name)
                     continue
                 if name not in expected:
@@ -118,7 +138,18 @@ def load_qwen3_moe(path: Path | None, *, device: torch.device, dtype: torch.dtyp
                 if shape != tuple(param.shape):
                     misshaped.append(f"{name} {shape} (expected {tuple(param.shape)})")
                     continue
-                param.copy_(tensors.get(handle, file, name).to(dtype))
+                if param.dtype == FP8_DTYPE:  # an FP8 projection kept FP8: its values and block scales
+                    weight = tensors.get_fp8(handle, file, name)
+                    scale = expected[name + SCALE_SUFFIX]
+                    if weight.scale.shape != scale.shape:
+                        misshaped.append(f"{name}{SCALE_SUFFIX} {tuple(weight.scale.shape)} "
+                                         f"(expected {tuple(scale.shape)})")
+                        continue
+                    param.copy_(weight.q)
+                    scale.copy_(weight.scale)
+                    seen.add(name + SCALE_SUFFIX)
+                else:
+                    param.copy_(tensors.get(handle, file, name).to(dtype))
                 seen.add(name)
     bar.close()
     missing = sorted(set(expected) - seen)
@@ -135,8 +166,12 @@ def load_qwen3_moe(path: Path | None, *, device: torch.device, dtype: torch.dtyp
     copy_stream, prefetch_stream = copy_streams(device, num_expert_slots)
     for prefix, block in blocks.items():
         kinds = experts[prefix]
-        gate_up = torch.cat([torch.stack(kinds["gate"]), torch.stack(kinds["up"])], dim=1)
-        block.experts = ExpertStore(gate_up, torch.stack(kinds["down"]), device=device, num_slots=num_expert_slots,
+        if fp8_experts:
+            gate_up, down = cat_rows([stack(kinds["gate"]), stack(kinds["up"])]), stack(kinds["down"])
+        else:
+            gate_up = torch.cat([torch.stack(kinds["gate"]), torch.stack(kinds["up"])], dim=1)
+            down = torch.stack(kinds["down"])
+        block.experts = ExpertStore(gate_up, down, device=device, num_slots=num_expert_slots,
                                     copy_stream=copy_stream, prefetch_stream=prefetch_stream)
     return model
 

@@ -12,6 +12,7 @@ from shared.model.graphs import FusedRunner
 from shared.model.kv_cache import KVPool
 from shared.model.families.hybrid.loader import random_next
 from shared.model.families.hybrid.config import NextConfig
+from shared.model.quantize import Fp8Linear, quantize_model
 
 BASE = dict(vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
             head_dim=16, intermediate_size=40, moe_intermediate_size=16, shared_expert_intermediate_size=12,
@@ -35,9 +36,13 @@ def new_model(layout: str, seed: int = 0):
     return model
 
 
-def fuse(layout: str):
-    """(the reference model, its fused forward keeping states for 6 slots)."""
+def fuse(layout: str, fp8: bool = False):
+    """(the reference model, its fused forward keeping states for 6 slots); fp8: its projections
+    and experts block-scaled FP8 first (shared.model.quantize; blocks that split the shared
+    expert's width and the fused rows, so per-row scales and padding are exercised)."""
     model = new_model(layout)
+    if fp8:
+        quantize_model(model, (16, 16))
     expected = model(torch.arange(12) % 97, model.new_cache(16))[0]
     fused = build_fused(model, max_rows=8, max_length=64, num_state_slots=6)
     assert isinstance(fused, HybridFused)
@@ -46,10 +51,12 @@ def fuse(layout: str):
     return model, fused
 
 
-@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+@pytest.fixture(scope="module", params=[(layout, fp8) for fp8 in (False, True) for layout in sorted(LAYOUTS)],
+                ids=lambda p: p[0] + ("-fp8" if p[1] else ""))
 def any_layout(request):
-    """Both projection layouts (Qwen3-Next's grouped one is converted to the split one)."""
-    return fuse(request.param)
+    """Both projection layouts (Qwen3-Next's grouped one is converted to the split one), with
+    full-precision and with FP8 weights."""
+    return fuse(*request.param)
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +185,14 @@ def test_unsupported_shapes_are_named():
     assert "linear_conv_kernel_dim" in unsupported_reason(model)
     with pytest.raises(ValueError, match="linear_conv_kernel_dim"):
         HybridFused(model, max_rows=4, max_length=16)
+
+
+def test_fp8_weights_fuse_as_views_and_the_shared_expert_pads():
+    model, fused = fuse("grouped", fp8=True)
+    assert isinstance(model.layers[1].self_attn.o_proj, Fp8Linear)
+    layer = fused.layers[1]
+    assert type(layer.gate_up).__name__ == "Fp8Weight" and layer.gate_up.shape[0] == 8 + 1  # routed + shared
+    assert type(model.layers[1].mlp.gate) is torch.nn.Linear  # the router stays
+    # the mixer's fused in-projection: the reference modules are views of it (nothing kept twice)
+    mixer = fused.layers[0].mixer
+    assert model.layers[0].linear_attn.in_proj_qkv.weight.data_ptr() == mixer.in_proj.q.data_ptr()
