@@ -7,9 +7,9 @@ bf16 — and each converted linear weight `<name>` [out, in] is a float8_e4m3fn 
 float32 `<name>_scale_inv` of one scale per block [ceil(out / rows), ceil(in / columns)]:
 the weight is q × scale_inv, block by block.
 
-The loaders either keep such weights FP8 (`get_fp8`: the qwen3_moe family's projections, and
-its experts where every one is resident; shared.model.quantize holds them) or dequantise them
-to the model's dtype (`get`: the rest, for now). `--dtype` keeps meaning the activations' dtype.
+The loaders keep such weights FP8 (`get_fp8`; shared.model.quantize holds them) or, where the
+fused path cannot take them FP8 yet (experts behind slots, a fused group a release left partly
+unconverted), dequantise them to the model's dtype (`get`). `--dtype` keeps meaning the activations' dtype.
 Which tensors are FP8 follows the file (a tensor stored in float8 is FP8, any other is read as
 is), so the modules a release leaves unconverted need no list. Nothing here imports above
 shared/model.

@@ -4,7 +4,7 @@ whose loader reads the tensors.
 
 - single file (`model.safetensors`) or sharded (`model.safetensors.index.json`);
 - any dtype (fp32/bf16/fp16) and device; FP8 checkpoints in the published block-scaled layout
-  dequantised on load (shared/model/fp8.py);
+  (shared/model/fp8.py), kept FP8 (shared/model/quantize.py); `quantize="fp8"` makes any model so;
 - every missing, unexpected or mis-shaped tensor is named in one error;
 - `random_weights=True` builds the model from the config alone, directly on the device
   (benchmarks at real sizes without a file).

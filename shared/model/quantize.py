@@ -81,6 +81,29 @@ def keep_fp8(model: nn.Module, stored_fp8, block: tuple[int, int]) -> list[str]:
     return kept
 
 
+# Projections the fused forwards concatenate into one matrix (shared.model.layers.fuse_linear_rows):
+# a checkpoint's FP8 weights stay FP8 only where a whole group is FP8 (else it is dequantised).
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("mlp.gate", "mlp.shared_expert_gate"),
+                ("in_proj_qkvz", "in_proj_ba"), ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+
+
+def whole_groups(fp8_weights: set[str], all_weights: set[str]) -> set[str]:
+    """The weight names of `fp8_weights` whose fused group (FUSED_GROUPS, siblings under one
+    module) is FP8 throughout; `all_weights` holds every weight name of the model."""
+    kept = set(fp8_weights)
+    for name in fp8_weights:
+        stem = name.removesuffix(".weight")
+        for group in FUSED_GROUPS:
+            member = next((m for m in group if stem.endswith("." + m) or stem == m), None)
+            if member is None:
+                continue
+            parent = stem[: len(stem) - len(member)]
+            siblings = {f"{parent}{m}.weight" for m in group} & all_weights
+            if not siblings <= fp8_weights:
+                kept -= siblings
+    return kept
+
+
 def weight_of(module: nn.Module) -> Weight:
     """A projection's weight as the fused kernels take it: FP8 (Fp8Weight) or a tensor."""
     return module.fp8() if isinstance(module, Fp8Linear) else module.weight

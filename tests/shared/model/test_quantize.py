@@ -114,3 +114,15 @@ def test_an_fp8_model_keeps_its_dtype_and_the_options_are_checked():
         load_model(config=ModelConfig.from_dict(CONFIG), random_weights=True, quantize="fp8", num_expert_slots=4)
     loaded = load_model(config=ModelConfig.from_dict(CONFIG), random_weights=True, quantize="fp8")
     assert is_fp8(loaded) and loaded.layers[0].self_attn.q_proj.block == (128, 128)
+
+
+def test_a_fused_group_stays_fp8_only_where_it_is_fp8_throughout():
+    """A checkpoint that leaves one projection of a fused group unconverted (a release's
+    modules_to_not_convert) has that group dequantised: the kernels take one matrix per group."""
+    from shared.model.quantize import whole_groups
+
+    weights = {f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"} | {
+        "layers.0.linear_attn.in_proj_qkvz.weight", "layers.0.linear_attn.in_proj_ba.weight",
+        "layers.1.self_attn.q_proj.weight", "layers.1.self_attn.k_proj.weight", "layers.1.self_attn.v_proj.weight"}
+    fp8 = weights - {"layers.0.linear_attn.in_proj_ba.weight", "layers.1.self_attn.v_proj.weight"}
+    assert whole_groups(fp8, weights) == {f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"}

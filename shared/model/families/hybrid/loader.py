@@ -1,5 +1,7 @@
 """Load a Qwen3-Next or Qwen3.5-MoE checkpoint (config.json + safetensors) into the CPU
-reference trunk (shared.model.families.hybrid.modules; issue 17).
+reference trunk (shared.model.families.hybrid.modules; issue 17). An FP8 checkpoint's weights
+stay FP8 (shared.model.quantize): projections whose fused group is FP8 throughout, and the
+routed experts unless they go to host memory behind slots (then dequantised, for now).
 
 Tensor names as the checkpoints have them: `model.*` (Qwen3-Next) or `model.language_model.*`
 (Qwen3.5-MoE's composite checkpoints), `lm_head.weight`; routed experts per expert
@@ -27,9 +29,10 @@ from torch import nn
 from shared.model.families.hybrid.config import NextConfig
 from shared.model.experts import copy_streams
 from shared.model.families.hybrid.modules import Experts, Qwen3NextModel, SharedMoe
-from shared.model.fp8 import CheckpointTensors, Fp8Blocks
+from kernels.fused.fp8 import FP8_DTYPE, Fp8Weight, cat_rows, stack
+from shared.model.fp8 import SCALE_SUFFIX, CheckpointTensors, Fp8Blocks
 from shared.model.loader import PARTS, list_files, problem
-from shared.model.quantize import quantize_model
+from shared.model.quantize import keep_fp8, quantize_model, whole_groups
 
 PREFIXES = ("model.language_model.", "model.")  # the trunk's tensors, longest first
 EXPERT = re.compile(r"^((?:mtp\.)?layers\.\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -62,11 +65,28 @@ def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: s
         raise ValueError(f"parts {parts!r} must be one of {', '.join(PARTS)}")
     path = Path(path)
     device = torch.device(device)
-    tensors = CheckpointTensors(list_files(path), Fp8Blocks.of_checkpoint(path))  # (FP8: shared/model/fp8.py)
+    fp8 = Fp8Blocks.of_checkpoint(path)
+    tensors = CheckpointTensors(list_files(path), fp8)  # (FP8: shared/model/fp8.py)
     files = tensors.names()
     has_mtp = any(name.startswith("mtp.") for name in files)
     config = read_config(path, has_mtp=has_mtp and parts != "trunk")
-    model = _empty_model(config, dtype=dtype, device=device, trunk=parts != "mtp")
+    # FP8 weights stay FP8 (shared.model.quantize): projections whose fused group is FP8 throughout,
+    # and per-expert routed experts where every one is resident and stored FP8
+    stored = {ours for name in (tensors.stored_fp8(files) if fp8 is not None else ())
+              if (ours := _our_name(name, parts)) is not None}
+    expert_names = {ours for name in files if (ours := _our_name(name, parts)) is not None and EXPERT.match(ours)}
+    fp8_experts = bool(expert_names) and not num_expert_slots and expert_names <= stored
+
+    def keep(meta_model: Qwen3NextModel) -> None:  # (on the meta device, before anything is allocated)
+        weights = {n for n, _ in meta_model.named_parameters()}
+        if stored:
+            keep_fp8(meta_model, whole_groups(stored - expert_names, weights), fp8.block)
+        if fp8_experts:
+            per_row = config.moe_intermediate_size % fp8.block[0] != 0
+            for experts in expert_modules(meta_model):
+                experts.hold_fp8(fp8.block, per_row_gate_up=per_row)
+
+    model = _empty_model(config, dtype=dtype, device=device, trunk=parts != "mtp", prepare=keep)
     if num_expert_slots:
         for experts in expert_modules(model):
             experts.to_empty(device="cpu")
@@ -85,17 +105,24 @@ def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: s
                 match = EXPERT.match(ours)
                 if match:
                     layer, expert, kind = match.group(1), int(match.group(2)), match.group(3)
-                    per_expert.setdefault((layer, kind), {})[expert] = tensors.get(handle, file, name)
+                    get = tensors.get_fp8 if fp8_experts else tensors.get
+                    per_expert.setdefault((layer, kind), {})[expert] = get(handle, file, name)
                     continue
                 if ours not in params:
                     unexpected.append(name)
                     continue
-                tensor = tensors.get(handle, file, name)
-                if tensor.shape != params[ours].shape:
+                kept = params[ours].dtype == FP8_DTYPE  # an FP8 projection kept FP8: values and scales
+                tensor = tensors.get_fp8(handle, file, name) if kept else tensors.get(handle, file, name)
+                if tensor.shape != params[ours].shape or (kept and tensor.scale.shape != params[ours + SCALE_SUFFIX].shape):
                     misshaped.append(f"{name} {tuple(tensor.shape)} (expected {tuple(params[ours].shape)})")
                     continue
                 with torch.no_grad():
-                    params[ours].copy_(tensor.to(dtype))
+                    if kept:
+                        params[ours].copy_(tensor.q)
+                        params[ours + SCALE_SUFFIX].copy_(tensor.scale)
+                        seen.add(ours + SCALE_SUFFIX)
+                    else:
+                        params[ours].copy_(tensor.to(dtype))
                 seen.add(ours)
     _fuse_experts(per_expert, params, seen, misshaped)
     missing = sorted(set(params) - seen)
@@ -191,11 +218,15 @@ def _build_units(model: Qwen3NextModel):
             yield name, child
 
 
-def _empty_model(config: NextConfig, *, dtype: torch.dtype, device: torch.device, trunk: bool) -> Qwen3NextModel:
+def _empty_model(config: NextConfig, *, dtype: torch.dtype, device: torch.device, trunk: bool,
+                 prepare=None) -> Qwen3NextModel:
     """The model's parameters allocated on the device in `dtype`, uninitialised (built on the
-    meta device first: a float32 copy of a 35B model does not fit beside its bf16 one)."""
+    meta device first: a float32 copy of a 35B model does not fit beside its bf16 one).
+    prepare(model): changes made on the meta device first (FP8 parameters in place of others)."""
     with torch.device("meta"):
         model = Qwen3NextModel(config, trunk=trunk).to(dtype)
+    if prepare is not None:
+        prepare(model)
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gives each module its own storage: tie again
         model.lm_head.weight = model.embed_tokens.weight
@@ -220,17 +251,24 @@ def _fuse_experts(per_expert: dict, params: dict, seen: set, misshaped: list) ->
         tensors = {kind: per_expert.get((prefix, kind), {}) for kind in ("gate", "up", "down")}
         if any(sorted(t) != list(range(num_experts)) for t in tensors.values()):
             continue  # incomplete: reported as missing
+        ordered = {kind: [t[e] for e in range(num_experts)] for kind, t in tensors.items()}
         try:
-            fused = torch.cat([torch.stack([tensors["gate"][e] for e in range(num_experts)]),
-                               torch.stack([tensors["up"][e] for e in range(num_experts)])], dim=1)
-            stacked = torch.stack([tensors["down"][e] for e in range(num_experts)])
-        except RuntimeError as error:
+            if params[gate_up].dtype == FP8_DTYPE:  # kept FP8 (values and block scales)
+                fused = cat_rows([stack(ordered["gate"]), stack(ordered["up"])])
+                stacked = stack(ordered["down"])
+            else:
+                fused = torch.cat([torch.stack(ordered["gate"]), torch.stack(ordered["up"])], dim=1)
+                stacked = torch.stack(ordered["down"])
+        except (RuntimeError, ValueError) as error:
             misshaped.append(f"{prefix}'s expert tensors ({error})")
             continue
         for name, tensor in ((gate_up, fused), (down, stacked)):
-            if tensor.shape != params[name].shape:
+            # (FP8: the values and their block scales, each into its parameter)
+            parts = {name: tensor.q, name + SCALE_SUFFIX: tensor.scale} if isinstance(tensor, Fp8Weight) else {name: tensor}
+            if any(value.shape != params[key].shape for key, value in parts.items()):
                 misshaped.append(f"{name} {tuple(tensor.shape)} (expected {tuple(params[name].shape)})")
                 continue
             with torch.no_grad():
-                params[name].copy_(tensor.to(params[name].dtype))
-            seen.add(name)
+                for key, value in parts.items():
+                    params[key].copy_(value.to(params[key].dtype))
+                    seen.add(key)

@@ -112,8 +112,24 @@ class Experts(nn.Module):
         """(gate_up, down) as the parameters hold them: tensors, or FP8 with their scales (quantize)."""
         if self.block is None:
             return self.gate_up_proj, self.down_proj
-        return (Fp8Weight(self.gate_up_proj, self.gate_up_proj_scale_inv, self.block),
+        return (Fp8Weight(self.gate_up_proj, self.gate_up_proj_scale_inv, self._gate_up_block),
                 Fp8Weight(self.down_proj, self.down_proj_scale_inv, self.block))
+
+    def hold_fp8(self, block: tuple[int, int], *, per_row_gate_up: bool) -> None:
+        """Unfilled FP8 parameters in place of the full-precision ones (a loader copies an FP8
+        checkpoint's experts into them; on the meta device, before the model is allocated).
+        per_row_gate_up: gate_up's scales one per row (the gate's rows end mid-block)."""
+        num_experts, rows, hidden = self.gate_up_proj.shape
+        inter, device = self.down_proj.shape[2], self.gate_up_proj.device
+        gate_up_block = (1, block[1]) if per_row_gate_up else block
+        for name, shape, blk in (("gate_up_proj", (num_experts, rows, hidden), gate_up_block),
+                                 ("down_proj", (num_experts, hidden, inter), block)):
+            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=FP8_DTYPE, device=device), requires_grad=False))
+            scale = (num_experts, -(-shape[1] // blk[0]), -(-shape[2] // blk[1]))
+            setattr(self, name + "_scale_inv", nn.Parameter(torch.empty(scale, device=device), requires_grad=False))
+        self.block = block
+        self._gate_up_block = gate_up_block
+        self._store = None
 
     def quantize(self, block: tuple[int, int]) -> None:
         """Make the experts block-scaled FP8 in place (every expert resident): the store's FP8
@@ -128,7 +144,7 @@ class Experts(nn.Module):
             self.gate_up_proj_scale_inv = nn.Parameter(store.gate_up.scale, requires_grad=False)
             self.down_proj = nn.Parameter(store.down.q, requires_grad=False)
             self.down_proj_scale_inv = nn.Parameter(store.down.scale, requires_grad=False)
-            self.block = store.gate_up.block
+            self.block, self._gate_up_block = store.down.block, store.gate_up.block
         else:
             self.gate_up_proj = nn.Parameter(store.gate_up, requires_grad=False)
             self.down_proj = nn.Parameter(store.down, requires_grad=False)
