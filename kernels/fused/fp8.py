@@ -92,12 +92,16 @@ class Fp8Weight:
     # -- full precision -------------------------------------------------------------------------
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The weight [..., N, K] in dtype: q × scale (float32), block by block, then rounded once."""
+        """The weight [..., N, K] in dtype: q × scale (float32), block by block, then rounded once
+        (the scales broadcast over a blocked view: no full-size copy of them)."""
         rows, columns = self.block
         num_rows, num_cols = self.q.shape[-2:]
-        scales = self.scale.repeat_interleave(rows, dim=-2)[..., :num_rows, :]
-        scales = scales.repeat_interleave(columns, dim=-1)[..., :num_cols]
-        return (self.q.float() * scales).to(dtype)
+        block_rows, block_cols = self.scale.shape[-2:]
+        q = self.q.float()
+        if block_rows * rows != num_rows or block_cols * columns != num_cols:  # (partial last blocks)
+            q = torch.nn.functional.pad(q, (0, block_cols * columns - num_cols, 0, block_rows * rows - num_rows))
+        w = q.view(*q.shape[:-2], block_rows, rows, block_cols, columns).mul_(self.scale[..., :, None, :, None].float())
+        return w.view(*q.shape[:-2], block_rows * rows, block_cols * columns)[..., :num_rows, :num_cols].to(dtype)
 
 
 def quantize(weight: Tensor, block: tuple[int, int]) -> Fp8Weight:

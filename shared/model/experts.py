@@ -22,7 +22,7 @@ routes alike: fixed expert i is slot num_slots + i, and route id num_experts + i
 
 FP8 experts (`quantize`, or block-scaled stacks given as kernels.fused.fp8.Fp8Weight): the
 fused kernels read them as they are; the reference paths here dequantise the experts they
-run. So far every expert resident (slots of FP8 experts: issue 36).
+run; behind slots an expert's copy moves its FP8 values and scales (half bf16's bytes).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.fused.fp8 import Fp8Weight, cat_rows, quantize
+from kernels.fused.fp8 import Fp8Weight, cat_rows, quantize, stack
 from kernels.fused.linear import Weight, dense
 from kernels.fused.moe import silu_mul
 from kernels.moe import moe_forward
@@ -87,9 +87,6 @@ class ExpertStore:
         self.fp8 = isinstance(gate_up, Fp8Weight)
         if self.fp8 != isinstance(down, Fp8Weight):
             raise ValueError("gate_up and down must both be FP8 or neither")
-        if self.fp8 and num_slots != num_experts:
-            raise ValueError("FP8 experts with expert slots (offloading) are not supported yet: every FP8 expert "
-                             "is resident")
         self.num_experts = num_experts
         self.num_slots = num_slots
         self.counters = ExpertCounters()
@@ -110,8 +107,8 @@ class ExpertStore:
         cuda = self.device.type == "cuda"
         self.host_gate_up = _to_host(gate_up, pin=cuda)
         self.host_down = _to_host(down, pin=cuda)
-        self.gate_up = torch.empty((num_slots, *gate_up.shape[1:]), dtype=gate_up.dtype, device=self.device)
-        self.down = torch.empty((num_slots, *down.shape[1:]), dtype=down.dtype, device=self.device)
+        self.gate_up = _slots(gate_up, num_slots, self.device)
+        self.down = _slots(down, num_slots, self.device)
         # One entry past the experts, always -1: a dropped route (id -1) indexes it (slots_of).
         self._slot_table = torch.full((num_experts + 1,), -1, dtype=torch.int64, device=self.device)
         self.slot_of_expert = self._slot_table[:num_experts]
@@ -156,20 +153,37 @@ class ExpertStore:
         return (self.gate_up[0].numel() + self.down[0].numel()) * self.gate_up.element_size()
 
     def quantize(self, block: tuple[int, int]) -> None:
-        """Make the experts block-scaled FP8 in place (every expert resident; fixed ones not yet
-        added): an expert at a time, so one expert's float32 copy is the most alive at once."""
+        """Make the experts block-scaled FP8 in place (before fixed experts are added): an expert
+        at a time, so one expert's float32 copy is the most alive at once — on the device, then
+        back to host memory for experts behind slots, whose slots then hold FP8 copies."""
         if self.fp8:
             return
-        if not self.all_resident or self.num_fixed:
-            raise ValueError("only a store with every expert resident and no fixed experts quantizes")
-        self.gate_up = cat_rows([quantize(self.gate_up[e], block)[None] for e in range(self.num_experts)], dim=0)
-        self.down = cat_rows([quantize(self.down[e], block)[None] for e in range(self.num_experts)], dim=0)
+        if self.num_fixed:
+            raise ValueError("a store quantizes before its fixed experts are added")
+        if self.all_resident:
+            self.gate_up = stack([quantize(self.gate_up[e], block) for e in range(self.num_experts)])
+            self.down = stack([quantize(self.down[e], block) for e in range(self.num_experts)])
+            self.fp8 = True
+            return
+        self.ready()
+        cuda = self.device.type == "cuda"
+        for name in ("gate_up", "down"):
+            host = getattr(self, f"host_{name}")
+            experts = [quantize(host[e].to(self.device), block).to("cpu") for e in range(self.num_experts)]
+            setattr(self, f"host_{name}", _to_host(stack(experts), pin=cuda))
+            setattr(self, name, _slots(getattr(self, f"host_{name}"), self.num_slots, self.device))
         self.fp8 = True
+        self._copied = {}
+        self._copy(list(self._lru.items()))  # the resident experts again, now FP8
+        self.ready()
 
     def tensors(self) -> list[Tensor]:
         """The device tensors behind the weights (FP8: values and scales)."""
-        weights = [self.gate_up, self.down]
-        return [t for w in weights for t in ((w.q, w.scale) if isinstance(w, Fp8Weight) else (w,))]
+        return [*_tensors(self.gate_up), *_tensors(self.down)]
+
+    def host_tensors(self) -> list[Tensor]:
+        """The host copies' tensors (experts behind slots), none with every expert resident."""
+        return [] if self.all_resident else [*_tensors(self.host_gate_up), *_tensors(self.host_down)]
 
     def expert_weights(self, expert: int) -> tuple[Tensor, Tensor]:
         """(gate_up, down) of one expert, wherever it lives."""
@@ -219,8 +233,9 @@ class ExpertStore:
 
     def _copy_weights(self, moves: list[tuple[int, int]]) -> None:
         for expert, slot in moves:
-            self.gate_up[slot].copy_(self.host_gate_up[expert], non_blocking=True)
-            self.down[slot].copy_(self.host_down[expert], non_blocking=True)
+            for slots, host in ((self.gate_up, self.host_gate_up), (self.down, self.host_down)):
+                for dst, src in zip(_tensors(slots[slot]), _tensors(host[expert])):  # (FP8: values, then scales)
+                    dst.copy_(src, non_blocking=True)
 
     def ready(self, experts: list[int] | None = None) -> None:
         """Make the compute stream wait for the copies into these resident experts' slots (None:
@@ -429,8 +444,21 @@ def copy_streams(device: torch.device, num_slots: int | None) -> tuple[torch.cud
     return torch.cuda.Stream(device), torch.cuda.Stream(device)
 
 
-def _to_host(weights: Tensor, *, pin: bool) -> Tensor:
+def _to_host(weights: Weight, *, pin: bool) -> Weight:
     """A host copy of `weights` (pinned for asynchronous copies), filled straight from its device."""
+    if isinstance(weights, Fp8Weight):
+        return Fp8Weight(_to_host(weights.q, pin=pin), _to_host(weights.scale, pin=pin), weights.block)
     host = torch.empty(weights.shape, dtype=weights.dtype, pin_memory=pin)
     host.copy_(weights)
     return host
+
+
+def _slots(weights: Weight, num_slots: int, device: torch.device) -> Weight:
+    """Unfilled device slots [num_slots, ...] for experts like `weights`' (FP8: values and scales)."""
+    if isinstance(weights, Fp8Weight):
+        return Fp8Weight(_slots(weights.q, num_slots, device), _slots(weights.scale, num_slots, device), weights.block)
+    return torch.empty((num_slots, *weights.shape[1:]), dtype=weights.dtype, device=device)
+
+
+def _tensors(weights: Weight) -> tuple[Tensor, ...]:
+    return (weights.q, weights.scale) if isinstance(weights, Fp8Weight) else (weights,)

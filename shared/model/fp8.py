@@ -80,8 +80,7 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
     if tuple(scale_inv.shape) != expected:
         raise ValueError(f"{name}{SCALE_SUFFIX} {tuple(scale_inv.shape)} does not fit {name} {tuple(q.shape)} in "
                          f"blocks of {list(block)} (expected {expected})")
-    scales = scale_inv.float().repeat_interleave(rows, dim=0)[: q.shape[0]].repeat_interleave(columns, dim=1)[:, : q.shape[1]]
-    return q.float() * scales
+    return Fp8Weight(q, scale_inv.float(), block).dequantize(torch.float32)
 
 
 class CheckpointTensors:

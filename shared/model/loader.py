@@ -95,8 +95,6 @@ def load_model(
         family = family_for(model_type(path))
     else:
         family = family_of_config(config)
-    if quantize == "fp8" and num_expert_slots:
-        raise ValueError("quantize 'fp8' keeps every expert resident so far: leave num_expert_slots unset (issue 36)")
     return family.load(path, device=device, dtype=dtype, num_expert_slots=num_expert_slots,
                        random_weights=random_weights, config=config, seed=seed, progress=progress, parts=parts,
                        quantize=quantize)
@@ -111,8 +109,8 @@ def resident_bytes(model: torch.nn.Module) -> int:
         if isinstance(module, MoeBlock) and module.store is not None:
             store = module.store
             tensors += store.tensors()
-            if not store.all_resident:  # its experts' host copies (a hybrid block's parameters) are not counted
-                seen.update(t.untyped_storage().data_ptr() for t in (store.host_gate_up, store.host_down))
+            # its experts' host copies (a hybrid block's parameters) are not counted
+            seen.update(t.untyped_storage().data_ptr() for t in store.host_tensors())
     for tensor in tensors:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in seen:

@@ -82,9 +82,10 @@ def test_a_qwen3_moe_fp8_checkpoint_loads_as_transformers_loads_it(tmp_path, siz
     ours_w = weight_of(ours.layers[1].self_attn.o_proj).dequantize()
     assert not torch.equal(ours_w, w) and ((ours_w - w).abs() <= w.abs() * 2**-4 + w.abs().max() * 2**-9 / 448).all()
     assert torch.equal(ours.embed_tokens.weight, original.model.embed_tokens.weight)  # left as it was
-    # experts in host memory behind slots: dequantised on load (FP8 slots: not yet), the rest FP8
+    # experts in host memory behind slots: FP8 there too (a copy moves FP8 values and scales)
     slotted, slotted_twin = load_model(path, num_expert_slots=3), load_model(tmp_path / "twin", num_expert_slots=3)
-    assert isinstance(slotted.layers[1].self_attn.o_proj, Fp8Linear) and not slotted.layers[1].mlp.experts.fp8
+    assert isinstance(slotted.layers[1].self_attn.o_proj, Fp8Linear) and slotted.layers[1].mlp.experts.fp8
+    assert not slotted.layers[1].mlp.experts.all_resident
     assert torch.equal(slotted.score(tokens)[0], slotted_twin.score(tokens)[0])
     if sizes["moe_intermediate_size"] % 16:
         return  # (transformers fuses the experts' FP8 tensors before applying their scales: blocks must divide them)
@@ -108,6 +109,9 @@ def test_a_sharded_hybrid_fp8_checkpoint_with_scales_in_the_other_shard_loads_ev
         logits, _ = ours(tokens, ours.new_cache(32))
         assert torch.equal(logits, twin(tokens, twin.new_cache(32))[0])
         assert (logits - source(tokens, source.new_cache(32))[0]).abs().max() > 0  # (FP8 changed the weights)
+    slotted, slotted_twin = load_next(path, num_expert_slots=3), load_next(tmp_path / "twin", num_expert_slots=3)
+    assert slotted.layers[0].mlp.store.fp8 and not slotted.layers[0].mlp.store.all_resident
+    assert torch.equal(slotted(tokens, slotted.new_cache(32))[0], slotted_twin(tokens, slotted_twin.new_cache(32))[0])
     lean, lean_twin = load_next(path, parts="mtp"), load_next(tmp_path / "twin", parts="mtp")
     weights, twin_weights = effective_weights(lean), effective_weights(lean_twin)
     assert weights.keys() == twin_weights.keys() and all(torch.equal(weights[n], twin_weights[n]) for n in weights)

@@ -110,8 +110,6 @@ def test_an_fp8_model_keeps_its_dtype_and_the_options_are_checked():
         model.to(torch.float64)
     with pytest.raises(ValueError, match="quantize 'int4' must be one of none, fp8"):
         load_model(config=ModelConfig.from_dict(CONFIG), random_weights=True, quantize="int4")
-    with pytest.raises(ValueError, match="keeps every expert resident"):
-        load_model(config=ModelConfig.from_dict(CONFIG), random_weights=True, quantize="fp8", num_expert_slots=4)
     loaded = load_model(config=ModelConfig.from_dict(CONFIG), random_weights=True, quantize="fp8")
     assert is_fp8(loaded) and loaded.layers[0].self_attn.q_proj.block == (128, 128)
 
@@ -126,3 +124,25 @@ def test_a_fused_group_stays_fp8_only_where_it_is_fp8_throughout():
         "layers.1.self_attn.q_proj.weight", "layers.1.self_attn.k_proj.weight", "layers.1.self_attn.v_proj.weight"}
     fp8 = weights - {"layers.0.linear_attn.in_proj_ba.weight", "layers.1.self_attn.v_proj.weight"}
     assert whole_groups(fp8, weights) == {f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"}
+
+
+def test_fp8_experts_behind_slots_compute_the_resident_bits():
+    """Experts in host memory with device slots, FP8: a copy moves an expert's FP8 values and
+    scales (under half its float32 bytes here), and the model computes what it computes with
+    every expert resident, on the reference path and the fused one."""
+    config = ModelConfig.from_dict(CONFIG)
+    resident = load_model(config=config, random_weights=True, seed=3, quantize="fp8")
+    slotted = load_model(config=config, random_weights=True, seed=3, quantize="fp8", num_expert_slots=3)
+    store = slotted.layers[0].mlp.experts
+    assert store.fp8 and not store.all_resident and store.host_gate_up.q.dtype == torch.float8_e4m3fn
+    assert store.expert_bytes < 0.3 * 4 * 3 * CONFIG["hidden_size"] * CONFIG["moe_intermediate_size"]
+    assert resident_bytes(slotted) < resident_bytes(resident)
+    ids = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(2))
+    expected, _ = resident(ids, resident.new_cache(32))
+    assert torch.equal(slotted(ids, slotted.new_cache(32))[0], expected)
+    assert store.counters.misses > 0  # (the forward did copy experts in)
+    cache = slotted.new_cache(40)
+    slotted(ids[:16], cache)
+    logits, _ = FusedModel(slotted, max_rows=8, max_length=64).forward(ids[16:], Rows.window(16, 4, 0, "cpu"),
+                                                                       cache.paged())
+    torch.testing.assert_close(logits, expected[16:], rtol=1e-4, atol=1e-4)

@@ -1,7 +1,7 @@
 """Load a Qwen3-Next or Qwen3.5-MoE checkpoint (config.json + safetensors) into the CPU
 reference trunk (shared.model.families.hybrid.modules; issue 17). An FP8 checkpoint's weights
 stay FP8 (shared.model.quantize): projections whose fused group is FP8 throughout, and the
-routed experts unless they go to host memory behind slots (then dequantised, for now).
+routed experts (in host memory too, behind slots).
 
 Tensor names as the checkpoints have them: `model.*` (Qwen3-Next) or `model.language_model.*`
 (Qwen3.5-MoE's composite checkpoints), `lm_head.weight`; routed experts per expert
@@ -71,11 +71,11 @@ def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: s
     has_mtp = any(name.startswith("mtp.") for name in files)
     config = read_config(path, has_mtp=has_mtp and parts != "trunk")
     # FP8 weights stay FP8 (shared.model.quantize): projections whose fused group is FP8 throughout,
-    # and per-expert routed experts where every one is resident and stored FP8
+    # and per-expert routed experts where every one is stored FP8 (behind slots too)
     stored = {ours for name in (tensors.stored_fp8(files) if fp8 is not None else ())
               if (ours := _our_name(name, parts)) is not None}
     expert_names = {ours for name in files if (ours := _our_name(name, parts)) is not None and EXPERT.match(ours)}
-    fp8_experts = bool(expert_names) and not num_expert_slots and expert_names <= stored
+    fp8_experts = bool(expert_names) and expert_names <= stored
 
     def keep(meta_model: Qwen3NextModel) -> None:  # (on the meta device, before anything is allocated)
         weights = {n for n, _ in meta_model.named_parameters()}

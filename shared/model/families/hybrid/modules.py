@@ -139,25 +139,27 @@ class Experts(nn.Module):
         self._hold(store)
 
     def _hold(self, store: ExpertStore) -> None:
+        """The parameters become the store's weights: its device stacks, or with slots its host
+        copies (nothing kept twice)."""
+        gate_up, down = (store.gate_up, store.down) if store.all_resident else (store.host_gate_up, store.host_down)
         if store.fp8:
-            self.gate_up_proj = nn.Parameter(store.gate_up.q, requires_grad=False)
-            self.gate_up_proj_scale_inv = nn.Parameter(store.gate_up.scale, requires_grad=False)
-            self.down_proj = nn.Parameter(store.down.q, requires_grad=False)
-            self.down_proj_scale_inv = nn.Parameter(store.down.scale, requires_grad=False)
-            self.block, self._gate_up_block = store.down.block, store.gate_up.block
+            self.gate_up_proj = nn.Parameter(gate_up.q, requires_grad=False)
+            self.gate_up_proj_scale_inv = nn.Parameter(gate_up.scale, requires_grad=False)
+            self.down_proj = nn.Parameter(down.q, requires_grad=False)
+            self.down_proj_scale_inv = nn.Parameter(down.scale, requires_grad=False)
+            self.block, self._gate_up_block = down.block, gate_up.block
         else:
-            self.gate_up_proj = nn.Parameter(store.gate_up, requires_grad=False)
-            self.down_proj = nn.Parameter(store.down, requires_grad=False)
+            self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+            self.down_proj = nn.Parameter(down, requires_grad=False)
 
     def offload(self, num_slots: int, *, device: torch.device, copy_stream: torch.cuda.Stream | None = None,
                 prefetch_stream: torch.cuda.Stream | None = None) -> ExpertStore:
         """Keep the experts in host memory with `num_slots` device slots (the parameters become
         the store's host copies: nothing is kept twice)."""
-        store = ExpertStore(self.gate_up_proj.detach(), self.down_proj.detach(), device=device, num_slots=num_slots,
-                            copy_stream=copy_stream, prefetch_stream=prefetch_stream)
+        store = ExpertStore(*self._weights(), device=device, num_slots=num_slots, copy_stream=copy_stream,
+                            prefetch_stream=prefetch_stream)
         if not store.all_resident:
-            self.gate_up_proj = nn.Parameter(store.host_gate_up, requires_grad=False)
-            self.down_proj = nn.Parameter(store.host_down, requires_grad=False)
+            self._hold(store)
         self._store = store
         return store
 

@@ -2,8 +2,8 @@
 
 Routed experts go to an ExpertStore per MoE layer (all resident by default, or
 `num_expert_slots` device slots with LRU replacement); the rest as shared.model.loader says.
-An FP8 checkpoint's weights stay FP8 (shared.model.quantize): its projections, and its experts
-unless they go to host memory behind slots (then dequantised, for now).
+An FP8 checkpoint's weights stay FP8 (shared.model.quantize): its projections and its experts
+(in host memory too, behind slots).
 """
 
 from __future__ import annotations
@@ -93,12 +93,11 @@ def _load(path: Path | None, *, device: torch.device, dtype: torch.dtype, num_ex
     files = {name: file for name, file in files.items() if not name.startswith(skipped)}
     model = _build(config, dtype, device, trunk=parts != "mtp")
     # FP8 weights stay FP8 (shared.model.quantize): the projections, and the routed experts where
-    # every one is resident and stored FP8 (slots of FP8 experts: not yet, they are dequantised)
+    # every one is stored FP8 (behind slots too: a copy moves FP8 values and scales)
     stored = tensors.stored_fp8(files) if fp8 is not None else set()
     if stored:
         keep_fp8(model, {n for n, _ in model.named_parameters() if checkpoint_name(n) in stored}, fp8.block)
-    fp8_experts = not num_expert_slots and any(EXPERT_NAME.match(n) for n in stored) and all(
-        n in stored for n in files if EXPERT_NAME.match(n))
+    fp8_experts = any(EXPERT_NAME.match(n) for n in stored) and all(n in stored for n in files if EXPERT_NAME.match(n))
     params = dict(model.named_parameters())
     expected = {checkpoint_name(name): param for name, param in params.items()}
     if config.tie_word_embeddings:

@@ -24,9 +24,11 @@ SLOTS = 3  # of 8 experts a block
 TOKENS = torch.tensor([5, 17, 3, 88, 41, 9, 60, 23, 71, 2, 33, 50])
 
 
-def new_model(slots: int | None):
-    """The same random weights (std 0.2: routes that matter), experts all resident or in slots."""
-    model = random_next(NextConfig.from_dict(CONFIG), dtype=torch.float32, device="cpu", seed=4, std=0.2)
+def new_model(slots: int | None, quantize: str = "none"):
+    """The same random weights (std 0.2: routes that matter), experts all resident or in slots
+    (quantize "fp8": block-scaled FP8 weights, shared.model.quantize)."""
+    model = random_next(NextConfig.from_dict(CONFIG), dtype=torch.float32, device="cpu", seed=4, std=0.2,
+                        quantize=quantize)
     offload_experts(model, slots, torch.device("cpu"))
     return model
 
@@ -90,6 +92,17 @@ def test_the_fused_path_computes_the_same_bits_with_experts_in_host_memory(model
     assert fused_all.offload is None and fused_few.offload is not None and fused_few.mtp_offload is not None
     assert torch.equal(got, want) and torch.equal(mtp_got, mtp_want)
     assert misses(few) > before  # (8 prompt rows route to more experts than 3 slots: groups in turn)
+
+
+def test_fp8_experts_in_host_memory_compute_the_resident_bits_on_both_paths():
+    resident, few = new_model(None, "fp8"), new_model(SLOTS, "fp8")
+    assert all(e.store.fp8 and not e.store.all_resident for e in expert_modules(few))
+    want, _ = resident(TOKENS, resident.new_cache(16))
+    assert torch.equal(few(TOKENS, few.new_cache(16))[0], want)
+    _, fused_want, mtp_want = _run_fused(resident)
+    _, fused_got, mtp_got = _run_fused(few)
+    assert torch.equal(fused_got, fused_want) and torch.equal(mtp_got, mtp_want)
+    assert misses(few) > 0
 
 
 def test_moce_routes_draft_rows_toward_resident_experts_alike_on_both_paths(models):
