@@ -19,7 +19,7 @@ class DrafterSettings:
     random_weights: bool = field(default=False, metadata={"help": "benchmarks: random weights from the model directory's config.json (no safetensors needed; drafts are then noise, their cost is real)"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16 or float16"})
-    quantize: str = field(default="none", metadata={"help": "weights made block-scaled FP8 (e4m3, blocks of 128 x 128) on load: none, fp8 (the projections and routed experts; routers and lm_head stay; --dtype stays the activations'). FP8 checkpoints are read as they are published"})
+    quantize: str = field(default="auto", metadata={"help": "weight format: auto (an FP8 checkpoint stays FP8 on a GPU, dequantised to --dtype on the CPU, where per-op dequantisation is slower), none (full precision everywhere), fp8 (block-scaled e4m3, blocks of 128 x 128: the projections and routed experts, routers and lm_head left; full-precision checkpoints converted on load). --dtype stays the activations'"})
     cpu_threads: int = field(default=0, metadata={"help": "torch CPU threads of the model (0 = auto: 1 on the CPU, leaving the other cores to a verifier on this host; two processes spinning on the same cores slow each other several-fold)"})
     fused: str = field(default="auto", metadata={"help": "fused-kernel MTP path: auto (on for CUDA when the model allows), on, off (reference path)"})
     max_sessions: int = field(default=256, metadata={"help": "sessions kept; the least recently used is evicted (its verifier re-syncs)"})

@@ -91,7 +91,7 @@ def help_rows(cls: type, env_prefix: str) -> Sequence[tuple[str, str, str, str]]
 
 
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZE_CHOICES = ("none", "fp8")  # --quantize: weights made block-scaled FP8 on load (shared.model.quantize)
+QUANTIZE_CHOICES = ("auto", "none", "fp8")  # --quantize (shared.model.quantize.QUANTIZE)
 FUSED_CHOICES = ("auto", "on", "off")  # the fused-kernel path: auto = on for CUDA when the model allows
 
 

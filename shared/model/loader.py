@@ -4,7 +4,8 @@ whose loader reads the tensors.
 
 - single file (`model.safetensors`) or sharded (`model.safetensors.index.json`);
 - any dtype (fp32/bf16/fp16) and device; FP8 checkpoints in the published block-scaled layout
-  (shared/model/fp8.py), kept FP8 (shared/model/quantize.py); `quantize="fp8"` makes any model so;
+  (shared/model/fp8.py), kept FP8 on a GPU (shared/model/quantize.py); `quantize="fp8"` makes
+  any model so;
 - every missing, unexpected or mis-shaped tensor is named in one error;
 - `random_weights=True` builds the model from the config alone, directly on the device
   (benchmarks at real sizes without a file).
@@ -70,7 +71,7 @@ def load_model(
     seed: int = 0,
     progress: bool | None = None,
     parts: str = "all",
-    quantize: str = "none",
+    quantize: str = "auto",
 ):
     """Load a checkpoint (a directory, a model name under models/, or None for the embedded
     default model), or build a random-weight model from `config` (a family's parsed config: a
@@ -78,8 +79,10 @@ def load_model(
 
     The family follows config.json's model_type (shared.model.families). parts: what a service
     runs — "all", "trunk" (the verifier: no MTP layer) or "mtp" (a lean drafter: embeddings,
-    the MTP layer when the checkpoint has one, lm_head; never the trunk). quantize: "fp8" makes
-    the projections and experts block-scaled FP8 once loaded (shared.model.quantize)."""
+    the MTP layer when the checkpoint has one, lm_head; never the trunk). quantize
+    (shared.model.quantize.QUANTIZE): "auto" keeps an FP8 checkpoint FP8 on a GPU and
+    dequantises it on the CPU, "none" dequantises it everywhere, "fp8" makes every projection
+    and routed expert block-scaled FP8."""
     from shared.model.families import family_for, family_of_config
     from shared.model.quantize import QUANTIZE
 

@@ -21,7 +21,17 @@ from torch import Tensor, nn
 from kernels.fused.fp8 import FP8_DTYPE, Fp8Weight, cat_rows, quantize, row_slice
 from kernels.fused.linear import Weight
 
-QUANTIZE = ("none", "fp8")  # --quantize
+# --quantize: "auto", an FP8 checkpoint's weights stay FP8 on a GPU (half the memory and bytes)
+# and are dequantised on the CPU (where per-op dequantisation costs more than it saves); "none",
+# full precision everywhere; "fp8", FP8 everywhere, full-precision weights converted too.
+QUANTIZE = ("auto", "none", "fp8")
+
+
+def keeps_fp8(quantize: str, device: torch.device) -> bool:
+    """Whether a checkpoint's FP8 weights load as FP8 under this --quantize on this device."""
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize {quantize!r} must be one of {', '.join(QUANTIZE)}")
+    return quantize == "fp8" or (quantize == "auto" and torch.device(device).type == "cuda")
 FP8_BLOCK = (128, 128)  # the published FP8 releases' weight_block_size
 # Left in full precision by quantize_model: the routers (a route flips on a small change of its
 # logit) and the lm_head (the published releases keep both; the sampled distribution itself).

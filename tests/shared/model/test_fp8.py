@@ -69,10 +69,14 @@ def test_a_qwen3_moe_fp8_checkpoint_loads_as_transformers_loads_it(tmp_path, siz
     path, original = make_hf_checkpoint(tmp_path / "fp8", seed=4, **sizes)
     quantized = quantize_checkpoint(path, (16, 16), dequantized_twin=tmp_path / "twin")
     assert any(".experts." in name for name in quantized) and any("self_attn" in name for name in quantized)
-    ours, twin = load_model(path), load_model(tmp_path / "twin")
+    ours, twin = load_model(path, quantize="fp8"), load_model(tmp_path / "twin")
     tokens = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(3))
     logits, _ = ours.score(tokens)
     assert torch.equal(logits, twin.score(tokens)[0])  # the dequantized weights, bit for bit (kept FP8, dequantised per op)
+    # --quantize auto (the default) on the CPU, and none: dequantised on load, the same bits
+    for setting in ("auto", "none"):
+        dequantised = load_model(path, quantize=setting)
+        assert not is_fp8(dequantised) and torch.equal(dequantised.score(tokens)[0], logits)
     # FP8's rounding, no more: a projection's weights within half an e4m3 ulp (or subnormal step) of the original's
     w = original.model.layers[1].self_attn.o_proj.weight.float()
     # kept FP8 (shared.model.quantize): the projections and the experts, the routers as stored
@@ -83,7 +87,8 @@ def test_a_qwen3_moe_fp8_checkpoint_loads_as_transformers_loads_it(tmp_path, siz
     assert not torch.equal(ours_w, w) and ((ours_w - w).abs() <= w.abs() * 2**-4 + w.abs().max() * 2**-9 / 448).all()
     assert torch.equal(ours.embed_tokens.weight, original.model.embed_tokens.weight)  # left as it was
     # experts in host memory behind slots: FP8 there too (a copy moves FP8 values and scales)
-    slotted, slotted_twin = load_model(path, num_expert_slots=3), load_model(tmp_path / "twin", num_expert_slots=3)
+    slotted = load_model(path, num_expert_slots=3, quantize="fp8")
+    slotted_twin = load_model(tmp_path / "twin", num_expert_slots=3)
     assert isinstance(slotted.layers[1].self_attn.o_proj, Fp8Linear) and slotted.layers[1].mlp.experts.fp8
     assert not slotted.layers[1].mlp.experts.all_resident
     assert torch.equal(slotted.score(tokens)[0], slotted_twin.score(tokens)[0])

@@ -108,7 +108,7 @@ def test_an_fp8_model_keeps_its_dtype_and_the_options_are_checked():
     model = quantize_model(build(seed=6), BLOCK)
     with pytest.raises(ValueError, match="do not change dtype"):
         model.to(torch.float64)
-    with pytest.raises(ValueError, match="quantize 'int4' must be one of none, fp8"):
+    with pytest.raises(ValueError, match="quantize 'int4' must be one of auto, none, fp8"):
         load_model(config=ModelConfig.from_dict(CONFIG), random_weights=True, quantize="int4")
     loaded = load_model(config=ModelConfig.from_dict(CONFIG), random_weights=True, quantize="fp8")
     assert is_fp8(loaded) and loaded.layers[0].self_attn.q_proj.block == (128, 128)

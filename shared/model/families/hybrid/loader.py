@@ -32,7 +32,7 @@ from shared.model.families.hybrid.modules import Experts, Qwen3NextModel, Shared
 from kernels.fused.fp8 import FP8_DTYPE, Fp8Weight, cat_rows, stack
 from shared.model.fp8 import SCALE_SUFFIX, CheckpointTensors, Fp8Blocks
 from shared.model.loader import PARTS, list_files, problem
-from shared.model.quantize import keep_fp8, quantize_model, whole_groups
+from shared.model.quantize import keep_fp8, keeps_fp8, quantize_model, whole_groups
 
 PREFIXES = ("model.language_model.", "model.")  # the trunk's tensors, longest first
 EXPERT = re.compile(r"^((?:mtp\.)?layers\.\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -58,9 +58,10 @@ def read_config(path: Path, *, has_mtp: bool) -> NextConfig:
 
 
 def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-              parts: str = "all", num_expert_slots: int | None = None) -> Qwen3NextModel:
+              parts: str = "all", num_expert_slots: int | None = None, keep_fp8_weights: bool = True) -> Qwen3NextModel:
     """num_expert_slots: device slots per MoE layer, the routed experts in host memory (None:
-    every expert resident; with slots they are read into host memory, never the device's)."""
+    every expert resident; with slots they are read into host memory, never the device's).
+    keep_fp8_weights: an FP8 checkpoint's weights stay FP8 (else dequantised to dtype)."""
     if parts not in PARTS:
         raise ValueError(f"parts {parts!r} must be one of {', '.join(PARTS)}")
     path = Path(path)
@@ -72,7 +73,7 @@ def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: s
     config = read_config(path, has_mtp=has_mtp and parts != "trunk")
     # FP8 weights stay FP8 (shared.model.quantize): projections whose fused group is FP8 throughout,
     # and per-expert routed experts where every one is stored FP8 (behind slots too)
-    stored = {ours for name in (tensors.stored_fp8(files) if fp8 is not None else ())
+    stored = {ours for name in (tensors.stored_fp8(files) if fp8 is not None and keep_fp8_weights else ())
               if (ours := _our_name(name, parts)) is not None}
     expert_names = {ours for name in files if (ours := _our_name(name, parts)) is not None and EXPERT.match(ours)}
     fp8_experts = bool(expert_names) and expert_names <= stored
@@ -153,15 +154,16 @@ def offload_experts(model: Qwen3NextModel, num_slots: int | None, device: torch.
 
 def load_hybrid(path: Path | None, *, device: torch.device, dtype: torch.dtype, num_expert_slots: int | None,
                 random_weights: bool, config: NextConfig | None, seed: int, progress: bool,
-                parts: str, quantize: str = "none") -> Qwen3NextModel:
+                parts: str, quantize: str = "auto") -> Qwen3NextModel:
     """shared.model.loader.load_model for this family (or its shapes with random weights);
-    quantize "fp8": shared.model.quantize (random weights: a module at a time, random_next)."""
+    quantize: shared.model.quantize.QUANTIZE ("fp8" with random weights: a module at a time, random_next)."""
     if random_weights:
         model = random_next(config or read_config(path, has_mtp=True), dtype=dtype, device=device, seed=seed,
                             parts=parts, quantize=quantize)
         offload_experts(model, num_expert_slots, device)  # (made on the device: the same seed, the same experts)
         return model
-    model = load_next(path, dtype=dtype, device=device, parts=parts, num_expert_slots=num_expert_slots)
+    model = load_next(path, dtype=dtype, device=device, parts=parts, num_expert_slots=num_expert_slots,
+                      keep_fp8_weights=keeps_fp8(quantize, device))
     return quantize_model(model) if quantize == "fp8" else model
 
 

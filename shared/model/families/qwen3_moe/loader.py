@@ -2,8 +2,8 @@
 
 Routed experts go to an ExpertStore per MoE layer (all resident by default, or
 `num_expert_slots` device slots with LRU replacement); the rest as shared.model.loader says.
-An FP8 checkpoint's weights stay FP8 (shared.model.quantize): its projections and its experts
-(in host memory too, behind slots).
+An FP8 checkpoint's weights stay FP8 where --quantize says so (shared.model.quantize): its
+projections and its experts (in host memory too, behind slots).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from shared.model.moe import MoeBlock
 from shared.model.families.qwen3_moe.model import Qwen3MoeModel
 from kernels.fused.fp8 import FP8_DTYPE, cat_rows, stack
 from shared.model.fp8 import SCALE_SUFFIX, CheckpointTensors, Fp8Blocks
-from shared.model.quantize import keep_fp8, quantize_model
+from shared.model.quantize import keep_fp8, keeps_fp8, quantize_model
 from shared.model.loader import list_files, problem
 from shared.model.registry import resolve_model
 
@@ -64,16 +64,18 @@ def _build(config: ModelConfig, dtype: torch.dtype, device: torch.device, trunk:
 
 def load_qwen3_moe(path: Path | None, *, device: torch.device, dtype: torch.dtype, num_expert_slots: int | None,
                    random_weights: bool, config: ModelConfig | None, seed: int, progress: bool,
-                   parts: str, quantize: str = "none") -> Qwen3MoeModel:
+                   parts: str, quantize: str = "auto") -> Qwen3MoeModel:
     """shared.model.loader.load_model for this family (path resolved unless config is given);
-    quantize "fp8": shared.model.quantize once loaded."""
+    quantize: shared.model.quantize.QUANTIZE."""
     model = _load(path, device=device, dtype=dtype, num_expert_slots=num_expert_slots, random_weights=random_weights,
-                  config=config, seed=seed, progress=progress, parts=parts)
+                  config=config, seed=seed, progress=progress, parts=parts, keep=keeps_fp8(quantize, device))
     return quantize_model(model) if quantize == "fp8" else model
 
 
 def _load(path: Path | None, *, device: torch.device, dtype: torch.dtype, num_expert_slots: int | None,
-          random_weights: bool, config: ModelConfig | None, seed: int, progress: bool, parts: str) -> Qwen3MoeModel:
+          random_weights: bool, config: ModelConfig | None, seed: int, progress: bool, parts: str,
+          keep: bool) -> Qwen3MoeModel:
+    """keep: a checkpoint's FP8 weights stay FP8 (else dequantised to dtype)."""
     if random_weights:
         if config is None:
             config = ModelConfig.from_file(path)
@@ -94,7 +96,7 @@ def _load(path: Path | None, *, device: torch.device, dtype: torch.dtype, num_ex
     model = _build(config, dtype, device, trunk=parts != "mtp")
     # FP8 weights stay FP8 (shared.model.quantize): the projections, and the routed experts where
     # every one is stored FP8 (behind slots too: a copy moves FP8 values and scales)
-    stored = tensors.stored_fp8(files) if fp8 is not None else set()
+    stored = tensors.stored_fp8(files) if fp8 is not None and keep else set()
     if stored:
         keep_fp8(model, {n for n, _ in model.named_parameters() if checkpoint_name(n) in stored}, fp8.block)
     fp8_experts = any(EXPERT_NAME.match(n) for n in stored) and all(n in stored for n in files if EXPERT_NAME.match(n))
