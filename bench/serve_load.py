@@ -21,7 +21,9 @@ loop's clients start and end together, and their prompts prefill in bursts.
 With --against-tree DIR a second verifier, started from another checkout (the code before a
 change) on the same weights and drafter, runs every closed-loop arm too, the two services
 alternating block by block (order reversed each block); the report adds this / that per arm
-(median of per-block ratios of output tokens/s, and of TPOT p50).
+(median of per-block ratios of output tokens/s, and of TPOT p50). --other-arg FLAG (repeatable)
+gives the second verifier flags of its own, from this tree when no --against-tree is given
+(e.g. `--other-arg=--quantize --other-arg=fp8`: FP8 against the defaults at each concurrency).
 
 Usage: python bench/serve_load.py [--small | --shapes qwen3.5-35b-a3b] [--concurrency 1,8,32,64] [--rates ...] [--alpha 0.8]
 """
@@ -190,6 +192,9 @@ def main() -> None:
     parser.add_argument("--verifier-arg", action="append", default=[], help="extra verifier flag (repeatable)")
     parser.add_argument("--against-tree", type=Path, default=None, metavar="DIR",
                         help="also run a verifier from this checkout (the code before a change), paired block by block")
+    parser.add_argument("--other-arg", action="append", default=[],
+                        help="a flag of the second verifier only (repeatable; without --against-tree it runs from "
+                             "this tree: e.g. --other-arg=--quantize --other-arg=fp8 pairs FP8 with the defaults)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -214,7 +219,8 @@ def main() -> None:
 
     verifier_argv = argv_for(port, metrics_port)
     other_port, other_metrics_port = free_port(), free_port()
-    other_argv = argv_for(other_port, other_metrics_port)
+    other_argv = argv_for(other_port, other_metrics_port) + args.other_arg
+    paired = args.against_tree is not None or bool(args.other_arg)
     results: dict = {"args": vars(args) | {"out": str(args.out)}, "closed": {}, "open": {}}
     try:
         if args.alpha is not None:
@@ -234,7 +240,7 @@ def main() -> None:
         load = Load(address, prompts, args.new_tokens, metrics_port, args.temperature, args.draft_tokens)
         asyncio.run(load.closed_loop(1, 1, False))  # warm-up
         services = {"": load}  # key prefix -> service
-        if args.against_tree is not None:
+        if paired:
             children.start("other-verifier", other_argv, tree=args.against_tree)
             asyncio.run(children.wait_serving("other-verifier", f"127.0.0.1:{other_port}", timeout=900))
             services["before:"] = Load(f"127.0.0.1:{other_port}", prompts, args.new_tokens, other_metrics_port,
@@ -308,8 +314,9 @@ def report(results: dict, levels: list[int], rates: list[float], args) -> None:
             plain, spec = median_arm(f"plain@{c}"), median_arm(f"spec@{c}")
             if plain and spec:
                 print(f"- concurrency {c}: {spec['tokens_per_s'] / plain['tokens_per_s']:.2f}x")
-    if args.against_tree is not None:
-        print(f"\nthis tree against `{args.against_tree}` (median of per-block ratios, {args.blocks} blocks):\n")
+    if args.against_tree is not None or args.other_arg:
+        print(f"\nthis tree against `{' '.join(filter(None, [str(args.against_tree or ''), *args.other_arg]))}` "
+              f"(median of per-block ratios, {args.blocks} blocks):\n")
         print("| arm | tokens/s, this | tokens/s, that | this / that | TPOT p50 that / this |")
         print("| --- | ---: | ---: | ---: | ---: |")
         for c in levels:
