@@ -1,4 +1,4 @@
-"""Checkpoints rewritten in the published FP8 layout for tests: every linear weight (`*proj.weight`,
+"""Checkpoints rewritten in the published FP8 layout for tests: every linear weight (`*proj*.weight`,
 2-D) as float8_e4m3fn with a float32 `*_scale_inv` per block, in the same shard (or, on request,
 in another); embeddings, lm_head, norms and routers left as they are; config.json given the
 releases' quantization_config."""
@@ -34,11 +34,12 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
 
 
 def quantize_checkpoint(path: Path, block: tuple[int, int], *, scales_elsewhere: bool = False,
-                        dequantized_twin: Path | None = None) -> list[str]:
+                        dequantized_twin: Path | None = None, not_converted: tuple[str, ...] = ()) -> list[str]:
     """Rewrite the checkpoint at `path` in the FP8 layout; returns the names quantized.
     scales_elsewhere: a sharded checkpoint's scales go to another shard than their weights.
     dequantized_twin: also write there the same checkpoint with the dequantized weights in
-    float32 (what loading the FP8 one must give)."""
+    float32 (what loading the FP8 one must give). not_converted: name fragments left as they are
+    (a release's modules_to_not_convert)."""
     path = Path(path)
     index_file = path / "model.safetensors.index.json"
     shards = sorted(path.glob("*.safetensors"))
@@ -53,7 +54,10 @@ def quantize_checkpoint(path: Path, block: tuple[int, int], *, scales_elsewhere:
     for shard_name, tensors in contents.items():
         for name in list(tensors):
             value = tensors[name]
-            if not (name.endswith("proj.weight") and value.dim() == 2 and value.is_floating_point()):
+            module = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+            if not ("proj" in module and value.dim() == 2 and value.is_floating_point()):
+                continue
+            if any(fragment in name for fragment in not_converted):
                 continue
             q, scale_inv = quantize(value, block)
             tensors[name] = q

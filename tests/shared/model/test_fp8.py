@@ -122,6 +122,49 @@ def test_a_sharded_hybrid_fp8_checkpoint_with_scales_in_the_other_shard_loads_ev
     assert weights.keys() == twin_weights.keys() and all(torch.equal(weights[n], twin_weights[n]) for n in weights)
 
 
+def test_a_fused_group_a_release_left_partly_unconverted_loads_dequantised(tmp_path):
+    """Qwen3-Next's in_proj_ba left in bf16 (as a release's modules_to_not_convert may): its group
+    (in_proj_qkvz, fused with it into one matrix) loads dequantised, the rest stays FP8, and the
+    fused forward runs the mix (CPU: torch references)."""
+    from shared.model.families import build_fused
+    from shared.model.kv_cache import KVPool
+    from shared.model.rows import Rows
+
+    from shared.model.families.hybrid.config import NextConfig
+    from shared.model.families.hybrid.loader import random_next
+
+    config = NextConfig.from_dict(dict(  # a Qwen3-Next (grouped in-projections) the fused path runs
+        model_type="qwen3_next", vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, intermediate_size=40, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        max_position_embeddings=128, layer_types=["linear_attention", "full_attention"]))
+    source = random_next(config, dtype=torch.float32, device="cpu", seed=6, std=0.2)
+    path = write_checkpoint(tmp_path / "fp8", source, layout="qwen3_next")
+    quantized = quantize_checkpoint(path, (16, 16), dequantized_twin=tmp_path / "twin", not_converted=("in_proj_ba",))
+    assert any("in_proj_qkvz" in name for name in quantized) and not any("in_proj_ba" in name for name in quantized)
+    ours, twin = load_next(path), load_next(tmp_path / "twin")
+    linear_attn = ours.layers[0].linear_attn
+    assert type(linear_attn.in_proj_qkvz) is torch.nn.Linear and type(linear_attn.in_proj_ba) is torch.nn.Linear
+    assert isinstance(linear_attn.out_proj, Fp8Linear)
+    tokens = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(5))
+    logits, _ = ours(tokens, ours.new_cache(32))
+    assert torch.equal(logits, twin(tokens, twin.new_cache(32))[0])
+    fused = build_fused(ours, max_rows=8, max_length=64, num_state_slots=2)
+    c = ours.config
+    pool = KVPool(num_layers=ours.num_kv_layers, num_slots=2, max_length=64, num_kv_heads=c.num_key_value_heads,
+                  head_dim=c.head_dim, dtype=ours.dtype, device="cpu", block_size=8)
+    slot, length = pool.acquire(64)
+    fused.states.reset(slot)
+    length.reserve(12)
+    fused.prefill(tokens[:8], [(0, 8, slot)], pool.paged())
+    read, write = fused.states.buffers(slot)
+    rows = Rows.window(8, 4, slot, "cpu")
+    rows = Rows(**{**rows.__dict__, "state_in": torch.tensor([read]), "state_out": torch.tensor([write])})
+    window, _ = fused.forward(tokens[8:], rows, pool.paged())
+    torch.testing.assert_close(window, logits[8:], rtol=1e-4, atol=1e-4)
+
+
 def effective_weights(model) -> dict:
     """Every weight of the model as the forward uses it: FP8 ones dequantised (float32)."""
     out = {}
