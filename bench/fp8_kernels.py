@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.fused_step import graph_time  # noqa: E402  (device time of calls captured in one graph)
 from kernels.fused.fp8 import cat_rows, quantize  # noqa: E402
 from kernels.fused.linear import linear, linear_partials, split_k  # noqa: E402
 import kernels.fused.linear as linear_module  # noqa: E402
@@ -28,27 +29,6 @@ from kernels.fused.moe import fused_experts  # noqa: E402
 
 H, I, E, K_ROUTES, VOCAB = 2048, 768, 128, 8, 151936
 BLOCK = (128, 128)
-
-
-def timed(fn, reps: int) -> float:
-    """Microseconds of GPU time a call: `reps` calls captured in one CUDA graph (as the service's
-    step runs them: no launch cost from the host), the median of 5 replays over reps."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / reps)
-    return statistics.median(times)
 
 
 def cases(rows: int):
@@ -97,7 +77,7 @@ def main() -> None:
             pairs = []
             for block in range(args.blocks):
                 order = [bf16_op, fp8_op] if block % 2 == 0 else [fp8_op, bf16_op]
-                times = {id(op): timed(op, args.reps) for op in order}
+                times = {id(op): graph_time(op, calls=args.reps, repeats=5) * 1e3 for op in order}  # µs a call
                 pairs.append((times[id(bf16_op)], times[id(fp8_op)]))
             bf16 = statistics.median(p[0] for p in pairs)
             fp8 = statistics.median(p[1] for p in pairs)

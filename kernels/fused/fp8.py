@@ -5,13 +5,13 @@ of `block` = (rows, columns) — the published checkpoints' `weight_scale_inv` �
 [..., ceil(N / rows), ceil(K / columns)]: the weight is q × scale, block by block. Leading
 dimensions (experts) index both alike.
 
-The kernels read q and scale directly (dequantised in registers, float32 accumulation): a
-tile of BLOCK_K columns lies inside one block column when BLOCK_K divides the block's columns,
-so each tile's partial product is scaled once per output column. Rows have no such need — a
-row finds its block by integer division — so weights whose rows are concatenated (q|k|v, a
-gate and an up projection) keep their blocks when every part's row count is a multiple of
-the block's rows, and otherwise carry one scale per row (block (1, columns)); either way the
-values are the checkpoint's, never re-quantised.
+The kernels read q and scale directly: each loaded tile is dequantised in registers, a piece
+of at most one block column at a time (fp8_kernels.dequant_tile), rounded to the activations'
+dtype as `dequantize` rounds it, then multiplied as a bf16 tile would be. A row finds its block
+by integer division, so weights whose rows are concatenated (q|k|v, a gate and an up
+projection) keep their blocks when every part's row count is a multiple of the block's rows,
+and otherwise carry one scale per row (block (1, columns)); either way the values are the
+checkpoint's, never re-quantised.
 
 The CPU's reference dequantises (`dequantize`) and runs the plain path; `quantize` makes the
 scheme from full-precision weights (`--quantize fp8`, tests).
@@ -73,7 +73,7 @@ class Fp8Weight:
 
     def kernel_ready(self) -> bool:
         """Whether the kernels read this weight as it is: the block's columns a multiple of
-        MIN_TILE that is a power of two's multiple (BLOCK_K divides it), rows contiguous."""
+        MIN_TILE (a K tile's pieces fit them, tile_k), rows contiguous, scales contiguous."""
         columns = self.block[1]
         return columns % MIN_TILE == 0 and self.q.stride(-1) == 1 and self.scale.is_contiguous()
 

@@ -162,18 +162,18 @@ def fused_experts(
     act = torch.empty((num_routes, inter), dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = expert_config(gate_up, x.dtype)
     gate_up_kernel[(num_routes, cdiv(inter, block_n))](
-        x.contiguous(), ids, sorted_routes, tile_len, gate_up_q, act, *_scales(gate_up), num_routes, inter, hidden,
-        *_scale_strides(gate_up),
+        x.contiguous(), ids, sorted_routes, tile_len, gate_up_q, act, num_routes, inter, hidden,
         TOP_K=top_k, R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, PDL=pdl,
-        TABLE=table, **_scale_blocks(gate_up, block_k), num_warps=warps, num_stages=stages, **launch_options(pdl),
+        TABLE=table, **_fp8_arguments(gate_up, block_k), num_warps=warps, num_stages=stages, **launch_options(pdl),
     )
     out = torch.empty((num_routes, hidden), dtype=torch.float32, device=x.device)
     block_n, block_k, warps, stages = expert_config(down, x.dtype)
     down_pdl = pdl and DOWN_PDL
     down_kernel[(num_routes, cdiv(hidden, block_n))](
-        act, ids, sorted_routes, tile_len, down_q, out, *_scales(down), num_routes, inter, hidden, *_scale_strides(down),
+        act, ids, sorted_routes, tile_len, down_q, out, num_routes, inter, hidden,
         R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, PDL=down_pdl, TABLE=table,
-        PRELOAD=DOWN_PRELOAD, **_scale_blocks(down, block_k), num_warps=warps, num_stages=stages, **launch_options(down_pdl),
+        PRELOAD=DOWN_PRELOAD, **_fp8_arguments(down, block_k), num_warps=warps, num_stages=stages,
+        **launch_options(down_pdl),
     )
     return out
 
@@ -191,19 +191,15 @@ def expert_config(weight: Weight, x_dtype: torch.dtype) -> tuple[int, int, int, 
     return block_n, block_k, warps, pipeline_stages(4, (BLOCK_M * x_bytes + 2 * block_n) * block_k)
 
 
-def _scales(weight: Weight) -> tuple[Tensor]:
-    """The kernels' s_ptr argument (an unread stand-in for full-precision weights)."""
-    return (weight.scale,) if isinstance(weight, Fp8Weight) else (weight,)
-
-
-def _scale_strides(weight: Weight) -> tuple[int, int]:
-    return (weight.scale.stride(0), weight.scale.stride(1)) if isinstance(weight, Fp8Weight) else (0, 0)
-
-
-def _scale_blocks(weight: Weight, block_k: int) -> dict:
-    fp8 = isinstance(weight, Fp8Weight)
-    sbn, sbk = weight.block if fp8 else (1, 1)
-    return {"FP8": fp8, "SBN": sbn, "SBK": sbk, "SUB": min(block_k, sbk)}
+def _fp8_arguments(weight: Weight, block_k: int) -> dict:
+    """The expert kernels' FP8 arguments: the block scales (experts stride_se apart, block rows
+    stride_sn) and blocks (SBN × SBK, pieces of SUB columns); for full-precision weights FP8 off
+    and a stand-in pointer, unread."""
+    if not isinstance(weight, Fp8Weight):
+        return dict(s_ptr=weight, stride_se=0, stride_sn=0, FP8=False, SBN=1, SBK=1, SUB=1)
+    sbn, sbk = weight.block
+    return dict(s_ptr=weight.scale, stride_se=weight.scale.stride(0), stride_sn=weight.scale.stride(1), FP8=True,
+                SBN=sbn, SBK=sbk, SUB=min(block_k, sbk))
 
 
 def combine_add_rmsnorm(

@@ -76,7 +76,7 @@ def _dot(a, w, acc, s_ptr, s_rows, s_ok, k0, K, IEEE: tl.constexpr, FP8: tl.cons
 
 @triton.jit
 def gate_up_kernel(
-    x_ptr, ids_ptr, sorted_ptr, tile_len_ptr, w_ptr, act_ptr, s_ptr, R, I, H, stride_se, stride_sn,
+    x_ptr, ids_ptr, sorted_ptr, tile_len_ptr, w_ptr, act_ptr, R, I, H, s_ptr, stride_se, stride_sn,
     TOP_K: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SUB: tl.constexpr,
@@ -114,7 +114,7 @@ def gate_up_kernel(
 
 @triton.jit
 def down_kernel(
-    act_ptr, ids_ptr, sorted_ptr, tile_len_ptr, w_ptr, out_ptr, s_ptr, R, I, H, stride_se, stride_sn,
+    act_ptr, ids_ptr, sorted_ptr, tile_len_ptr, w_ptr, out_ptr, R, I, H, s_ptr, stride_se, stride_sn,
     R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr, PDL: tl.constexpr, TABLE: tl.constexpr, PRELOAD: tl.constexpr,
     FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SUB: tl.constexpr,

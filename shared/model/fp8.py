@@ -7,9 +7,10 @@ bf16 — and each converted linear weight `<name>` [out, in] is a float8_e4m3fn 
 float32 `<name>_scale_inv` of one scale per block [ceil(out / rows), ceil(in / columns)]:
 the weight is q × scale_inv, block by block.
 
-The loaders keep such weights FP8 (`get_fp8`; shared.model.quantize holds them) or, where the
-fused path cannot take them FP8 yet (experts behind slots, a fused group a release left partly
-unconverted), dequantise them to the model's dtype (`get`). `--dtype` keeps meaning the activations' dtype.
+The loaders keep such weights FP8 (`copy_fp8`, `get_fp8`; shared.model.quantize holds them)
+where --quantize says so (by default on a GPU) or dequantise them to the model's dtype (`get`:
+on the CPU, and a fused group a release left partly unconverted). `--dtype` keeps meaning the
+activations' dtype.
 Which tensors are FP8 follows the file (a tensor stored in float8 is FP8, any other is read as
 is), so the modules a release leaves unconverted need no list. Nothing here imports above
 shared/model.
@@ -113,6 +114,18 @@ class CheckpointTensors:
             return Fp8Weight(tensor, scale, self.fp8.block)
         except ValueError as error:
             raise ValueError(f"{name}: {error}") from None
+
+    def copy_fp8(self, handle, file: Path, name: str, weight: torch.Tensor, scale: torch.Tensor) -> str | None:
+        """Copy the FP8 weight `name` into an FP8 parameter pair (values `weight`, block scales
+        `scale`); what does not fit comes back as a mis-shape message instead."""
+        fp8 = self.get_fp8(handle, file, name)
+        if fp8.shape != weight.shape or fp8.scale.shape != scale.shape:
+            return (f"{name} {tuple(fp8.shape)}, scales {tuple(fp8.scale.shape)} (expected {tuple(weight.shape)}, "
+                    f"{tuple(scale.shape)})")
+        with torch.no_grad():
+            weight.copy_(fp8.q)
+            scale.copy_(fp8.scale)
+        return None
 
     def stored_fp8(self, names) -> set[str]:
         """Which of `names` the checkpoint stores in float8 (read from the files' headers)."""

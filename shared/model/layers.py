@@ -86,8 +86,8 @@ def fuse_linear_rows(linears: list[nn.Module]):
     fp8 = [isinstance(m, Fp8Linear) for m in linears]
     if any(fp8):
         if not all(fp8):
-            raise ValueError("projections fused into one matrix are FP8 all or none (a checkpoint that leaves "
-                             "some of them unconverted is not supported yet)")
+            raise ValueError("projections fused into one matrix are FP8 all or none (the loaders keep a group "
+                             "FP8 only whole: shared.model.quantize.whole_groups)")
         return fuse_fp8_rows(linears)
     fused = torch.cat([m.weight.detach() for m in linears], dim=0).contiguous()
     start = 0

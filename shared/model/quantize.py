@@ -27,15 +27,17 @@ from kernels.fused.linear import Weight
 QUANTIZE = ("auto", "none", "fp8")
 
 
+FP8_BLOCK = (128, 128)  # the published FP8 releases' weight_block_size
+# Left in full precision by quantize_model: the routers (a route flips on a small change of its
+# logit) and the lm_head (the published releases keep both; the sampled distribution itself).
+KEPT = ("lm_head", "mlp.gate", "shared_expert_gate")
+
+
 def keeps_fp8(quantize: str, device: torch.device) -> bool:
     """Whether a checkpoint's FP8 weights load as FP8 under this --quantize on this device."""
     if quantize not in QUANTIZE:
         raise ValueError(f"quantize {quantize!r} must be one of {', '.join(QUANTIZE)}")
     return quantize == "fp8" or (quantize == "auto" and torch.device(device).type == "cuda")
-FP8_BLOCK = (128, 128)  # the published FP8 releases' weight_block_size
-# Left in full precision by quantize_model: the routers (a route flips on a small change of its
-# logit) and the lm_head (the published releases keep both; the sampled distribution itself).
-KEPT = ("lm_head", "mlp.gate", "shared_expert_gate")
 
 
 class Fp8Linear(nn.Module):
@@ -78,17 +80,20 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 blocks={list(self.block)}"
 
 
-def keep_fp8(model: nn.Module, stored_fp8, block: tuple[int, int]) -> list[str]:
-    """Make every bias-free nn.Linear of the model whose weight's name (module name + ".weight")
-    `stored_fp8` holds an unfilled Fp8Linear on the model's device; returns their weights' names."""
-    kept = []
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            weight_name = f"{parent_name}.{name}.weight" if parent_name else f"{name}.weight"
-            if type(child) is nn.Linear and child.bias is None and weight_name in stored_fp8:
-                setattr(parent, name, Fp8Linear.empty(child.out_features, child.in_features, block, child.weight.device))
-                kept.append(weight_name)
-    return kept
+def _projections(model: nn.Module):
+    """(parent, attribute, full name, module) of every bias-free nn.Linear of the model (a list:
+    callers replace them as they go)."""
+    return [(parent, name, f"{parent_name}.{name}" if parent_name else name, child)
+            for parent_name, parent in list(model.named_modules()) for name, child in list(parent.named_children())
+            if type(child) is nn.Linear and child.bias is None]
+
+
+def keep_fp8(model: nn.Module, stored_fp8: set[str], block: tuple[int, int]) -> None:
+    """Make every projection whose weight's name (module name + ".weight") `stored_fp8` holds an
+    unfilled Fp8Linear on its device (on the meta device: before anything is allocated)."""
+    for parent, name, full, child in _projections(model):
+        if f"{full}.weight" in stored_fp8:
+            setattr(parent, name, Fp8Linear.empty(child.out_features, child.in_features, block, child.weight.device))
 
 
 # Projections the fused forwards concatenate into one matrix (shared.model.layers.fuse_linear_rows):
@@ -144,13 +149,12 @@ def quantize_model(model: nn.Module, block: tuple[int, int] = FP8_BLOCK) -> nn.M
     module by module, so at most one module's full-precision copy is alive beside the FP8 ones."""
     from shared.model.moe import MoeBlock  # (a sibling module: the import stays within shared/model)
 
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            full = f"{parent_name}.{name}" if parent_name else name
-            if type(child) is nn.Linear and child.bias is None and not full.endswith(KEPT):
-                setattr(parent, name, Fp8Linear(quantize(child.weight.detach(), block)))
-        if isinstance(parent, MoeBlock) and parent.experts is not None:
-            parent.experts.quantize(block)  # (an ExpertStore, or the hybrid family's Experts module over one)
+    for parent, name, full, child in _projections(model):
+        if not full.endswith(KEPT):
+            setattr(parent, name, Fp8Linear(quantize(child.weight.detach(), block)))
+    for module in model.modules():
+        if isinstance(module, MoeBlock) and module.experts is not None:
+            module.experts.quantize(block)  # (an ExpertStore, or the hybrid family's Experts module over one)
     if any(p.is_cuda for p in model.parameters()):
         torch.cuda.empty_cache()  # (the full-precision weights' blocks back to the device)
     return model
@@ -162,6 +166,10 @@ def fp8_unsupported(model: nn.Module) -> str | None:
     if model.device.type != "cuda":
         return None  # (the references dequantise any block)
     for module in model.modules():
-        if isinstance(module, Fp8Linear) and not module.fp8().kernel_ready():
-            return f"FP8 blocks of {list(module.block)}: the kernels need block columns that are a multiple of 16"
+        store = getattr(module, "store", None)
+        weights = [module.fp8()] if isinstance(module, Fp8Linear) else (
+            [store.gate_up, store.down] if getattr(store, "fp8", False) else [])
+        for weight in weights:
+            if not weight.kernel_ready():
+                return f"FP8 blocks of {list(weight.block)}: the kernels need block columns that are a multiple of 16"
     return None

@@ -112,18 +112,19 @@ def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: s
                 if ours not in params:
                     unexpected.append(name)
                     continue
-                kept = params[ours].dtype == FP8_DTYPE  # an FP8 projection kept FP8: values and scales
-                tensor = tensors.get_fp8(handle, file, name) if kept else tensors.get(handle, file, name)
-                if tensor.shape != params[ours].shape or (kept and tensor.scale.shape != params[ours + SCALE_SUFFIX].shape):
+                if params[ours].dtype == FP8_DTYPE:  # an FP8 projection kept FP8: values and block scales
+                    problem_ = tensors.copy_fp8(handle, file, name, params[ours], params[ours + SCALE_SUFFIX])
+                    if problem_:
+                        misshaped.append(problem_)
+                        continue
+                    seen.update((ours, ours + SCALE_SUFFIX))
+                    continue
+                tensor = tensors.get(handle, file, name)
+                if tensor.shape != params[ours].shape:
                     misshaped.append(f"{name} {tuple(tensor.shape)} (expected {tuple(params[ours].shape)})")
                     continue
                 with torch.no_grad():
-                    if kept:
-                        params[ours].copy_(tensor.q)
-                        params[ours + SCALE_SUFFIX].copy_(tensor.scale)
-                        seen.add(ours + SCALE_SUFFIX)
-                    else:
-                        params[ours].copy_(tensor.to(dtype))
+                    params[ours].copy_(tensor.to(dtype))
                 seen.add(ours)
     _fuse_experts(per_expert, params, seen, misshaped)
     missing = sorted(set(params) - seen)

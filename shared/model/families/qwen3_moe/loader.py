@@ -24,7 +24,7 @@ from shared.model.moe import MoeBlock
 from shared.model.families.qwen3_moe.model import Qwen3MoeModel
 from kernels.fused.fp8 import FP8_DTYPE, cat_rows, stack
 from shared.model.fp8 import SCALE_SUFFIX, CheckpointTensors, Fp8Blocks
-from shared.model.quantize import keep_fp8, keeps_fp8, quantize_model
+from shared.model.quantize import keep_fp8, keeps_fp8, quantize_model, whole_groups
 from shared.model.loader import list_files, problem
 from shared.model.registry import resolve_model
 
@@ -51,10 +51,15 @@ def _moe_blocks(model: Qwen3MoeModel) -> dict[str, MoeBlock]:
         blocks["mtp.layers.0"] = model.mtp.layers[0].mlp
     return blocks
 
-def _build(config: ModelConfig, dtype: torch.dtype, device: torch.device, trunk: bool = True) -> Qwen3MoeModel:
+def _build(config: ModelConfig, dtype: torch.dtype, device: torch.device, trunk: bool = True,
+           prepare=None) -> Qwen3MoeModel:
+    """The model's parameters allocated on the device in `dtype`, uninitialised; prepare(model):
+    changes made on the meta device first (FP8 parameters in place of others)."""
     with torch.device("meta"):
-        model = Qwen3MoeModel(config, trunk=trunk)
-    model = model.to_empty(device=device).to(dtype)
+        model = Qwen3MoeModel(config, trunk=trunk).to(dtype)
+    if prepare is not None:
+        prepare(model)
+    model = model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gives each module its own storage: tie again
         model.lm_head.weight = model.embed_tokens.weight
     # to_empty leaves the rotary tables uninitialised; rebuild them on the device.
@@ -93,12 +98,16 @@ def _load(path: Path | None, *, device: torch.device, dtype: torch.dtype, num_ex
         config = ModelConfig.from_dict({**config.to_dict(), "mtp_num_hidden_layers": int(has_mtp and parts != "trunk")})
     skipped = SKIPPED_BY_PARTS[parts]
     files = {name: file for name, file in files.items() if not name.startswith(skipped)}
-    model = _build(config, dtype, device, trunk=parts != "mtp")
-    # FP8 weights stay FP8 (shared.model.quantize): the projections, and the routed experts where
-    # every one is stored FP8 (behind slots too: a copy moves FP8 values and scales)
+    # FP8 weights stay FP8 (shared.model.quantize): projections whose fused group is FP8 throughout,
+    # and the routed experts where every one is stored FP8 (behind slots too: a copy moves FP8
+    # values and scales)
     stored = tensors.stored_fp8(files) if fp8 is not None and keep else set()
-    if stored:
-        keep_fp8(model, {n for n, _ in model.named_parameters() if checkpoint_name(n) in stored}, fp8.block)
+
+    def prepare(meta_model: Qwen3MoeModel) -> None:  # (on the meta device, before anything is allocated)
+        weights = {n for n, _ in meta_model.named_parameters()}
+        keep_fp8(meta_model, whole_groups({n for n in weights if checkpoint_name(n) in stored}, weights), fp8.block)
+
+    model = _build(config, dtype, device, trunk=parts != "mtp", prepare=prepare if stored else None)
     fp8_experts = any(EXPERT_NAME.match(n) for n in stored) and all(n in stored for n in files if EXPERT_NAME.match(n))
     params = dict(model.named_parameters())
     expected = {checkpoint_name(name): param for name, param in params.items()}
@@ -140,14 +149,10 @@ def _load(path: Path | None, *, device: torch.device, dtype: torch.dtype, num_ex
                     misshaped.append(f"{name} {shape} (expected {tuple(param.shape)})")
                     continue
                 if param.dtype == FP8_DTYPE:  # an FP8 projection kept FP8: its values and block scales
-                    weight = tensors.get_fp8(handle, file, name)
-                    scale = expected[name + SCALE_SUFFIX]
-                    if weight.scale.shape != scale.shape:
-                        misshaped.append(f"{name}{SCALE_SUFFIX} {tuple(weight.scale.shape)} "
-                                         f"(expected {tuple(scale.shape)})")
+                    problem_ = tensors.copy_fp8(handle, file, name, param, expected[name + SCALE_SUFFIX])
+                    if problem_:
+                        misshaped.append(problem_)
                         continue
-                    param.copy_(weight.q)
-                    scale.copy_(weight.scale)
                     seen.add(name + SCALE_SUFFIX)
                 else:
                     param.copy_(tensors.get(handle, file, name).to(dtype))
