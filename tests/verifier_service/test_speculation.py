@@ -85,7 +85,8 @@ async def test_probabilistic_mode_matches_the_target_law(servers, tiny_model):
     # q puts weight on likely and unlikely tokens in other proportions than p
     q = {likely[0][0]: 0.15, likely[-1][0]: 0.45, 50: 0.25, 51: 0.15}
     drafter = ScriptedDrafter(lambda s: sampled_chain(s, q, 2))
-    stub = await servers.start(tiny_model, drafter=drafter, probabilistic_drafters="any")  # the rule itself
+    stub = await servers.start(tiny_model, drafter=drafter, probabilistic_drafters="any",  # the rule itself
+                                draw_secret="law")  # the same draws every run: no 1-in-1,000 failures
     outcomes = await run_many(stub, lambda seed: request(
         PROMPT, 2, temperature=1.0, top_k=3, seed=seed, mode=common_pb2.MODE_PROBABILISTIC), N_REQUESTS)
     cells = sorted(law)
@@ -122,7 +123,8 @@ async def test_pick_gate_bias_matches_the_exact_law(servers, tiny_model):
     assert laws[Gate.TOP] == pytest.approx(p_row[a], abs=1e-12)
     assert laws[Gate.PICK] - laws[Gate.TOP] > 0.03  # the case is biased enough to see
     drafter = ScriptedDrafter(lambda s: sampled_chain(s, q, 1))
-    stub = await servers.start(tiny_model, drafter=drafter, probabilistic_drafters="any")  # the rule itself
+    stub = await servers.start(tiny_model, drafter=drafter, probabilistic_drafters="any",  # the rule itself
+                                draw_secret="law")  # the same draws every run: no 1-in-1,000 failures
     outcomes = await run_many(stub, lambda seed: request(
         PROMPT, 1, temperature=1.0, top_k=2, seed=seed, mode=common_pb2.MODE_PROBABILISTIC,
         gate=common_pb2.GATE_PICK, schedule="0.5"), N_REQUESTS)
