@@ -20,6 +20,7 @@ VERIFIER_FIELDS = [
     ("sampling.seed", "seed"), ("stop.stop_sequences", "stop"), ("speculation.max_draft_tokens", "max_draft_tokens"),
     ("speculation.retention.min_cum", "retention_min_cum"), ("speculation.retention", "retention_schedule"),
     ("speculation.gate", "gate"), ("speculation.coupled", "coupled"), ("speculation.mode", "mode"),
+    ("logprobs.mode", "logprobs_mode"), ("logprobs.num_top", "logprobs"),
     ("prompt_text", "prompt"), ("prompt_ids", "prompt"), ("prompt", "prompt"), ("the context holds", "prompt"),
 ]
 STATUS = {  # gRPC status of the verifier → (HTTP status, OpenAI error type)

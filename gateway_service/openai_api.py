@@ -2,13 +2,14 @@
 
 One policy for every field a client sends: it is served, or accepted because it cannot
 change the output (`user`, `metadata`, ...: NEUTRAL), or refused with a 400 naming it.
-Fields tandem lacks (`logprobs`, `echo`, penalties, tools, ...) are refused unless left at
+Fields tandem lacks (`echo`, penalties, tools, ...) are refused unless left at
 their neutral value, and so is any field it does not know: OpenAI's API refuses unrecognized
 arguments too. vLLM instead ignores unknown fields with a log line; tandem does not, because a
 misspelt sampling field (`temprature`) would then silently change what the client samples
 from. tandem's own parameters travel as extra body fields, the way vLLM takes them (`top_k`,
 `min_p`, `max_support`, `mode`, `gate`, `max_draft_tokens`, `coupled`, `speculation`,
-`retention_schedule`, `retention_min_cum`).
+`retention_schedule`, `retention_min_cum`, and `logprobs_mode`: raw, the default, or processed,
+as vLLM's --logprobs-mode, here per request).
 
 Every value is checked before it reaches the protocol: integers within their wire type
 (int32, uint32, uint64), numbers finite, strings and booleans typed, so a bad value is a 400
@@ -22,17 +23,17 @@ import reprlib
 import secrets
 
 from gateway_service.errors import ApiError, ClientNames, bad
-from shared.client import GenerationConfig
+from shared.client import MAX_TOP_LOGPROBS, GenerationConfig
 
 INT32, UINT32, UINT64 = 2**31, 2**32, 2**64
 SERVED = {"model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
-          "stream_options",
+          "stream_options", "logprobs", "top_logprobs",
           # tandem's own
           "top_k", "min_p", "max_support", "mode", "gate", "max_draft_tokens", "coupled", "speculation",
-          "retention_schedule", "retention_min_cum"}
+          "retention_schedule", "retention_min_cum", "logprobs_mode"}
 NEUTRAL = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key", "safety_identifier"}
 UNSUPPORTED = {  # fields that change the output, refused unless left at their neutral value
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "echo": (None, False), "best_of": (None, 1),
     "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}), "suffix": (None, ""), "modalities": (None, ["text"]),
@@ -129,6 +130,7 @@ def parse(body: dict, *, served_model: str, default_max_tokens: int, request_id:
     for name in ("coupled", "speculation"):
         _typed(body, name, bool, "a boolean")
     seed = ints.get("seed")
+    logprobs = _logprobs(body, chat=names["prompt"] == "messages")
     try:
         config = GenerationConfig(
             max_new_tokens=max_tokens,
@@ -140,6 +142,7 @@ def parse(body: dict, *, served_model: str, default_max_tokens: int, request_id:
             max_draft_tokens=ints.get("max_draft_tokens", 0), retention_schedule=body.get("retention_schedule"),
             retention_min_cum=floats.get("retention_min_cum", 0.0), speculation=body.get("speculation", True) is not False,
             coupled=bool(body.get("coupled", False)), stop=_stop(body), request_id=request_id,
+            logprobs=logprobs, logprobs_mode=body.get("logprobs_mode") or "raw",
         )
     except ValueError as error:  # GenerationConfig's checks name the field first (mode, gate, ...)
         message = str(error)
@@ -147,6 +150,26 @@ def parse(body: dict, *, served_model: str, default_max_tokens: int, request_id:
         param = max_name if field == "max_new_tokens" else field if field in FIELDS["chat"] else None
         raise bad(param, message.replace("max_new_tokens", max_name, 1)) from None
     return config, stream, bool(options.get("include_usage"))
+
+
+def _logprobs(body: dict, *, chat: bool) -> int | None:
+    """Alternatives per token (None: no logprobs). Completions: `logprobs` = n; chat: `logprobs`
+    true, with `top_logprobs` = n (0 when absent), as OpenAI takes them."""
+    _typed(body, "logprobs_mode", str, "a string")
+    if chat:
+        asked = _typed(body, "logprobs", bool, "a boolean")
+        top = body.get("top_logprobs")
+        if top is not None and not asked:
+            raise bad("top_logprobs", "top_logprobs needs logprobs: true")
+        num_top = None if not asked else 0 if top is None else _integer(top, "top_logprobs", 0, MAX_TOP_LOGPROBS + 1)
+    else:
+        if body.get("top_logprobs") is not None:
+            raise bad("top_logprobs", "top_logprobs belongs to chat completions; completions take logprobs = n")
+        value = body.get("logprobs")
+        num_top = None if value is None else _integer(value, "logprobs", 0, MAX_TOP_LOGPROBS + 1)
+    if num_top is None and body.get("logprobs_mode") is not None:
+        raise bad("logprobs_mode", "logprobs_mode applies only where logprobs are asked for")
+    return num_top
 
 
 def completion_prompt(body: dict) -> str | list[int]:

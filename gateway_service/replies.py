@@ -17,7 +17,8 @@ import time
 from collections.abc import AsyncIterator
 
 from gateway_service.errors import ApiError, ClientNames, shutting_down
-from shared.client import Generation, GenerationAccumulator, VerifierError
+from gateway_service.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from shared.client import Generation, GenerationAccumulator, TokenLogprob, VerifierError
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "stop_sequence": "stop"}  # the verifier's → OpenAI's
 
@@ -44,10 +45,14 @@ def finish_reason(generation: Generation) -> str:
 class Reply:
     """OpenAI's response shapes for one request (completion or chat)."""
 
-    def __init__(self, request_id: str, model: str, *, chat: bool, names: ClientNames) -> None:
+    def __init__(self, request_id: str, model: str, *, chat: bool, names: ClientNames,
+                 texts: TokenTexts | None = None, num_top: int | None = None) -> None:
+        """texts and num_top: where the request asked for logprobs (num_top alternatives)."""
         self.request_id, self.model, self.chat, self.names = request_id, model, chat, names
+        self.texts, self.num_top = texts, num_top
         self.created = int(time.time())
         self.accumulator = GenerationAccumulator()
+        self.text_offset = 0  # (a stream's completion logprobs: characters before the chunk's tokens)
 
     def _envelope(self, choices: list, *, chunk: bool, **extra) -> dict:
         if self.chat:
@@ -56,13 +61,24 @@ class Reply:
             kind = "text_completion"  # OpenAI's completion chunks carry the same object name
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def _choice(self, text: str | None, reason: str | None, *, chunk: bool, first: bool = False) -> dict:
+    def _logprobs(self, logprobs: list[TokenLogprob] | None) -> dict | None:
+        if self.num_top is None or self.texts is None:
+            return None
+        if self.chat:
+            return chat_logprobs(logprobs or [], self.texts, self.num_top)
+        shaped = completion_logprobs(logprobs or [], self.texts, self.text_offset)
+        self.text_offset += sum(len(t) for t in shaped["tokens"])
+        return shaped
+
+    def _choice(self, text: str | None, reason: str | None, *, chunk: bool, first: bool = False,
+                logprobs: list[TokenLogprob] | None = None) -> dict:
+        shaped = self._logprobs(logprobs) if logprobs or not chunk else None
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return {"index": 0, "text": text or "", "logprobs": shaped, "finish_reason": reason}
         if chunk:
             delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-        return {"index": 0, "message": {"role": "assistant", "content": text or ""}, "logprobs": None, "finish_reason": reason}
+            return {"index": 0, "delta": delta, "logprobs": shaped, "finish_reason": reason}
+        return {"index": 0, "message": {"role": "assistant", "content": text or ""}, "logprobs": shaped, "finish_reason": reason}
 
     async def collect(self, first, events: AsyncIterator) -> Generation:
         """The whole generation; raises VerifierError or ApiError where it cannot finish."""
@@ -73,7 +89,7 @@ class Reply:
         return self.accumulator.result()
 
     def response(self, generation: Generation) -> dict:
-        choice = self._choice(generation.text, finish_reason(generation), chunk=False)
+        choice = self._choice(generation.text, finish_reason(generation), chunk=False, logprobs=generation.logprobs)
         return self._envelope([choice], chunk=False, usage=usage(generation))
 
     async def stream(self, first, events: AsyncIterator, include_usage: bool) -> AsyncIterator[str]:
@@ -88,8 +104,10 @@ class Reply:
                 if event.HasField("final"):
                     continue
                 text = event.text_delta if event.HasField("text_delta") else ""
-                if text or (self.chat and not sent_first):
-                    yield self._sse(self._envelope([self._choice(text, None, chunk=True, first=not sent_first)], chunk=True))
+                logprobs = TokenLogprob.from_event(event) if self.num_top is not None else None
+                if text or logprobs or (self.chat and not sent_first):  # (a chunk's logprobs: its tokens', text held back or not)
+                    yield self._sse(self._envelope([self._choice(text, None, chunk=True, first=not sent_first,
+                                                                 logprobs=logprobs)], chunk=True))
                     sent_first = True
             generation = self.accumulator.result()
             reason = finish_reason(generation)

@@ -35,13 +35,15 @@ from gateway_service import openai_api
 from gateway_service.body import decoded, read_body
 from gateway_service.chat import ChatTemplate, ChatTemplateError
 from gateway_service.drain import ClientGone, Drain, unless_client_leaves
-from gateway_service.errors import ApiError, ClientNames, install_handlers, shutting_down
+from gateway_service.logprobs import TokenTexts
+from gateway_service.errors import ApiError, ClientNames, bad, install_handlers, shutting_down
 from gateway_service.replies import Reply
 from gateway_service.settings import GatewaySettings
 from shared import security, telemetry
 from shared.client import AsyncVerifierClient, GenerationConfig, VerifierError
 from shared.metrics import GatewayMetrics
 from shared.service import StartupError
+from shared.tokenizer import load_tokenizer
 
 log = structlog.get_logger("tandem")
 ROUND_ROBIN = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
@@ -89,6 +91,8 @@ class Gateway:
         self.settings = settings
         self.model_name = settings.served_model_name or model_dir.name
         self.template = ChatTemplate.for_checkpoint(model_dir)
+        tokenizer = load_tokenizer(model_dir)
+        self.texts = TokenTexts(tokenizer) if tokenizer is not None else None  # (logprobs' token texts)
         credentials = security.channel_credentials(settings.verifier_tls_ca, settings.verifier_tls_cert,
                                                    settings.verifier_tls_key, prefix="verifier_tls_")
         self.client = client or AsyncVerifierClient(
@@ -187,6 +191,8 @@ class Gateway:
         config, stream, include_usage = openai_api.parse(
             body, served_model=self.model_name, request_id=request_id, names=names,
             default_max_tokens=self.settings.default_max_tokens if chat else 16)
+        if config.logprobs is not None and self.texts is None:
+            raise bad("logprobs", "logprobs need the checkpoint's tokenizer (tokenizer.json in the gateway's --model directory)")
         if chat:
             try:
                 prompt = self.template.render(openai_api.chat_messages(body))
@@ -209,7 +215,8 @@ class Gateway:
         except ClientDisconnect:  # gone while sending its body
             return Response(status_code=CLIENT_GONE)
         del raw
-        reply = Reply(request_id, self.model_name, chat=chat, names=prepared.names)
+        reply = Reply(request_id, self.model_name, chat=chat, names=prepared.names, texts=self.texts,
+                      num_top=prepared.config.logprobs)
         # A child of the framework's HTTP span where one exists, else of the caller's trace
         # (its traceparent header).
         parent = None if trace.get_current_span().get_span_context().is_valid else \

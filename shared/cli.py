@@ -216,6 +216,10 @@ def _add_generate(subcommands) -> None:
 
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    output.add_argument("--logprobs", type=int, default=None, metavar="N",
+                        help="with --json: each token's log-probability under the target and N alternatives (0-20)")
+    output.add_argument("--logprobs-mode", choices=("raw", "processed"), default="raw",
+                        help="raw: the model's distribution; processed: the law the token is drawn from")
     output.add_argument("--timeout", type=float, default=None, metavar="S", help="deadline of the whole request in seconds; unset = none")
     output.add_argument("--request-id", default=None, metavar="ID", help="caller-chosen id, echoed in the verifier's logs and traces")
 
@@ -248,6 +252,8 @@ def _generation_config(args: argparse.Namespace):
         eos_token_ids=tuple(args.eos_ids or ()),
         stop=tuple(args.stop or ()),
         request_id=args.request_id or "",
+        logprobs=args.logprobs,
+        logprobs_mode=args.logprobs_mode,
     )
 
 
@@ -279,6 +285,8 @@ def _run_generate(args: argparse.Namespace) -> int:
             raise ValueError(f"--timeout {args.timeout} must be a positive number of seconds")
         config = _generation_config(args)
         config.to_request(prompt)  # out-of-range values fail here, before any connection
+        if args.logprobs is not None and not args.json:
+            raise ValueError("--logprobs is printed with --json")
     except (TypeError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -331,6 +339,9 @@ def _run_generate(args: argparse.Namespace) -> int:
                     "text": generation.text,
                     "finish_reason": generation.finish_reason,
                     "stats": generation.stats,
+                    **({} if generation.logprobs is None else {"logprobs": [
+                        {"token_id": x.token_id, "logprob": x.logprob, "rank": x.rank, "top": [list(t) for t in x.top]}
+                        for x in generation.logprobs]}),
                 }
             )
         )

@@ -49,6 +49,8 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 _MODES = {"exact": common_pb2.MODE_EXACT, "probabilistic": common_pb2.MODE_PROBABILISTIC}
 _GATES = {"top": common_pb2.GATE_TOP, "pick": common_pb2.GATE_PICK}
+_LOGPROB_MODES = {"raw": verifier_pb2.LOGPROB_MODE_RAW, "processed": verifier_pb2.LOGPROB_MODE_PROCESSED}
+MAX_TOP_LOGPROBS = 20  # (the verifier's bound: kernels.logprobs)
 _SOURCE_PREFIX = "DRAFT_SOURCE_"
 
 Prompt = str | Sequence[int]
@@ -80,12 +82,18 @@ class GenerationConfig:
     eos_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     request_id: str = ""
+    logprobs: int | None = None  # alternatives per token, [0, 20]; None: no log-probabilities
+    logprobs_mode: str = "raw"  # raw (the model's distribution) | processed (the law the token is drawn from)
 
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
             raise ValueError(f"mode must be one of {sorted(_MODES)}; got {self.mode!r}")
         if self.gate not in _GATES:
             raise ValueError(f"gate must be one of {sorted(_GATES)}; got {self.gate!r}")
+        if self.logprobs_mode not in _LOGPROB_MODES:
+            raise ValueError(f"logprobs_mode must be one of {sorted(_LOGPROB_MODES)}; got {self.logprobs_mode!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must lie in [0, {MAX_TOP_LOGPROBS}]; got {self.logprobs}")
         if not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must lie in [0, 2**64); got {self.seed}")
         for name in ("max_new_tokens", "top_k", "max_support", "max_draft_tokens"):  # int32 on the wire
@@ -138,6 +146,9 @@ class GenerationConfig:
         speculation.retention.min_cum = self.retention_min_cum
         speculation.disable = not self.speculation
         speculation.coupled = self.coupled
+        if self.logprobs is not None:
+            request.logprobs.num_top = self.logprobs
+            request.logprobs.mode = _LOGPROB_MODES[self.logprobs_mode]
         return request
 
 
@@ -154,12 +165,29 @@ def _token_ids(values: Iterable[int], what: str) -> list[int]:
     return ids
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target, its rank, and the most likely
+    alternatives at its position (token id, log-probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
+
+    @classmethod
+    def from_event(cls, event: verifier_pb2.GenerateEvent) -> list[TokenLogprob]:
+        return [cls(token, x.logprob, x.rank, tuple(zip(x.top_token_ids, x.top_logprobs)))
+                for token, x in zip(event.token_ids, event.logprobs)]
+
+
 @dataclass
 class Generation:
     """A finished request: the committed tokens, their text, why it stopped, and statistics.
 
     `text` is None when the server sent no text (a verifier without a tokenizer).
-    `finish_reason` is "" when the stream ended without a final event.
+    `finish_reason` is "" when the stream ended without a final event. `logprobs`: one per
+    token where the request asked for them (GenerationConfig.logprobs), else None.
     """
 
     token_ids: list[int]
@@ -167,6 +195,7 @@ class Generation:
     finish_reason: str
     stats: dict
     rounds: list[dict] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
 
 
 class VerifierError(Exception):
@@ -235,9 +264,14 @@ class GenerationAccumulator:
         self.text_parts: list[str] = []
         self.rounds: list[dict] = []
         self.final: verifier_pb2.FinalEvent | None = None
+        self.logprobs: list[TokenLogprob] | None = None
 
     def add(self, event: verifier_pb2.GenerateEvent) -> None:
         self.token_ids.extend(event.token_ids)
+        if event.logprobs:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(TokenLogprob.from_event(event))
         if event.HasField("text_delta"):  # the verifier has a tokenizer (the delta may be "")
             self.text_parts.append(event.text_delta)
         if event.HasField("round"):
@@ -253,6 +287,7 @@ class GenerationAccumulator:
             finish_reason=final.finish_reason,
             stats=stats_to_dict(final.stats),
             rounds=list(self.rounds),
+            logprobs=None if self.logprobs is None else list(self.logprobs),
         )
 
 

@@ -61,3 +61,16 @@ def decode_hidden(message: "drafter_pb2.HiddenRows"):
         return torch.zeros((message.num_rows, message.hidden_size), dtype=torch.bfloat16)
     data = np.frombuffer(message.bf16, dtype=np.int16).copy()
     return torch.from_numpy(data).view(torch.bfloat16).view(message.num_rows, message.hidden_size)
+
+
+def encode_logprobs(rows, count: int) -> list["verifier_pb2.TokenLogprob"]:
+    """The first `count` rows of host RowLogprobs (kernels.logprobs) as TokenLogprob messages;
+    a row's alternatives past its support (id -1) are left out."""
+    logprobs, ranks = rows.logprobs.tolist(), rows.ranks.tolist()
+    top_ids, top_logprobs = rows.top_ids.tolist(), rows.top_logprobs.tolist()
+    out = []
+    for i in range(count):
+        ids = [t for t in top_ids[i] if t >= 0]
+        out.append(verifier_pb2.TokenLogprob(logprob=logprobs[i], rank=ranks[i], top_token_ids=ids,
+                                             top_logprobs=top_logprobs[i][: len(ids)]))
+    return out

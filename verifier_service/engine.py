@@ -32,6 +32,7 @@ from shared.model.kv_cache import KVPool
 from shared.model.moe import MoeBlock
 from shared.model.runner import ReferenceRunner, Runner, Window, WindowOutput
 from verifier_service.kv_memory import KVPlan, plan_kv
+from verifier_service.logprobs import window_logprobs
 from verifier_service.requests import RequestSpec
 from verifier_service.rounds import Ahead, RoundOutcome, RoundRequest, Session
 from verifier_service.sampled_rounds import own_tokens, process_targets, round_verdicts
@@ -280,22 +281,31 @@ class Engine:
         verify_s = time.perf_counter() - started - forward_s
         misses = self.slot_misses() - misses
         return [self._commit(r.session, r.drafts, host_hidden if alone else host_hidden[span], verdict, forward_s,
-                             verify_s, misses, first_row=span.start)
+                             verify_s, misses, first_row=span.start, logits=out.logits[span])
                 for r, span, verdict in zip(rounds, spans, verdicts)]
 
     def _commit(self, session: Session, drafts: list[int], host_hidden: Tensor, verdict: tuple[list[int], int],
-                forward_s: float, verify_s: float, slot_misses: int, first_row: int = 0) -> RoundOutcome:
+                forward_s: float, verify_s: float, slot_misses: int, first_row: int = 0,
+                logits: Tensor | None = None) -> RoundOutcome:
         """Commit a round's verdict (emitted tokens, accepted drafts) and its rows to the session;
         first_row: where its window began in the step's rows (the runner keeps that row's state
-        when the window rolls back)."""
+        when the window rolls back); logits: the window's rows [size, vocab] (still on the
+        device), read for the emitted tokens' log-probabilities where the request asks."""
         emitted, accepted = verdict
+        spec = session.spec
+        logprobs = None
+        if spec.logprobs is not None:
+            if logits is None:
+                raise RuntimeError("a round of a request asking for logprobs was computed ahead, without its logits")
+            logprobs = window_logprobs(logits, emitted, spec.logprobs, spec.sampling)
         base = len(session.token_ids)  # position of the first token this round decides
         session.cache.truncate(base + accepted)  # keep the head's and accepted drafts' rows
         self.runner.settle(session.slot, first_row + accepted if accepted < len(drafts) else None)
         rows = _head(host_hidden, accepted + 1).to(torch.bfloat16, copy=True)
         session.hidden_rows.append(rows)
         session.token_ids.extend(emitted)
-        return RoundOutcome(emitted, accepted, rows, forward_s * 1e3, verify_s * 1e3, slot_misses, len(drafts))
+        return RoundOutcome(emitted, accepted, rows, forward_s * 1e3, verify_s * 1e3, slot_misses, len(drafts),
+                            logprobs=logprobs)
 
     def _decode_step(self, rounds: list[RoundRequest]) -> list[RoundOutcome]:
         """One-token rounds of one or more sessions: one decode step, with decode-ahead when every
@@ -315,7 +325,8 @@ class Engine:
             out = self.runner.run([Window(s.slot, s.token_ids[-1:], p) for s, p in zip(sessions, positions)])
             ring = self._ring_copy(_head(out.hidden, len(rounds)), self._next_tokens(sessions, out, [p + 1 for p in positions]))
             order, step_sessions, step_positions = list(range(len(rounds))), sessions, positions
-        if (self.runner.can_run_ahead and all(r.decode_ahead for r in rounds)
+        logits = None if not fresh else out.logits  # (a step enqueued ahead kept none)
+        if (self.runner.can_run_ahead and all(r.decode_ahead and r.session.spec.logprobs is None for r in rounds)
                 and all(s.cache.length < s.cache.max_length for s in sessions)):
             out = self.runner.run_next()
             self.ahead = Ahead(list(step_sessions), [p + 1 for p in step_positions],
@@ -325,8 +336,10 @@ class Engine:
         forward_s = time.perf_counter() - started
         misses = self.slot_misses() - misses
         if len(rounds) == 1:  # (no slicing on the one-request path: each slice costs the host a few µs)
-            return [self._commit(rounds[0].session, [], host_hidden, ([ids[0]], 0), forward_s, 0.0, misses)]
-        return [self._commit(r.session, [], host_hidden[row : row + 1], ([ids[row]], 0), forward_s, 0.0, misses)
+            return [self._commit(rounds[0].session, [], host_hidden, ([ids[0]], 0), forward_s, 0.0, misses,
+                                 logits=logits)]
+        return [self._commit(r.session, [], host_hidden[row : row + 1], ([ids[row]], 0), forward_s, 0.0, misses,
+                             logits=None if logits is None else logits[row : row + 1])
                 for r, row in zip(rounds, order)]
 
     def _ring_copy(self, hidden: Tensor, greedy_ids: Tensor) -> int:

@@ -21,7 +21,7 @@ import structlog
 from kernels.speculative import Gate, Mode
 from shared import telemetry
 from shared.metrics import VerifierMetrics
-from shared.protocol import common_pb2, drafter_pb2, verifier_pb2
+from shared.protocol import common_pb2, drafter_pb2, encode_logprobs, verifier_pb2
 from verifier_service.audit import HonestyAudit, accept_key
 from verifier_service.chains import ChainFault, retain, validate_chain
 from verifier_service.drafter_link import DrafterLink, open_message
@@ -275,6 +275,7 @@ class RequestRounds:
         return verifier_pb2.GenerateEvent(
             token_ids=tokens,
             text_delta=delta if self.streams_text else None,  # set: the client knows text is streamed
+            logprobs=encode_logprobs(outcome.logprobs, len(tokens)) if outcome.logprobs is not None else None,
             round=verifier_pb2.RoundInfo(
                 round_id=round_id, source=SOURCE_ENUM[source], proposed=proposed, retained=len(drafts),
                 accepted=outcome.num_accepted, verify_ms=verify_ms, draft_wait_ms=begun.wait_ms, speculative=speculate,

@@ -11,6 +11,7 @@ from kernels.retention import RetentionPolicy
 from kernels.sampling import DEFAULT_MAX_SUPPORT, SamplingParams
 from kernels.speculative import Gate, Mode
 from shared.protocol import MAX_ID_LENGTH, PROTOCOL_VERSION, common_pb2, verifier_pb2
+from verifier_service.logprobs import LogprobMode, LogprobSpec
 from verifier_service.settings import VerifierSettings
 
 MAX_STOP_SEQUENCES = 16
@@ -51,6 +52,7 @@ class RequestSpec:
     retention_min_cum: float
     eos_token_ids: frozenset[int]
     stop_sequences: tuple[str, ...]
+    logprobs: LogprobSpec | None = None  # None: the events carry none
 
 
 def parse_request(
@@ -144,6 +146,7 @@ def parse_request(
     if stops and tokenizer is None:
         raise _invalid("stop.stop_sequences need a tokenizer and this model has none")
     return RequestSpec(
+        logprobs=_logprobs(request),
         request_id=request_id,
         prompt_ids=prompt_ids,
         max_new_tokens=int(request.max_new_tokens),
@@ -160,3 +163,17 @@ def parse_request(
         eos_token_ids=frozenset(request.stop.eos_token_ids) | frozenset(model_eos_ids),
         stop_sequences=stops,
     )
+
+
+def _logprobs(request: verifier_pb2.GenerateRequest) -> LogprobSpec | None:
+    if not request.HasField("logprobs"):
+        return None
+    params = request.logprobs
+    mode = {verifier_pb2.LOGPROB_MODE_UNSPECIFIED: LogprobMode.RAW, verifier_pb2.LOGPROB_MODE_RAW: LogprobMode.RAW,
+            verifier_pb2.LOGPROB_MODE_PROCESSED: LogprobMode.PROCESSED}.get(params.mode)
+    if mode is None:
+        raise _invalid(f"logprobs.mode {params.mode} is not a known LogprobMode")
+    try:
+        return LogprobSpec(num_top=int(params.num_top), mode=mode)
+    except ValueError as error:
+        raise _invalid(f"logprobs.{error}") from None

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kernels.logprobs import RowLogprobs
 from kernels.sampling import SparseRows
 from shared.model.kv_cache import CacheLength
 from verifier_service.requests import RequestSpec
@@ -53,6 +54,7 @@ class RoundOutcome:
     slot_misses: int = 0  # expert slot misses of the target model in the step this round ran in
     num_verified: int = 0  # drafts verified: a prefix of those asked when a batch sized its windows
     cost_to_others_s: float = 0.0  # what it cost the other lanes: its draft rows in their step, their wait for it (engine loop)
+    logprobs: RowLogprobs | None = None  # [len(emitted)] on the host, where the request asks (verifier_service.logprobs)
 
 
 def greedy_verdict(drafts: list[int], greedy_ids: list[int]) -> tuple[list[int], int]:

@@ -74,7 +74,7 @@ async def test_tandem_parameters_pass_as_extra_body(edge, embedded):
     ({"temperature": -1}, 400, "temperature"),
     ({"top_p": 1.5}, 400, "top_p"),
     ({"n": 2}, 400, "n"),
-    ({"logprobs": 2}, 400, "logprobs"),
+    ({"logprobs": 21}, 400, "logprobs"),
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"extra_body": {"gate": "pick"}}, 400, "gate"),
     ({"model": "gpt-4"}, 404, "model"),

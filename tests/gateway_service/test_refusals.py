@@ -86,7 +86,10 @@ async def test_max_tokens_beyond_the_context_is_refused_not_cut(edge, embedded):
 @pytest.mark.parametrize("endpoint, change, param, status", [
     ("/v1/completions", {"temprature": 0}, "temprature", 400),  # unknown (here misspelt): refused, never ignored
     ("/v1/completions", {"messages": []}, "messages", 400),  # the other endpoint's field
-    ("/v1/completions", {"logprobs": 1}, "logprobs", 400),  # known, not served
+    ("/v1/completions", {"echo": True}, "echo", 400),  # known, not served
+    ("/v1/completions", {"top_logprobs": 2}, "top_logprobs", 400),  # the chat endpoint's
+    ("/v1/completions", {"logprobs_mode": "processed"}, "logprobs_mode", 400),  # would do nothing
+    ("/v1/completions", {"logprobs": 1, "logprobs_mode": "sorted"}, "logprobs_mode", 400),
     ("/v1/completions", {"user": "u-1", "metadata": {"a": "b"}, "logprobs": None}, None, 200),  # no effect on the output
 ])
 async def test_every_field_is_served_neutral_or_refused(edge, embedded, endpoint, change, param, status):

@@ -34,8 +34,12 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                 held, text = text, ""
             else:
                 text, held = held + text, ""
+            # asked for: token t gets logprob -t/100, rank 2, one alternative (t + 1, -0.01)
+            logprobs = [verifier_pb2.TokenLogprob(logprob=-t / 100, rank=2, top_token_ids=[t + 1], top_logprobs=[-0.01])
+                        for t in chunk] if request.HasField("logprobs") else None
             yield verifier_pb2.GenerateEvent(
                 token_ids=chunk,
+                logprobs=logprobs,
                 text_delta=text if with_text else None,  # set only where there is text (a tokenizer)
                 round=verifier_pb2.RoundInfo(
                     round_id=round_id,

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from shared import cli
-from shared.protocol import common_pb2
+from shared.protocol import common_pb2, verifier_pb2
 from tests.shared.fake_verifier import BAD_LENGTH, EXPECTED_STATS
 
 
@@ -32,6 +32,26 @@ def test_cli_json(thread_verifier, capsys):
     assert request.speculation.disable and not request.speculation.coupled
     assert request.speculation.retention.schedule == "0.1,0.2"
     assert list(request.stop.stop_sequences) == ["A", "B"] and list(request.stop.eos_token_ids) == [0, 2]
+
+
+def test_cli_json_logprobs(thread_verifier, capsys):
+    target, servicer = thread_verifier
+    argv = ["generate", "--verifier", target, "--prompt-ids", "5,6,7", "--max-new-tokens", "3", "--json",
+            "--logprobs", "1", "--logprobs-mode", "processed"]
+    assert cli.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["logprobs"] == [{"token_id": t, "logprob": pytest.approx(-t / 100), "rank": 2, "top": [[t + 1, pytest.approx(-0.01)]]}
+                               for t in (7, 6, 5)]
+    request = servicer.requests[-1]
+    assert request.logprobs.num_top == 1 and request.logprobs.mode == verifier_pb2.LOGPROB_MODE_PROCESSED
+
+
+@pytest.mark.parametrize("extra", [["--logprobs", "21", "--json"], ["--logprobs", "2"]])
+def test_cli_refuses_bad_logprobs(thread_verifier, capsys, extra):
+    target, servicer = thread_verifier
+    sent = len(servicer.requests)
+    assert cli.main(["generate", "--verifier", target, "--prompt-ids", "5", "--max-new-tokens", "3", *extra]) == 2
+    assert "logprobs" in capsys.readouterr().err and len(servicer.requests) == sent
 
 
 def test_cli_json_text(thread_verifier, capsys):
