@@ -82,12 +82,20 @@ def describe(settings: Any) -> dict[str, Any]:
 
 
 def help_rows(cls: type, env_prefix: str) -> Sequence[tuple[str, str, str, str]]:
-    """(flag, env var, default, help) rows for the README configuration table."""
+    """(flag, env var, default, help) rows for the configuration reference (docs/CONFIGURATION.md)."""
     rows = []
     for field in dataclasses.fields(cls):
-        rows.append(("--" + field.name.replace("_", "-"), f"{env_prefix}{field.name.upper()}", repr(field.default),
+        default = "none" if field.default is None else str(field.default)
+        rows.append(("--" + field.name.replace("_", "-"), f"{env_prefix}{field.name.upper()}", default,
                      field.metadata.get("help", "")))
     return rows
+
+
+def markdown_table(cls: type, env_prefix: str) -> str:
+    """The settings of `cls` as the reference's Markdown table (`scripts/config_tables` prints them)."""
+    lines = ["| flag | environment | default | meaning |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{flag}` | `{env}` | {default} | {meaning} |" for flag, env, default, meaning in help_rows(cls, env_prefix)]
+    return "\n".join(lines)
 
 
 DTYPES = ("float32", "bfloat16", "float16")

@@ -36,7 +36,7 @@ class VerifierSettings:
     queue_timeout_s: float = field(default=30.0, metadata={"help": "longest wait in the queue before RESOURCE_EXHAUSTED"})
     max_new_tokens_limit: int = field(default=4096, metadata={"help": "largest max_new_tokens a request may ask for"})
     max_context: int = field(default=0, metadata={"help": "prompt + completion limit in tokens (0 = the model's max_position_embeddings)"})
-    prefill_chunk: int = field(default=2048, metadata={"help": "prompt tokens per prefill forward, shared by the prompts that prefill together (H200, 30B-A3B shapes: 16k tokens/s at 512, 41k at 2048, 60k at 4096)"})
+    prefill_chunk: int = field(default=2048, metadata={"help": "prompt tokens per prefill forward, shared by the prompts that prefill together (larger chunks prefill faster and hold decode rounds longer: docs/PERFORMANCE.md)"})
     max_batch_rows: int = field(default=64, metadata={"help": "most rows (all sessions' windows together) in one batched forward; decode batches up to it run as CUDA graphs"})
     batch_gather_ms: float = field(default=2.0, metadata={"help": "how long a batch waits for the sessions of the last one to submit their next round"})
     max_draft_tokens: int = field(default=4, metadata={"help": "drafts per round when a request does not say"})
