@@ -56,3 +56,42 @@ async def test_exact_mode_identical_with_and_without_drafts(servers, checkpoint,
         if temperature == 0:
             accepted = sorted({r.accepted for r in rounds if r.retained})
             assert accepted[0] < 2 and accepted[-1] >= 2  # rollbacks to several rows of the window
+
+
+async def test_logprobs_of_drafted_tokens_are_those_of_plain_decoding(servers, checkpoint):
+    """The hybrid family's rows (rolled-back states included) give every token the same
+    log-probabilities, bit for bit, whether it was drafted and accepted or decoded plainly.
+    The drafter proposes the draws plain decoding makes (the pick stream's u at each position),
+    so sampled drafts are accepted too."""
+    from kernels.rng import uniform_at
+    from kernels.sampling import SamplingParams, process_logits, sample
+    from shared.model import load_model
+    from shared.protocol import verifier_pb2
+
+    model = load_model(checkpoint)
+    params = {0.0: SamplingParams(temperature=0.0), 0.8: SamplingParams(temperature=0.8)}
+
+    def the_draws(state):
+        tokens = list(state.tokens)
+        for _ in range(3):
+            logits, _ = model(torch.tensor(tokens), model.new_cache(len(tokens)))
+            # (temperature: the loop's below, the request's being drafted)
+            tokens.append(int(sample(process_logits(logits[-1:], params[temperature]), uniform_at(state.seed, len(tokens)))))
+        return chain(state, tokens[len(state.tokens):])
+
+    stub = await servers.start(None, drafter=ScriptedDrafter(the_draws), model=str(checkpoint), max_draft_tokens=3)
+    for temperature, mode in ((0.0, verifier_pb2.LOGPROB_MODE_RAW), (0.8, verifier_pb2.LOGPROB_MODE_PROCESSED)):
+        req = request(PROMPT, 12, temperature=temperature, seed=1, max_draft_tokens=3)
+        req.logprobs.CopyFrom(verifier_pb2.LogprobParams(num_top=2, mode=mode))
+        runs = []
+        for disable in (False, True):
+            req.speculation.disable = disable
+            tokens, logprobs, accepted = [], [], 0
+            async for event in stub.Generate(req):
+                tokens += list(event.token_ids)
+                logprobs += [(x.logprob, x.rank, list(x.top_token_ids), list(x.top_logprobs)) for x in event.logprobs]
+                accepted += event.round.accepted if event.HasField("round") else 0
+            runs.append((tokens, logprobs, accepted))
+        (spec, spec_lp, spec_accepted), (plain, plain_lp, _) = runs
+        assert spec_accepted >= 6 and spec == plain and len(spec_lp) == len(spec) == 12
+        assert spec_lp == plain_lp
