@@ -129,7 +129,10 @@ def fused_experts(
     *,
     pdl: bool = False,  # launch as programmatic dependents (kernels.fused.pdl_supported)
 ) -> Tensor:
-    """Per-route expert outputs [T*k, H] float32 (route r = t*k + rank)."""
+    """Per-route expert outputs [T*k, H] float32 (route r = t*k + rank). Every id must name an
+    expert: unlike experts_reference, a dropped route (id -1) is left unwritten here, not zeroed
+    (zeroing would cost every step a fill; only prompt routing drops routes, and it runs
+    through the store's dispatch path: shared.model.moe)."""
     fp8 = isinstance(gate_up, Fp8Weight)
     if fp8 != isinstance(down, Fp8Weight):
         raise ValueError("fused_experts: gate_up and down must both be FP8 or neither")
