@@ -281,7 +281,8 @@ class Engine:
         verify_s = time.perf_counter() - started - forward_s
         misses = self.slot_misses() - misses
         return [self._commit(r.session, r.drafts, host_hidden if alone else host_hidden[span], verdict, forward_s,
-                             verify_s, misses, first_row=span.start, logits=out.logits[span])
+                             verify_s, misses, first_row=span.start,
+                             logits=out.logits[span] if r.session.spec.logprobs is not None else None)
                 for r, span, verdict in zip(rounds, spans, verdicts)]
 
     def _commit(self, session: Session, drafts: list[int], host_hidden: Tensor, verdict: tuple[list[int], int],
@@ -339,7 +340,7 @@ class Engine:
             return [self._commit(rounds[0].session, [], host_hidden, ([ids[0]], 0), forward_s, 0.0, misses,
                                  logits=logits)]
         return [self._commit(r.session, [], host_hidden[row : row + 1], ([ids[row]], 0), forward_s, 0.0, misses,
-                             logits=None if logits is None else logits[row : row + 1])
+                             logits=logits[row : row + 1] if logits is not None and r.session.spec.logprobs is not None else None)
                 for r, row in zip(rounds, order)]
 
     def _ring_copy(self, hidden: Tensor, greedy_ids: Tensor) -> int:

@@ -24,7 +24,8 @@ async def events_of(stub, req):
     """(tokens, logprobs) of one Generate call, from its events."""
     tokens, logprobs = [], []
     async for event in stub.Generate(req):
-        assert len(event.logprobs) == len(event.token_ids)  # (one per token, in every event)
+        # one per token, in every event, where the request asks; else none
+        assert len(event.logprobs) == (len(event.token_ids) if req.HasField("logprobs") else 0)
         tokens += list(event.token_ids)
         logprobs += list(event.logprobs)
     return tokens, logprobs
@@ -113,3 +114,20 @@ async def test_bad_logprob_params_are_refused(servers, tiny_model, params, field
         await generate(stub, req)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in error.value.details()
+
+
+async def test_logprobs_in_a_batch_are_those_of_the_request_alone(servers, tiny_model):
+    """Three requests at once (one step's rows, plain and verify windows mixed): the one that
+    asks gets its numbers as alone, the others none and their tokens unchanged."""
+    import asyncio
+
+    stub = await servers.start(tiny_model, max_batch_rows=16, batch_gather_ms=20.0)
+    asked = asking(request(PROMPT, 10, temperature=0.7, seed=3), 2)
+    others = [request(PROMPT[:3], 10, temperature=0.9, seed=5), request(PROMPT[1:], 10, seed=6)]
+    alone = await events_of(stub, asked)
+    alone_others = [await events_of(stub, r) for r in others]
+    together = await asyncio.gather(events_of(stub, asked), *(events_of(stub, r) for r in others))
+    key = lambda run: (run[0], [(x.logprob, x.rank, list(x.top_token_ids), list(x.top_logprobs)) for x in run[1]])  # noqa: E731
+    assert key(together[0]) == key(alone) and len(alone[1]) == 10
+    for run, solo in zip(together[1:], alone_others):
+        assert run[0] == solo[0] and run[1] == [] == solo[1]
