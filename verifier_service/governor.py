@@ -26,6 +26,12 @@ are compared with plain ones:
   against plain decoding (its first round, which pays the drafter's (re)open or catch-up,
   included). So a drafter that never pays costs at most `probe_share` of the plain decoding
   time (plus one probe), however long it fails;
+- a plain cost can go stale: measured under another load (other work on the machine, another
+  batch), it may make a drafter look worth it long after it is not, and a request that keeps
+  speculating never measures plain again. So after `recheck_rounds` speculative rounds on the
+  server without a plain one, the next request to judge measures plain again (a short
+  calibration, one request at a time), and a request's own plain rounds that old give way to
+  the server's;
 - the first round of each phase stays out of the estimates (a probe's first chain pays the
   drafter's catch-up of the rounds it missed; a first plain round may lose a compute-ahead);
 - in a batch, a round also costs what it cost the other lanes: its draft rows' share of their
@@ -59,9 +65,10 @@ class GovernorSettings:
     server_window: int = 64  # the server's estimate: the last rounds of a kind, all requests
     max_explorers: int = 2  # requests speculating at once while the server's rounds give no verdict
     verdict_rounds: int = 4  # plain rounds between looks at the server's verdict (a request waiting for it)
+    recheck_rounds: int = 256  # speculative rounds (the server's, all requests) before plain is measured again
 
     def __post_init__(self) -> None:
-        for name in ("min_hold", "window", "server_window", "max_explorers", "verdict_rounds"):
+        for name in ("min_hold", "window", "server_window", "max_explorers", "verdict_rounds", "recheck_rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"governor {name} {getattr(self, name)} must be >= 1")
         if self.judge_rounds < 2:
@@ -139,6 +146,10 @@ class Ledger:
         # what the first round of a speculative phase loses against plain: the drafter's (re)open
         # or catch-up on the rounds it missed, kept out of the estimates but not out of a probe's cost
         self.opening_excess_s = 0.0
+        # speculative rounds since the last plain one, all requests: past recheck_rounds the
+        # plain cost may be stale (measured under another load), so one request measures it again
+        self.since_plain = 0
+        self.rechecking = False  # a request is measuring plain again
         self._lock = threading.Lock()
 
     def pays(self) -> bool | None:
@@ -149,6 +160,25 @@ class Ledger:
             return None
         s = self.settings  # the same rule as a request's detach: slower by the margin, beyond noise
         return not self.speculative.slower(self.plain.per_token() * (1 + s.margin), s.confidence_z)
+
+    def counted(self, speculative: bool) -> None:
+        """A measured round of either kind (plain ones make the plain cost fresh)."""
+        with self._lock:
+            self.since_plain = self.since_plain + 1 if speculative else 0
+
+    def take_recheck(self) -> bool:
+        """Whether the caller should measure plain again (then it holds the place until recheck_done)."""
+        with self._lock:
+            if self.rechecking or self.since_plain < self.settings.recheck_rounds:
+                return False
+            self.rechecking = True
+            self.plain.clear()  # (stale by now: the recheck's rounds replace it)
+            return True
+
+    def recheck_done(self) -> None:
+        with self._lock:
+            self.rechecking = False
+            self.since_plain = 0
 
     def explore(self) -> bool:
         """Take one of the `max_explorers` places (False: all taken)."""
@@ -205,6 +235,8 @@ class Governor:
         self.phase_length = settings.judge_rounds if self.speculating else \
             settings.verdict_rounds if self.awaiting else settings.min_hold
         self.calibrating = False  # this plain phase measures the plain cost, then judges at once
+        self.rechecking = False  # this calibration re-measures a plain cost the server holds stale (Ledger.take_recheck)
+        self.own_plain_age = 0  # this request's speculative rounds since its own last plain one
         self.probing = False  # this speculative phase is a probe (charged to the ledger's budget)
         self.reserved_s = 0.0  # per probe round, the share of the probe's reservation
         self.phase_rounds = 0  # rounds since the phase began (or since the last judgement)
@@ -267,6 +299,10 @@ class Governor:
         own, server = (self.speculative, self.ledger.speculative) if self.round_speculated else (self.plain, self.ledger.plain)
         own.add(seconds, tokens)
         server.add(seconds, tokens)
+        self.ledger.counted(self.round_speculated)
+        self.own_plain_age = self.own_plain_age + 1 if self.round_speculated else 0
+        if self.own_plain_age >= self.settings.recheck_rounds:  # (stale: the server's, fresher, is used instead)
+            self.plain.clear()
 
     def estimate(self, speculative: bool) -> float | None:
         """Seconds per committed token: the request's own recent rounds, else the server's."""
@@ -289,10 +325,16 @@ class Governor:
         return max(excess or 0.0, 0.0) * (self.settings.judge_rounds - 1) + opening
 
     def close(self) -> None:
-        """The request ended (or went away): give back an explorer's place."""
+        """The request ended (or went away): give back an explorer's (or a recheck's) place."""
         if self.exploring:
             self.exploring = False
             self.ledger.explored()
+        self._end_recheck()
+
+    def _end_recheck(self) -> None:
+        if self.rechecking:
+            self.rechecking = False
+            self.ledger.recheck_done()
 
     def _decide(self) -> None:
         if self.awaiting:
@@ -305,10 +347,16 @@ class Governor:
                 self._switch(False, self.settings.judge_rounds, calibrating=True)
             elif speculative is not None and self._slower(plain):
                 self._detach()
+            elif self.ledger.take_recheck():  # it pays against a plain cost measured long ago: measure it again
+                # (half a judgement's rounds, at least 3: the phase's first is not measured and it
+                # judges as its last begins; a plain round's cost varies little, one token each)
+                self._switch(False, max(3, self.settings.judge_rounds // 2), calibrating=True)
+                self.rechecking = True
             else:  # it pays (or nothing measured yet): judge again after another stretch
                 self.probing = False
                 self.phase_rounds = 0
         elif self.calibrating:
+            self._end_recheck()
             if speculative is not None and plain is not None and self._slower(plain):
                 self._detach()
             else:

@@ -8,7 +8,8 @@ import pytest
 
 from verifier_service.governor import CostWindow, Governor, GovernorSettings, Ledger
 
-SETTINGS = GovernorSettings(judge_rounds=5, min_hold=4, probe_share=0.05, window=8, server_window=8)
+# (plain rechecks have tests of their own: here they never come)
+SETTINGS = GovernorSettings(judge_rounds=5, min_hold=4, probe_share=0.05, window=8, server_window=8, recheck_rounds=10**6)
 
 
 def run(governor: Governor, rounds: int, cost, clock: list[float] | None = None) -> list[bool]:
@@ -214,14 +215,15 @@ def chain_tokens(rng, alpha: float = 0.8, k: int = 4) -> int:
 def test_noisy_rounds_are_judged_by_their_trend_not_their_luck(round_ms, paying):
     """Seeded simulation (2,000 rounds, default settings): alpha 0.8, 4 drafts (3.36 tokens a
     round on average, 1 to 5), plain 3.3 ms a token. At 6.1 ms a round speculation pays (1.8
-    ms a token: no detach); at 20 ms it does not (6 ms a token: detached, probes only)."""
+    ms a token: no detach, plain only to recheck its cost); at 20 ms it does not (6 ms a token:
+    detached, probes only)."""
     import random
     rng = random.Random(7)
     settings = GovernorSettings()
     governor = Governor(settings, Ledger(settings))
     kinds = run(governor, 2000, lambda s: (round_ms / 1e3, chain_tokens(rng)) if s else (0.0033, 1))
     if paying:
-        assert governor.detaches == 0 and sum(kinds) / len(kinds) > 0.99
+        assert governor.detaches == 0 and sum(kinds) / len(kinds) > 0.98  # (4 plain rounds every 256: 0.985)
     else:
         assert governor.detaches >= 1 and sum(kinds) / len(kinds) < 0.05
 
@@ -360,3 +362,38 @@ def test_rounds_promised_plain_are_plain(seed):
             governors[j], promised[j] = Governor(settings, ledger), 0
     assert checked > 500  # (the promises were exercised)
     assert sum(g.detaches + g.probes for g in governors) > 0
+
+
+def test_a_plain_cost_measured_under_other_load_is_measured_again():
+    """Plain rounds measured while the machine was busy (20 ms a token) make a far drafter's
+    rounds (24 ms for 3 tokens) look worth it; once the load is gone plain decoding costs 3 ms a
+    token, and a request that only speculates never sees it unless it measures plain again.
+    It must: within `recheck_rounds` speculative rounds (then `judge_rounds` plain ones), it
+    detaches, and stays mostly plain after."""
+    settings = GovernorSettings(judge_rounds=5, min_hold=4, probe_share=0.05, window=8, server_window=8,
+                                recheck_rounds=40)
+    governor = Governor(settings, Ledger(settings))
+    rounds = [0]  # (a recheck is 3 plain rounds: half a judgement's, at least 3)
+
+    def cost(speculative: bool) -> tuple[float, int]:
+        rounds[0] += 1
+        if speculative:
+            return 0.024, 3
+        return (0.020 if rounds[0] <= 20 else 0.003), 1
+
+    kinds = run(governor, 400, cost)
+    assert kinds[:5] == [True] * 5 and not any(kinds[5:10])  # the first judgement, the calibration (busy)
+    first_detach = next(i for i in range(20, 400) if not kinds[i] and not kinds[i + 1])
+    assert first_detach <= 20 + 40 + 2 * settings.judge_rounds
+    assert governor.detaches >= 1 and sum(kinds[100:]) < 0.2 * 300  # then plain, but for probes
+
+
+def test_a_drafter_that_pays_keeps_paying_across_plain_rechecks():
+    """The recheck costs a drafter that pays little: `judge_rounds` plain rounds every
+    `recheck_rounds` speculative ones, never a detach."""
+    settings = GovernorSettings(judge_rounds=5, min_hold=4, probe_share=0.05, window=8, server_window=8,
+                                recheck_rounds=40)
+    governor = Governor(settings, Ledger(settings))
+    kinds = run(governor, 400, fast_drafter)
+    assert governor.detaches == 0
+    assert sum(not k for k in kinds) <= 5 + (400 // 40 + 1) * 3  # the first calibration, then 3 plain rounds per 40
