@@ -7,16 +7,15 @@ import pytest
 from shared.protocol import common_pb2
 
 from ..shared.model.next_checkpoints import with_mtp, write_checkpoint
-from ..shared.model.test_qwen3_next import pair as hf_pair
 from .test_pair import same_with_and_without
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
-def checkpoint(request, tmp_path_factory):
+def checkpoint(request, tmp_path_factory, next_pair):
     name = "hybrid" if request.param == "qwen3_next" else "qwen3.5"
-    return write_checkpoint(tmp_path_factory.mktemp(request.param), with_mtp(hf_pair(name)[1]), request.param)
+    return write_checkpoint(tmp_path_factory.mktemp(request.param), with_mtp(next_pair(name)[1]), request.param)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
