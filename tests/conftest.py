@@ -119,3 +119,34 @@ def next_configs_fixture():
 def next_pair_fixture():
     """next_pair(name): (transformers' model, ours with the same weights)."""
     return next_pair
+
+
+TARGET_LAW_PROMPT = (3, 14, 15, 92, 65)
+
+
+def target_law_two_tokens(model, params, prompt=TARGET_LAW_PROMPT):
+    """Exact law of the first two generated tokens after `prompt` under plain sampling."""
+    from kernels.sampling import process_logits
+
+    def p_fn(prefix):
+        logits, _ = model.score(torch.tensor([*prompt, *prefix]))
+        row = process_logits(logits[-1:], params).row(0)
+        dense = [0.0] * model.config.vocab_size
+        for t, p in row.items():
+            dense[t] = p
+        return dense
+    law = {}
+    first = p_fn(())
+    for x, px in enumerate(first):
+        if px > 0:
+            for y, py in enumerate(p_fn((x,))):
+                if py > 0:
+                    law[(x, y)] = px * py
+    return law, p_fn
+
+
+@pytest.fixture(name="target_law_two_tokens", scope="session")
+def target_law_two_tokens_fixture():
+    """target_law_two_tokens(model, params, prompt=TARGET_LAW_PROMPT): (law, p_fn); the prompt is
+    [3, 14, 15, 92, 65] unless given."""
+    return target_law_two_tokens
