@@ -58,3 +58,95 @@ def tiny_mtp_model():
 def tiny_fp8_model():
     """tiny_mtp_model's shapes with its projections and experts block-scaled FP8 (--quantize fp8)."""
     return load_model(config=ModelConfig.from_dict(TINY_MTP), random_weights=True, seed=2, quantize="fp8")
+
+
+# The Qwen3-Next / Qwen3.5-MoE family at tiny sizes (tests/shared/model, and the hybrid tests of
+# both services): transformers' model and ours on the same random weights.
+NEXT_CONFIGS = {
+    # linear and full attention interleaved (every 2nd layer full), every layer MoE
+    "hybrid": dict(vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=16, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                   num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                   max_position_embeddings=128, full_attention_interval=2, rope_theta=10000.0,
+                   partial_rotary_factor=0.25, rms_norm_eps=1e-6),
+    # three linear layers before a full one, a dense MLP layer, full rotary width
+    "dense layer": dict(vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=16, intermediate_size=40, moe_intermediate_size=12,
+                        shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                        linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16,
+                        linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=128,
+                        full_attention_interval=4, mlp_only_layers=[1], partial_rotary_factor=1.0, rms_norm_eps=1e-6),
+}
+
+
+NEXT_CONFIGS["qwen3.5"] = {k: v for k, v in NEXT_CONFIGS["hybrid"].items() if k != "full_attention_interval"} | dict(
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
+
+
+def next_pair(name):
+    """(transformers' model, ours with the same weights) for NEXT_CONFIGS[name]."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    from shared.model.families.hybrid.config import NextConfig
+    from shared.model.families.hybrid.modules import Qwen3NextModel
+
+    torch.manual_seed(0)
+    if name == "qwen3.5":
+        reference = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**NEXT_CONFIGS[name])).eval()
+    else:
+        reference = Qwen3NextForCausalLM(Qwen3NextConfig(**NEXT_CONFIGS[name])).eval()
+    with torch.no_grad():
+        for key, parameter in reference.named_parameters():
+            parameter.normal_(0, 0.02 if "proj" in key or "embed" in key or "lm_head" in key else 0.2)
+        for layer in reference.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.A_log.uniform_(-1, 1)
+    ours = Qwen3NextModel(NextConfig.from_dict(reference.config.to_dict()))
+    state = {key.removeprefix("model."): value for key, value in reference.state_dict().items()}
+    ours.load_state_dict(state)
+    return reference, ours
+
+
+@pytest.fixture(name="next_configs", scope="session")
+def next_configs_fixture():
+    """NEXT_CONFIGS: the tiny Qwen3-Next / Qwen3.5-MoE configs by name."""
+    return NEXT_CONFIGS
+
+
+@pytest.fixture(name="next_pair", scope="session")
+def next_pair_fixture():
+    """next_pair(name): (transformers' model, ours with the same weights)."""
+    return next_pair
+
+
+TARGET_LAW_PROMPT = (3, 14, 15, 92, 65)
+
+
+def target_law_two_tokens(model, params, prompt=TARGET_LAW_PROMPT):
+    """Exact law of the first two generated tokens after `prompt` under plain sampling."""
+    from kernels.sampling import process_logits
+
+    def p_fn(prefix):
+        logits, _ = model.score(torch.tensor([*prompt, *prefix]))
+        row = process_logits(logits[-1:], params).row(0)
+        dense = [0.0] * model.config.vocab_size
+        for t, p in row.items():
+            dense[t] = p
+        return dense
+    law = {}
+    first = p_fn(())
+    for x, px in enumerate(first):
+        if px > 0:
+            for y, py in enumerate(p_fn((x,))):
+                if py > 0:
+                    law[(x, y)] = px * py
+    return law, p_fn
+
+
+@pytest.fixture(name="target_law_two_tokens", scope="session")
+def target_law_two_tokens_fixture():
+    """target_law_two_tokens(model, params, prompt=TARGET_LAW_PROMPT): (law, p_fn); the prompt is
+    [3, 14, 15, 92, 65] unless given."""
+    return target_law_two_tokens

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import grpc
 import pytest
+import torch
 
 from drafter_service.server import DrafterServer, timed
 from drafter_service.settings import DrafterSettings
 from shared.model import load_model
-from shared.protocol import verifier_pb2_grpc
+from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, encode_hidden, verifier_pb2_grpc
 from verifier_service.server import VerifierServer
 from shared.worker import ModelWorker
 from verifier_service.settings import VerifierSettings
+
+from ..verifier_service.conftest import generate, request
+
 
 @pytest.fixture(scope="session")
 def demo_model():
@@ -71,3 +75,47 @@ def worker_jobs(monkeypatch):
 
     monkeypatch.setattr(ModelWorker, "run", recorded)
     return names
+
+
+def open_up(model, tokens, *, session_id="s", hidden=None, max_draft_tokens=2):
+    rows = torch.zeros(len(tokens) - 1, model.config.hidden_size) if hidden is None else hidden
+    return drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, open=drafter_pb2.DraftOpen(
+        session_id=session_id, token_ids=tokens, hidden=encode_hidden(rows), max_draft_tokens=max_draft_tokens,
+        max_new_tokens=8))
+
+
+def commit_up(model, *, round_id=0, emitted=(5,), num_accepted=0, num_verified=0, num_rounds=0, **fields):
+    return drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, commit=drafter_pb2.DraftCommit(
+        round_id=round_id, num_accepted=num_accepted, num_verified=num_verified, emitted_token_ids=list(emitted),
+        num_rounds=num_rounds, **fields,
+        hidden=encode_hidden(torch.zeros(len(emitted), model.config.hidden_size))))
+
+
+@pytest.fixture(name="open_up", scope="session")
+def open_up_fixture():
+    """open_up(model, tokens, *, session_id="s", hidden=None, max_draft_tokens=2): a DraftUp opening
+    a session (zero hidden rows unless given)."""
+    return open_up
+
+
+@pytest.fixture(name="commit_up", scope="session")
+def commit_up_fixture():
+    """commit_up(model, *, round_id=0, emitted=(5,), num_accepted=0, num_verified=0, num_rounds=0,
+    **fields): a DraftUp committing `emitted` (zero hidden rows)."""
+    return commit_up
+
+
+async def same_with_and_without(stub, prompt, n, temperature, seed, mode=common_pb2.MODE_EXACT):
+    """(tokens with speculation, tokens without, the first call's final event, its rounds)."""
+    req = request(prompt, n, temperature=temperature, seed=seed, mode=mode)
+    spec, final, rounds = await generate(stub, req)
+    req.speculation.disable = True
+    plain, _, _ = await generate(stub, req)
+    return spec, plain, final, rounds
+
+
+@pytest.fixture(name="same_with_and_without", scope="session")
+def same_with_and_without_fixture():
+    """await same_with_and_without(stub, prompt, n, temperature, seed, mode=MODE_EXACT): one
+    request with speculation and again without: (spec, plain, final, rounds)."""
+    return same_with_and_without

@@ -11,8 +11,6 @@ from drafter_service.server import DrafterServer
 from drafter_service.settings import DrafterSettings
 from shared.protocol import common_pb2, drafter_pb2_grpc
 
-from .test_messages import commit_up, open_up
-
 PROMPTS = [[5, 17, 42, 8, 71, 3], [9, 1, 60, 33], [11, 12, 13, 14, 15, 16, 17, 18], [40, 41]]
 ROUNDS = 4
 
@@ -26,27 +24,33 @@ def hidden_rows(model, n, seed):
     return torch.randn(n, model.config.hidden_size, generator=torch.Generator().manual_seed(seed))
 
 
-async def stream(stub, model, index):
-    """Open on PROMPTS[index], then commit each chain's first draft (or 7) and one token more:
-    every chain's (source, tokens)."""
-    prompt = PROMPTS[index]
-    call = stub.Draft()
-    await call.write(open_up(model, prompt, session_id=f"s{index}", hidden=hidden_rows(model, len(prompt) - 1, index),
-                             max_draft_tokens=3))
-    chains = [(await call.read()).chain]
-    for round_id in range(ROUNDS):
-        emitted = [chains[-1].token_ids[0] if chains[-1].token_ids else 7, (index * 13 + round_id) % 97]
-        message = commit_up(model, round_id=round_id, emitted=emitted, num_verified=len(chains[-1].token_ids),
-                            num_accepted=min(1, len(chains[-1].token_ids)))
-        message.commit.hidden.CopyFrom(open_up(model, [0] * 3, hidden=hidden_rows(model, 2, 100 * index + round_id))
-                                       .open.hidden)
-        await call.write(message)
-        chains.append((await call.read()).chain)
-    await call.done_writing()
-    return [(chain.source, list(chain.token_ids), list(chain.confidences)) for chain in chains]
+@pytest.fixture
+def stream(open_up, commit_up):
+    """await stream(stub, model, index), its messages built by open_up and commit_up."""
+
+    async def stream(stub, model, index):
+        """Open on PROMPTS[index], then commit each chain's first draft (or 7) and one token more:
+        every chain's (source, tokens)."""
+        prompt = PROMPTS[index]
+        call = stub.Draft()
+        await call.write(open_up(model, prompt, session_id=f"s{index}",
+                                 hidden=hidden_rows(model, len(prompt) - 1, index), max_draft_tokens=3))
+        chains = [(await call.read()).chain]
+        for round_id in range(ROUNDS):
+            emitted = [chains[-1].token_ids[0] if chains[-1].token_ids else 7, (index * 13 + round_id) % 97]
+            message = commit_up(model, round_id=round_id, emitted=emitted, num_verified=len(chains[-1].token_ids),
+                                num_accepted=min(1, len(chains[-1].token_ids)))
+            message.commit.hidden.CopyFrom(open_up(model, [0] * 3,
+                                                   hidden=hidden_rows(model, 2, 100 * index + round_id)).open.hidden)
+            await call.write(message)
+            chains.append((await call.read()).chain)
+        await call.done_writing()
+        return [(chain.source, list(chain.token_ids), list(chain.confidences)) for chain in chains]
+
+    return stream
 
 
-async def test_concurrent_streams_batch_their_mtp_work_and_draft_what_they_draft_alone(tiny_mtp_model):
+async def test_concurrent_streams_batch_their_mtp_work_and_draft_what_they_draft_alone(tiny_mtp_model, stream):
     server = DrafterServer(DrafterSettings(port=0, planner="mtp", fused="on", draft_ahead=False), model=tiny_mtp_model)
     port = await server.start()
     await server.wait_loaded()
@@ -70,7 +74,7 @@ async def test_concurrent_streams_batch_their_mtp_work_and_draft_what_they_draft
         await server.stop(0)
 
 
-async def test_a_reopened_or_broken_stream_gives_its_mtp_rows_back(tiny_mtp_model):
+async def test_a_reopened_or_broken_stream_gives_its_mtp_rows_back(tiny_mtp_model, open_up, commit_up):
     """The pool slot of a session replaced by a re-open on its stream, and of a stream that ends
     in an error, return to the pool."""
     server = DrafterServer(DrafterSettings(port=0, planner="mtp", fused="on", draft_ahead=False), model=tiny_mtp_model)

@@ -7,20 +7,18 @@ import pytest
 from shared.protocol import common_pb2
 
 from ..shared.model.next_checkpoints import with_mtp, write_checkpoint
-from ..shared.model.test_qwen3_next import pair as hf_pair
-from .test_pair import same_with_and_without
 
 PROMPT = [3, 14, 15, 92, 65, 35]
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
-def checkpoint(request, tmp_path_factory):
+def checkpoint(request, tmp_path_factory, next_pair):
     name = "hybrid" if request.param == "qwen3_next" else "qwen3.5"
-    return write_checkpoint(tmp_path_factory.mktemp(request.param), with_mtp(hf_pair(name)[1]), request.param)
+    return write_checkpoint(tmp_path_factory.mktemp(request.param), with_mtp(next_pair(name)[1]), request.param)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-async def test_mtp_drafts_through_the_pair_are_lossless(pair, checkpoint, temperature):
+async def test_mtp_drafts_through_the_pair_are_lossless(pair, checkpoint, temperature, same_with_and_without):
     stub = await pair.start(None, model=str(checkpoint), drafter_settings={"planner": "mtp", "model": str(checkpoint)})
     drafter, verifier = pair.drafter.service, pair.verifier.service
     assert drafter.drafter.mtp is not None and len(drafter.model.layers) == 0  # lean: never the trunk
@@ -36,7 +34,8 @@ async def test_mtp_drafts_through_the_pair_are_lossless(pair, checkpoint, temper
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-async def test_a_drafter_with_experts_in_host_memory_and_moce_stays_lossless(pair, checkpoint, temperature):
+async def test_a_drafter_with_experts_in_host_memory_and_moce_stays_lossless(pair, checkpoint, temperature,
+                                                                           same_with_and_without):
     """The lean drafter with 2 of its MTP layer's 8 experts on the device and MoCE on its draft
     rows (scale 3): drafts change, the output does not — exact mode token-identical to plain."""
     from shared.model.families.hybrid.loader import expert_modules
@@ -54,7 +53,7 @@ async def test_a_drafter_with_experts_in_host_memory_and_moce_stays_lossless(pai
     assert sum(store.counters.hits + store.counters.misses for store in stores) > 0
 
 
-async def test_both_services_on_random_weights_from_a_config_alone(pair, tmp_path):
+async def test_both_services_on_random_weights_from_a_config_alone(pair, tmp_path, same_with_and_without):
     """`--random-weights` on both services (benchmarks at real shapes without a checkpoint): the
     verifier builds its trunk and the drafter its lean part from config.json alone, and MTP
     drafts (noise here) still leave exact mode token-identical to plain decoding."""

@@ -11,7 +11,6 @@ from drafter_service.load import SHED_SHARE, WorkerLoad
 from drafter_service.server import DrafterServer
 from drafter_service.settings import DrafterSettings
 from shared.protocol import common_pb2, drafter_pb2_grpc
-from tests.drafter_service.test_messages import commit_up, open_up
 
 
 class Clock:
@@ -60,7 +59,7 @@ def test_a_deadline_the_backlog_would_miss_sheds():
 
 
 @pytest.mark.parametrize("shedding", [True, False])
-async def test_a_busy_worker_answers_at_once_without_mtp(tiny_mtp_model, shedding):
+async def test_a_busy_worker_answers_at_once_without_mtp(tiny_mtp_model, shedding, open_up, commit_up):
     """planner mtp (always MTP): with the worker held by a long job, a commit that gives 50 ms
     gets an empty chain while that job still runs; one that gives no deadline waits for MTP.
     With --no-load-shedding both wait."""

@@ -11,21 +11,10 @@ import torch
 
 from drafter_service.server import DrafterServer, DrafterService
 from drafter_service.settings import DrafterSettings
-from shared.protocol import PROTOCOL_VERSION, drafter_pb2, drafter_pb2_grpc, encode_hidden
+from shared.protocol import drafter_pb2_grpc
 
-
-def open_up(model, tokens, *, session_id="s", hidden=None, max_draft_tokens=2):
-    rows = torch.zeros(len(tokens) - 1, model.config.hidden_size) if hidden is None else hidden
-    return drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, open=drafter_pb2.DraftOpen(
-        session_id=session_id, token_ids=tokens, hidden=encode_hidden(rows), max_draft_tokens=max_draft_tokens,
-        max_new_tokens=8))
-
-
-def commit_up(model, *, round_id=0, emitted=(5,), num_accepted=0, num_verified=0, num_rounds=0, **fields):
-    return drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, commit=drafter_pb2.DraftCommit(
-        round_id=round_id, num_accepted=num_accepted, num_verified=num_verified, emitted_token_ids=list(emitted),
-        num_rounds=num_rounds, **fields,
-        hidden=encode_hidden(torch.zeros(len(emitted), model.config.hidden_size))))
+# the builders themselves, not their fixtures: the module-level BAD table below builds its messages with them
+from .conftest import commit_up, open_up
 
 
 @pytest.fixture

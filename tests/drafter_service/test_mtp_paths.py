@@ -78,13 +78,11 @@ def test_deferred_commits_settle_to_the_eager_state(tiny_mtp_model):
     assert torch.equal(lazy.cache.keys[:, :18], eager.cache.keys[:, :18])
 
 
-def test_a_suffix_round_leaves_the_mtp_rows_for_after_its_chain(tiny_mtp_model):
+def test_a_suffix_round_leaves_the_mtp_rows_for_after_its_chain(tiny_mtp_model, open_up, commit_up):
     """With suffix drafting (planner "suffix"), commit + propose run no MTP forward; the rows
     run in the job after the chain went out."""
     from drafter_service.drafter import Drafter
     from drafter_service.settings import DrafterSettings
-
-    from .test_messages import commit_up, open_up
 
     drafter = Drafter(tiny_mtp_model, DrafterSettings(port=0, planner="suffix"))
     forwards = []

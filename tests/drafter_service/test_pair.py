@@ -15,21 +15,12 @@ from shared.protocol import common_pb2
 from shared.tokenizer import load_tokenizer
 
 from ..verifier_service.conftest import generate, request
-from ..verifier_service.test_speculation import target_law_two_tokens
 
 PROMPT = [3, 14, 15, 92, 65]
 
 
-async def same_with_and_without(stub, prompt, n, temperature, seed, mode=common_pb2.MODE_EXACT):
-    req = request(prompt, n, temperature=temperature, seed=seed, mode=mode)
-    spec, final, rounds = await generate(stub, req)
-    req.speculation.disable = True
-    plain, _, _ = await generate(stub, req)
-    return spec, plain, final, rounds
-
-
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-async def test_exact_mode_identical_random_weight_checkpoint(pair, tiny_mtp_model, temperature):
+async def test_exact_mode_identical_random_weight_checkpoint(pair, tiny_mtp_model, temperature, same_with_and_without):
     stub = await pair.start(tiny_mtp_model, drafter_settings={"planner": "mtp"})  # always draft
     for seed in range(3):
         spec, plain, final, _ = await same_with_and_without(stub, PROMPT, 24, temperature, seed)
@@ -38,7 +29,7 @@ async def test_exact_mode_identical_random_weight_checkpoint(pair, tiny_mtp_mode
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-async def test_exact_mode_identical_fp8_model(pair, tiny_fp8_model, temperature):
+async def test_exact_mode_identical_fp8_model(pair, tiny_fp8_model, temperature, same_with_and_without):
     """FP8 weights (--quantize fp8) on both sides: the drafter's MTP rows and the verifier's
     trunk read the same FP8 model, and exact mode still emits what plain decoding emits."""
     stub = await pair.start(tiny_fp8_model, drafter_settings={"planner": "mtp"})
@@ -49,7 +40,7 @@ async def test_exact_mode_identical_fp8_model(pair, tiny_fp8_model, temperature)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-async def test_exact_mode_identical_embedded_model(pair, demo_model, temperature):
+async def test_exact_mode_identical_embedded_model(pair, demo_model, temperature, same_with_and_without):
     tokenizer = load_tokenizer(resolve_model(None))
     stub = await pair.start(demo_model, tokenizer=tokenizer)
     prompt = [0] + tokenizer.encode("import os\n\n\ndef read_lines(path):").ids
@@ -102,7 +93,7 @@ async def test_mtp_accepts_on_held_out_code(pair, demo_model):
     assert accepted / retained > 0.45
 
 
-async def test_probabilistic_mode_through_the_pair_matches_the_target_law(pair, tiny_mtp_model):
+async def test_probabilistic_mode_through_the_pair_matches_the_target_law(pair, tiny_mtp_model, target_law_two_tokens):
     """N = 1500 requests, chi-square at alpha = 1e-3 against the exact law of two tokens.
 
     The wiring, not the rule (tests/verifier_service/test_speculation.py tests the rule with q
@@ -113,7 +104,7 @@ async def test_probabilistic_mode_through_the_pair_matches_the_target_law(pair, 
     with a random secret; 24,000 requests gave p = 0.29)."""
     stub = await pair.start(tiny_mtp_model, drafter_settings={"planner": "mtp"}, probabilistic_drafters="any",
                             draw_secret="pair-law")
-    law, _ = target_law_two_tokens(tiny_mtp_model, SamplingParams(temperature=1.0, top_k=3))
+    law, _ = target_law_two_tokens(tiny_mtp_model, SamplingParams(temperature=1.0, top_k=3), PROMPT)
     outcomes = []
     n = 1500
     for start in range(0, n, 8):

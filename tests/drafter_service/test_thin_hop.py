@@ -5,13 +5,14 @@ import asyncio
 import contextlib
 
 import grpc
+import pytest
+
 import drafter_service.drafter as drafter_module
 from drafter_service.proposers.global_index import GlobalIndex
 from drafter_service.proposers.suffix import SuffixIndex
 from drafter_service.server import DrafterServer
 from drafter_service.settings import DrafterSettings
 from shared.protocol import common_pb2, drafter_pb2_grpc
-from tests.drafter_service.test_messages import commit_up, open_up
 
 REPEATING = [7, 8, 9, 10, 11] * 6  # a prompt whose suffix lookups find continuations
 
@@ -30,21 +31,27 @@ async def serve(model, planner):
         await server.stop(0)
 
 
-async def rounds(channel, model, num_rounds):
-    """Open on REPEATING, then commit each chain's first draft (or 7) for `num_rounds` rounds:
-    (the chains, the tokens committed)."""
-    call = drafter_pb2_grpc.DrafterStub(channel).Draft()
-    await call.write(open_up(model, REPEATING, max_draft_tokens=4))
-    chains, emitted = [(await call.read()).chain], []
-    for round_id in range(num_rounds):
-        emitted.append(chains[-1].token_ids[0] if chains[-1].token_ids else 7)
-        await call.write(commit_up(model, round_id=round_id, emitted=emitted[-1:]))
-        chains.append((await call.read()).chain)
-    await call.done_writing()
-    return chains, emitted
+@pytest.fixture
+def rounds(open_up, commit_up):
+    """await rounds(channel, model, num_rounds), its messages built by open_up and commit_up."""
+
+    async def rounds(channel, model, num_rounds):
+        """Open on REPEATING, then commit each chain's first draft (or 7) for `num_rounds` rounds:
+        (the chains, the tokens committed)."""
+        call = drafter_pb2_grpc.DrafterStub(channel).Draft()
+        await call.write(open_up(model, REPEATING, max_draft_tokens=4))
+        chains, emitted = [(await call.read()).chain], []
+        for round_id in range(num_rounds):
+            emitted.append(chains[-1].token_ids[0] if chains[-1].token_ids else 7)
+            await call.write(commit_up(model, round_id=round_id, emitted=emitted[-1:]))
+            chains.append((await call.read()).chain)
+        await call.done_writing()
+        return chains, emitted
+
+    return rounds
 
 
-async def test_suffix_rounds_run_no_worker_job(tiny_mtp_model, worker_jobs):
+async def test_suffix_rounds_run_no_worker_job(tiny_mtp_model, worker_jobs, rounds):
     async with serve(tiny_mtp_model, "suffix") as (_, channel):
         chains, _ = await rounds(channel, tiny_mtp_model, 6)
     assert sum(c.source == common_pb2.DRAFT_SOURCE_SUFFIX for c in chains) >= 5  # the rounds drafted
@@ -55,7 +62,7 @@ async def test_suffix_rounds_run_no_worker_job(tiny_mtp_model, worker_jobs):
     assert worker_jobs[:2] == ["use_threads", "open"] and set(worker_jobs[2:]) <= {"mtp_batch"}, worker_jobs
 
 
-async def test_mtp_chains_draft_on_the_worker(tiny_mtp_model, worker_jobs):
+async def test_mtp_chains_draft_on_the_worker(tiny_mtp_model, worker_jobs, rounds):
     async with serve(tiny_mtp_model, "mtp") as (_, channel):
         chains, _ = await rounds(channel, tiny_mtp_model, 4)
     assert all(c.source == common_pb2.DRAFT_SOURCE_MTP and c.costs.draft_ms > 0 for c in chains)
@@ -73,7 +80,7 @@ def test_the_global_index_counted_in_steps_equals_counted_at_once():
     assert in_steps.lookup(index, 4) == at_once.lookup(index, 4) is not None
 
 
-async def test_a_long_output_joins_the_global_index_in_steps(tiny_mtp_model, monkeypatch):
+async def test_a_long_output_joins_the_global_index_in_steps(tiny_mtp_model, monkeypatch, rounds):
     monkeypatch.setattr(drafter_module, "LOOP_COUNT", 2)  # so the output takes several steps
     async with serve(tiny_mtp_model, "suffix") as (server, channel):
         _, emitted = await rounds(channel, tiny_mtp_model, 7)

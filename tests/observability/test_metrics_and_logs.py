@@ -2,7 +2,6 @@
 
 import io
 import json
-import socket
 import urllib.request
 
 import pytest
@@ -16,12 +15,6 @@ from ..drafter_service.conftest import Pair
 from ..verifier_service.conftest import generate, request
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def scrape(port):
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     samples = {}
@@ -31,7 +24,7 @@ def scrape(port):
     return samples
 
 
-async def test_metrics_are_scrapable_and_match_the_request(tiny_mtp_model):
+async def test_metrics_are_scrapable_and_match_the_request(tiny_mtp_model, free_port):
     pair = Pair()
     vport, dport = free_port(), free_port()
     try:

@@ -17,7 +17,6 @@ from verifier_service.server import VerifierServer
 from verifier_service.settings import VerifierSettings
 
 from ..verifier_service.conftest import generate, request
-from .test_metrics_and_logs import free_port
 
 PROMPT = [3, 14, 15, 92, 65]
 
@@ -28,7 +27,7 @@ def proposals(metrics_port) -> float:
 
 
 @pytest.fixture
-def drafters(tmp_path, tiny_mtp_model):
+def drafters(tmp_path, tiny_mtp_model, free_port):
     save_checkpoint(tiny_mtp_model, tmp_path / "tiny")
     procs = []
     for _ in range(3):

@@ -9,9 +9,12 @@ import grpc
 import pytest
 import torch
 
-from kernels.sampling import SparseRows, draw
+from kernels.retention import RetentionPolicy
+from kernels.sampling import SamplingParams, SparseRows, draw
+from kernels.speculative import Gate, Mode
 from shared.model import ModelConfig, load_model
 from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from verifier_service.requests import RequestSpec
 from verifier_service.server import VerifierServer
 from verifier_service.settings import VerifierSettings
 
@@ -163,3 +166,34 @@ async def generate(stub, req):
         if event.HasField("final"):
             final = event.final
     return tokens, final, rounds
+
+
+def request_spec(prompt, *, temperature, seed=7, max_new_tokens=24, request_id="r"):
+    """A RequestSpec as the engine takes it (exact mode, top-k 20 / top-p 0.95, up to 4 drafts)."""
+    return RequestSpec(
+        request_id=request_id, prompt_ids=tuple(prompt), max_new_tokens=max_new_tokens,
+        sampling=SamplingParams(temperature=temperature, top_k=20, top_p=0.95), seed=seed, mode=Mode.EXACT,
+        gate=Gate.TOP, speculate=True, coupled=False, max_draft_tokens=4, retention=RetentionPolicy(),
+        retention_schedule="", retention_min_cum=0.0, eos_token_ids=frozenset(), stop_sequences=(),
+    )
+
+
+@pytest.fixture(name="request_spec", scope="session")
+def request_spec_fixture():
+    """request_spec(prompt, *, temperature, seed=7, max_new_tokens=24, request_id="r"): a RequestSpec."""
+    return request_spec
+
+
+def greedy_continuation(model, tokens, k):
+    """The k tokens greedy decoding (model.score) appends to `tokens`."""
+    out = []
+    for _ in range(k):
+        logits, _ = model.score(torch.tensor(tokens + out))
+        out.append(int(logits[-1].argmax()))
+    return out
+
+
+@pytest.fixture(name="greedy_continuation", scope="session")
+def greedy_continuation_fixture():
+    """greedy_continuation(model, tokens, k): the k tokens greedy decoding appends to tokens."""
+    return greedy_continuation

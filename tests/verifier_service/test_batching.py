@@ -15,8 +15,6 @@ from kernels.sampling import SparseRows
 from verifier_service.engine import Engine
 from verifier_service.rounds import RoundRequest
 
-from .test_engine_paths import spec
-
 
 @pytest.fixture(autouse=True)
 def torch_reference_ops(monkeypatch):
@@ -71,14 +69,14 @@ def run_together(engine, requests, drafts_ofs):
 
 
 @pytest.mark.parametrize("max_batch_rows", [64, 7])  # 7: the batch is split over several forwards
-def test_sessions_batched_commit_what_they_commit_alone(tiny_mtp_model, max_batch_rows):
+def test_sessions_batched_commit_what_they_commit_alone(tiny_mtp_model, max_batch_rows, request_spec):
     engine = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="on", max_sessions=6, max_window=5,
                     max_batch_rows=max_batch_rows)
     rng = random.Random(3)
     prompts = [[rng.randrange(97) for _ in range(n)] for n in (3, 9, 14, 6, 11, 5)]
     temperatures = [0.0, 0.0, 0.8, 1.0, 0.0, 0.7]
     lengths = [12, 7, 12, 10, 12, 9]  # sessions leave the batch at different steps
-    requests = [spec(p, temperature=t, seed=10 + i, max_new_tokens=n, request_id=str(i))
+    requests = [request_spec(p, temperature=t, seed=10 + i, max_new_tokens=n, request_id=str(i))
                 for i, (p, t, n) in enumerate(zip(prompts, temperatures, lengths))]
     plain = [run_alone(engine, r, None) for r in requests]
     drafts_ofs = [drafts_for(plain[i], len(prompts[i]), 3) if i % 2 else None for i in range(len(requests))]
@@ -91,9 +89,9 @@ def test_sessions_batched_commit_what_they_commit_alone(tiny_mtp_model, max_batc
     assert engine.free_slots == 6  # every slot returned
 
 
-def test_a_batch_holds_one_round_per_session(tiny_mtp_model):
+def test_a_batch_holds_one_round_per_session(tiny_mtp_model, request_spec):
     engine = Engine(tiny_mtp_model, max_context=64, prefill_chunk=8, fused="on", max_sessions=2, max_window=5)
-    session = engine.open(spec([1, 2, 3], temperature=0.0))
+    session = engine.open(request_spec([1, 2, 3], temperature=0.0))
     try:
         with pytest.raises(ValueError, match="one round per session"):
             engine.run_rounds([RoundRequest(session, []), RoundRequest(session, [])])
@@ -101,7 +99,7 @@ def test_a_batch_holds_one_round_per_session(tiny_mtp_model):
         engine.close(session)
 
 
-def test_probabilistic_rounds_batch_like_alone(tiny_mtp_model):
+def test_probabilistic_rounds_batch_like_alone(tiny_mtp_model, request_spec):
     """Sparse q rows ride along per session: probabilistic verification in a batch draws the
     same accept/residual decisions as alone (the draws are keyed by seed and position)."""
     from kernels.speculative import Mode
@@ -109,7 +107,7 @@ def test_probabilistic_rounds_batch_like_alone(tiny_mtp_model):
     engine = Engine(tiny_mtp_model, max_context=128, prefill_chunk=8, fused="on", max_sessions=3, max_window=5)
     requests = []
     for i in range(3):
-        r = spec([5 + i, 17, 42, 8], temperature=0.9, seed=30 + i, max_new_tokens=10, request_id=f"p{i}")
+        r = request_spec([5 + i, 17, 42, 8], temperature=0.9, seed=30 + i, max_new_tokens=10, request_id=f"p{i}")
         requests.append(dataclasses.replace(r, mode=Mode.PROBABILISTIC))
     q = SparseRows.from_dicts([{t: 1.0 / 4 for t in (3, 9, 27, 81)}] * 3)
     outcomes = {}
@@ -130,7 +128,7 @@ def test_probabilistic_rounds_batch_like_alone(tiny_mtp_model):
 
 @pytest.mark.parametrize("temperatures", [(0.0,) * 4, (0.8,) * 4, (0.0, 0.8, 0.8, 1.1)],
                          ids=["greedy", "sampled", "mixed"])
-def test_decode_batches_ahead_commit_what_each_commits_alone(tiny_mtp_model, temperatures):
+def test_decode_batches_ahead_commit_what_each_commits_alone(tiny_mtp_model, temperatures, request_spec):
     """Decode batches with decode-ahead (each step enqueues the next, fed on the device by the
     greedy ids or the draws made there): the same tokens as each session alone on the reference
     path (draws by verify_chain on the host), also when the batch's order changes, when a
@@ -140,7 +138,7 @@ def test_decode_batches_ahead_commit_what_each_commits_alone(tiny_mtp_model, tem
     reference = Engine(tiny_mtp_model, max_context=64, prefill_chunk=8, fused="off")
     prompts = [[5, 17, 42], [9, 1, 60, 33, 2], [11, 12, 13, 14], [70, 71]]
     lengths = [10, 6, 10, 8]
-    requests = [spec(p, temperature=t, max_new_tokens=n, request_id=str(i), seed=40 + i)
+    requests = [request_spec(p, temperature=t, max_new_tokens=n, request_id=str(i), seed=40 + i)
                 for i, (p, n, t) in enumerate(zip(prompts, lengths, temperatures))]
     alone = [run_alone(reference, r, None) for r in requests]
     sessions = {i: engine.open(r) for i, r in enumerate(requests[:3])}  # the fourth joins later

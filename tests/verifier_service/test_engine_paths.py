@@ -7,21 +7,10 @@ import random
 import pytest
 import torch
 
-from kernels.retention import RetentionPolicy
 from kernels.sampling import SamplingParams, process_logits
-from kernels.speculative import Gate, Mode, verify_chain
+from kernels.speculative import Mode, verify_chain
 from verifier_service.engine import Engine
 from verifier_service.rounds import greedy_verdict
-from verifier_service.requests import RequestSpec
-
-
-def spec(prompt, *, temperature, seed=7, max_new_tokens=24, request_id="r"):
-    return RequestSpec(
-        request_id=request_id, prompt_ids=tuple(prompt), max_new_tokens=max_new_tokens,
-        sampling=SamplingParams(temperature=temperature, top_k=20, top_p=0.95), seed=seed, mode=Mode.EXACT,
-        gate=Gate.TOP, speculate=True, coupled=False, max_draft_tokens=4, retention=RetentionPolicy(),
-        retention_schedule="", retention_min_cum=0.0, eos_token_ids=frozenset(), stop_sequences=(),
-    )
 
 
 def decode(engine, request, drafts_of):
@@ -47,7 +36,7 @@ def torch_reference_ops(monkeypatch):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_fused_engine_commits_the_reference_tokens(tiny_mtp_model, temperature, request):
+def test_fused_engine_commits_the_reference_tokens(tiny_mtp_model, temperature, request, request_spec):
     if temperature:
         request.getfixturevalue("torch_reference_ops")
     # (greedy runs the kernels in Triton's interpreter, seconds a step: fewer tokens)
@@ -58,16 +47,18 @@ def test_fused_engine_commits_the_reference_tokens(tiny_mtp_model, temperature, 
     assert reference.path == "reference" and fused.path == "fused"
     rng = random.Random(0)
     prompt = [rng.randrange(97) for _ in range(13)]
-    plain = decode(reference, spec(prompt, temperature=temperature, max_new_tokens=new_tokens), lambda ids: [])
+    plain = decode(reference, request_spec(prompt, temperature=temperature, max_new_tokens=new_tokens), lambda ids: [])
     # drafts: the plain continuation with some tokens corrupted, so rounds accept and reject
     def drafts_of(committed):
         done = len(committed) - len(prompt)
         return [t if rng.random() < 0.7 else (t + 1) % 97 for t in plain[done : done + 4]]
 
     for engine in (reference, fused):
-        assert decode(engine, spec(prompt, temperature=temperature, max_new_tokens=new_tokens), drafts_of) == plain
+        assert decode(engine, request_spec(prompt, temperature=temperature, max_new_tokens=new_tokens),
+                      drafts_of) == plain
     # the fused path's plain rounds: the token drawn on the device (sampled) or the argmax
-    assert decode(fused, spec(prompt, temperature=temperature, max_new_tokens=new_tokens), lambda ids: []) == plain
+    assert decode(fused, request_spec(prompt, temperature=temperature, max_new_tokens=new_tokens),
+                  lambda ids: []) == plain
     assert fused.free_slots == 2  # every slot returned
 
 
@@ -95,15 +86,17 @@ def test_greedy_verdict_equals_verify_chain(seed):
 
 @pytest.mark.usefixtures("torch_reference_ops")
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_decode_ahead_commits_the_same_tokens_across_interleaved_sessions(tiny_mtp_model, temperature):
+def test_decode_ahead_commits_the_same_tokens_across_interleaved_sessions(tiny_mtp_model, temperature, request_spec):
     """Plain rounds with decode-ahead: the step enqueued for a session's next round is used only
     when that round comes next; another session's round or a drafted round drops it. Sampled:
     the step ahead decodes the token drawn on the device, the one verify_chain would emit."""
     reference = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="off")
     fused = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="on", max_sessions=2, max_window=5)
     prompts = [[3, 14, 15, 92, 65, 35], [27, 18, 28, 18, 28]]
-    expected = [decode(reference, spec(p, temperature=temperature, max_new_tokens=12), lambda ids: []) for p in prompts]
-    sessions = [fused.open(spec(p, temperature=temperature, max_new_tokens=12, request_id=str(i))) for i, p in enumerate(prompts)]
+    expected = [decode(reference, request_spec(p, temperature=temperature, max_new_tokens=12), lambda ids: [])
+                for p in prompts]
+    sessions = [fused.open(request_spec(p, temperature=temperature, max_new_tokens=12, request_id=str(i)))
+                for i, p in enumerate(prompts)]
     got = [[], []]
     used = 0
     schedule = [0, 0, 0, 1, 1, 0, 1, 0, 0, 1, 1, 1, 0, 0, 1, 0, 1, 1, 0, 1, 0, 1, 0, 1]
@@ -123,7 +116,7 @@ def test_decode_ahead_commits_the_same_tokens_across_interleaved_sessions(tiny_m
     assert used >= 5 and fused.ahead is None and fused.free_slots == 2
 
 
-def test_prefill_warm_up_touches_no_session_and_gives_its_blocks_back(tiny_mtp_model, monkeypatch):
+def test_prefill_warm_up_touches_no_session_and_gives_its_blocks_back(tiny_mtp_model, monkeypatch, request_spec):
     # The start-up warm-up (run where graphs are captured, on CUDA) prefills into a slot of its
     # own: a session's KV rows stay untouched, the blocks it took return to the pool, and
     # decoding afterwards commits the same tokens.
@@ -131,7 +124,7 @@ def test_prefill_warm_up_touches_no_session_and_gives_its_blocks_back(tiny_mtp_m
     engine = Engine(tiny_mtp_model, max_context=128, prefill_chunk=40, fused="on", max_sessions=2, max_window=5,
                     kv_block_size=8)
     pool = engine.runner.pool
-    request = spec([3, 9, 27, 81, 17], temperature=0.0)
+    request = request_spec([3, 9, 27, 81, 17], temperature=0.0)
     session = engine.open(request)
     held = pool.read(session.slot, 4)
     before, free = pool.keys.clone(), (pool.num_free, pool.num_free_blocks)
@@ -146,11 +139,11 @@ def test_prefill_warm_up_touches_no_session_and_gives_its_blocks_back(tiny_mtp_m
 
 
 @pytest.mark.parametrize("fused", ["off", "on"])
-def test_exact_rounds_on_the_cpu_give_the_one_row_bits(tiny_mtp_model, fused):
+def test_exact_rounds_on_the_cpu_give_the_one_row_bits(tiny_mtp_model, fused, request_spec):
     """Exact mode on the CPU (--row-invariant, on by default): a verify round's hidden rows are
     bit-identical to those of the plain one-row rounds that commit the same tokens."""
     prompt = [3, 14, 15, 92, 65, 35, 8]
-    request = spec(prompt, temperature=0.0, max_new_tokens=5)
+    request = request_spec(prompt, temperature=0.0, max_new_tokens=5)
 
     def rows_of(engine, drafts_of):
         session = engine.open(request)
@@ -179,7 +172,8 @@ def test_exact_rounds_on_the_cpu_give_the_one_row_bits(tiny_mtp_model, fused):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_offloaded_experts_commit_the_all_resident_tokens(tiny_mtp_model, torch_reference_ops, temperature):
+def test_offloaded_experts_commit_the_all_resident_tokens(tiny_mtp_model, torch_reference_ops, temperature,
+                                                          request_spec):
     """Experts in host memory with 2 of 8 slots a layer (routing memory prefetching, windows
     needing several groups): exact-mode rounds commit what the all-resident engine commits."""
     from shared.model import ModelConfig, load_model
@@ -191,11 +185,11 @@ def test_offloaded_experts_commit_the_all_resident_tokens(tiny_mtp_model, torch_
     assert offloaded.path == "fused" and offloaded.runner.fused.offloaded
     rng = random.Random(1)
     prompt = [rng.randrange(97) for _ in range(11)]
-    plain = decode(resident, spec(prompt, temperature=temperature, max_new_tokens=20), lambda ids: [])
+    plain = decode(resident, request_spec(prompt, temperature=temperature, max_new_tokens=20), lambda ids: [])
 
     def drafts_of(committed):
         done = len(committed) - len(prompt)
         return [t if rng.random() < 0.7 else (t + 1) % 97 for t in plain[done : done + 4]]
 
-    assert decode(offloaded, spec(prompt, temperature=temperature, max_new_tokens=20), drafts_of) == plain
+    assert decode(offloaded, request_spec(prompt, temperature=temperature, max_new_tokens=20), drafts_of) == plain
     assert offloaded.slot_misses() > 0 and offloaded.runner.fused.offload.counters.predicted > 0

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 
 from .conftest import ScriptedDrafter, chain, generate, request
-from .test_speculation import PROMPT, greedy_continuation
+
+PROMPT = [3, 14, 15, 92, 65]
 
 
-async def test_a_slow_drafter_is_detached_then_resumed_and_tokens_stay_the_same(servers, tiny_model):
+async def test_a_slow_drafter_is_detached_then_resumed_and_tokens_stay_the_same(servers, tiny_model,
+                                                                                greedy_continuation):
     # Every chain is right (2 greedy drafts) but comes 60 ms late: a plain round here takes a
     # few ms, so speculation cannot pay. Hold 4 rounds after a detach.
     drafter = ScriptedDrafter(lambda s: chain(s, greedy_continuation(tiny_model, s.tokens, 2)), delay_s=0.06)
@@ -38,7 +40,7 @@ async def test_a_slow_drafter_is_detached_then_resumed_and_tokens_stay_the_same(
     assert all(c.hidden.num_rows == len(c.emitted_token_ids) for c in session.commits)
 
 
-async def test_with_the_governor_off_every_round_asks_the_drafter(servers, tiny_model):
+async def test_with_the_governor_off_every_round_asks_the_drafter(servers, tiny_model, greedy_continuation):
     drafter = ScriptedDrafter(lambda s: chain(s, greedy_continuation(tiny_model, s.tokens, 2)), delay_s=0.03)
     stub = await servers.start(tiny_model, drafter=drafter, governor=False, max_draft_tokens=2)
     _, final, rounds = await generate(stub, request(PROMPT, 24, temperature=0.0, seed=0))
@@ -46,7 +48,8 @@ async def test_with_the_governor_off_every_round_asks_the_drafter(servers, tiny_
     assert final.stats.drafter_detaches == 0
 
 
-async def test_a_server_that_learnt_speculation_does_not_pay_opens_the_drafter_at_the_first_probe(servers, tiny_model):
+async def test_a_server_that_learnt_speculation_does_not_pay_opens_the_drafter_at_the_first_probe(
+        servers, tiny_model, greedy_continuation):
     drafter = ScriptedDrafter(lambda s: chain(s, greedy_continuation(tiny_model, s.tokens, 2)), delay_s=0.06)
     stub = await servers.start(tiny_model, drafter=drafter, governor=True, governor_hold=4, max_draft_tokens=2)
     for _ in range(6):  # 3 measured speculative rounds each: the server's verdict needs 16

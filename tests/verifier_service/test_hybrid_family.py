@@ -7,16 +7,15 @@ import pytest
 import torch
 
 from ..shared.model.next_checkpoints import write_checkpoint
-from ..shared.model.test_qwen3_next import pair
 from .conftest import ScriptedDrafter, chain, generate, request
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89]
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5"])
-def checkpoint(request, tmp_path_factory):
+def checkpoint(request, tmp_path_factory, next_pair):
     name = "hybrid" if request.param == "qwen3_next" else "qwen3.5"
-    return write_checkpoint(tmp_path_factory.mktemp(request.param), pair(name)[1], request.param)
+    return write_checkpoint(tmp_path_factory.mktemp(request.param), next_pair(name)[1], request.param)
 
 
 def greedy_continuation(model, tokens, k):

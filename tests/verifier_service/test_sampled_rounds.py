@@ -14,16 +14,21 @@ from verifier_service.rounds import Session
 from verifier_service.rounds import greedy_verdict
 from verifier_service.sampled_rounds import Chain, own_tokens, process_targets, verdicts
 
-from .test_engine_paths import spec
-
 VOCAB = 50
 PARAMS = [SamplingParams(temperature=0.8, top_p=0.95), SamplingParams(temperature=1.2, top_k=10, max_support=8),
           SamplingParams(temperature=0.0)]
 
 
-def session(i: int, params: SamplingParams, length: int = 12) -> Session:
-    request = dataclasses.replace(spec([1, 2, 3], temperature=1.0, seed=1000 + i, request_id=str(i)), sampling=params)
-    return Session(spec=request, cache=CacheLength(64), token_ids=list(range(length)))
+@pytest.fixture
+def session(request_spec):
+    """session(i, params, length=12): a Session of `length` tokens sampling with params."""
+
+    def session(i: int, params: SamplingParams, length: int = 12) -> Session:
+        request = dataclasses.replace(request_spec([1, 2, 3], temperature=1.0, seed=1000 + i, request_id=str(i)),
+                                      sampling=params)
+        return Session(spec=request, cache=CacheLength(64), token_ids=list(range(length)))
+
+    return session
 
 
 def test_a_batch_s_verdicts_are_each_chain_s_verdict_alone():
@@ -52,7 +57,7 @@ def test_a_batch_s_verdicts_are_each_chain_s_verdict_alone():
     assert 0 < sum(num_accepted) < sum(len(c.drafts) for c in chains)
 
 
-def test_plain_rounds_draw_what_each_session_draws_alone():
+def test_plain_rounds_draw_what_each_session_draws_alone(session):
     sessions = [session(i, PARAMS[i % 3], length=10 + i) for i in range(9)]
     logits = torch.randn(12, VOCAB, generator=torch.Generator().manual_seed(1)) * 3  # 3 spare rows (a padded bucket)
     positions = [len(s.token_ids) for s in sessions]
@@ -64,7 +69,7 @@ def test_plain_rounds_draw_what_each_session_draws_alone():
 
 
 @pytest.mark.parametrize("mode", list(Mode))
-def test_exact_windows_verdicts_follow_from_their_own_tokens(mode):
+def test_exact_windows_verdicts_follow_from_their_own_tokens(mode, session):
     """A window's own tokens drawn where its logits are: in exact mode greedy_verdict over them
     is verify_chain's verdict; probabilistic windows with drafts keep their greedy ids (their
     p rows are verified on the host), plain ones are drawn."""
@@ -93,7 +98,7 @@ def test_exact_windows_verdicts_follow_from_their_own_tokens(mode):
         start += n
 
 
-def test_grouped_processing_gives_each_window_its_own_rows():
+def test_grouped_processing_gives_each_window_its_own_rows(session):
     # probabilistic windows with drafts are processed (two sampling groups); greedy ones,
     # exact-mode ones and plain rounds are drawn where their logits are instead
     sessions = [session(i, PARAMS[i % 3]) for i in range(9)]

@@ -25,16 +25,8 @@ ALPHA = 1e-3
 IN_FLIGHT = 32  # requests at once (the verifier's max_sessions; each one's draws are its own)
 
 
-def greedy_continuation(model, tokens, k):
-    out = []
-    for _ in range(k):
-        logits, _ = model.score(torch.tensor(tokens + out))
-        out.append(int(logits[-1].argmax()))
-    return out
-
-
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-async def test_exact_mode_identical_with_and_without_drafter(servers, tiny_model, temperature):
+async def test_exact_mode_identical_with_and_without_drafter(servers, tiny_model, temperature, greedy_continuation):
     q = {t: 1 / 8 for t in range(0, 96, 12)}
     drafter = ScriptedDrafter(lambda s: sampled_chain(s, q, 3) if s.round_id % 3 else chain(
         s, greedy_continuation(tiny_model, s.tokens, 3)))
@@ -50,25 +42,6 @@ async def test_exact_mode_identical_with_and_without_drafter(servers, tiny_model
         assert final.stats.drafter_faults == 0
 
 
-def target_law_two_tokens(model, params):
-    """Exact law of the first two generated tokens under plain sampling."""
-    def p_fn(prefix):
-        logits, _ = model.score(torch.tensor(PROMPT + list(prefix)))
-        row = process_logits(logits[-1:], params).row(0)
-        dense = [0.0] * model.config.vocab_size
-        for t, p in row.items():
-            dense[t] = p
-        return dense
-    law = {}
-    first = p_fn(())
-    for x, px in enumerate(first):
-        if px > 0:
-            for y, py in enumerate(p_fn((x,))):
-                if py > 0:
-                    law[(x, y)] = px * py
-    return law, p_fn
-
-
 async def run_many(stub, make_request, n):
     results = []
     for start in range(0, n, IN_FLIGHT):
@@ -78,9 +51,9 @@ async def run_many(stub, make_request, n):
     return results
 
 
-async def test_probabilistic_mode_matches_the_target_law(servers, tiny_model):
+async def test_probabilistic_mode_matches_the_target_law(servers, tiny_model, target_law_two_tokens):
     params = SamplingParams(temperature=1.0, top_k=3)
-    law, _ = target_law_two_tokens(tiny_model, params)
+    law, _ = target_law_two_tokens(tiny_model, params, PROMPT)
     likely = sorted(law, key=law.get, reverse=True)
     # q puts weight on likely and unlikely tokens in other proportions than p
     q = {likely[0][0]: 0.15, likely[-1][0]: 0.45, 50: 0.25, 51: 0.15}

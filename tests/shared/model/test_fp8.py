@@ -16,7 +16,6 @@ from shared.model.quantize import Fp8Linear, is_fp8, weight_of
 from .conftest import make_hf_checkpoint
 from .fp8_checkpoints import quantize, quantize_checkpoint
 from .next_checkpoints import with_mtp, write_checkpoint
-from .test_qwen3_next import pair
 
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -102,8 +101,8 @@ def test_a_qwen3_moe_fp8_checkpoint_loads_as_transformers_loads_it(tmp_path, siz
 
 
 @pytest.mark.parametrize("block", [(16, 16), (8, 24)])
-def test_a_sharded_hybrid_fp8_checkpoint_with_scales_in_the_other_shard_loads_every_part(tmp_path, block):
-    source = with_mtp(pair("qwen3.5")[1])
+def test_a_sharded_hybrid_fp8_checkpoint_with_scales_in_the_other_shard_loads_every_part(tmp_path, block, next_pair):
+    source = with_mtp(next_pair("qwen3.5")[1])
     path = write_checkpoint(tmp_path / "fp8", source)
     quantized = quantize_checkpoint(path, block, scales_elsewhere=True, dequantized_twin=tmp_path / "twin")
     assert any("linear_attn" in name for name in quantized) and any(name.startswith("mtp.") for name in quantized)

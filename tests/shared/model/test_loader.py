@@ -147,14 +147,13 @@ def test_each_service_loads_its_part_of_the_embedded_model():
         load_model(parts="lean")
 
 
-def test_the_family_follows_the_config(tmp_path):
+def test_the_family_follows_the_config(tmp_path, next_pair):
     from shared.model.families.hybrid.loader import expert_modules
     from shared.model.families.hybrid.modules import Qwen3NextModel
 
     from .next_checkpoints import write_checkpoint
-    from .test_qwen3_next import pair
 
-    write_checkpoint(tmp_path, pair("qwen3.5")[1], "qwen3_5")
+    write_checkpoint(tmp_path, next_pair("qwen3.5")[1], "qwen3_5")
     model = load_model(tmp_path)
     assert isinstance(model, Qwen3NextModel) and model.config.linear_projection == "split"
     random = load_model(tmp_path, random_weights=True, parts="trunk")

@@ -9,11 +9,10 @@ import torch
 from shared.model.families.hybrid.loader import load_next
 
 from .next_checkpoints import with_mtp, write_checkpoint
-from .test_qwen3_next import pair
 
 
-def test_a_checkpoint_transformers_saved_loads_to_its_logits(tmp_path):
-    reference, _ = pair("hybrid")
+def test_a_checkpoint_transformers_saved_loads_to_its_logits(tmp_path, next_pair):
+    reference, _ = next_pair("hybrid")
     reference.save_pretrained(tmp_path)
     model = load_next(tmp_path)
     tokens = torch.randint(0, 97, (24,), generator=torch.Generator().manual_seed(5))
@@ -23,8 +22,8 @@ def test_a_checkpoint_transformers_saved_loads_to_its_logits(tmp_path):
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_a_sharded_qwen3_5_checkpoint_loads_to_the_same_logits(tmp_path):
-    _, source = pair("qwen3.5")
+def test_a_sharded_qwen3_5_checkpoint_loads_to_the_same_logits(tmp_path, next_pair):
+    _, source = next_pair("qwen3.5")
     write_checkpoint(tmp_path, source)
     model = load_next(tmp_path)
     assert model.config.linear_projection == "split"
@@ -35,8 +34,8 @@ def test_a_sharded_qwen3_5_checkpoint_loads_to_the_same_logits(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["missing", "mis-shaped"])
-def test_a_checkpoint_that_does_not_fit_names_its_tensor(tmp_path, case):
-    _, source = pair("qwen3.5")
+def test_a_checkpoint_that_does_not_fit_names_its_tensor(tmp_path, case, next_pair):
+    _, source = next_pair("qwen3.5")
     name = "model.language_model.layers.2.self_attn.k_proj.weight"
     write_checkpoint(tmp_path, source, drop=name if case == "missing" else None,
                      reshape=name if case == "mis-shaped" else None)
@@ -45,11 +44,11 @@ def test_a_checkpoint_that_does_not_fit_names_its_tensor(tmp_path, case):
 
 
 @pytest.mark.parametrize("layout", ["qwen3_next", "qwen3_5"])
-def test_the_mtp_layer_loads_and_each_service_loads_its_part(tmp_path, layout):
+def test_the_mtp_layer_loads_and_each_service_loads_its_part(tmp_path, layout, next_pair):
     """parts: the verifier's trunk without the MTP layer; a lean drafter's embeddings, MTP
     layer and lm_head, never the trunk; both compute what the whole model computes."""
     name = "hybrid" if layout == "qwen3_next" else "qwen3.5"
-    source = with_mtp(pair(name)[1])
+    source = with_mtp(next_pair(name)[1])
     write_checkpoint(tmp_path, source, layout)
     whole, trunk, lean = (load_next(tmp_path, parts=parts) for parts in ("all", "trunk", "mtp"))
     assert whole.mtp is not None and trunk.mtp is None and len(lean.layers) == 0 and lean.norm is None
@@ -68,9 +67,9 @@ def test_the_mtp_layer_loads_and_each_service_loads_its_part(tmp_path, layout):
         lean.new_cache(8)
 
 
-def test_a_lean_drafter_of_a_checkpoint_without_mtp_loads_no_layer(tmp_path):
+def test_a_lean_drafter_of_a_checkpoint_without_mtp_loads_no_layer(tmp_path, next_pair):
     """(It drafts by suffix lookup only: embeddings and lm_head, and nothing of the trunk.)"""
-    write_checkpoint(tmp_path, pair("qwen3.5")[1])
+    write_checkpoint(tmp_path, next_pair("qwen3.5")[1])
     assert load_next(tmp_path).mtp is None
     lean = load_next(tmp_path, parts="mtp")
     assert lean.mtp is None and len(lean.layers) == 0

@@ -9,15 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from .next_checkpoints import with_mtp
-from .test_qwen3_next import CONFIGS, pair
 
 
-def reference_layer(name, model):
+def reference_layer(name, model, configs):
     """transformers' model of one full-attention MoE layer holding our MTP layer's weights."""
     from transformers import Qwen3NextConfig, Qwen3NextModel
     from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig, Qwen3_5MoeTextModel
 
-    one = dict(CONFIGS[name], num_hidden_layers=1, layer_types=["full_attention"], mlp_only_layers=[])
+    one = dict(configs[name], num_hidden_layers=1, layer_types=["full_attention"], mlp_only_layers=[])
     one.pop("full_attention_interval", None)
     if name == "qwen3.5":
         reference = Qwen3_5MoeTextModel(Qwen3_5MoeTextConfig(**one))
@@ -36,10 +35,10 @@ def centred_rmsnorm(x, weight, eps=1e-6):
 
 
 @pytest.mark.parametrize("name", ["hybrid", "qwen3.5"])
-def test_the_mtp_layer_matches_a_slow_reference_when_chained(name):
-    model = with_mtp(pair(name)[1])
+def test_the_mtp_layer_matches_a_slow_reference_when_chained(name, next_configs, next_pair):
+    model = with_mtp(next_pair(name)[1])
     mtp = model.mtp
-    reference = reference_layer(name, model)
+    reference = reference_layer(name, model, next_configs)
     tokens = torch.randint(0, 97, (16,), generator=torch.Generator().manual_seed(8))
     _, hidden = model(tokens, model.new_cache(32))
     # ours: 10 committed rows (h_i, token i+1), then 4 chained steps on their own outputs
@@ -63,8 +62,8 @@ def test_the_mtp_layer_matches_a_slow_reference_when_chained(name):
     torch.testing.assert_close(torch.cat(ours), expected, rtol=1e-4, atol=1e-5)
 
 
-def test_a_model_without_the_mtp_layer_says_so():
-    model = pair("hybrid")[1]
+def test_a_model_without_the_mtp_layer_says_so(next_pair):
+    model = next_pair("hybrid")[1]
     with pytest.raises(ValueError, match="no MTP layer"):
         model.new_mtp_cache(8)
     with pytest.raises(ValueError, match="no MTP layer"):

@@ -7,55 +7,13 @@ import pytest
 import torch
 
 from shared.model.families.hybrid.config import NextConfig
-from shared.model.families.hybrid.modules import Qwen3NextModel
-
-CONFIGS = {
-    # linear and full attention interleaved (every 2nd layer full), every layer MoE
-    "hybrid": dict(vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=16, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
-                   num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
-                   linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-                   max_position_embeddings=128, full_attention_interval=2, rope_theta=10000.0,
-                   partial_rotary_factor=0.25, rms_norm_eps=1e-6),
-    # three linear layers before a full one, a dense MLP layer, full rotary width
-    "dense layer": dict(vocab_size=97, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
-                        num_key_value_heads=1, head_dim=16, intermediate_size=40, moe_intermediate_size=12,
-                        shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-                        linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16,
-                        linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=128,
-                        full_attention_interval=4, mlp_only_layers=[1], partial_rotary_factor=1.0, rms_norm_eps=1e-6),
-}
-
-
-CONFIGS["qwen3.5"] = {k: v for k, v in CONFIGS["hybrid"].items() if k != "full_attention_interval"} | dict(
-    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
-
-
-def pair(name):
-    """(transformers' model, ours with the same weights)."""
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-    from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-
-    torch.manual_seed(0)
-    if name == "qwen3.5":
-        reference = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**CONFIGS[name])).eval()
-    else:
-        reference = Qwen3NextForCausalLM(Qwen3NextConfig(**CONFIGS[name])).eval()
-    with torch.no_grad():
-        for key, parameter in reference.named_parameters():
-            parameter.normal_(0, 0.02 if "proj" in key or "embed" in key or "lm_head" in key else 0.2)
-        for layer in reference.model.layers:
-            if hasattr(layer, "linear_attn"):
-                layer.linear_attn.A_log.uniform_(-1, 1)
-    ours = Qwen3NextModel(NextConfig.from_dict(reference.config.to_dict()))
-    state = {key.removeprefix("model."): value for key, value in reference.state_dict().items()}
-    ours.load_state_dict(state)
-    return reference, ours
+# the configs themselves (not the next_configs fixture): the parametrize lists need their names at collection
+from ...conftest import NEXT_CONFIGS as CONFIGS
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_logits_match_transformers(name):
-    reference, ours = pair(name)
+def test_logits_match_transformers(name, next_pair):
+    reference, ours = next_pair(name)
     assert [layer.linear for layer in ours.layers] == [t == "linear_attention" for t in reference.config.layer_types]
     tokens = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -65,12 +23,12 @@ def test_logits_match_transformers(name):
 
 
 @pytest.mark.parametrize("name,row_invariant", [(name, False) for name in sorted(CONFIGS)] + [("qwen3.5", True)])
-def test_windows_rolled_back_after_rejected_drafts_decode_like_a_fresh_forward(name, row_invariant):
+def test_windows_rolled_back_after_rejected_drafts_decode_like_a_fresh_forward(name, row_invariant, next_pair):
     """Prefill, then verify windows of a head and 4 drafts, keeping 0..4 drafts each time: the
     logits of every committed row equal a from-scratch forward over the committed tokens.
     row_invariant: the windows run as one-row steps (exact mode on the CPU), whose kept
     states roll back the same way, and each row's logits are its one-row step's bits."""
-    _, ours = pair(name)
+    _, ours = next_pair(name)
     gen = torch.Generator().manual_seed(2)
     committed = torch.randint(0, 97, (12,), generator=gen).tolist()
     cache, plain = ours.new_cache(64), ours.new_cache(64)
