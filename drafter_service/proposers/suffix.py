@@ -15,6 +15,10 @@ when its score (the sum of the prefix probabilities: expected accepted tokens) i
 
 Proposals depend only on committed tokens (this request's, or other requests' finished
 outputs), never on a draw, so they are the same on a replay.
+
+The rule is _propose below; on a round's path both walks run natively, step for step the same
+(_suffix_walk.c, compiled at install with the global index's table: propose_counts walks these
+dicts). Without the compiled extension the request's walk is _propose itself.
 """
 
 from __future__ import annotations
@@ -25,6 +29,11 @@ from contextlib import contextmanager
 from functools import cache
 
 from typing import NamedTuple
+
+try:  # (the native walk over this module's counts; without it, _propose)
+    from drafter_service.proposers._context_table import propose_counts as _native_propose
+except ImportError:  # not compiled (the global index, which needs it, can then be off)
+    _native_propose = None
 
 ORDERS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32)  # context lengths counted
 MAX_MATCH = ORDERS[-1]
@@ -51,6 +60,9 @@ MIN_TOKEN_PROB = 0.1  # stop a chain when its estimated probability drops below 
 # request's own text; twice the match for other requests' outputs, which repeat longer.
 REQUEST_FACTOR, REQUEST_OFFSET = 1.0, 1.0
 GLOBAL_FACTOR, GLOBAL_OFFSET = 2.0, 0.0
+
+
+_new_tuple = tuple.__new__
 
 
 class SuffixMatch(NamedTuple):  # (a tuple: built on every round's path, cheaper than a dataclass)
@@ -274,4 +286,8 @@ class SuffixIndex:
         cannot score above `beat`, and its walk stops as soon as that is certain)."""
         if k < 1:
             return None
-        return _propose(self.counts, self.prefix, k, self.min_prob, self.factor, self.offset, "request", beat)
+        if _native_propose is None:
+            return _propose(self.counts, self.prefix, k, self.min_prob, self.factor, self.offset, "request", beat)
+        found = _native_propose(self.counts.tables, self.prefix, k, self.min_prob, self.factor, self.offset, beat)
+        # (tuple.__new__: a SuffixMatch without its generated __new__, on every round's path)
+        return None if found is None else _new_tuple(SuffixMatch, (*found, "request"))
