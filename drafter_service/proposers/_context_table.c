@@ -28,8 +28,9 @@
                                                  round's proposal (global_index.py's best_match)
                                                  over these counts and a request's (tables)
      bytes, contexts                             allocated bytes, contexts held
-   and the module's propose_counts (the same walk over a request's own counts). The walk is
-   _suffix_walk.c's; _context_table.h holds the layout both files read.
+   and the module's propose_counts (the same walk over a request's own counts) and count_stream
+   (a request's own counting). The walk is _suffix_walk.c's, the request's counting
+   _request_counts.c's; _context_table.h holds what they share.
 */
 #include "_context_table.h"
 #include <stdlib.h>
@@ -397,6 +398,8 @@ static PyTypeObject ContextTableType = {
 };
 
 static PyMethodDef module_methods[] = {
+    {"count_stream", (PyCFunction)(void (*)(void))count_stream, METH_FASTCALL,
+     "count_stream(tables, tokens, prefix, start, stop) -> contexts added"},
     {"propose_counts", (PyCFunction)(void (*)(void))walk_counts, METH_FASTCALL,
      "propose_counts(tables, prefix, max_tokens, min_prob, factor, offset, beat) -> None | (matched, tokens, score)"},
     {NULL},

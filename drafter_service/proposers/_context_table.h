@@ -1,6 +1,7 @@
-/* What _context_table.c (the global index's counts) and _suffix_walk.c (the proposal rule,
-   walked over those counts or over a request's own) share: the hashing constants and the
-   table's layout. See _context_table.c's header for the layout's reasons. */
+/* What _context_table.c (the global index's counts), _suffix_walk.c (the proposal rule, walked
+   over those counts or over a request's own) and _request_counts.c (a request's own counting)
+   share: the hashing constants and the table's layout. See _context_table.c's header for the
+   layout's reasons. */
 #ifndef TANDEM_CONTEXT_TABLE_H
 #define TANDEM_CONTEXT_TABLE_H
 
@@ -58,5 +59,7 @@ static inline uint32_t table_value(const ContextTable *self, int oi, uint32_t ke
 PyObject *walk_table(ContextTable *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *walk_counts(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 PyObject *walk_best(ContextTable *self, PyObject *const *args, Py_ssize_t nargs);
+/* _request_counts.c: suffix.py's _count_stream into a request's dicts. */
+PyObject *count_stream(PyObject *module, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

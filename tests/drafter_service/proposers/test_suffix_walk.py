@@ -1,8 +1,9 @@
 """The native proposal walk (_suffix_walk.c) against suffix.py's _propose, token for token:
 over a request's own counts (propose_counts, what SuffixIndex.lookup runs), on random and
-real-code text, with tokens pending, assumed, and every early stop (beat, floor, limit); and a
+real-code text, with tokens pending, assumed, and every early stop (beat, floor, limit); a
 round's whole proposal in one call (best_match: ContextTable.best) against the rule composed
-in Python over Python counts."""
+in Python over Python counts; and the request's native counting (count_stream) against
+_count_stream: the same dicts, in the same order."""
 
 import math
 import random
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from drafter_service.proposers import suffix
-from drafter_service.proposers._context_table import propose_counts
+from drafter_service.proposers._context_table import count_stream, propose_counts
 from drafter_service.proposers.global_index import GlobalIndex, best_match, composed_best_match
 from drafter_service.proposers.suffix import (
     GLOBAL_FACTOR,
@@ -191,3 +192,68 @@ def test_one_call_proposes_what_the_python_rule_does_on_real_code():
             assert best_match(index, global_index, 16) == python_best(index, global_counts, 16)
             index.count_pending()
     assert best_match(index, global_index, 16).source == "global"
+
+
+# -- a request's counting --------------------------------------------------------------------
+
+
+def ordered(counts):
+    """The counts as they are laid out: every dict's items in order (order is recency)."""
+    return [[(key, value if type(value) is int else list(value.items())) for key, value in table.items()]
+            for table in counts.tables]
+
+
+def python_index(tokens):
+    index = SuffixIndex()
+    index.tokens.extend(tokens)
+    _hash_tokens(index.prefix, tokens)
+    _count_stream(index.counts, index.tokens, index.prefix, 0)
+    return index
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_native_counting_makes_the_same_dicts_in_the_same_order(seed):
+    """Counted in random steps natively, against _count_stream over the whole text at once:
+    the same contexts, packed ints, split dicts and recency order (ties in the walk depend on
+    it), and then the same proposals."""
+    rng = random.Random(seed)
+    vocab = (2, 5, 40, 3_000_000)[seed % 4]
+    tokens = stream(rng, vocab) + [rng.randrange(2**32) for _ in range(3)] + stream(rng, vocab)[:80]
+    index = SuffixIndex()
+    at = 0
+    while at < len(tokens):
+        step = tokens[at : at + rng.randrange(1, 40)]
+        index.extend(step, count=False)
+        index.count_pending(rng.randrange(1, 30) if rng.random() < 0.5 else None)
+        at += len(step)
+    index.count_pending()
+    want = python_index(tokens)
+    assert index.counts.size == want.counts.size == sum(map(len, want.counts.tables))
+    assert ordered(index.counts) == ordered(want.counts)
+    assert any(type(v) is dict for table in want.counts.tables for v in table.values())  # splits were made
+    for k in (4, 16):
+        assert index.lookup(k) == want.lookup(k)
+
+
+def test_native_counting_on_real_code():
+    files = sorted((Path(sysconfig.get_paths()["stdlib"]) / "json").glob("*.py"))
+    tokens = [ord(c) for path in files for c in path.read_text(encoding="utf-8")]
+    index = SuffixIndex()
+    for at in range(0, len(tokens), 500):
+        index.extend(tokens[at : at + 500])
+    assert ordered(index.counts) == ordered(python_index(tokens).counts)
+
+
+def test_native_counting_refuses_what_it_cannot_count():
+    index = SuffixIndex()
+    index.extend([1, 2, 3], count=False)
+    tables, prefix = index.counts.tables, index.prefix
+    with pytest.raises(ValueError):
+        count_stream(tables, [1, 2**32, 3], prefix, 0, 3)  # past the packed token's 32 bits
+    with pytest.raises(ValueError):
+        count_stream(tables, [1, -2, 3], prefix, 0, 3)
+    with pytest.raises(ValueError):
+        count_stream(tables, index.tokens, prefix, 2, 4)  # past the tokens
+    with pytest.raises(TypeError):
+        count_stream(tables[:2], index.tokens, prefix, 0, 3)
+    assert count_stream(tables, index.tokens, prefix, 0, 3) == 3  # before tokens 2 and 3: 1 + 2 contexts, all new
