@@ -92,13 +92,20 @@ PyObject *count_stream(PyObject *module, PyObject *const *args, Py_ssize_t nargs
         }
         uint64_t hn, hm;
         if (hash_of(prefix, n, &hn) < 0) return NULL;
+        Py_INCREF(token);  /* (held: a dict made below may run the collector, and with it any code) */
         for (int oi = 0; oi < NUM_ORDERS && ORDERS[oi] <= n; oi++) {
-            if (hash_of(prefix, n - ORDERS[oi], &hm) < 0) return NULL;
-            uint32_t key = (uint32_t)((hn + MOD - hm * POW[ORDERS[oi]] % MOD) % MOD);
-            int fresh = count_one(PyList_GET_ITEM(tables, oi), key, token, t);
-            if (fresh < 0) return NULL;
+            int fresh = hash_of(prefix, n - ORDERS[oi], &hm);
+            if (fresh == 0) {
+                uint32_t key = (uint32_t)((hn + MOD - hm * POW[ORDERS[oi]] % MOD) % MOD);
+                fresh = count_one(PyList_GET_ITEM(tables, oi), key, token, t);
+            }
+            if (fresh < 0) {
+                Py_DECREF(token);
+                return NULL;
+            }
             added += fresh;
         }
+        Py_DECREF(token);
     }
     return PyLong_FromSsize_t(added);
 }

@@ -124,13 +124,18 @@ def test_bad_counts_are_errors_not_proposals():
         propose_counts(index.counts.tables, [0, -1, 5], 8, 0.1, 1.0, 1.0, 0.0)
 
 
-def test_without_the_extension_the_request_walks_in_python(monkeypatch):
+def test_without_the_extension_the_request_walks_and_counts_in_python(monkeypatch):
     rng = random.Random(2)
+    tokens = stream(rng, 6)
     index = SuffixIndex()
-    index.extend(stream(rng, 6))
+    index.extend(tokens)
     native = [index.lookup(k, beat) for k in (4, 16) for beat in (0.0, 2.0)]
     monkeypatch.setattr(suffix, "_native_propose", None)
-    assert [index.lookup(k, beat) for k in (4, 16) for beat in (0.0, 2.0)] == native
+    monkeypatch.setattr(suffix, "_native_count", None)
+    in_python = SuffixIndex()
+    in_python.extend(tokens)
+    assert ordered(in_python.counts) == ordered(index.counts) and in_python.counts.size == index.counts.size
+    assert [in_python.lookup(k, beat) for k in (4, 16) for beat in (0.0, 2.0)] == native
     assert any(native)
 
 
