@@ -155,11 +155,15 @@ typedef struct {
 #define SMALL 64  /* drafts a Chain holds on the stack; more (a larger max_tokens) are allocated */
 typedef struct { uint32_t drafts[SMALL]; uint64_t hashes[MAX_MATCH + 1 + SMALL]; } Room;
 
-static int chain_init(Chain *chain, Room *room, Py_ssize_t max_tokens) {
+/* Room for the drafts a walk under `rule` can make: its chain limit after the longest match
+   (the limits grow with the match), at most max_tokens. */
+static int chain_init(Chain *chain, Room *room, Py_ssize_t max_tokens, const Rule *rule) {
+    double most = MAX_MATCH * rule->factor + rule->offset + 1e-6;
+    Py_ssize_t room_for = most < (double)max_tokens ? (most > 0 ? (Py_ssize_t)most : 0) : max_tokens;
     chain->drafts = room->drafts, chain->hashes = room->hashes;
-    if (max_tokens <= SMALL) return 0;
-    chain->drafts = malloc(sizeof(uint32_t) * max_tokens);
-    chain->hashes = malloc(sizeof(uint64_t) * (MAX_MATCH + 1 + max_tokens));
+    if (room_for <= SMALL) return 0;
+    chain->drafts = malloc(sizeof(uint32_t) * room_for);
+    chain->hashes = malloc(sizeof(uint64_t) * (MAX_MATCH + 1 + room_for));
     if (chain->drafts && chain->hashes) return 0;
     PyErr_NoMemory();
     return -1;
@@ -293,7 +297,7 @@ static PyObject *propose_one(const Counts *c, PyObject *const *args) {
     Room room;
     Chain chain;
     PyObject *result = NULL;
-    if (chain_init(&chain, &room, max_tokens) == 0) {
+    if (chain_init(&chain, &room, max_tokens, &rule) == 0) {
         int found = walk(c, args[0], max_tokens, &rule, beat, &chain);
         result = found < 0 ? NULL : found ? chain_tuple(&chain, NULL) : Py_NewRef(Py_None);
     }
@@ -342,8 +346,8 @@ PyObject *walk_best(ContextTable *self, PyObject *const *args, Py_ssize_t nargs)
     Room rooms[2];
     Chain chains[2];  /* global, own */
     PyObject *result = NULL;
-    int ready = chain_init(&chains[0], &rooms[0], max_tokens);
-    if (chain_init(&chains[1], &rooms[1], max_tokens) == 0 && ready == 0) {
+    int ready = chain_init(&chains[0], &rooms[0], max_tokens, &global_rule);
+    if (chain_init(&chains[1], &rooms[1], max_tokens, &own_rule) == 0 && ready == 0) {
         int other = walk(&global, args[1], max_tokens, &global_rule, 0.0, &chains[0]), mine = 0;
         if (other >= 0)
             mine = walk(&own, args[1], max_tokens, &own_rule, other ? nextafter(chains[0].score, -INFINITY) : 0.0,

@@ -107,6 +107,19 @@ def test_hash_collisions_take_the_same_search_path():
         assert_same_walks(probe, rng, ks=(4, 16))
 
 
+def test_a_huge_cap_is_only_a_cap():
+    """The walks hold what a chain can reach (its limit after the longest match), not max_tokens."""
+    rng = random.Random(3)
+    tokens = stream(rng, 5)
+    tokens += tokens[:100]  # ends in a repeat: a match of 32 tokens
+    index = SuffixIndex(0.0, 4.0, 3.0)  # chains of up to 131 drafts: past the stack's 64
+    index.extend(tokens)
+    global_index, global_counts = outputs_and_counts([tokens])
+    for k in (10**12, 2**62):
+        assert index.lookup(k) == python_walk(index, k) and len(index.lookup(k).continuation) > 64
+        assert best_match(index, global_index, k) == python_best(index, global_counts, k)
+
+
 def test_bad_counts_are_errors_not_proposals():
     index = SuffixIndex()
     index.extend([1, 2, 3, 2])  # only the last token's context of order 1 matches: [2]
