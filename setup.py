@@ -1,5 +1,7 @@
 """Build hooks: generate the protobuf/gRPC Python modules from protos/ at build time, and
-compile the global suffix index's native table (drafter_service/proposers/_context_table.c).
+compile the suffix indexes' native part (drafter_service/proposers/_context_table.c: the global
+index's table; _suffix_walk.c: the proposal walk over either index; _request_counts.c: a
+request's own counting).
 
 The generated `*_pb2.py`, `*_pb2.pyi` and `*_pb2_grpc.py` files and the compiled extension
 are git-ignored; both a regular install and an editable install (`pip install -e .`) build
@@ -44,6 +46,9 @@ class BuildPyWithProtos(build_py):
 
 # C99 with GNU builtins (gcc or clang); the module has no dependency but Python's headers.
 CONTEXT_TABLE = Extension("drafter_service.proposers._context_table",
-                          sources=["drafter_service/proposers/_context_table.c"], extra_compile_args=["-std=gnu11"])
+                          sources=[f"drafter_service/proposers/{name}.c" for name in ("_context_table", "_suffix_walk",
+                                                                                      "_request_counts")],
+                          depends=["drafter_service/proposers/_context_table.h"], libraries=["m"],
+                          extra_compile_args=["-std=gnu11"])
 
 setup(cmdclass={"build_py": BuildPyWithProtos}, ext_modules=[CONTEXT_TABLE])

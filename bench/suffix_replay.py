@@ -412,7 +412,8 @@ def main() -> None:
                         "repeat-with-edits after that many tokens of earlier outputs, instead of --files' workloads")
     parser.add_argument("--scored", type=int, default=60, help="--history: files of the history replayed, edited")
     parser.add_argument("--before", default=None, help="--history: also the Python global index of this checkout "
-                        "(the tree before issue 37), at its default bound and unbounded")
+                        "(the tree before issue 37), at its default bound and unbounded (a tree with the native "
+                        "index: bench/suffix_paired.py)")
     parser.add_argument("--before-unbounded", type=int, default=1_000_000,
                         help="--before: the unbounded Python index only up to this history (its memory grows with it)")
     args = parser.parse_args()

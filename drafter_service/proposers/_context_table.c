@@ -23,56 +23,27 @@
      propose(prefix, max_tokens, min_prob, factor, offset, beat) -> None | (matched, [tokens], score)
                                                  suffix.py's _propose on these counts; prefix
                                                  is a request's list of prefix hashes
+     best(tables, prefix, max_tokens, min_prob, factor, offset, own_min_prob, own_factor, own_offset)
+                                                 -> None | (matched, [tokens], score, source): a
+                                                 round's proposal (global_index.py's best_match)
+                                                 over these counts and a request's (tables)
      bytes, contexts                             allocated bytes, contexts held
+   and the module's propose_counts (the same walk over a request's own counts) and count_stream
+   (a request's own counting). The walk is _suffix_walk.c's, the request's counting
+   _request_counts.c's; _context_table.h holds what they share.
 */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
+#include "_context_table.h"
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 
-#define NUM_ORDERS 15
-#define MAX_MATCH 32
-static const int ORDERS[NUM_ORDERS] = {1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32};
-#define MOD 2147483647ULL                    /* suffix.py's MOD, BASE: the same hashes */
-#define BASE (0x9E3779B9ULL % MOD)
-static uint64_t POW[MAX_MATCH + 1];
+uint64_t POW[MAX_MATCH + 1];
 
-#define LIST_FLAG 0x80000000u                /* value: a List id (31 bits) */
-#define TOKEN_BITS 20                        /* value: token (20 bits) | count << 20 (11 bits) */
-#define TOKEN_LIMIT (1u << TOKEN_BITS)       /* larger tokens, or counts, go to a List */
-#define COUNT_LIMIT 0x7FFu
 #define MIN_SLOTS 256
 #define MAX_LOAD(slots) ((uint32_t)((uint64_t)(slots) * 4 / 5))
 #define ALLOC_OVERHEAD 16                    /* the allocator's header per List, counted too */
 
-typedef struct { uint32_t key, value; } Slot;  /* key: hash + 1; 0 = empty */
-typedef struct { Slot *slots; uint32_t mask, size; int shift; } Table;
-typedef struct { uint32_t length, capacity; uint32_t items[]; } List;  /* (token, count) pairs */
-
-typedef struct {
-    PyObject_HEAD
-    Table tables[NUM_ORDERS];
-    List **lists;         /* by id; a freed id's entry is NULL and its id on `free_ids` */
-    uint32_t *free_ids;
-    uint32_t lists_cap, lists_used, n_free;
-    size_t bytes;
-    uint64_t contexts;
-} ContextTable;
-
 static size_t list_bytes(uint32_t capacity) { return sizeof(List) + 8 * (size_t)capacity + ALLOC_OVERHEAD; }
-
-static inline uint32_t home(const Table *t, uint32_t key) {
-    return (uint32_t)(((uint64_t)key * 0x9E3779B97F4A7C15ULL) >> t->shift) & t->mask;
-}
-
-/* The slot holding key, or the empty slot where it would go. */
-static inline uint32_t find(const Table *t, uint32_t key) {
-    uint32_t i = home(t, key);
-    while (t->slots[i].key && t->slots[i].key != key) i = (i + 1) & t->mask;
-    return i;
-}
 
 #define HUGE_PAGE (2u << 20)
 
@@ -367,142 +338,6 @@ static PyObject *ContextTable_uncount(ContextTable *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* The value of context `key` at order oi (0: none). */
-static inline uint32_t lookup(const ContextTable *self, int oi, uint32_t key) {
-    const Table *t = &self->tables[oi];
-    const Slot *slot = &t->slots[find(t, key)];
-    return slot->key ? slot->value : 0;
-}
-
-/* A request's prefix hashes, read from its list as the walk needs them (most are never
-   read), then those of the drafted tokens. */
-typedef struct {
-    PyObject *prefix;
-    Py_ssize_t first;  /* index in prefix of hashes[0] */
-    Py_ssize_t have;   /* hashes[0..have) come from the list */
-    uint64_t loaded;   /* bit i: hashes[i] read */
-    uint64_t *hashes;
-} Hashes;
-
-static inline int hash_at(Hashes *h, Py_ssize_t i, uint64_t *out) {
-    if (i < h->have && !(h->loaded >> i & 1)) {
-        uint64_t value = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(h->prefix, h->first + i));
-        if (value >= MOD) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "prefix hashes must lie in [0, 2**31 - 1)");
-            return -1;
-        }
-        h->hashes[i] = value;
-        h->loaded |= 1ULL << i;
-    }
-    *out = h->hashes[i];
-    return 0;
-}
-
-/* The key of the `order` tokens before hashes[end]: 0 with an exception set on a bad hash. */
-static inline uint32_t window_key(Hashes *h, Py_ssize_t end, int order) {
-    uint64_t last = 0, first = 0;
-    if (hash_at(h, end, &last) < 0 || hash_at(h, end - order, &first) < 0) return 0;
-    return (uint32_t)((last + MOD - first * POW[order] % MOD) % MOD) + 1;
-}
-
-/* suffix.py's _propose on these counts, step for step (the same floats in the same order).
-   Arguments: prefix (list), max_tokens, min_prob, factor, offset, beat (METH_FASTCALL: this
-   runs on every round's path). */
-static PyObject *ContextTable_propose(ContextTable *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6 || !PyList_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "propose(prefix: list, max_tokens, min_prob, factor, offset, beat)");
-        return NULL;
-    }
-    PyObject *prefix = args[0];
-    Py_ssize_t max_tokens = PyLong_AsSsize_t(args[1]);
-    double min_prob = PyFloat_AsDouble(args[2]), factor = PyFloat_AsDouble(args[3]);
-    double offset = PyFloat_AsDouble(args[4]), beat = PyFloat_AsDouble(args[5]);
-    if (PyErr_Occurred()) return NULL;
-    if (beat >= (double)max_tokens || PyList_GET_SIZE(prefix) < 2) Py_RETURN_NONE;
-    /* the request's last MAX_MATCH + 1 prefix hashes, then those of the drafts */
-    Py_ssize_t n = PyList_GET_SIZE(prefix) - 1;
-    Py_ssize_t have = n + 1 < MAX_MATCH + 1 ? n + 1 : MAX_MATCH + 1;
-    uint64_t small[MAX_MATCH + 1 + 64];
-    Hashes h = {prefix, n + 1 - have, have, 0, small};
-    PyObject *draft = NULL;
-    if (max_tokens > 64 && !(h.hashes = malloc(sizeof(uint64_t) * (MAX_MATCH + 1 + max_tokens)))) return PyErr_NoMemory();
-    Py_ssize_t end = have - 1;  /* hashes[end] hashes all committed tokens; `end` tokens are visible */
-    int low = 0, high = NUM_ORDERS;  /* the matching orders are a prefix of ORDERS: binary search */
-    while (low < high) {
-        int mid = (low + high) / 2;
-        uint32_t key = 0;
-        if (ORDERS[mid] <= n && !(key = window_key(&h, end, ORDERS[mid]))) goto fail;
-        if (key && lookup(self, mid, key)) low = mid + 1;
-        else high = mid;
-    }
-    int oi = low - 1;
-    if (oi < 0) goto none;
-    int matched = ORDERS[oi];
-    Py_ssize_t limit = (Py_ssize_t)(matched * factor + offset + 1e-6);
-    if (limit > max_tokens) limit = max_tokens;
-    if ((double)limit <= beat) goto none;
-    if (!(draft = PyList_New(0))) goto fail;
-    double prob = 1.0, score = 0.0;
-    Py_ssize_t length = matched;
-    int next_order = oi + 1 < NUM_ORDERS ? ORDERS[oi + 1] : 1 << 30;
-    while (length < matched + limit) {
-        while (length >= next_order) {  /* into longer contexts */
-            oi++;
-            next_order = oi + 1 < NUM_ORDERS ? ORDERS[oi + 1] : 1 << 30;
-        }
-        uint32_t value = 0;
-        while (oi >= 0) {
-            if (ORDERS[oi] <= end) {
-                uint32_t key = window_key(&h, end, ORDERS[oi]);
-                if (!key) goto fail;
-                if ((value = lookup(self, oi, key))) break;
-            }
-            oi--;
-            next_order = ORDERS[oi + 1];
-        }
-        if (!value) break;
-        uint32_t token;
-        if (!(value & LIST_FLAG)) {  /* only ever followed by one token: certain under the counts */
-            token = value & (TOKEN_LIMIT - 1);
-        } else {  /* the most frequent; ties: the most recently counted (the later in the list) */
-            const List *list = self->lists[value & ~LIST_FLAG];
-            uint64_t best_count = 0, total = 0;
-            token = 0;
-            for (uint32_t i = 0; i < list->length; i++) {
-                total += list->items[2 * i + 1];
-                if (list->items[2 * i + 1] >= best_count) token = list->items[2 * i], best_count = list->items[2 * i + 1];
-            }
-            prob *= (double)best_count / (double)total;
-            if (prob < min_prob) break;
-        }
-        PyObject *item = PyLong_FromUnsignedLong(token);
-        if (!item || PyList_Append(draft, item) < 0) {
-            Py_XDECREF(item);
-            goto fail;
-        }
-        Py_DECREF(item);
-        score += prob;
-        length++;
-        if (beat != 0.0 && score + (double)(matched + limit - length) * prob <= beat) goto none;
-        uint64_t last = 0;
-        if (hash_at(&h, end, &last) < 0) goto fail;
-        h.hashes[end + 1] = (last * BASE + token + 1) % MOD;
-        end++;
-    }
-    if (PyList_GET_SIZE(draft) == 0) goto none;
-    if (h.hashes != small) free(h.hashes);
-    PyObject *result = Py_BuildValue("(iNd)", matched, draft, score);
-    return result;
-none:
-    Py_XDECREF(draft);
-    if (h.hashes != small) free(h.hashes);
-    Py_RETURN_NONE;
-fail:
-    Py_XDECREF(draft);
-    if (h.hashes != small) free(h.hashes);
-    return NULL;
-}
-
 static int ContextTable_init(ContextTable *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "", kwlist)) return -1;
@@ -535,8 +370,11 @@ static PyObject *ContextTable_contexts(ContextTable *self, void *closure) { retu
 static PyMethodDef ContextTable_methods[] = {
     {"count", (PyCFunction)ContextTable_count, METH_VARARGS, "count(tokens, start, stop, budget) -> position reached"},
     {"uncount", (PyCFunction)ContextTable_uncount, METH_VARARGS, "uncount(tokens, start, stop): remove positions start..stop-1"},
-    {"propose", (PyCFunction)(void (*)(void))ContextTable_propose, METH_FASTCALL,
+    {"propose", (PyCFunction)(void (*)(void))walk_table, METH_FASTCALL,
      "propose(prefix, max_tokens, min_prob, factor, offset, beat) -> None | (matched, tokens, score)"},
+    {"best", (PyCFunction)(void (*)(void))walk_best, METH_FASTCALL,
+     "best(tables, prefix, max_tokens, min_prob, factor, offset, own_min_prob, own_factor, own_offset) "
+     "-> None | (matched, tokens, score, source)"},
     {NULL},
 };
 
@@ -559,7 +397,16 @@ static PyTypeObject ContextTableType = {
     .tp_getset = ContextTable_getset,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_context_table", "Native context counts (issue 37)", -1, NULL};
+static PyMethodDef module_methods[] = {
+    {"count_stream", (PyCFunction)(void (*)(void))count_stream, METH_FASTCALL,
+     "count_stream(tables, tokens, prefix, start, stop) -> contexts added"},
+    {"propose_counts", (PyCFunction)(void (*)(void))walk_counts, METH_FASTCALL,
+     "propose_counts(tables, prefix, max_tokens, min_prob, factor, offset, beat) -> None | (matched, tokens, score)"},
+    {NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_context_table", "Native context counts (issue 37)", -1,
+                                    module_methods};
 
 PyMODINIT_FUNC PyInit__context_table(void) {
     POW[0] = 1;

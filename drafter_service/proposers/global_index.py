@@ -5,7 +5,9 @@ an output, the tokens that followed it) in a native table (`_context_table.c`: o
 open-addressing array of 8-byte slots per context length, hashed on the same 31-bit rolling
 hashes as the per-request index), plus each held output's tokens (4 bytes a token) so that an
 output can leave again. A proposal is the same as suffix.py's walk over the same counts would
-give, token for token (tests/drafter_service/proposers/test_global_index.py compares them).
+give, token for token (tests/drafter_service/proposers/test_global_index.py compares them); a
+round's whole proposal, this walk and the request's own, is one native call (best_match,
+`_suffix_walk.c`).
 
 Bounded in bytes: the table's allocations and the held tokens together stay within
 `max_bytes`. When counting an output would pass it, the oldest held outputs leave, whole (their
@@ -151,8 +153,20 @@ class GlobalIndex:
 
 def best_match(index: SuffixIndex, global_index: GlobalIndex | None, k: int) -> SuffixMatch | None:
     """The better by score of the request's own proposal and the global one (ties: the
-    request's own). The native global walk runs first: the request's own walk, in Python,
-    then stops as soon as it cannot reach that score (often at once: a long certain chain)."""
+    request's own). The global walk runs first: the request's own walk then stops as soon as it
+    cannot reach that score (often at once: a long certain chain). Both walks and the choice
+    are one native call (ContextTable.best) on every round's path; `composed_best_match` is the
+    same rule composed of the two lookups."""
+    table = global_index.table if global_index is not None else None
+    if table is None or k < 1:
+        return index.lookup(k)
+    found = table.best(index.counts.tables, index.prefix, k, global_index.min_prob, global_index.factor,
+                       global_index.offset, index.min_prob, index.factor, index.offset)
+    return None if found is None else _new_tuple(SuffixMatch, found)
+
+
+def composed_best_match(index: SuffixIndex, global_index: GlobalIndex | None, k: int) -> SuffixMatch | None:
+    """best_match as two lookups (tests hold the two equal)."""
     other = global_index.lookup(index, k) if global_index is not None else None
     if other is None:
         return index.lookup(k)

@@ -15,6 +15,11 @@ when its score (the sum of the prefix probabilities: expected accepted tokens) i
 
 Proposals depend only on committed tokens (this request's, or other requests' finished
 outputs), never on a draw, so they are the same on a replay.
+
+The rule is _propose below, the counting _count_stream; both run natively, step for step the
+same, into and over the same dicts (_suffix_walk.c's propose_counts, _request_counts.c's
+count_stream: compiled at install with the global index's table). Without the compiled
+extension the request's index runs these Python functions themselves.
 """
 
 from __future__ import annotations
@@ -25,6 +30,12 @@ from contextlib import contextmanager
 from functools import cache
 
 from typing import NamedTuple
+
+try:  # (the native walk over this module's counts and their counting; without them, Python's)
+    from drafter_service.proposers._context_table import count_stream as _native_count
+    from drafter_service.proposers._context_table import propose_counts as _native_propose
+except ImportError:  # not compiled (the global index, which needs it, can then be off)
+    _native_count = _native_propose = None
 
 ORDERS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32)  # context lengths counted
 MAX_MATCH = ORDERS[-1]
@@ -44,13 +55,16 @@ del _
 COUNT_SHIFT = 32
 TOKEN_MASK = (1 << COUNT_SHIFT) - 1
 ONE_MORE = 1 << COUNT_SHIFT
-COUNT_CHUNK = 4096  # tokens counted per job (about 50 ms on a slow CPU)
+COUNT_CHUNK = 4096  # tokens counted per job (tens of ms on a slow CPU: a long prompt cannot stall the loop)
 MIN_TOKEN_PROB = 0.1  # stop a chain when its estimated probability drops below this
 # A chain holds at most factor × (matched context tokens) + offset drafts. Chosen on a replay
 # of real code (bench/suffix_replay.py, docs/PERFORMANCE.md): one more than the match for the
 # request's own text; twice the match for other requests' outputs, which repeat longer.
 REQUEST_FACTOR, REQUEST_OFFSET = 1.0, 1.0
 GLOBAL_FACTOR, GLOBAL_OFFSET = 2.0, 0.0
+
+
+_new_tuple = tuple.__new__
 
 
 class SuffixMatch(NamedTuple):  # (a tuple: built on every round's path, cheaper than a dataclass)
@@ -252,7 +266,10 @@ class SuffixIndex:
         """Count the contexts of up to max_tokens pending tokens (all: None), in order; returns
         how many stay pending."""
         stop = len(self.tokens) if max_tokens is None else min(len(self.tokens), self.counted + max_tokens)
-        _count_stream(self.counts, self.tokens, self.prefix, self.counted, stop)
+        if _native_count is None:
+            _count_stream(self.counts, self.tokens, self.prefix, self.counted, stop)
+        elif stop > self.counted:
+            self.counts.size += _native_count(self.counts.tables, self.tokens, self.prefix, self.counted, stop)
         self.counted = stop
         return len(self.tokens) - stop
 
@@ -274,4 +291,8 @@ class SuffixIndex:
         cannot score above `beat`, and its walk stops as soon as that is certain)."""
         if k < 1:
             return None
-        return _propose(self.counts, self.prefix, k, self.min_prob, self.factor, self.offset, "request", beat)
+        if _native_propose is None:
+            return _propose(self.counts, self.prefix, k, self.min_prob, self.factor, self.offset, "request", beat)
+        found = _native_propose(self.counts.tables, self.prefix, k, self.min_prob, self.factor, self.offset, beat)
+        # (tuple.__new__: a SuffixMatch without its generated __new__, on every round's path)
+        return None if found is None else _new_tuple(SuffixMatch, (*found, "request"))
