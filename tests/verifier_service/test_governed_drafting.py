@@ -11,9 +11,9 @@ PROMPT = [3, 14, 15, 92, 65]
 
 async def test_a_slow_drafter_is_detached_then_resumed_and_tokens_stay_the_same(servers, tiny_model,
                                                                                 greedy_continuation):
-    # Every chain is right (2 greedy drafts) but comes 60 ms late: a plain round here takes a
+    # Every chain is right (2 greedy drafts) but comes 150 ms late: a plain round here takes a
     # few ms, so speculation cannot pay. Hold 4 rounds after a detach.
-    drafter = ScriptedDrafter(lambda s: chain(s, greedy_continuation(tiny_model, s.tokens, 2)), delay_s=0.06)
+    drafter = ScriptedDrafter(lambda s: chain(s, greedy_continuation(tiny_model, s.tokens, 2)), delay_s=0.15)
     stub = await servers.start(tiny_model, drafter=drafter, governor=True, governor_hold=4, max_draft_tokens=2)
     req = request(PROMPT, 60, temperature=0.0, seed=0)
     req.speculation.disable = True
@@ -50,7 +50,7 @@ async def test_with_the_governor_off_every_round_asks_the_drafter(servers, tiny_
 
 async def test_a_server_that_learnt_speculation_does_not_pay_opens_the_drafter_at_the_first_probe(
         servers, tiny_model, greedy_continuation):
-    drafter = ScriptedDrafter(lambda s: chain(s, greedy_continuation(tiny_model, s.tokens, 2)), delay_s=0.06)
+    drafter = ScriptedDrafter(lambda s: chain(s, greedy_continuation(tiny_model, s.tokens, 2)), delay_s=0.15)
     stub = await servers.start(tiny_model, drafter=drafter, governor=True, governor_hold=4, max_draft_tokens=2)
     for _ in range(6):  # 3 measured speculative rounds each: the server's verdict needs 16
         await generate(stub, request(PROMPT, 60, temperature=0.0, seed=0))
