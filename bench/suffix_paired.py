@@ -21,17 +21,20 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from bench.suffix_replay import Ours, allocated_bytes, history_corpus, in_child, log, resident_bytes, scored_requests
-from drafter_service.proposers.suffix_drafter import SuffixDrafter
-from shared.model.registry import resolve_model
-from shared.tokenizer import load_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (its siblings: suffix_replay, suffix_history)
+
+from suffix_history import history_corpus, in_child, scored_requests  # noqa: E402
+from suffix_replay import Ours, allocated_bytes, log, resident_bytes  # noqa: E402
+
+from drafter_service.proposers.suffix_drafter import SuffixDrafter  # noqa: E402
+from shared.model.registry import resolve_model  # noqa: E402
+from shared.tokenizer import load_tokenizer  # noqa: E402
 
 
 def foreign_drafter_class(directory: str):
