@@ -397,3 +397,21 @@ def test_a_drafter_that_pays_keeps_paying_across_plain_rechecks():
     kinds = run(governor, 400, fast_drafter)
     assert governor.detaches == 0
     assert sum(not k for k in kinds) <= 5 + (400 // 40 + 1) * 3  # the first calibration, then 3 plain rounds per 40
+
+
+def test_one_request_rechecks_at_a_time_and_an_ended_one_gives_the_place_back():
+    settings = GovernorSettings(judge_rounds=5, min_hold=4, probe_share=0.05, window=8, server_window=8,
+                                recheck_rounds=10)
+    ledger = Ledger(settings)
+    first, second = Governor(settings, ledger), Governor(settings, ledger)
+    # 5 speculative rounds, a 5-round calibration, then speculation: past 10 speculative rounds
+    # without a plain one (its 13th measured) its next judgement (its 25th round) takes the recheck
+    run(first, 25, fast_drafter)
+    assert first.rechecking and ledger.rechecking and not first.next_speculates
+    assert not ledger.plain.rounds  # (the stale window dropped: the recheck's rounds replace it)
+    run(second, 40, fast_drafter)
+    assert not second.rechecking  # the place was taken
+    first.close()  # the request ended mid-recheck
+    assert not ledger.rechecking and ledger.since_plain == 0
+    ledger.since_plain = settings.recheck_rounds
+    assert ledger.take_recheck()
