@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 import math
 
+from tokenizers import decoders
+
 from shared.client import TokenLogprob
 
 NO_MASS = -9999.0
@@ -40,7 +42,7 @@ class TokenTexts:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.byte_level = "ByteLevel" in type(tokenizer.decoder).__name__ or "ByteLevel" in repr(tokenizer.decoder)
+        self.byte_level = isinstance(tokenizer.decoder, decoders.ByteLevel)
         self._symbols = _byte_symbols()
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 (one instance per gateway)

@@ -21,6 +21,20 @@ extern uint64_t POW[MAX_MATCH + 1];          /* BASE**i % MOD, set when the modu
 #define TOKEN_LIMIT (1u << TOKEN_BITS)       /* larger tokens, or counts, go to a List */
 #define COUNT_LIMIT 0x7FFu
 
+/* prefix[i] (a request's list of prefix hashes, suffix.py's SuffixIndex.prefix) into *out:
+   0, or -1 with ValueError set for a value outside [0, MOD) (a negative or non-int one too: the
+   conversion's error is replaced). */
+static inline int prefix_hash(PyObject *prefix, Py_ssize_t i, uint64_t *out) {
+    unsigned long long value = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(prefix, i));
+    if (value >= MOD) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "prefix hashes must lie in [0, 2**31 - 1)");
+        return -1;
+    }
+    *out = value;
+    return 0;
+}
+
 typedef struct { uint32_t key, value; } Slot;  /* key: hash + 1; 0 = empty */
 typedef struct { Slot *slots; uint32_t mask, size; int shift; } Table;
 typedef struct { uint32_t length, capacity; uint32_t items[]; } List;  /* (token, count) pairs */

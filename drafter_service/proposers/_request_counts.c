@@ -55,17 +55,6 @@ done:
     return result;
 }
 
-static int hash_of(PyObject *prefix, Py_ssize_t i, uint64_t *out) {
-    unsigned long long value = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(prefix, i));
-    if (value >= MOD) {  /* (also a negative or non-int one: the conversion's error replaced) */
-        PyErr_Clear();
-        PyErr_SetString(PyExc_ValueError, "prefix hashes must lie in [0, 2**31 - 1)");
-        return -1;
-    }
-    *out = value;
-    return 0;
-}
-
 PyObject *count_stream(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5 || !PyList_Check(args[0]) || PyList_GET_SIZE(args[0]) != NUM_ORDERS || !PyList_Check(args[1])
         || !PyList_Check(args[2])) {
@@ -91,10 +80,10 @@ PyObject *count_stream(PyObject *module, PyObject *const *args, Py_ssize_t nargs
             return PyErr_Format(PyExc_ValueError, "tokens must lie in [0, 2**32) (position %zd)", n);
         }
         uint64_t hn, hm;
-        if (hash_of(prefix, n, &hn) < 0) return NULL;
+        if (prefix_hash(prefix, n, &hn) < 0) return NULL;
         Py_INCREF(token);  /* (held: a dict made below may run the collector, and with it any code) */
         for (int oi = 0; oi < NUM_ORDERS && ORDERS[oi] <= n; oi++) {
-            int fresh = hash_of(prefix, n - ORDERS[oi], &hm);
+            int fresh = prefix_hash(prefix, n - ORDERS[oi], &hm);
             if (fresh == 0) {
                 uint32_t key = (uint32_t)((hn + MOD - hm * POW[ORDERS[oi]] % MOD) % MOD);
                 fresh = count_one(PyList_GET_ITEM(tables, oi), key, token, t);

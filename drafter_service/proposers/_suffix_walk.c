@@ -12,8 +12,8 @@
    misses cannot overlap. (Prefetching the first search's slots, all at once or a step ahead,
    was measured and made it slower or changed nothing: docs/PERFORMANCE.md, 2026-12-04.)
 
-   The request's counts stay Python dicts (counted in Python, off the round's path); this file
-   only reads them. Tokens must lie in [0, 2**32) (as suffix.py's packed ints assume).
+   The request's counts stay Python dicts (counted off the round's path, by _request_counts.c
+   or suffix.py); this file only reads them. Tokens must lie in [0, 2**32) (as suffix.py's packed ints assume).
 
    Python API (prefix: a request's list of prefix hashes, SuffixIndex.prefix; tables: its
    ContextCounts.tables):
@@ -115,13 +115,7 @@ typedef struct {
 
 static inline int hash_at(Hashes *h, Py_ssize_t i, uint64_t *out) {
     if (i < h->have && !(h->loaded >> i & 1)) {
-        uint64_t value = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(h->prefix, h->first + i));
-        if (value >= MOD) {  /* (also a negative or non-int one: the conversion's error replaced) */
-            PyErr_Clear();
-            PyErr_SetString(PyExc_ValueError, "prefix hashes must lie in [0, 2**31 - 1)");
-            return -1;
-        }
-        h->hashes[i] = value;
+        if (prefix_hash(h->prefix, h->first + i, &h->hashes[i]) < 0) return -1;
         h->loaded |= 1ULL << i;
     }
     *out = h->hashes[i];
