@@ -16,7 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from shared.model import ModelConfig, load_model
+from shared.model import ModelConfig, load_model, save_checkpoint
 
 TESTS = Path(__file__).resolve().parent
 # Test folders that run the fused kernels' own code (in the interpreter without a GPU); the rest
@@ -150,3 +150,25 @@ def target_law_two_tokens_fixture():
     """target_law_two_tokens(model, params, prompt=TARGET_LAW_PROMPT): (law, p_fn); the prompt is
     [3, 14, 15, 92, 65] unless given."""
     return target_law_two_tokens
+
+
+SPLIT_TINY = dict(
+    model_type="qwen3_moe", vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
+    num_experts_per_tok=2, max_position_embeddings=256, rope_theta=10000.0, norm_topk_prob=True,
+    initializer_range=0.5, mlp_only_layers=[1],
+)
+
+
+@pytest.fixture(scope="session")
+def split_checkpoint(tmp_path_factory):
+    """(path, config dict): a tiny qwen3_moe checkpoint for splitting over ranks (shared.model.
+    parallel): layer 1 dense, norms perturbed."""
+    path = tmp_path_factory.mktemp("split")
+    model = load_model(config=ModelConfig.from_dict(SPLIT_TINY), random_weights=True, seed=3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    save_checkpoint(model, path)
+    return path, SPLIT_TINY

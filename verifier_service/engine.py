@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -30,6 +31,7 @@ from shared.model.families import build_fused, fused_wanted
 from shared.model.graphs import FusedRunner
 from shared.model.kv_cache import KVPool
 from shared.model.moe import MoeBlock
+from shared.model.parallel.lockstep import LeaderRunner
 from shared.model.runner import ReferenceRunner, Runner, Window, WindowOutput
 from verifier_service.kv_memory import KVPlan, plan_kv
 from verifier_service.logprobs import window_logprobs
@@ -59,8 +61,10 @@ class Engine:
         kv_block_size: int = 64,
         kv_cache_tokens: int = 0,
         kv_memory_fraction: float = 0.9,
+        group=None,  # shared.model.parallel.group.ModelGroup: the model is this rank's share (DESIGN §13)
     ) -> None:
         self.model = model
+        self.group = group
         self.draw_secret = draw_secret  # keys the accept/residual draws (verifier_service.audit)
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
@@ -75,12 +79,14 @@ class Engine:
         # or batch (DESIGN §11). The fused path gives it in one forward on the GPU (its kernels)
         # and on the CPU (its torch ops' products row by row); the reference path (fused off)
         # runs windows on the CPU as one-row steps.
+        if group is not None and not fused_wanted(model, fused, auto_on_cpu=True):
+            raise ValueError("a model split over processes (--parallel) runs the fused path only (--fused auto or on)")
         if fused_wanted(model, fused, auto_on_cpu=True):
             # Built before the KV plan: its workspaces and the linear-attention states (a slot's
             # per session and the scratch slot's) come out of the memory the pool may take.
             fused_model = build_fused(model, max_rows=batch_rows, max_length=max_context, num_state_slots=max_sessions + 1,
                                       pdl=None if pdl else False, invariant=row_invariant or model.device.type == "cuda",
-                                      expert_prefetch=expert_prefetch)
+                                      expert_prefetch=expert_prefetch, group=group)
             if model.device.type == "cuda":
                 # Building it may re-lay weights out: what the old layouts held goes back to the
                 # device before the KV plan reads its free memory (and for a drafter beside it).
@@ -89,6 +95,11 @@ class Engine:
         self.kv_plan: KVPlan = plan_kv(requested_tokens=kv_cache_tokens, memory_fraction=kv_memory_fraction,
                                        block_size=kv_block_size, bytes_per_token=bytes_per_token, device=model.device,
                                        max_sessions=max_sessions, max_context=max_context)
+        if group is not None:  # every rank's pool the same size: the smallest any rank's memory allows
+            num_tokens = group.agree_min(self.kv_plan.num_blocks) * self.kv_plan.block_size
+            if num_tokens != self.kv_plan.num_tokens:
+                self.kv_plan = replace(self.kv_plan, num_tokens=num_tokens, source=f"{self.kv_plan.source}, "
+                                       "the smallest of the ranks'")
         if progress is not None:
             progress(self.kv_plan.describe())
             if fused_model is not None and fused_model.states is not None:
@@ -111,6 +122,8 @@ class Engine:
             runner.capture(progress=None if progress is None else lambda what, s: progress(f"captured {what} in {s:.2f}s"))
             if runner.use_graphs or runner.segments is not None:  # (CUDA)
                 self._warm_prefill(progress)
+            if group is not None and group.rank == 0:  # from now on every call reaches the followers too
+                self.runner = LeaderRunner(runner, group)
         # Results reach the host through two (pinned) slots, copied in the compute stream: the
         # step in hand, and (decode-ahead) the step enqueued behind it.
         pinned = model.device.type == "cuda"
@@ -195,6 +208,11 @@ class Engine:
             torch.cuda.synchronize()
         if progress is not None:
             progress(f"warmed up prefill in {time.perf_counter() - started:.2f}s")
+
+    def shutdown(self) -> None:
+        """A model split over processes: the followers leave their loops (rank 0, at the end)."""
+        if isinstance(self.runner, LeaderRunner):
+            self.runner.close()
 
     def close(self, session: Session) -> None:
         """Give the session's slot back (idempotent)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import secrets
 import time
 import uuid
@@ -28,7 +29,7 @@ from kernels.speculative import Gate, Mode
 from shared import security, telemetry
 from shared.threads import model_threads, use_threads
 from shared.metrics import VerifierMetrics
-from shared.model import load_model, resident_bytes
+from shared.model import resident_bytes
 from shared.model.registry import resolve_model
 from shared.protocol import drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from shared.service import ServiceServer, require_model, run_until_signalled
@@ -40,6 +41,7 @@ from verifier_service.governor import Governor, GovernorSettings, Ledger
 from verifier_service.engine import Engine
 from verifier_service.loop import BatchSettings, EngineLoop, Lane, RoundsExhausted
 from verifier_service.prefill import PrefillBatcher
+from verifier_service.ranks import Ranks, engine_options, load_share, rank_threads
 from verifier_service.request_rounds import RequestRounds, Running, trace_context
 from verifier_service.rounds import Session
 from verifier_service.requests import RequestError, RequestSpec, parse_request
@@ -48,19 +50,22 @@ from verifier_service.stats import RequestStats, finish_span
 from verifier_service.stops import Completion
 
 log = structlog.get_logger("verifier")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RANK_LOST_EXIT = 70  # (EX_SOFTWARE) a follower rank ended under a serving verifier
 
 
 class VerifierService(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, settings: VerifierSettings, model=None, tokenizer=None):
         self.settings = settings
-        self.threads = model_threads(settings.cpu_threads, device=settings.device, role="verifier",
-                                     drafter=settings.drafter)
+        self.threads = rank_threads(settings) if settings.parallel > 1 else model_threads(
+            settings.cpu_threads, device=settings.device, role="verifier", drafter=settings.drafter)
         self.worker = EngineLoop("verifier-model", BatchSettings(max_rounds=settings.max_sessions,
                                                                  gather_s=settings.batch_gather_ms / 1e3),
                                  on_step=self.metrics_step, on_drafting=self._drafting if self.threads.adapts else None)
         self.model = model
         self.tokenizer = tokenizer
+        self.ranks: Ranks | None = None  # the follower processes of a model split over processes
+        self.ranks_stopping = False
+        self.watchdog: asyncio.Task | None = None
         self.engine: Engine | None = None
         self.rounds: RequestRounds | None = None  # (once the engine is built)
         self.prefiller: PrefillBatcher | None = None
@@ -114,22 +119,24 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         if self.threads.full is not None:  # (shared/threads.py: before any model work)
             await self.worker.run(use_threads, self.threads.full)  # (the engine loop's thread runs the ops)
             log.info("cpu threads", threads=self.threads.full, while_drafting=self.threads.drafting)
+        group = None
+        if s.parallel > 1:
+            if self.model is not None:
+                raise ValueError("parallel: a model handed in already loaded cannot be split over processes")
+            self.ranks = Ranks(s)
+            log.info("starting ranks", parallel=s.parallel, address=self.ranks.address)
+            group = await self.worker.run(self.ranks.start)
+            self.watchdog = asyncio.create_task(self._watch_ranks())
         if self.model is None:
             path = resolve_model(s.model)
-            log.info("loading model", path=str(path), device=s.device, dtype=s.dtype, quantize=s.quantize)
-            self.model = await self.worker.run(
-                load_model, path, device=s.device, dtype=DTYPES[s.dtype], num_expert_slots=s.num_expert_slots or None,
-                random_weights=s.random_weights, parts="trunk", quantize=s.quantize,  # (the MTP layer is the drafter's)
-            )
+            log.info("loading model", path=str(path), device=s.device, dtype=s.dtype, quantize=s.quantize,
+                     rank=None if group is None else f"0 of {s.parallel}")
+            self.model = await self.worker.run(load_share, s, None if group is None else group.shard,
+                                               s.device if group is None else group.device)
             self.tokenizer = load_tokenizer(path)
-        max_context = min(s.max_context or self.model.config.max_position_embeddings, self.model.config.max_position_embeddings)
         self.engine = await self.worker.run(
-            Engine, self.model, max_context=max_context, prefill_chunk=s.prefill_chunk, fused=s.fused,
-            cuda_graphs=s.cuda_graphs, pdl=s.pdl != "off", expert_prefetch=s.expert_prefetch, max_sessions=s.max_sessions,
-            max_window=s.max_draft_tokens_limit + 1, max_batch_rows=s.max_batch_rows, verify_window=s.max_draft_tokens + 1,
-            progress=lambda message: log.info(message), draw_secret=self.draw_secret, row_invariant=s.row_invariant,
-            kv_block_size=s.kv_block_size, kv_cache_tokens=s.kv_cache_tokens,
-            kv_memory_fraction=s.kv_memory_fraction,
+            Engine, self.model, **engine_options(s, self.model), progress=lambda message: log.info(message),
+            draw_secret=self.draw_secret, group=group,
         )
         plan = self.engine.kv_plan  # admission counts the pool's blocks from now on (no request ran yet)
         self.admission.limits = replace(self.admission.limits, kv_blocks=plan.num_blocks, kv_block_size=plan.block_size)
@@ -142,6 +149,25 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                  path=self.engine.path, model_gib=round(model_bytes / 2**30, 3))
         if self.channel is not None:
             await self.probe_drafter()
+
+    async def _watch_ranks(self, period_s: float = 1.0) -> None:
+        """A follower that ended leaves rank 0 unable to finish any step: say so and leave, so the
+        orchestrator restarts the verifier (requests in flight would otherwise wait forever)."""
+        while True:
+            await asyncio.sleep(period_s)
+            dead = self.ranks.dead()
+            if dead and not self.ranks_stopping:
+                log.error("a follower rank ended; the verifier cannot step without it and exits", ranks=dead)
+                os._exit(RANK_LOST_EXIT)
+
+    def close_ranks(self) -> None:
+        """At the end (off the event loop): the followers stop, rank 0 leaves the group."""
+        if self.ranks is None:
+            return
+        self.ranks_stopping = True
+        if self.engine is not None:
+            self.engine.shutdown()
+        self.ranks.stop()
 
     def _prefill_job(self, num_sessions: int, num_tokens: int) -> None:
         self.metrics.prefill_sessions.observe(num_sessions)
@@ -369,6 +395,9 @@ class VerifierServer(ServiceServer):
         if self.service.channel is not None:
             await self.service.channel.close()
         self.service.worker.shutdown()
+        if self.service.watchdog is not None:
+            self.service.watchdog.cancel()
+        await asyncio.to_thread(self.service.close_ranks)
 
 
 async def serve(settings: VerifierSettings) -> None:

@@ -18,6 +18,7 @@ class VerifierSettings:
     port: int = field(default=50051, metadata={"help": "port to bind; 0 picks a free one"})
     drafter: str | None = field(default=None, metadata={"help": "drafter address (host:port, dns:///name:port, ipv4:a:p,b:p); none = decode without drafts"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
+    parallel: int = field(default=1, metadata={"help": "processes the model is split over (DESIGN §13): each holds 1/N of the routed experts (expert parallel) and of the attention heads (tensor parallel); on CUDA one GPU each (from --device's index up), on the CPU gloo processes. qwen3_moe models on the fused path, all experts resident"})
     dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16 or float16"})
     quantize: str = field(default="auto", metadata={"help": "weight format: auto (an FP8 checkpoint stays FP8 on a GPU, dequantised to --dtype on the CPU, where per-op dequantisation is slower), none (full precision everywhere), fp8 (block-scaled e4m3, blocks of 128 x 128: the projections and routed experts, routers and lm_head left; full-precision checkpoints converted on load). --dtype stays the activations'"})
     cpu_threads: int = field(default=0, metadata={"help": "torch CPU threads of the model (0 = auto: on the CPU all cores, but one left to a drafter on this host, a loopback --drafter address, while some request drafts; two processes spinning on the same cores slow each other several-fold)"})
@@ -73,6 +74,12 @@ class VerifierSettings:
         for name in ("num_expert_slots", "max_context", "max_queued", "kv_cache_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 0")
+        if self.parallel < 1:
+            raise ValueError(f"parallel {self.parallel} must be >= 1")
+        if self.parallel > 1 and self.num_expert_slots:
+            raise ValueError("num_expert_slots: experts in host memory are not supported with parallel > 1 yet")
+        if self.parallel > 1 and self.fused == "off":
+            raise ValueError("fused: a model split over processes (parallel > 1) runs the fused path only")
         if self.pdl not in ("auto", "off"):
             raise ValueError(f"pdl {self.pdl!r} must be auto or off")
         if self.drafter is not None:

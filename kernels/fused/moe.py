@@ -128,11 +128,12 @@ def fused_experts(
     down: Weight,  # [E, H, I]
     *,
     pdl: bool = False,  # launch as programmatic dependents (kernels.fused.pdl_supported)
+    zero_dropped: bool = False,
 ) -> Tensor:
-    """Per-route expert outputs [T*k, H] float32 (route r = t*k + rank). Every id must name an
-    expert: unlike experts_reference, a dropped route (id -1) is left unwritten here, not zeroed
-    (zeroing would cost every step a fill; only prompt routing drops routes, and it runs
-    through the store's dispatch path: shared.model.moe)."""
+    """Per-route expert outputs [T*k, H] float32 (route r = t*k + rank). A dropped route (id -1)
+    is left unwritten here unless zero_dropped (zeroing costs every step a fill; prompt routing
+    drops routes through the store's dispatch path, shared.model.moe; a model split over ranks
+    drops the routes to other ranks' experts and zeroes them, so the ranks' outputs add up)."""
     fp8 = isinstance(gate_up, Fp8Weight)
     if fp8 != isinstance(down, Fp8Weight):
         raise ValueError("fused_experts: gate_up and down must both be FP8 or neither")
@@ -169,7 +170,7 @@ def fused_experts(
         TOP_K=top_k, R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, PDL=pdl,
         TABLE=table, **_fp8_arguments(gate_up, block_k), num_warps=warps, num_stages=stages, **launch_options(pdl),
     )
-    out = torch.empty((num_routes, hidden), dtype=torch.float32, device=x.device)
+    out = (torch.zeros if zero_dropped else torch.empty)((num_routes, hidden), dtype=torch.float32, device=x.device)
     block_n, block_k, warps, stages = expert_config(down, x.dtype)
     down_pdl = pdl and DOWN_PDL
     down_kernel[(num_routes, cdiv(hidden, block_n))](

@@ -72,6 +72,7 @@ def load_model(
     progress: bool | None = None,
     parts: str = "all",
     quantize: str = "auto",
+    shard=None,
 ):
     """Load a checkpoint (a directory, a model name under models/, or None for the embedded
     default model), or build a random-weight model from `config` (a family's parsed config: a
@@ -82,7 +83,8 @@ def load_model(
     the MTP layer when the checkpoint has one, lm_head; never the trunk). quantize
     (shared.model.quantize.QUANTIZE): "auto" keeps an FP8 checkpoint FP8 on a GPU and
     dequantises it on the CPU, "none" dequantises it everywhere, "fp8" makes every projection
-    and routed expert block-scaled FP8."""
+    and routed expert block-scaled FP8. shard (shared.model.parallel.shard.Shard): one rank's
+    share of a verifier's trunk split over processes (families with the PARALLEL capability)."""
     from shared.model.families import family_for, family_of_config
     from shared.model.quantize import QUANTIZE
 
@@ -98,9 +100,17 @@ def load_model(
         family = family_for(model_type(path))
     else:
         family = family_of_config(config)
+    extra = {}
+    if shard is not None and shard.size > 1:
+        from shared.model.families import PARALLEL
+
+        if PARALLEL not in family.capabilities:
+            raise ValueError(f"the {family.name} family cannot be split over processes yet (--parallel needs "
+                             "a qwen3_moe model)")
+        extra["shard"] = shard
     return family.load(path, device=device, dtype=dtype, num_expert_slots=num_expert_slots,
                        random_weights=random_weights, config=config, seed=seed, progress=progress, parts=parts,
-                       quantize=quantize)
+                       quantize=quantize, **extra)
 
 
 def resident_bytes(model: torch.nn.Module) -> int:

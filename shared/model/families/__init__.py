@@ -27,6 +27,7 @@ from torch import nn
 
 EXPERT_SLOTS = "expert_slots"  # experts in host memory with device slots (offloading)
 MOCE = "moce"  # residency-aware routing of draft rows (needs expert slots' residency map)
+PARALLEL = "parallel"  # a verifier's trunk split over processes (shared.model.parallel)
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,11 @@ def _qwen3_moe_load(*args, **kwargs):
 
 
 def _qwen3_moe_fused(model, *, max_rows, max_length, num_state_slots=0, pdl=None, invariant=True,
-                     expert_prefetch=False):
+                     expert_prefetch=False, group=None):
     from shared.model.families.qwen3_moe.fused import FusedModel
 
     return FusedModel(model, max_rows=max_rows, max_length=max_length, pdl=pdl, invariant=invariant,
-                      expert_prefetch=expert_prefetch)
+                      expert_prefetch=expert_prefetch, group=group)
 
 
 def _qwen3_moe_unsupported(model):
@@ -94,9 +95,12 @@ def _hybrid_load(*args, **kwargs):
     return load_hybrid(*args, **kwargs)
 
 
-def _hybrid_fused(model, *, max_rows, max_length, num_state_slots=0, pdl=None, invariant=True, expert_prefetch=False):
+def _hybrid_fused(model, *, max_rows, max_length, num_state_slots=0, pdl=None, invariant=True, expert_prefetch=False,
+                  group=None):
     from shared.model.families.hybrid.fused import HybridFused
 
+    if group is not None:
+        raise ValueError("the hybrid family cannot be split over processes yet")
     if expert_prefetch:
         raise ValueError("expert prefetch is built for the qwen3_moe family's segmented forward only")
     # (invariant is not asked of this family: its rows are row-invariant whatever is asked)
@@ -111,7 +115,7 @@ def _hybrid_unsupported(model):
 
 FAMILIES = (
     Family("qwen3_moe", ("qwen3_moe",), _qwen3_moe_config, _qwen3_moe_class, _qwen3_moe_load, _qwen3_moe_fused, _qwen3_moe_unsupported,
-           frozenset({EXPERT_SLOTS, MOCE})),
+           frozenset({EXPERT_SLOTS, MOCE, PARALLEL})),
     Family("hybrid", ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"), _hybrid_config, _hybrid_class, _hybrid_load, _hybrid_fused,
            _hybrid_unsupported, frozenset({EXPERT_SLOTS, MOCE})),
 )
@@ -162,9 +166,10 @@ def fused_wanted(model: nn.Module, setting: str, *, auto_on_cpu: bool = False) -
 
 
 def build_fused(model: nn.Module, *, max_rows: int, max_length: int, num_state_slots: int = 0,
-                pdl: bool | None = None, invariant: bool = True, expert_prefetch: bool = False):
+                pdl: bool | None = None, invariant: bool = True, expert_prefetch: bool = False, group=None):
     """The model's fused forward: FusedModel (qwen3_moe) or HybridFused. num_state_slots: the KV
     pool slots whose linear-attention states the hybrid family keeps (0: an MTP layer alone);
-    expert_prefetch: qwen3_moe's offloaded experts (see FusedModel)."""
+    expert_prefetch: qwen3_moe's offloaded experts (see FusedModel); group: the ranks of a model
+    split over processes (shared.model.parallel.group.ModelGroup; the model is this rank's share)."""
     return family_of(model).fused(model, max_rows=max_rows, max_length=max_length, num_state_slots=num_state_slots,
-                                  pdl=pdl, invariant=invariant, expert_prefetch=expert_prefetch)
+                                  pdl=pdl, invariant=invariant, expert_prefetch=expert_prefetch, group=group)

@@ -9,6 +9,13 @@ are read on the host; on CUDA the window runner replays graph segments between t
 shared.model.segments).
 On the CPU each op runs its torch reference (or, under the Triton interpreter, its kernel).
 
+Split over ranks (`group`, DESIGN §13): the model is this rank's share (shared.model.parallel.
+shard). The o projection's split-K partials of every rank are gathered along the split axis and
+summed by the norm that consumes them, in rank order; each rank runs only the routes to its own
+experts (the others zeroed) and the ranks' route outputs are added before the usual combine —
+each route has one owner, so the combine sees one-process bits. Every rank ends each layer with
+the same rows.
+
 Rows are grouped into sequences (`Rows`): each row has a position and a KV slot; all rows
 of a sequence share its slot. The KV is paged (`PagedKV`): per layer [num_blocks, block_size,
 kv_heads, head_dim] tensors and block tables [slots, max_blocks] — a KVPool's, or one
@@ -36,6 +43,7 @@ from shared.model.mtp import fused_mtp_inputs
 from shared.model.families.qwen3_moe.model import Qwen3MoeModel
 from shared.model.layers import RoutingOptions, fuse_linear_rows
 from shared.model.offload import Offload, offload_over
+from shared.model.parallel.shard import expert_table
 from shared.model.quantize import fp8_unsupported, weight_of
 from shared.model.rows import Rows, prefill_attention, prefill_rows
 
@@ -85,7 +93,7 @@ class FusedModel(LayerwiseForward):
     segmented_offload = True  # offloaded forwards replay as graph segments (shared.model.segments)
 
     def __init__(self, model: Qwen3MoeModel, *, max_rows: int, max_length: int, pdl: bool | None = None,
-                 invariant: bool = True, expert_prefetch: bool = False) -> None:
+                 invariant: bool = True, expert_prefetch: bool = False, group=None) -> None:
         """pdl: launch each kernel as a programmatic dependent of the one before (default: where
         the GPU supports it); kernels then overlap their start with their predecessor's end.
         invariant: a row's bits are its one-row step's whatever shares its window or batch — on
@@ -94,10 +102,16 @@ class FusedModel(LayerwiseForward):
         either way. invariant=False: projections through F.linear / cuBLAS, which pick their
         kernel by the row count (bench/invariance.py's yardstick of what invariance costs).
         expert_prefetch: with experts in host memory, prefetch by the routing memory (offload.py;
-        off by default: on the H200 it cost more than it hid, docs/PERFORMANCE.md)."""
+        off by default: on the H200 it cost more than it hid, docs/PERFORMANCE.md).
+        group: the ranks of a model split over processes (shared.model.parallel.group); the
+        model must be the rank's share (loaded with its shard)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the fused path cannot run this model: {reason}")
+        self.group = group
+        if group is not None and getattr(model, "shard", None) != group.shard:
+            raise ValueError(f"rank {group.rank} of {group.size} needs the model loaded with its shard "
+                             f"(it holds {getattr(model, 'shard', None)})")
         self.model = model
         c = model.config
         self.layers = [FusedLayer(layer, index) for index, layer in enumerate(model.layers)]
@@ -112,6 +126,12 @@ class FusedModel(LayerwiseForward):
         self.invariant = invariant
         # Experts in host memory with device slots: the host reads each MoE layer's routes.
         self.offload = offload_over([layer.store if layer.moe else None for layer in self.layers], prefetch=expert_prefetch)
+        if group is not None:
+            if self.offload is not None:
+                raise ValueError("experts in host memory (expert slots) are not supported with --parallel yet")
+            for layer in self.layers:
+                if layer.moe:  # the router's experts (all) -> this rank's store index, -1 for another rank's
+                    layer.expert_table = expert_table(layer.router.shape[0], group.shard, model.device)
         self.mtp_offload = None if self.mtp_layer is None else offload_over(
             [self.mtp_layer.store if self.mtp_layer.moe else None], prefetch=False)
 
@@ -145,11 +165,23 @@ class FusedModel(LayerwiseForward):
             o_partials = F.linear(attn.view(num_rows, -1), dense(layer.o, attn.dtype))
         else:
             o_partials = linear_partials(attn.view(num_rows, -1), layer.o, layer.o_splits, pdl=pdl)
-        return add_rmsnorm(o_partials, residual, layer.post_norm, layer.eps, pdl=pdl)
+        return add_rmsnorm(self._ranks_partials(o_partials), residual, layer.post_norm, layer.eps, pdl=pdl)
+
+    def _ranks_partials(self, partials: Tensor) -> Tensor:
+        """Split over ranks: every rank's partials ([T, splits, H] float32, or one [T, H] product)
+        side by side along the split axis, for the consuming norm to add in rank order."""
+        if self.group is None:
+            return partials
+        if partials.dim() == 2:
+            partials = partials.float().unsqueeze(1)
+        return self.group.gather(partials, dim=1)
 
     def dense(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor) -> tuple[Tensor, Tensor]:
         gate, up = linear(normed, layer.gate_up, pdl=self.pdl).chunk(2, dim=-1)
-        out = linear(F.silu(gate) * up, layer.down, pdl=self.pdl)
+        if self.group is None:
+            out = linear(F.silu(gate) * up, layer.down, pdl=self.pdl)
+        else:  # the rank's share of the intermediate: its partial product, the ranks' added by the norm
+            out = self._ranks_partials(linear(F.silu(gate) * up, layer.down, out_dtype=torch.float32, pdl=self.pdl))
         return add_rmsnorm(out, residual, next_norm, layer.eps, pdl=self.pdl)
 
     def router(self, layer: FusedLayer, normed: Tensor, rows: Rows,
@@ -170,6 +202,8 @@ class FusedModel(LayerwiseForward):
         """The routed experts' weighted sum, the residual add and the next norm. expert_ids
         index the store's weights (slot ids where the caller made them resident itself)."""
         pdl = self.pdl
+        if self.group is not None:
+            return self._ranks_experts(layer, normed, residual, next_norm, expert_ids, weights)
         if normed.shape[0] <= MAX_FUSED_TOKENS:
             def run(ids: Tensor) -> Tensor:  # [T, k] expert (or slot) ids
                 return fused_experts(normed, ids, layer.store.gate_up, layer.store.down, pdl=pdl)
@@ -178,6 +212,19 @@ class FusedModel(LayerwiseForward):
             return combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps, pdl=pdl)
         out = layer.store.forward(normed, expert_ids, weights.to(normed.dtype))
         return add_rmsnorm(out, residual, next_norm, layer.eps, pdl=pdl)
+
+    def _ranks_experts(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor,
+                       expert_ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+        """Split over ranks: this rank's routes (the others' zero), every rank's added in rank
+        order (one owner a route: its one-process bits), then the combine of one process."""
+        local_ids = layer.expert_table[expert_ids]  # [T, k]: -1 where another rank holds the expert
+        if normed.shape[0] <= MAX_FUSED_TOKENS:
+            route_out = fused_experts(normed, local_ids, layer.store.gate_up, layer.store.down, pdl=self.pdl,
+                                      zero_dropped=True)
+            return combine_add_rmsnorm(self.group.sum_rows(route_out), weights, residual, next_norm, layer.eps,
+                                       pdl=self.pdl)
+        out = layer.store.forward(normed, local_ids, weights.to(normed.dtype), path="dispatch")
+        return add_rmsnorm(self._ranks_partials(out), residual, next_norm, layer.eps, pdl=self.pdl)
 
     # -- forwards ---------------------------------------------------------------------------
 
@@ -222,12 +269,15 @@ class FusedModel(LayerwiseForward):
                                    keys, values, kv.block_tables, layer.num_heads, layer.num_kv_heads, layer.eps)
             attn = prefill_attention(q, kv, index, spans)
             out = prefill_linear(attn.reshape(num_rows, -1), layer.o)
-            normed, residual = add_rmsnorm(out, residual, layer.post_norm, layer.eps)
+            normed, residual = add_rmsnorm(self._ranks_partials(out), residual, layer.post_norm, layer.eps)
             if not layer.moe:
                 out = prefill_linear(silu_mul(prefill_linear(normed, layer.gate_up)), layer.down)
-                normed, residual = add_rmsnorm(out, residual, next_norm, layer.eps)
+                normed, residual = add_rmsnorm(self._ranks_partials(out), residual, next_norm, layer.eps)
                 continue
             expert_ids, weights = route(prefill_linear(normed, layer.router), layer.top_k, normalize=layer.normalize)
+            if self.group is not None:
+                normed, residual = self._ranks_experts(layer, normed, residual, next_norm, expert_ids, weights)
+                continue
             if host_ids is not None:  # the prompt's routes: what the window prefetches learn from
                 self.offload.memory.record(index, host_ids, expert_ids.reshape(-1).tolist())
             if grouped and layer.store.all_resident:

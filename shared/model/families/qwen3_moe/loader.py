@@ -22,6 +22,7 @@ from shared.model.experts import ExpertStore, copy_streams
 from shared.model.families.qwen3_moe.config import ModelConfig
 from shared.model.moe import MoeBlock
 from shared.model.families.qwen3_moe.model import Qwen3MoeModel
+from shared.model.parallel.shard import Shard, shard_trunk
 from kernels.fused.fp8 import FP8_DTYPE, cat_rows, stack
 from shared.model.fp8 import SCALE_SUFFIX, CheckpointTensors, Fp8Blocks
 from shared.model.quantize import keep_fp8, keeps_fp8, quantize_model, whole_groups
@@ -69,25 +70,32 @@ def _build(config: ModelConfig, dtype: torch.dtype, device: torch.device, trunk:
 
 def load_qwen3_moe(path: Path | None, *, device: torch.device, dtype: torch.dtype, num_expert_slots: int | None,
                    random_weights: bool, config: ModelConfig | None, seed: int, progress: bool,
-                   parts: str, quantize: str = "auto") -> Qwen3MoeModel:
+                   parts: str, quantize: str = "auto", shard: Shard | None = None) -> Qwen3MoeModel:
     """shared.model.loader.load_model for this family (path resolved unless config is given);
-    quantize: shared.model.quantize.QUANTIZE."""
+    quantize: shared.model.quantize.QUANTIZE; shard: one rank's share of the model (only its
+    experts are read; shared.model.parallel.shard)."""
+    if shard is not None and parts != "trunk":
+        raise ValueError("a model split over ranks is a verifier's trunk (parts='trunk')")
     model = _load(path, device=device, dtype=dtype, num_expert_slots=num_expert_slots, random_weights=random_weights,
-                  config=config, seed=seed, progress=progress, parts=parts, keep=keeps_fp8(quantize, device))
+                  config=config, seed=seed, progress=progress, parts=parts, keep=keeps_fp8(quantize, device),
+                  shard=shard)
+    if shard is not None:
+        shard_trunk(model, shard)  # (before quantizing: the rank's share is what gets block scales)
     return quantize_model(model) if quantize == "fp8" else model
 
 
 def _load(path: Path | None, *, device: torch.device, dtype: torch.dtype, num_expert_slots: int | None,
           random_weights: bool, config: ModelConfig | None, seed: int, progress: bool, parts: str,
-          keep: bool) -> Qwen3MoeModel:
-    """keep: a checkpoint's FP8 weights stay FP8 (else dequantised to dtype)."""
+          keep: bool, shard: Shard | None = None) -> Qwen3MoeModel:
+    """keep: a checkpoint's FP8 weights stay FP8 (else dequantised to dtype); shard: read only
+    the rank's experts."""
     if random_weights:
         if config is None:
             config = ModelConfig.from_file(path)
         if parts == "trunk" and config.has_mtp:
             config = ModelConfig.from_dict({**config.to_dict(), "mtp_num_hidden_layers": 0})
         return _random_model(config, dtype=dtype, device=device, num_expert_slots=num_expert_slots, seed=seed,
-                             trunk=parts != "mtp")
+                             trunk=parts != "mtp", shard=shard)
     path = resolve_model(path)
     config = ModelConfig.from_file(path)
     fp8 = Fp8Blocks.of_checkpoint(path)
@@ -114,8 +122,9 @@ def _load(path: Path | None, *, device: torch.device, dtype: torch.dtype, num_ex
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     blocks = _moe_blocks(model)
+    owned = _owned(config, shard)
     experts: dict[str, dict[str, list[Tensor | None]]] = {
-        prefix: {kind: [None] * config.num_experts for kind in ("gate", "up", "down")} for prefix in blocks
+        prefix: {kind: [None] * len(owned) for kind in ("gate", "up", "down")} for prefix in blocks
     }
     h, inter = config.hidden_size, config.moe_intermediate_size
     expert_shape = {"gate": (inter, h), "up": (inter, h), "down": (h, inter)}
@@ -133,11 +142,14 @@ def _load(path: Path | None, *, device: torch.device, dtype: torch.dtype, num_ex
                 match = EXPERT_NAME.match(name)
                 if match and match.group(1) in experts and int(match.group(2)) < config.num_experts:
                     prefix, expert, kind = match.group(1), int(match.group(2)), match.group(3)
+                    if expert not in owned:  # another rank's
+                        seen.add(name)
+                        continue
                     tensor = tensors.get_fp8(handle, file, name) if fp8_experts else tensors.get(handle, file, name)
                     if tuple(tensor.shape) != expert_shape[kind]:
                         misshaped.append(f"{name} {tuple(tensor.shape)} (expected {expert_shape[kind]})")
                         continue
-                    experts[prefix][kind][expert] = tensor if fp8_experts else tensor.to(dtype)
+                    experts[prefix][kind][expert - owned.start] = tensor if fp8_experts else tensor.to(dtype)
                     seen.add(name)
                     continue
                 if name not in expected:
@@ -161,7 +173,7 @@ def _load(path: Path | None, *, device: torch.device, dtype: torch.dtype, num_ex
     missing = sorted(set(expected) - seen)
     for prefix, kinds in experts.items():
         for kind, tensors in kinds.items():
-            missing += [f"{prefix}.mlp.experts.{e}.{kind}_proj.weight" for e, t in enumerate(tensors) if t is None]
+            missing += [f"{prefix}.mlp.experts.{e}.{kind}_proj.weight" for e, t in zip(owned, tensors) if t is None]
     problems = [
         problem(kind, names)
         for kind, names in (("missing", missing), ("unexpected", sorted(unexpected)), ("mis-shaped", misshaped))
@@ -183,9 +195,10 @@ def _load(path: Path | None, *, device: torch.device, dtype: torch.dtype, num_ex
 
 def _random_model(
     config: ModelConfig, *, dtype: torch.dtype, device: torch.device, num_expert_slots: int | None, seed: int,
-    trunk: bool = True,
+    trunk: bool = True, shard: Shard | None = None,
 ) -> Qwen3MoeModel:
-    """Random N(0, initializer_range) weights (norm weights 1), created on the device."""
+    """Random N(0, initializer_range) weights (norm weights 1), created on the device; shard: the
+    rank keeps its experts of the same draws (every layer's experts are drawn, one at a time)."""
     generator = torch.Generator(device=device).manual_seed(seed)
     model = _build(config, dtype, device, trunk)
     std = config.initializer_range
@@ -198,12 +211,20 @@ def _random_model(
     copy_stream, prefetch_stream = copy_streams(device, num_expert_slots)
     # On the device even with slots (the store moves them to host memory): the same seed gives
     # the same experts whatever the residency, and a GPU fills them far faster than the CPU.
+    owned = _owned(config, shard)
     for block in _moe_blocks(model).values():
         gate_up = torch.empty((e, 2 * inter, h), dtype=dtype, device=device).normal_(0.0, std, generator=generator)
         down = torch.empty((e, h, inter), dtype=dtype, device=device).normal_(0.0, std, generator=generator)
+        if len(owned) < e:
+            gate_up, down = gate_up[owned.start : owned.stop].clone(), down[owned.start : owned.stop].clone()
         block.experts = ExpertStore(gate_up, down, device=device, num_slots=num_expert_slots, copy_stream=copy_stream,
                                     prefetch_stream=prefetch_stream)
     return model
+
+
+def _owned(config: ModelConfig, shard: Shard | None) -> range:
+    """The experts this process keeps: all, or the rank's share."""
+    return range(config.num_experts) if shard is None else shard.part(config.num_experts, "num_experts")
 
 
 def save_checkpoint(model: Qwen3MoeModel, path: str | Path) -> None:

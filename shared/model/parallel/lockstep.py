@@ -1,0 +1,102 @@
+"""Rank 0's runner and its followers' loop (DESIGN §13): every rank runs every step.
+
+Rank 0 owns the requests; its engine sees a `LeaderRunner`, which hands each runner call to the
+followers (`ModelGroup.send`) before it runs the call itself. A follower (`follow`) runs the same
+calls on its own runner in the same order, so the collectives inside each forward meet, and
+slots, KV blocks and linear-attention buffers are handed out alike on every rank (the same calls
+on the same allocators). Only rank 0 reads a step's outputs; the followers' are dropped.
+
+What a follower cannot see is rank 0's length bookkeeping (the CacheLength its engine cuts back):
+the fused runner keeps none of its own, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import structlog
+import torch
+from torch import Tensor
+
+from shared.model.kv_cache import CacheLength
+from shared.model.parallel.group import STOP, ModelGroup
+from shared.model.runner import Window, WindowOutput
+
+log = structlog.get_logger("parallel")
+
+CALLS = ("acquire", "release", "prefill", "run", "run_next", "feed_next", "settle")
+
+
+class LeaderRunner:
+    """The runner interface (shared.model.runner) over every rank: calls go to the followers,
+    then run here. Attributes it does not define are the local runner's."""
+
+    def __init__(self, runner, group: ModelGroup) -> None:
+        if group.rank != 0:
+            raise ValueError(f"rank {group.rank} follows; only rank 0 leads")
+        self.runner = runner
+        self.group = group
+        self.closed = False
+        # One call at a time, whatever thread makes it (a session's slot may be given back off
+        # the engine's thread): the followers must see the calls in the order they run here, and
+        # on the CPU commands and rows share one group.
+        self.lock = threading.Lock()
+
+    def __getattr__(self, name: str):  # max_rows, path, pool, use_graphs, ...
+        return getattr(self.runner, name)
+
+    def _call(self, name: str, *args, sent: tuple | None = None):
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("the parallel runner is closed")
+            self.group.send((name, args if sent is None else sent))
+            return getattr(self.runner, name)(*args)
+
+    def acquire(self, max_length: int) -> tuple[int, CacheLength]:
+        return self._call("acquire", max_length)
+
+    def release(self, slot: int) -> None:
+        self._call("release", slot)
+
+    def prefill(self, chunks: list[Window]) -> Tensor:
+        return self._call("prefill", [Window(*c) for c in chunks])
+
+    def run(self, windows: list[Window]) -> WindowOutput:
+        return self._call("run", [Window(*w) for w in windows])
+
+    def run_next(self) -> WindowOutput:
+        return self._call("run_next")
+
+    def feed_next(self, token_ids: Tensor) -> None:
+        self._call("feed_next", token_ids, sent=(token_ids.cpu(),))
+
+    def settle(self, slot: int, kept_row: int | None = None) -> None:
+        self._call("settle", slot, kept_row)
+
+    def close(self) -> None:
+        """Tell the followers to stop (they leave their loop and the group)."""
+        with self.lock:
+            if not self.closed:
+                self.closed = True
+                self.group.send((STOP, ()))
+
+
+def follow(runner, group: ModelGroup) -> int:
+    """A follower's loop: run rank 0's calls until it says stop; returns the calls run. A call
+    that fails here fails alike on rank 0 (the same call on the same state), so it is logged and
+    the loop goes on."""
+    device = getattr(runner, "device", torch.device("cpu"))
+    count = 0
+    while True:
+        name, args = group.receive()
+        if name == STOP:
+            return count
+        if name not in CALLS:
+            raise ValueError(f"rank {group.rank}: unknown call {name!r} from rank 0")
+        if name == "feed_next":
+            args = (args[0].to(device),)
+        try:
+            getattr(runner, name)(*args)
+        except ValueError as error:
+            log.warning("call failed on a follower (as on rank 0)", rank=group.rank, call=name, error=str(error))
+        count += 1

@@ -1,0 +1,100 @@
+"""What one rank of a model split over `size` processes holds (DESIGN §13).
+
+- Routed experts: rank r keeps the contiguous r-th share (experts r·E/N .. (r+1)·E/N - 1); the
+  loader reads only those. The router stays whole on every rank (it is small, and each rank then
+  knows every row's routes without a message).
+- Attention: rank r keeps its share of the query heads and of the KV heads (GQA groups stay
+  whole: query head h reads KV head h // (Hq / Hkv) on the same rank), so q/k/v keep their rows
+  of those heads and o_proj its columns; the KV pool holds only the rank's KV heads.
+- A dense MLP layer keeps its share of the intermediate (gate/up rows, down columns).
+- Embeddings, norms, the router and the lm_head are replicated.
+
+A rank's model then carries its own view of the config (its head counts), so everything sized
+from the config (the KV pool, the attention workspace) is the rank's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"parallel size {self.size} must be >= 1")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} must lie in [0, {self.size})")
+
+    def part(self, count: int, what: str) -> range:
+        """This rank's contiguous share of `count` things; ValueError naming `what` unless it divides."""
+        if count % self.size:
+            raise ValueError(f"{what} ({count}) is not divisible by --parallel {self.size}")
+        share = count // self.size
+        return range(self.rank * share, (self.rank + 1) * share)
+
+
+def check_shardable(config, size: int) -> None:
+    """ValueError naming the first field of a qwen3_moe config that `size` ranks cannot split."""
+    shard = Shard(0, size)
+    shard.part(config.num_experts, "num_experts")
+    shard.part(config.num_attention_heads, "num_attention_heads")
+    shard.part(config.num_key_value_heads, "num_key_value_heads")
+    if any(config.is_dense_layer(i) for i in range(config.num_hidden_layers)):
+        shard.part(config.intermediate_size, "intermediate_size")
+
+
+def _keep_rows(linear: nn.Linear, rows: slice) -> None:
+    linear.weight = nn.Parameter(linear.weight.data[rows].clone(), requires_grad=False)
+    linear.out_features = linear.weight.shape[0]
+
+
+def _keep_columns(linear: nn.Linear, columns: slice) -> None:
+    linear.weight = nn.Parameter(linear.weight.data[:, columns].clone(), requires_grad=False)
+    linear.in_features = linear.weight.shape[1]
+
+
+def shard_trunk(model, shard: Shard) -> None:
+    """In place, on a loaded qwen3_moe trunk whose experts the loader already sharded: attention
+    heads and dense MLPs cut to the rank's share, the config to the rank's view. Full-precision
+    projections only (an FP8 projection's block scales would have to split along with it)."""
+    config = model.config
+    check_shardable(config, shard.size)
+    heads = shard.part(config.num_attention_heads, "num_attention_heads")
+    kv_heads = shard.part(config.num_key_value_heads, "num_key_value_heads")
+    d = config.head_dim
+    q_rows, kv_rows = slice(heads.start * d, heads.stop * d), slice(kv_heads.start * d, kv_heads.stop * d)
+    for layer in model.layers:
+        attn = layer.self_attn
+        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+            if linear.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise ValueError("--parallel splits full-precision attention only (this checkpoint's is "
+                                 f"{linear.weight.dtype}): load it with --quantize none")
+        _keep_rows(attn.q_proj, q_rows)
+        _keep_rows(attn.k_proj, kv_rows)
+        _keep_rows(attn.v_proj, kv_rows)
+        _keep_columns(attn.o_proj, q_rows)
+        attn.num_heads, attn.num_kv_heads = len(heads), len(kv_heads)
+        mlp = layer.mlp
+        if hasattr(mlp, "gate_proj"):  # a dense layer
+            inter = shard.part(config.intermediate_size, "intermediate_size")
+            cut = slice(inter.start, inter.stop)
+            _keep_rows(mlp.gate_proj, cut)
+            _keep_rows(mlp.up_proj, cut)
+            _keep_columns(mlp.down_proj, cut)
+    model.config = replace(config, num_attention_heads=len(heads), num_key_value_heads=len(kv_heads))
+    model.shard = shard
+
+
+def expert_table(num_experts: int, shard: Shard, device: torch.device) -> torch.Tensor:
+    """[E] int64: a global expert id's index in this rank's store, -1 where another rank holds it."""
+    owned = shard.part(num_experts, "num_experts")
+    table = torch.full((num_experts,), -1, dtype=torch.int64, device=device)
+    table[owned.start : owned.stop] = torch.arange(len(owned), device=device)
+    return table

@@ -1,0 +1,87 @@
+"""What one rank of a split model holds (shared.model.parallel.shard, DESIGN §13): its experts
+read from the checkpoint and nothing else, its heads' rows and columns, its config's view."""
+
+import pytest
+import torch
+
+from shared.model import ModelConfig, load_model
+from shared.model.parallel.shard import Shard, check_shardable, expert_table
+
+
+def test_a_share_must_divide():
+    assert Shard(1, 2).part(8, "num_experts") == range(4, 8)
+    with pytest.raises(ValueError, match="num_experts \\(6\\) is not divisible by --parallel 4"):
+        Shard(0, 4).part(6, "num_experts")
+    with pytest.raises(ValueError, match="rank 2"):
+        Shard(2, 2)
+    with pytest.raises(ValueError, match="parallel size 0"):
+        Shard(0, 0)
+
+
+def test_unsplittable_configs_name_their_field(split_checkpoint):
+    _, raw = split_checkpoint
+    config = ModelConfig.from_dict(raw)
+    check_shardable(config, 2)
+    with pytest.raises(ValueError, match="num_key_value_heads \\(2\\)"):
+        check_shardable(config, 4)
+    with pytest.raises(ValueError, match="intermediate_size \\(48\\)"):
+        check_shardable(ModelConfig.from_dict(raw | {"num_experts": 32, "num_attention_heads": 32,
+                                                     "num_key_value_heads": 32}), 32)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_loads_its_share_of_the_checkpoint(split_checkpoint, rank):
+    path, raw = split_checkpoint
+    whole = load_model(path, parts="trunk")
+    share = load_model(path, parts="trunk", shard=Shard(rank, 2))
+    assert share.shard == Shard(rank, 2)
+    assert (share.config.num_attention_heads, share.config.num_key_value_heads) == (2, 1)
+    d = raw["head_dim"]
+    q, kv = slice(rank * 2 * d, (rank + 1) * 2 * d), slice(rank * d, (rank + 1) * d)
+    inter = slice(rank * 24, (rank + 1) * 24)
+    experts = slice(rank * 4, (rank + 1) * 4)
+    for full, part in zip(whole.layers, share.layers):
+        a, b = full.self_attn, part.self_attn
+        assert (b.num_heads, b.num_kv_heads) == (2, 1)
+        assert torch.equal(b.q_proj.weight, a.q_proj.weight[q])
+        assert torch.equal(b.k_proj.weight, a.k_proj.weight[kv])
+        assert torch.equal(b.v_proj.weight, a.v_proj.weight[kv])
+        assert torch.equal(b.o_proj.weight, a.o_proj.weight[:, q])
+        assert torch.equal(b.q_norm.weight, a.q_norm.weight)
+        if hasattr(full.mlp, "gate_proj"):  # the dense layer: its share of the intermediate
+            assert torch.equal(part.mlp.gate_proj.weight, full.mlp.gate_proj.weight[inter])
+            assert torch.equal(part.mlp.up_proj.weight, full.mlp.up_proj.weight[inter])
+            assert torch.equal(part.mlp.down_proj.weight, full.mlp.down_proj.weight[:, inter])
+        else:  # the router whole, the experts the rank's
+            assert torch.equal(part.mlp.gate.weight, full.mlp.gate.weight)
+            assert part.mlp.store.num_experts == 4
+            assert torch.equal(part.mlp.store.gate_up, full.mlp.store.gate_up[experts])
+            assert torch.equal(part.mlp.store.down, full.mlp.store.down[experts])
+    assert torch.equal(share.lm_head.weight, whole.lm_head.weight)
+
+
+def test_random_weights_split_like_the_whole_model(split_checkpoint):
+    _, raw = split_checkpoint
+    config = ModelConfig.from_dict(raw)
+    whole = load_model(config=config, random_weights=True, seed=5, parts="trunk")
+    share = load_model(config=config, random_weights=True, seed=5, parts="trunk", shard=Shard(1, 2))
+    assert torch.equal(share.layers[0].mlp.store.gate_up, whole.layers[0].mlp.store.gate_up[4:])
+    assert torch.equal(share.layers[2].self_attn.k_proj.weight, whole.layers[2].self_attn.k_proj.weight[8:])
+
+
+def test_expert_table_maps_owned_experts_and_drops_the_others():
+    table = expert_table(8, Shard(1, 2), torch.device("cpu"))
+    assert table.tolist() == [-1, -1, -1, -1, 0, 1, 2, 3]
+
+
+def test_what_cannot_be_split_says_so(split_checkpoint, tmp_path):
+    path, _ = split_checkpoint
+    with pytest.raises(ValueError, match="verifier's trunk"):
+        load_model(path, parts="all", shard=Shard(0, 2))
+    from shared.model.families.hybrid.config import NextConfig  # noqa: F401  (the family exists)
+
+    hybrid = tmp_path / "hybrid"
+    hybrid.mkdir()
+    (hybrid / "config.json").write_text('{"model_type": "qwen3_next"}')
+    with pytest.raises(ValueError, match="hybrid family cannot be split"):
+        load_model(hybrid, shard=Shard(0, 2))

@@ -1,0 +1,194 @@
+"""A verifier split over two processes (DESIGN §13), on the CPU with gloo, driven as the service
+drives it: rank 0 in this process, the follower started by `Ranks` (`python -m
+verifier_service.ranks`), both loading their share of a real checkpoint.
+
+What must hold: the split model's logits equal one process's to float32 rounding (the routed
+experts' sum is one process's bits; the o projection adds the ranks' partials in another order);
+its rows are row-invariant (a window's rows and a batch's are their one-row steps' bits), so
+exact mode is token-identical to plain decoding; a lost follower takes the verifier down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.model import load_model
+from shared.model.runner import Window
+from verifier_service.engine import Engine
+from verifier_service.ranks import Ranks, engine_options, load_share
+from verifier_service.server import RANK_LOST_EXIT
+from verifier_service.settings import VerifierSettings
+
+from .conftest import ScriptedDrafter, chain, generate, request, sampled_chain
+
+PROMPT = [3, 14, 15, 92, 65]
+LOGIT_TOLERANCE = 1e-4  # float32 logits of a tiny model: a reordered sum moves them by ~1e-6
+
+
+def settings_for(path: Path, parallel: int) -> VerifierSettings:
+    return VerifierSettings(model=str(path), parallel=parallel, max_sessions=4, kv_cache_tokens=2048)
+
+
+def steps(engine: Engine) -> list[torch.Tensor]:
+    """Logits of a prefill's next row, a window of 4 rows, and a batch of two sessions' windows."""
+    r = engine.runner
+    first, _ = r.acquire(128)
+    r.prefill([Window(first, list(range(1, 20)), 0)])
+    out = [r.run([Window(first, [5], 19)]).logits.clone()]
+    out.append(r.run([Window(first, [7, 8, 9, 10], 20)]).logits.clone())
+    second, _ = r.acquire(128)
+    r.prefill([Window(second, [3, 4], 0)])
+    out.append(r.run([Window(first, [11], 24), Window(second, [6, 2, 1], 2)]).logits.clone())
+    r.release(second)
+    r.release(first)
+    return out
+
+
+def one_row_steps(engine: Engine, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The logits of `tokens` decoded one row a step after `prompt`."""
+    r = engine.runner
+    slot, _ = r.acquire(128)
+    r.prefill([Window(slot, prompt, 0)])
+    rows = [r.run([Window(slot, [t], len(prompt) + i)]).logits.clone() for i, t in enumerate(tokens)]
+    r.release(slot)
+    return torch.cat(rows)
+
+
+@pytest.fixture
+def split_engine(split_checkpoint):
+    """(rank 0's engine of the model split over 2 processes, one process's engine)."""
+    path, _ = split_checkpoint
+    s = settings_for(path, 2)
+    whole = load_share(s, None, "cpu")
+    one = Engine(whole, **engine_options(s, whole))
+    ranks = Ranks(s)
+    group = ranks.start()
+    engine = None
+    try:
+        share = load_share(s, group.shard, group.device)
+        engine = Engine(share, **engine_options(s, share), group=group)
+        yield engine, one
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        ranks.stop()
+    assert ranks.dead() == ["rank 1 (exit code 0)"]  # the follower left when told
+
+
+def test_split_steps_equal_one_process_to_rounding(split_engine):
+    split, one = split_engine
+    assert split.runner.path == one.runner.path == "fused"
+    for a, b in zip(steps(split), steps(one)):
+        assert a.shape == b.shape
+        assert (a - b).abs().max().item() <= LOGIT_TOLERANCE
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_split_rows_are_their_one_row_steps_bits(split_engine):
+    split, _ = split_engine
+    r = split.runner
+    prompt, window = list(range(1, 12)), [40, 41, 42, 43, 44]
+    alone = one_row_steps(split, prompt, window)
+    slot, _ = r.acquire(128)
+    r.prefill([Window(slot, prompt, 0)])
+    other, _ = r.acquire(128)
+    r.prefill([Window(other, [9, 9, 9], 0)])
+    # the same window run as one step, beside another session's window
+    rows = r.run([Window(other, [1, 2], 3), Window(slot, window, len(prompt))]).logits[2:7]
+    assert torch.equal(rows, alone)
+    r.release(slot)
+    r.release(other)
+
+
+async def test_split_verifier_serves_what_one_process_serves(servers, split_checkpoint):
+    path, _ = split_checkpoint
+    outputs = []
+    for parallel in (1, 2):
+        stub = await servers.start(None, model=str(path), parallel=parallel, max_sessions=4)
+        results = await asyncio.gather(*(generate(stub, request([seed, *PROMPT], 16, temperature=t, seed=seed))
+                                         for seed in range(3) for t in (0.0, 0.8)))
+        outputs.append([tokens for tokens, _, _ in results])
+        await servers.stop()
+    assert outputs[0] == outputs[1]
+    assert all(len(tokens) == 16 for tokens in outputs[1])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+async def test_exact_mode_split_over_processes_is_plain_decoding(servers, split_checkpoint, temperature,
+                                                                 greedy_continuation):
+    path, _ = split_checkpoint
+    reference = load_model(path, parts="trunk")
+    q = {t: 1 / 8 for t in range(0, 96, 12)}
+    drafter = ScriptedDrafter(lambda s: sampled_chain(s, q, 3) if s.round_id % 3 else chain(
+        s, greedy_continuation(reference, s.tokens, 3)))
+    stub = await servers.start(None, drafter=drafter, model=str(path), parallel=2)
+    for seed in range(3):
+        req = request(PROMPT, 20, temperature=temperature, seed=seed)
+        with_drafts, final, _ = await generate(stub, req)
+        req.speculation.disable = True
+        plain, _, _ = await generate(stub, req)
+        assert with_drafts == plain
+        assert final.stats.accepted > 0 and final.stats.rounds < 20  # drafts were accepted
+        assert final.stats.drafter_faults == 0
+
+
+def children(pid: int) -> list[int]:
+    """Process ids whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def test_a_lost_follower_takes_the_verifier_down(split_checkpoint, tmp_path):
+    path, _ = split_checkpoint
+    log = (tmp_path / "verifier.log").open("w")
+    verifier = subprocess.Popen([sys.executable, "-m", "verifier_service", "--model", str(path), "--parallel", "2",
+                                 "--port", "0", "--kv-cache-tokens", "2048"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "verifier ready" not in (tmp_path / "verifier.log").read_text():
+            assert verifier.poll() is None and time.monotonic() < deadline, (tmp_path / "verifier.log").read_text()
+            time.sleep(0.2)
+        (follower,) = children(verifier.pid)
+        os.kill(follower, signal.SIGKILL)
+        assert verifier.wait(30) == RANK_LOST_EXIT
+        assert "a follower rank ended" in (tmp_path / "verifier.log").read_text()
+    finally:
+        if verifier.poll() is None:
+            verifier.kill()
+            verifier.wait()
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (dict(parallel=0), "parallel 0 must be >= 1"),
+    (dict(parallel=2, num_expert_slots=4), "num_expert_slots"),
+    (dict(parallel=2, fused="off"), "fused"),
+])
+def test_settings_refuse_what_a_split_cannot_do(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        VerifierSettings(**overrides)
+
+
+def test_a_model_in_memory_cannot_be_split(tiny_model):
+    from verifier_service.server import VerifierService
+
+    service = VerifierService(VerifierSettings(parallel=2), model=tiny_model)
+    with pytest.raises(ValueError, match="cannot be split over processes"):
+        asyncio.run(service.load())
+    service.worker.shutdown()

@@ -1,0 +1,149 @@
+"""A verifier split over processes (DESIGN §13): rank 0 is the service; ranks 1..N-1 are
+followers it starts, each loading its share of the model and running every step rank 0 runs.
+
+Rank 0 (`Ranks.start`) picks the group's rendezvous address, starts the followers (`python -m
+verifier_service.ranks`: a fresh interpreter each, inheriting no CUDA state and importing
+nothing of the caller's main module), joins the group and loads its share; each
+follower (`follower_main`) joins, loads its share, builds the same engine from the same settings
+(`engine_options`: both sides build it alike, so the graphs they capture and the KV pools they
+size match) and follows. At the end rank 0 tells them to stop and waits for them; a follower that
+dies takes the verifier out of service (`Ranks.dead`): without it no step can finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import structlog
+import torch
+
+from shared.logs import configure_logging
+from shared.model import load_model
+from shared.model.parallel.group import NCCL_ENV, ModelGroup, free_address, rank_device
+from shared.model.parallel.lockstep import follow
+from shared.model.parallel.shard import Shard
+from shared.model.registry import resolve_model
+from shared.threads import ThreadPlan, use_threads
+from verifier_service.settings import VerifierSettings
+
+log = structlog.get_logger("verifier")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+JOIN_TIMEOUT_S = 30.0
+
+
+def engine_options(s: VerifierSettings, model) -> dict:
+    """The Engine's keyword arguments from the settings (every rank builds its engine from these)."""
+    config = model.config
+    return dict(
+        max_context=min(s.max_context or config.max_position_embeddings, config.max_position_embeddings),
+        prefill_chunk=s.prefill_chunk, fused=s.fused, cuda_graphs=s.cuda_graphs, pdl=s.pdl != "off",
+        expert_prefetch=s.expert_prefetch, max_sessions=s.max_sessions, max_window=s.max_draft_tokens_limit + 1,
+        max_batch_rows=s.max_batch_rows, verify_window=s.max_draft_tokens + 1, row_invariant=s.row_invariant,
+        kv_block_size=s.kv_block_size, kv_cache_tokens=s.kv_cache_tokens, kv_memory_fraction=s.kv_memory_fraction,
+    )
+
+
+def load_share(s: VerifierSettings, shard: Shard | None, device: torch.device | str):
+    """This process's model: the whole trunk, or a rank's share of it."""
+    return load_model(resolve_model(s.model), device=device, dtype=DTYPES[s.dtype], num_expert_slots=s.num_expert_slots or None,
+                      random_weights=s.random_weights, parts="trunk", quantize=s.quantize, shard=shard)
+
+
+def rank_threads(s: VerifierSettings) -> ThreadPlan:
+    """Each rank's torch threads on the CPU: --cpu-threads, else an equal share of the cores (N
+    processes each as wide as the machine would stall each other's spinning threads)."""
+    if s.device != "cpu":
+        return ThreadPlan(None, None)
+    count = s.cpu_threads or max(1, (os.cpu_count() or 1) // s.parallel)
+    return ThreadPlan(count, count)
+
+
+def follower_main(s: VerifierSettings, rank: int, address: str) -> None:
+    """A follower process: join, load the rank's share, build the engine, follow rank 0 to the end."""
+    os.environ.update(NCCL_ENV)
+    configure_logging()
+    threads = rank_threads(s).full
+    if threads is not None:
+        use_threads(threads)
+    from verifier_service.engine import Engine  # (after the environment is set)
+
+    shard = Shard(rank, s.parallel)
+    device = rank_device(s.device, rank)
+    group = ModelGroup(shard, address, device)
+    try:
+        model = load_share(s, shard, device)
+        engine = Engine(model, **engine_options(s, model), group=group)
+        calls = follow(engine.runner, group)
+        log.info("follower stopped", rank=rank, calls=calls)
+    finally:
+        group.close()
+
+
+class Ranks:
+    """Rank 0's view of the followers: start them, join the group, stop them at the end."""
+
+    def __init__(self, s: VerifierSettings) -> None:
+        if s.parallel < 2:
+            raise ValueError(f"parallel {s.parallel}: nothing to split")
+        if s.device != "cpu" and torch.cuda.is_available():
+            base = torch.device(s.device).index or 0
+            if base + s.parallel > torch.cuda.device_count():
+                raise ValueError(f"parallel {s.parallel} from {s.device} needs GPUs up to cuda:{base + s.parallel - 1}; "
+                                 f"this host has {torch.cuda.device_count()}")
+        self.settings = s
+        self.address = free_address()
+        self.processes: list[subprocess.Popen] = []
+        self.group: ModelGroup | None = None
+
+    def start(self) -> ModelGroup:
+        """Start the followers and join the group as rank 0 (blocks until every rank joined)."""
+        os.environ.update(NCCL_ENV)  # (the followers inherit it)
+        s = self.settings
+        settings_json = json.dumps(dataclasses.asdict(s))
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+        for rank in range(1, s.parallel):
+            command = [sys.executable, "-m", "verifier_service.ranks", "--rank", str(rank), "--address", self.address]
+            process = subprocess.Popen(command, stdin=subprocess.PIPE, env=env, text=True)
+            process.stdin.write(settings_json)  # (the settings may hold secrets: not on the command line)
+            process.stdin.close()
+            self.processes.append(process)
+        self.group = ModelGroup(Shard(0, s.parallel), self.address, rank_device(s.device, 0))
+        return self.group
+
+    def dead(self) -> list[str]:
+        """Followers that ended (a verifier missing one cannot step)."""
+        return [f"rank {rank} (exit code {p.returncode})" for rank, p in enumerate(self.processes, 1)
+                if p.poll() is not None]
+
+    def stop(self) -> None:
+        """After the engine told the followers to stop: wait for them (terminate a straggler), leave."""
+        for rank, process in enumerate(self.processes, 1):
+            try:
+                process.wait(JOIN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("follower did not stop; terminating it", rank=rank)
+                process.terminate()
+                process.wait(5)
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """A follower's entry point (started by rank 0; the settings come on stdin as JSON)."""
+    parser = argparse.ArgumentParser(description="a follower rank of a verifier split over processes")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--address", required=True)
+    args = parser.parse_args(argv)
+    settings = VerifierSettings(**json.loads(sys.stdin.read()))
+    follower_main(settings, args.rank, args.address)
+
+
+if __name__ == "__main__":
+    main()
