@@ -73,6 +73,42 @@ def test_default_services_run_on_cpu_and_gpu_profile_reserves_gpus():
         settings_of(kind, env)
 
 
+def test_multigpu_profile_splits_the_verifier_and_gives_the_drafter_its_own_gpu():
+    compose = load_compose()
+    services = model_services(compose, "multigpu")
+    assert set(services) == set(MODEL_COMMANDS)
+    cpu = model_services(compose, None)
+    gpus = {}
+    for kind, (name, service) in services.items():
+        env = environment(service)
+        settings = settings_of(kind, env)
+        assert settings.device == "cuda", name
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        gpus[kind] = device["device_ids"]
+        assert cpu[kind][0] in service["networks"]["default"]["aliases"], name
+    verifier = services["verifier"][1]
+    assert settings_of("verifier", environment(verifier)).parallel == len(gpus["verifier"]) == 2
+    assert environment(verifier)["NCCL_NVLS_ENABLE"] == "0"
+    assert verifier["shm_size"]
+    assert len(gpus["drafter"]) == 1 and not set(gpus["drafter"]) & set(gpus["verifier"]), gpus
+
+
+def test_k8s_multigpu_component_asks_the_gpus_its_settings_split_over():
+    component = yaml.safe_load((K8S / "multigpu" / "kustomization.yaml").read_text())
+    (config,) = component["configMapGenerator"]
+    literals = dict(item.split("=", 1) for item in config["literals"])
+    gpu = yaml.safe_load((K8S / "gpu" / "kustomization.yaml").read_text())
+    base = dict(item.split("=", 1) for c in gpu["configMapGenerator"] if c["name"] == config["name"] for item in c["literals"])
+    settings = settings_of("verifier", env_file(K8S / "verifier.env") | base | literals)
+    assert settings.parallel == 2 and settings.device == "cuda"
+    assert literals["NCCL_NVLS_ENABLE"] == "0"
+    (patch,) = component["patches"]
+    pod = yaml.safe_load(patch["patch"])["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == settings.parallel
+    assert {v["name"]: v["emptyDir"]["medium"] for v in pod["volumes"]} == {"shm": "Memory"}
+
+
 def test_drafters_are_scalable():
     compose = load_compose()
     for profile in (None, "gpu"):
@@ -161,7 +197,7 @@ def test_docker_compose_config_accepts_the_file():
     docker = shutil.which("docker")
     if docker is None or subprocess.run([docker, "compose", "version"], check=False, capture_output=True).returncode != 0:
         pytest.skip("`docker compose` is not available here")
-    for extra in ([], ["--profile", "gpu"]):
+    for extra in ([], ["--profile", "gpu"], ["--profile", "multigpu"]):
         out = subprocess.run([docker, "compose", "-f", str(COMPOSE_FILE), *extra, "config", "--quiet"],
                              check=False, capture_output=True, text=True, cwd=ROOT, timeout=60)
         assert out.returncode == 0, out.stderr
