@@ -84,8 +84,8 @@ NEXT_CONFIGS["qwen3.5"] = {k: v for k, v in NEXT_CONFIGS["hybrid"].items() if k 
     layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"])
 
 
-def next_pair(name):
-    """(transformers' model, ours with the same weights) for NEXT_CONFIGS[name]."""
+def next_pair(name, **overrides):
+    """(transformers' model, ours with the same weights) for NEXT_CONFIGS[name] | overrides."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
     from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
@@ -94,9 +94,9 @@ def next_pair(name):
 
     torch.manual_seed(0)
     if name == "qwen3.5":
-        reference = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**NEXT_CONFIGS[name])).eval()
+        reference = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**NEXT_CONFIGS[name] | overrides)).eval()
     else:
-        reference = Qwen3NextForCausalLM(Qwen3NextConfig(**NEXT_CONFIGS[name])).eval()
+        reference = Qwen3NextForCausalLM(Qwen3NextConfig(**NEXT_CONFIGS[name] | overrides)).eval()
     with torch.no_grad():
         for key, parameter in reference.named_parameters():
             parameter.normal_(0, 0.02 if "proj" in key or "embed" in key or "lm_head" in key else 0.2)
@@ -172,3 +172,16 @@ def split_checkpoint(tmp_path_factory):
                 param.add_(0.1 * torch.randn_like(param))
     save_checkpoint(model, path)
     return path, SPLIT_TINY
+
+
+@pytest.fixture(scope="session")
+def split_hybrid_checkpoints(tmp_path_factory):
+    """{name: path}: transformers-saved tiny Qwen3-Next ("hybrid") and Qwen3.5-MoE ("qwen3.5")
+    checkpoints the fused path runs (the shared expert no wider than a routed one), for
+    splitting over ranks."""
+    paths = {}
+    for name in ("hybrid", "qwen3.5"):
+        reference, _ = next_pair(name, shared_expert_intermediate_size=16)
+        paths[name] = tmp_path_factory.mktemp(name.replace(".", "_"))
+        reference.save_pretrained(paths[name])
+    return paths

@@ -35,8 +35,13 @@ QWEN3_NEXT_80B_A3B = QWEN3_5_35B_A3B | dict(  # Qwen3-Next-80B-A3B's config.json
     vocab_size=151936, num_hidden_layers=48, num_experts=512, num_experts_per_tok=10, rope_theta=1e7,
     layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 12, model_type="qwen3_next",
 )
+QWEN3_235B_A22B = QWEN3_30B_A3B | dict(  # Qwen3-235B-A22B's config.json (issue 40's 4-GPU shapes)
+    hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+    intermediate_size=12288, moe_intermediate_size=1536, num_experts=128, num_experts_per_tok=8,
+)
 SHAPES = {
     "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "qwen3-235b-a22b": QWEN3_235B_A22B,
     "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
     "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
     # a few-MB model of the same family: smoke-tests the random-weights path anywhere

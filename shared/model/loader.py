@@ -105,8 +105,7 @@ def load_model(
         from shared.model.families import PARALLEL
 
         if PARALLEL not in family.capabilities:
-            raise ValueError(f"the {family.name} family cannot be split over processes yet (--parallel needs "
-                             "a qwen3_moe model)")
+            raise ValueError(f"the {family.name} family cannot be split over processes (--parallel)")
         extra["shard"] = shard
     return family.load(path, device=device, dtype=dtype, num_expert_slots=num_expert_slots,
                        random_weights=random_weights, config=config, seed=seed, progress=progress, parts=parts,

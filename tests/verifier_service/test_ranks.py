@@ -44,7 +44,9 @@ def steps(engine: Engine) -> list[torch.Tensor]:
     first, _ = r.acquire(128)
     r.prefill([Window(first, list(range(1, 20)), 0)])
     out = [r.run([Window(first, [5], 19)]).logits.clone()]
+    r.settle(first)
     out.append(r.run([Window(first, [7, 8, 9, 10], 20)]).logits.clone())
+    r.settle(first)
     second, _ = r.acquire(128)
     r.prefill([Window(second, [3, 4], 0)])
     out.append(r.run([Window(first, [11], 24), Window(second, [6, 2, 1], 2)]).logits.clone())
@@ -58,15 +60,20 @@ def one_row_steps(engine: Engine, prompt: list[int], tokens: list[int]) -> torch
     r = engine.runner
     slot, _ = r.acquire(128)
     r.prefill([Window(slot, prompt, 0)])
-    rows = [r.run([Window(slot, [t], len(prompt) + i)]).logits.clone() for i, t in enumerate(tokens)]
+    rows = []
+    for i, t in enumerate(tokens):
+        rows.append(r.run([Window(slot, [t], len(prompt) + i)]).logits.clone())
+        r.settle(slot)  # (the hybrid family's linear state moves on only when a step is kept)
     r.release(slot)
     return torch.cat(rows)
 
 
 @pytest.fixture
-def split_engine(split_checkpoint):
-    """(rank 0's engine of the model split over 2 processes, one process's engine)."""
-    path, _ = split_checkpoint
+def split_engine(request, split_checkpoint, split_hybrid_checkpoints):
+    """(rank 0's engine of the model split over 2 processes, one process's engine): the
+    qwen3_moe checkpoint, or (param) a hybrid one by name."""
+    name = getattr(request, "param", "qwen3_moe")
+    path = split_checkpoint[0] if name == "qwen3_moe" else split_hybrid_checkpoints[name]
     s = settings_for(path, 2)
     whole = load_share(s, None, "cpu")
     one = Engine(whole, **engine_options(s, whole))
@@ -93,6 +100,16 @@ def test_split_steps_equal_one_process_to_rounding(split_engine):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
+@pytest.mark.parametrize("split_engine", ["hybrid", "qwen3.5"], indirect=True)
+def test_a_split_hybrid_model_is_one_process_bit_for_bit(split_engine):
+    """The hybrid family splits only its routed experts (each route one owner, the ranks' route
+    outputs added as exact zeros elsewhere): every logit is one process's."""
+    split, one = split_engine
+    for a, b in zip(steps(split), steps(one)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("split_engine", ["qwen3_moe", "qwen3.5"], indirect=True)
 def test_split_rows_are_their_one_row_steps_bits(split_engine):
     split, _ = split_engine
     r = split.runner
@@ -139,6 +156,19 @@ async def test_exact_mode_split_over_processes_is_plain_decoding(servers, split_
         assert with_drafts == plain
         assert final.stats.accepted > 0 and final.stats.rounds < 20  # drafts were accepted
         assert final.stats.drafter_faults == 0
+
+
+async def test_exact_mode_split_hybrid_is_plain_decoding(servers, split_hybrid_checkpoints):
+    q = {t: 1 / 8 for t in range(0, 96, 12)}
+    drafter = ScriptedDrafter(lambda s: sampled_chain(s, q, 3))
+    stub = await servers.start(None, drafter=drafter, model=str(split_hybrid_checkpoints["qwen3.5"]), parallel=2)
+    for seed in range(3):
+        req = request(PROMPT, 16, temperature=0.8, seed=seed)
+        with_drafts, final, _ = await generate(stub, req)
+        req.speculation.disable = True
+        plain, _, _ = await generate(stub, req)
+        assert with_drafts == plain
+        assert final.stats.proposed > 0 and final.stats.drafter_faults == 0
 
 
 def children(pid: int) -> list[int]:

@@ -99,12 +99,11 @@ def _hybrid_fused(model, *, max_rows, max_length, num_state_slots=0, pdl=None, i
                   group=None):
     from shared.model.families.hybrid.fused import HybridFused
 
-    if group is not None:
-        raise ValueError("the hybrid family cannot be split over processes yet")
     if expert_prefetch:
         raise ValueError("expert prefetch is built for the qwen3_moe family's segmented forward only")
     # (invariant is not asked of this family: its rows are row-invariant whatever is asked)
-    return HybridFused(model, max_rows=max_rows, max_length=max_length, num_state_slots=num_state_slots, pdl=pdl)
+    return HybridFused(model, max_rows=max_rows, max_length=max_length, num_state_slots=num_state_slots, pdl=pdl,
+                       group=group)
 
 
 def _hybrid_unsupported(model):
@@ -117,7 +116,7 @@ FAMILIES = (
     Family("qwen3_moe", ("qwen3_moe",), _qwen3_moe_config, _qwen3_moe_class, _qwen3_moe_load, _qwen3_moe_fused, _qwen3_moe_unsupported,
            frozenset({EXPERT_SLOTS, MOCE, PARALLEL})),
     Family("hybrid", ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"), _hybrid_config, _hybrid_class, _hybrid_load, _hybrid_fused,
-           _hybrid_unsupported, frozenset({EXPERT_SLOTS, MOCE})),
+           _hybrid_unsupported, frozenset({EXPERT_SLOTS, MOCE, PARALLEL})),
 )
 
 

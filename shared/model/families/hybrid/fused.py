@@ -50,6 +50,7 @@ from shared.model.kv_cache import PagedKV
 from shared.model.layers import RoutingOptions, fuse_linear_rows
 from shared.model.moe import MoceOptions
 from shared.model.mtp import fused_mtp_inputs
+from shared.model.parallel.shard import expert_table
 from shared.model.offload import Offload, offload_over
 from shared.model.quantize import fp8_unsupported, weight_of
 from shared.model.rows import Rows, prefill_attention, prefill_rows
@@ -133,14 +134,20 @@ class HybridFused(LayerwiseForward):
     """Decode/verify forward of a loaded Qwen3NextModel through the fused kernels."""
 
     def __init__(self, model: Qwen3NextModel, *, max_rows: int, max_length: int, num_state_slots: int = 0,
-                 pdl: bool | None = None) -> None:
+                 pdl: bool | None = None, group=None) -> None:
         """num_state_slots: KV pool slots whose linear-attention states this model keeps (the
         verifier's sessions; 0 for an MTP layer alone); max_rows: the most rows of a step.
         pdl: as FusedModel's. (No `invariant`: this family's rows are row-invariant always; its
-        projections never go through F.linear / cuBLAS.)"""
+        projections never go through F.linear / cuBLAS.) group: the ranks of a model split over
+        processes (DESIGN §13); the model is the rank's share: its routed experts (the token
+        mixers whole on every rank)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the fused path cannot run this model: {reason}")
+        self.group = group
+        if group is not None and getattr(model, "shard", None) != group.shard:
+            raise ValueError(f"rank {group.rank} of {group.size} needs the model loaded with its shard "
+                             f"(it holds {getattr(model, 'shard', None)})")
         self.model = model
         c = model.config
         self.layers: list[HybridLayer] = []
@@ -173,6 +180,12 @@ class HybridFused(LayerwiseForward):
         self.moce = MoceOptions(model.device)
         # Experts in host memory with device slots: the host reads each MoE layer's routes.
         self.offload = offload_over([layer.store if layer.moe else None for layer in self.layers], prefetch=False)
+        if group is not None:
+            if self.offload is not None:
+                raise ValueError("experts in host memory (expert slots) are not supported with --parallel yet")
+            for layer in self.layers:
+                if layer.moe:
+                    layer.expert_table = _ranks_table(layer.router.shape[0] - 1, group.shard, model.device)
         self.mtp_offload = None if self.mtp_layer is None else offload_over(
             [self.mtp_layer.store if self.mtp_layer.moe else None], prefetch=False)
 
@@ -236,12 +249,26 @@ class HybridFused(LayerwiseForward):
         """The routes' weighted sum, the residual add and the next layer's centred norm.
         expert_ids index the kernels' weights (slot ids where the caller made them resident)."""
         pdl = self.pdl
+        if self.group is not None:
+            route_out = self._ranks_routes(layer, normed, expert_ids)
+            return combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps, centred=True, pdl=pdl)
 
         def run(ids: Tensor) -> Tensor:  # [T, k + 1] slot ids (the shared expert's: the last slot)
             return fused_experts(normed, ids, layer.gate_up, layer.down, pdl=pdl)
 
         route_out = run(expert_ids) if offload is None else offload[0].experts(offload[1], normed, expert_ids, run)
         return combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps, centred=True, pdl=pdl)
+
+    def _ranks_routes(self, layer: HybridLayer, normed: Tensor, expert_ids: Tensor) -> Tensor:
+        """Split over ranks: [T*(k+1), H] float32 route outputs, each computed by the rank that
+        holds its expert (rank 0 the shared one) and added over ranks in rank order (one owner a
+        route: its one-process bits)."""
+        local_ids = layer.expert_table[expert_ids]  # [T, k + 1]: -1 where another rank computes the route
+        if normed.shape[0] <= MAX_FUSED_TOKENS:
+            route_out = fused_experts(normed, local_ids, layer.gate_up, layer.down, pdl=self.pdl, zero_dropped=True)
+        else:
+            route_out = experts_reference(normed, local_ids, layer.gate_up, layer.down)  # (zeros where -1)
+        return self.group.sum_rows(route_out)
 
     # -- forwards ---------------------------------------------------------------------------
 
@@ -297,6 +324,10 @@ class HybridFused(LayerwiseForward):
                 continue
             expert_ids, weights = route(prefill_linear(normed, layer.router), layer.top_k, normalize=layer.normalize,
                                         shared_gate=True)
+            if self.group is not None:
+                normed, residual = combine_add_rmsnorm(self._ranks_routes(layer, normed, expert_ids), weights,
+                                                       residual, next_norm, layer.eps, centred=True)
+                continue
             if self._grouped_prefill():
                 if layer.grouped is not None:  # every expert resident
                     route_out, route_rows = layer.grouped.grouped_sorted(normed, expert_ids)  # [T*(k+1), hidden]
@@ -372,3 +403,10 @@ class HybridFused(LayerwiseForward):
         normed, _ = self.decoder_layer(layer, normed, residual, mtp.norm.weight, rows, kv, routing,
                                        None if self.mtp_offload is None else (self.mtp_offload, 0))
         return self.logits(normed), normed
+
+
+def _ranks_table(num_experts: int, shard, device: torch.device) -> Tensor:
+    """[E + 1] int64: a route id's index in this rank's kernel weights (its routed experts, then
+    the shared expert, id E, which rank 0 runs), -1 where another rank runs the route."""
+    shared = torch.tensor([num_experts // shard.size if shard.rank == 0 else -1], device=device)
+    return torch.cat([expert_table(num_experts, shard, device), shared])

@@ -32,10 +32,12 @@ from shared.model.families.hybrid.modules import Experts, Qwen3NextModel, Shared
 from kernels.fused.fp8 import FP8_DTYPE, Fp8Weight, cat_rows, stack
 from shared.model.fp8 import SCALE_SUFFIX, CheckpointTensors, Fp8Blocks
 from shared.model.loader import PARTS, list_files, problem
+from shared.model.parallel.shard import Shard
 from shared.model.quantize import keep_fp8, keeps_fp8, quantize_model, whole_groups
 
 PREFIXES = ("model.language_model.", "model.")  # the trunk's tensors, longest first
 EXPERT = re.compile(r"^((?:mtp\.)?layers\.\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+FUSED_EXPERTS = re.compile(r"^(?:mtp\.)?layers\.\d+\.mlp\.experts\.(gate_up|down)_proj$")
 TRUNK_ONLY = ("layers.", "norm.")  # what a lean drafter skips
 
 
@@ -58,10 +60,12 @@ def read_config(path: Path, *, has_mtp: bool) -> NextConfig:
 
 
 def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-              parts: str = "all", num_expert_slots: int | None = None, keep_fp8_weights: bool = True) -> Qwen3NextModel:
+              parts: str = "all", num_expert_slots: int | None = None, keep_fp8_weights: bool = True,
+              shard: Shard | None = None) -> Qwen3NextModel:
     """num_expert_slots: device slots per MoE layer, the routed experts in host memory (None:
     every expert resident; with slots they are read into host memory, never the device's).
-    keep_fp8_weights: an FP8 checkpoint's weights stay FP8 (else dequantised to dtype)."""
+    keep_fp8_weights: an FP8 checkpoint's weights stay FP8 (else dequantised to dtype).
+    shard: a rank's share of a model split over processes: only its routed experts are read."""
     if parts not in PARTS:
         raise ValueError(f"parts {parts!r} must be one of {', '.join(PARTS)}")
     path = Path(path)
@@ -77,8 +81,12 @@ def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: s
               if (ours := _our_name(name, parts)) is not None}
     expert_names = {ours for name in files if (ours := _our_name(name, parts)) is not None and EXPERT.match(ours)}
     fp8_experts = bool(expert_names) and expert_names <= stored
+    owned = _owned(config, shard)
 
     def keep(meta_model: Qwen3NextModel) -> None:  # (on the meta device, before anything is allocated)
+        if len(owned) < config.num_experts:
+            for experts in expert_modules(meta_model):
+                experts.keep(owned)
         weights = {n for n, _ in meta_model.named_parameters()}
         if stored:
             keep_fp8(meta_model, whole_groups(stored - expert_names, weights), fp8.block)
@@ -106,8 +114,9 @@ def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: s
                 match = EXPERT.match(ours)
                 if match:
                     layer, expert, kind = match.group(1), int(match.group(2)), match.group(3)
-                    get = tensors.get_fp8 if fp8_experts else tensors.get
-                    per_expert.setdefault((layer, kind), {})[expert] = get(handle, file, name)
+                    if expert in owned:  # (else another rank's)
+                        get = tensors.get_fp8 if fp8_experts else tensors.get
+                        per_expert.setdefault((layer, kind), {})[expert - owned.start] = get(handle, file, name)
                     continue
                 if ours not in params:
                     unexpected.append(name)
@@ -120,6 +129,8 @@ def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: s
                     seen.update((ours, ours + SCALE_SUFFIX))
                     continue
                 tensor = tensors.get(handle, file, name)
+                if len(owned) < config.num_experts and FUSED_EXPERTS.match(ours):  # the rank's rows
+                    tensor = tensor[owned.start : owned.stop]
                 if tensor.shape != params[ours].shape:
                     misshaped.append(f"{name} {tuple(tensor.shape)} (expected {tuple(params[ours].shape)})")
                     continue
@@ -135,6 +146,11 @@ def load_next(path: str | Path, *, dtype: torch.dtype = torch.float32, device: s
     _rebuild_rotary(model)
     offload_experts(model, num_expert_slots, device)
     return model.eval().requires_grad_(False)
+
+
+def _owned(config: NextConfig, shard: Shard | None) -> range:
+    """The routed experts this process keeps: all, or the rank's share."""
+    return range(config.num_experts) if shard is None else shard.part(config.num_experts, "num_experts")
 
 
 def expert_modules(model: Qwen3NextModel) -> list[Experts]:
@@ -155,26 +171,37 @@ def offload_experts(model: Qwen3NextModel, num_slots: int | None, device: torch.
 
 def load_hybrid(path: Path | None, *, device: torch.device, dtype: torch.dtype, num_expert_slots: int | None,
                 random_weights: bool, config: NextConfig | None, seed: int, progress: bool,
-                parts: str, quantize: str = "auto") -> Qwen3NextModel:
+                parts: str, quantize: str = "auto", shard: Shard | None = None) -> Qwen3NextModel:
     """shared.model.loader.load_model for this family (or its shapes with random weights);
-    quantize: shared.model.quantize.QUANTIZE ("fp8" with random weights: a module at a time, random_next)."""
+    quantize: shared.model.quantize.QUANTIZE ("fp8" with random weights: a module at a time, random_next);
+    shard: a rank's share of a verifier's trunk split over processes (its routed experts; the
+    token mixers stay whole on every rank)."""
+    if shard is not None and parts != "trunk":
+        raise ValueError("a model split over ranks is a verifier's trunk (parts='trunk')")
     if random_weights:
         model = random_next(config or read_config(path, has_mtp=True), dtype=dtype, device=device, seed=seed,
-                            parts=parts, quantize=quantize)
+                            parts=parts, quantize=quantize, shard=shard)
         offload_experts(model, num_expert_slots, device)  # (made on the device: the same seed, the same experts)
-        return model
-    model = load_next(path, dtype=dtype, device=device, parts=parts, num_expert_slots=num_expert_slots,
-                      keep_fp8_weights=keeps_fp8(quantize, device))
-    return quantize_model(model) if quantize == "fp8" else model
+    else:
+        model = load_next(path, dtype=dtype, device=device, parts=parts, num_expert_slots=num_expert_slots,
+                          keep_fp8_weights=keeps_fp8(quantize, device), shard=shard)
+        if quantize == "fp8":
+            model = quantize_model(model)
+    if shard is not None:
+        model.shard = shard
+    return model
 
 
 def random_next(config: NextConfig, *, dtype: torch.dtype, device: str | torch.device, seed: int = 0,
-                parts: str = "all", std: float = 0.02, quantize: str = "none") -> Qwen3NextModel:
+                parts: str = "all", std: float = 0.02, quantize: str = "none",
+                shard: Shard | None = None) -> Qwen3NextModel:
     """A model of `config`'s shapes with random N(0, std) weights (norm weights 0: the
     zero-centred norms scale by 1 + w), made on the device (benchmarks at real sizes), a module
     at a time; quantize "fp8": each made block-scaled FP8 before the next is allocated, so a
     model whose full-precision weights would not fit (80B-A3B in bf16 on one H200) is built.
-    The same seed gives the same values either way (one generator, the parameters' order)."""
+    The same seed gives the same values either way (one generator, the parameters' order);
+    shard: every module made whole, then the rank's routed experts kept (the same values as the
+    whole model's)."""
     if parts not in PARTS:
         raise ValueError(f"parts {parts!r} must be one of {', '.join(PARTS)}")
     if parts == "trunk" and config.mtp_num_hidden_layers:
@@ -198,6 +225,9 @@ def random_next(config: NextConfig, *, dtype: torch.dtype, device: str | torch.d
                     param.fill_(1.0 if name.endswith("linear_attn.norm.weight") else 0.0)
                 else:
                     param.normal_(0.0, std, generator=generator)
+        owned = _owned(config, shard)
+        if len(owned) < config.num_experts and isinstance(getattr(module, "mlp", None), SharedMoe):
+            module.mlp.experts.keep(owned)
         if quantize == "fp8":
             quantize_model(module)
     if quantize == "fp8":  # (what a unit is itself, e.g. mtp.fc, its parent converts; the rest is FP8 already)

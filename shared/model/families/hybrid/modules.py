@@ -115,6 +115,16 @@ class Experts(nn.Module):
         return (Fp8Weight(self.gate_up_proj, self.gate_up_proj_scale_inv, self._gate_up_block),
                 Fp8Weight(self.down_proj, self.down_proj_scale_inv, self.block))
 
+    def keep(self, owned: range) -> None:
+        """Only the experts `owned` (a rank's share of a model split over processes,
+        shared.model.parallel): on the meta device before allocation, or cut from the weights
+        made; full precision (a share is quantized after it is cut)."""
+        if self.block is not None:
+            raise ValueError("FP8 experts are cut to a rank's share before they are held FP8")
+        self.gate_up_proj = nn.Parameter(self.gate_up_proj.data[owned.start : owned.stop].clone(), requires_grad=False)
+        self.down_proj = nn.Parameter(self.down_proj.data[owned.start : owned.stop].clone(), requires_grad=False)
+        self._store = None
+
     def hold_fp8(self, block: tuple[int, int], *, per_row_gate_up: bool) -> None:
         """Unfilled FP8 parameters in place of the full-precision ones (a loader copies an FP8
         checkpoint's experts into them; on the meta device, before the model is allocated).

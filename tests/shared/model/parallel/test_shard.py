@@ -3,6 +3,7 @@ read from the checkpoint and nothing else, its heads' rows and columns, its conf
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from shared.model import ModelConfig, load_model
 from shared.model.parallel.shard import Shard, check_shardable, expert_table
@@ -74,14 +75,58 @@ def test_expert_table_maps_owned_experts_and_drops_the_others():
     assert table.tolist() == [-1, -1, -1, -1, 0, 1, 2, 3]
 
 
-def test_what_cannot_be_split_says_so(split_checkpoint, tmp_path):
+def test_what_cannot_be_split_says_so(split_checkpoint, split_hybrid_checkpoints):
     path, _ = split_checkpoint
     with pytest.raises(ValueError, match="verifier's trunk"):
         load_model(path, parts="all", shard=Shard(0, 2))
-    from shared.model.families.hybrid.config import NextConfig  # noqa: F401  (the family exists)
+    with pytest.raises(ValueError, match="verifier's trunk"):
+        load_model(split_hybrid_checkpoints["hybrid"], parts="all", shard=Shard(0, 2))
+    with pytest.raises(ValueError, match="num_experts \\(8\\) is not divisible by --parallel 3"):
+        load_model(split_hybrid_checkpoints["hybrid"], parts="trunk", shard=Shard(0, 3))
 
-    hybrid = tmp_path / "hybrid"
-    hybrid.mkdir()
-    (hybrid / "config.json").write_text('{"model_type": "qwen3_next"}')
-    with pytest.raises(ValueError, match="hybrid family cannot be split"):
-        load_model(hybrid, shard=Shard(0, 2))
+
+def hybrid_experts(model) -> list:
+    return [layer.mlp.experts for layer in model.layers if hasattr(layer.mlp, "experts")]
+
+
+@pytest.mark.parametrize("name", ["hybrid", "qwen3.5"])
+def test_a_hybrid_rank_loads_its_routed_experts_and_whole_mixers(split_hybrid_checkpoints, name):
+    path = split_hybrid_checkpoints[name]
+    whole = load_model(path, parts="trunk")
+    share = load_model(path, parts="trunk", shard=Shard(1, 2))
+    assert share.shard == Shard(1, 2)
+    for full, part in zip(hybrid_experts(whole), hybrid_experts(share)):
+        assert torch.equal(part.gate_up_proj, full.gate_up_proj[4:])
+        assert torch.equal(part.down_proj, full.down_proj[4:])
+    mixers = {n: p for n, p in whole.named_parameters() if "experts" not in n}
+    for n, p in share.named_parameters():
+        if "experts" not in n:  # token mixers, routers, the shared expert: whole on every rank
+            assert torch.equal(p, mixers[n]), n
+
+
+def test_a_hybrid_rank_reads_its_rows_of_fused_expert_tensors(split_hybrid_checkpoints, tmp_path):
+    """Checkpoints that store each layer's experts as one [E, ...] tensor (as transformers may
+    save them): the rank's rows of each."""
+    whole = load_model(split_hybrid_checkpoints["hybrid"], parts="trunk")
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    (fused / "config.json").write_text((split_hybrid_checkpoints["hybrid"] / "config.json").read_text())
+    state = {f"model.{n}": p.contiguous() for n, p in whole.state_dict().items() if not n.startswith("rotary")}
+    state["lm_head.weight"] = state.pop("model.lm_head.weight")
+    save_file(state, str(fused / "model.safetensors"))
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in state)
+    share = load_model(fused, parts="trunk", shard=Shard(0, 2))
+    for full, part in zip(hybrid_experts(whole), hybrid_experts(share)):
+        assert torch.equal(part.gate_up_proj, full.gate_up_proj[:4])
+        assert torch.equal(part.down_proj, full.down_proj[:4])
+
+
+def test_hybrid_random_weights_split_like_the_whole_model(next_configs):
+    from shared.model.families.hybrid.config import NextConfig
+
+    config = NextConfig.from_dict(next_configs["qwen3.5"] | dict(shared_expert_intermediate_size=16))
+    whole = load_model(config=config, random_weights=True, seed=4, parts="trunk")
+    share = load_model(config=config, random_weights=True, seed=4, parts="trunk", shard=Shard(1, 2))
+    for full, part in zip(hybrid_experts(whole), hybrid_experts(share)):
+        assert torch.equal(part.gate_up_proj, full.gate_up_proj[4:])
+    assert torch.equal(share.embed_tokens.weight, whole.embed_tokens.weight)
