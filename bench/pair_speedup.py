@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-timeout", type=float, default=600.0, help="deadline of one request, seconds")
     parser.add_argument("--verifier-arg", action="append", default=[],
                         help="extra flag for the verifier(s), e.g. --verifier-arg=--no-governor (repeatable)")
+    parser.add_argument("--drafter-arg", action="append", default=[],
+                        help="embedded setups: extra flag for the drafter, e.g. --drafter-arg=--device --drafter-arg=cuda:1 "
+                             "(a GPU of its own; the last --device wins) (repeatable)")
     parser.add_argument("--drafter-delay-ms", type=float, default=0.0,
                         help="synthetic setups: the replay drafter sends each chain this late (a slow drafter)")
     parser.add_argument("--ahead-ab", action="store_true",

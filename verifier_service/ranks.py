@@ -72,7 +72,7 @@ def follower_main(s: VerifierSettings, rank: int, address: str) -> None:
         use_threads(threads)
     from verifier_service.engine import Engine  # (after the environment is set)
 
-    shard = Shard(rank, s.parallel)
+    shard = Shard(rank, s.parallel, s.parallel_attention)
     device = rank_device(s.device, rank)
     group = ModelGroup(shard, address, device)
     try:
@@ -113,7 +113,7 @@ class Ranks:
             process.stdin.write(settings_json)  # (the settings may hold secrets: not on the command line)
             process.stdin.close()
             self.processes.append(process)
-        self.group = ModelGroup(Shard(0, s.parallel), self.address, rank_device(s.device, 0))
+        self.group = ModelGroup(Shard(0, s.parallel, s.parallel_attention), self.address, rank_device(s.device, 0))
         return self.group
 
     def dead(self) -> list[str]:

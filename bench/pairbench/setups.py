@@ -80,6 +80,7 @@ async def run_embedded(args, children: Children, workdir: Path) -> tuple[list[di
     drafter_args = [*common, "--port", str(d_port)]
     if not args.global_index:
         drafter_args += ["--global-index-mb", "0"]
+    drafter_args += args.drafter_arg
     verifier_args = [*common, "--max-draft-tokens", str(args.max_draft_tokens), "--grace-s", "2", *args.verifier_arg]
     log("starting services ...")
     children.start("drafter", [sys.executable, "-m", "shared.cli", "drafter", *drafter_args])

@@ -3,10 +3,16 @@
 - Routed experts: rank r keeps the contiguous r-th share (experts r·E/N .. (r+1)·E/N - 1); the
   loader reads only those. The router stays whole on every rank (it is small, and each rank then
   knows every row's routes without a message).
-- Attention: rank r keeps its share of the query heads and of the KV heads (GQA groups stay
-  whole: query head h reads KV head h // (Hq / Hkv) on the same rank), so q/k/v keep their rows
-  of those heads and o_proj its columns; the KV pool holds only the rank's KV heads.
-- A dense MLP layer keeps its share of the intermediate (gate/up rows, down columns).
+- Attention (`attention="split"`, the default): rank r keeps its share of the query heads and
+  of the KV heads (GQA groups stay whole: query head h reads KV head h // (Hq / Hkv) on the
+  same rank), so q/k/v keep their rows of those heads and o_proj its columns; the KV pool holds
+  only the rank's KV heads. `attention="whole"`: every rank keeps all of it (and the whole KV,
+  and any dense MLP whole): one collective a layer instead of two, the routed experts' — a
+  step's rows then are one process's bits given the same KV — each rank reading all the attention weights a step —
+  the better trade where attention is a small part of a step's bytes (a choice measured per
+  model: docs/PERFORMANCE.md).
+- A dense MLP layer keeps its share of the intermediate (gate/up rows, down columns); whole
+  with `attention="whole"`.
 - Embeddings, norms, the router and the lm_head are replicated.
 
 A rank's model then carries its own view of the config (its head counts), so everything sized
@@ -21,16 +27,26 @@ import torch
 from torch import nn
 
 
+ATTENTION = ("split", "whole")
+
+
 @dataclass(frozen=True)
 class Shard:
     rank: int
     size: int
+    attention: str = "split"  # ATTENTION: the heads split over the ranks, or whole on each
 
     def __post_init__(self) -> None:
         if self.size < 1:
             raise ValueError(f"parallel size {self.size} must be >= 1")
         if not 0 <= self.rank < self.size:
             raise ValueError(f"rank {self.rank} must lie in [0, {self.size})")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"parallel_attention {self.attention!r} must be one of {', '.join(ATTENTION)}")
+
+    @property
+    def splits_attention(self) -> bool:
+        return self.attention == "split" and self.size > 1
 
     def part(self, count: int, what: str) -> range:
         """This rank's contiguous share of `count` things; ValueError naming `what` unless it divides."""
@@ -40,13 +56,13 @@ class Shard:
         return range(self.rank * share, (self.rank + 1) * share)
 
 
-def check_shardable(config, size: int) -> None:
-    """ValueError naming the first field of a qwen3_moe config that `size` ranks cannot split."""
-    shard = Shard(0, size)
+def check_shardable(config, shard: Shard) -> None:
+    """ValueError naming the first field of a qwen3_moe config that shard.size ranks cannot split."""
     shard.part(config.num_experts, "num_experts")
-    shard.part(config.num_attention_heads, "num_attention_heads")
-    shard.part(config.num_key_value_heads, "num_key_value_heads")
-    if any(config.is_dense_layer(i) for i in range(config.num_hidden_layers)):
+    if shard.splits_attention:
+        shard.part(config.num_attention_heads, "num_attention_heads")
+        shard.part(config.num_key_value_heads, "num_key_value_heads")
+    if shard.splits_attention and any(config.is_dense_layer(i) for i in range(config.num_hidden_layers)):
         shard.part(config.intermediate_size, "intermediate_size")
 
 
@@ -65,24 +81,27 @@ def shard_trunk(model, shard: Shard) -> None:
     heads and dense MLPs cut to the rank's share, the config to the rank's view. Full-precision
     projections only (an FP8 projection's block scales would have to split along with it)."""
     config = model.config
-    check_shardable(config, shard.size)
-    heads = shard.part(config.num_attention_heads, "num_attention_heads")
-    kv_heads = shard.part(config.num_key_value_heads, "num_key_value_heads")
+    check_shardable(config, shard)
+    whole = Shard(0, 1)
+    heads = (shard if shard.splits_attention else whole).part(config.num_attention_heads, "num_attention_heads")
+    kv_heads = (shard if shard.splits_attention else whole).part(config.num_key_value_heads, "num_key_value_heads")
     d = config.head_dim
     q_rows, kv_rows = slice(heads.start * d, heads.stop * d), slice(kv_heads.start * d, kv_heads.stop * d)
     for layer in model.layers:
         attn = layer.self_attn
-        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
-            if linear.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                raise ValueError("--parallel splits full-precision attention only (this checkpoint's is "
-                                 f"{linear.weight.dtype}): load it with --quantize none")
-        _keep_rows(attn.q_proj, q_rows)
-        _keep_rows(attn.k_proj, kv_rows)
-        _keep_rows(attn.v_proj, kv_rows)
-        _keep_columns(attn.o_proj, q_rows)
-        attn.num_heads, attn.num_kv_heads = len(heads), len(kv_heads)
+        if shard.splits_attention:
+            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+                if linear.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise ValueError("--parallel splits full-precision attention only (this checkpoint's is "
+                                     f"{linear.weight.dtype}): load it with --quantize none, or keep attention "
+                                     "whole (--parallel-attention whole)")
+            _keep_rows(attn.q_proj, q_rows)
+            _keep_rows(attn.k_proj, kv_rows)
+            _keep_rows(attn.v_proj, kv_rows)
+            _keep_columns(attn.o_proj, q_rows)
+            attn.num_heads, attn.num_kv_heads = len(heads), len(kv_heads)
         mlp = layer.mlp
-        if hasattr(mlp, "gate_proj"):  # a dense layer
+        if hasattr(mlp, "gate_proj") and shard.splits_attention:  # a dense layer (whole with whole attention)
             inter = shard.part(config.intermediate_size, "intermediate_size")
             cut = slice(inter.start, inter.stop)
             _keep_rows(mlp.gate_proj, cut)

@@ -165,7 +165,9 @@ class FusedModel(LayerwiseForward):
             o_partials = F.linear(attn.view(num_rows, -1), dense(layer.o, attn.dtype))
         else:
             o_partials = linear_partials(attn.view(num_rows, -1), layer.o, layer.o_splits, pdl=pdl)
-        return add_rmsnorm(self._ranks_partials(o_partials), residual, layer.post_norm, layer.eps, pdl=pdl)
+        if self.group is not None and self.group.shard.splits_attention:
+            o_partials = self._ranks_partials(o_partials)
+        return add_rmsnorm(o_partials, residual, layer.post_norm, layer.eps, pdl=pdl)
 
     def _ranks_partials(self, partials: Tensor) -> Tensor:
         """Split over ranks: every rank's partials ([T, splits, H] float32, or one [T, H] product)
@@ -178,7 +180,7 @@ class FusedModel(LayerwiseForward):
 
     def dense(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor) -> tuple[Tensor, Tensor]:
         gate, up = linear(normed, layer.gate_up, pdl=self.pdl).chunk(2, dim=-1)
-        if self.group is None:
+        if self.group is None or not self.group.shard.splits_attention:
             out = linear(F.silu(gate) * up, layer.down, pdl=self.pdl)
         else:  # the rank's share of the intermediate: its partial product, the ranks' added by the norm
             out = self._ranks_partials(linear(F.silu(gate) * up, layer.down, out_dtype=torch.float32, pdl=self.pdl))
@@ -269,10 +271,14 @@ class FusedModel(LayerwiseForward):
                                    keys, values, kv.block_tables, layer.num_heads, layer.num_kv_heads, layer.eps)
             attn = prefill_attention(q, kv, index, spans)
             out = prefill_linear(attn.reshape(num_rows, -1), layer.o)
-            normed, residual = add_rmsnorm(self._ranks_partials(out), residual, layer.post_norm, layer.eps)
+            if self.group is not None and self.group.shard.splits_attention:
+                out = self._ranks_partials(out)
+            normed, residual = add_rmsnorm(out, residual, layer.post_norm, layer.eps)
             if not layer.moe:
                 out = prefill_linear(silu_mul(prefill_linear(normed, layer.gate_up)), layer.down)
-                normed, residual = add_rmsnorm(self._ranks_partials(out), residual, next_norm, layer.eps)
+                if self.group is not None and self.group.shard.splits_attention:
+                    out = self._ranks_partials(out)
+                normed, residual = add_rmsnorm(out, residual, next_norm, layer.eps)
                 continue
             expert_ids, weights = route(prefill_linear(normed, layer.router), layer.top_k, normalize=layer.normalize)
             if self.group is not None:

@@ -22,12 +22,15 @@ def test_a_share_must_divide():
 def test_unsplittable_configs_name_their_field(split_checkpoint):
     _, raw = split_checkpoint
     config = ModelConfig.from_dict(raw)
-    check_shardable(config, 2)
+    check_shardable(config, Shard(0, 2))
     with pytest.raises(ValueError, match="num_key_value_heads \\(2\\)"):
-        check_shardable(config, 4)
+        check_shardable(config, Shard(0, 4))
+    check_shardable(config, Shard(0, 4, attention="whole"))  # (whole attention: only the experts split)
     with pytest.raises(ValueError, match="intermediate_size \\(48\\)"):
         check_shardable(ModelConfig.from_dict(raw | {"num_experts": 32, "num_attention_heads": 32,
-                                                     "num_key_value_heads": 32}), 32)
+                                                     "num_key_value_heads": 32}), Shard(0, 32))
+    with pytest.raises(ValueError, match="parallel_attention 'half'"):
+        Shard(0, 2, attention="half")
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -59,6 +62,17 @@ def test_a_rank_loads_its_share_of_the_checkpoint(split_checkpoint, rank):
             assert torch.equal(part.mlp.store.gate_up, full.mlp.store.gate_up[experts])
             assert torch.equal(part.mlp.store.down, full.mlp.store.down[experts])
     assert torch.equal(share.lm_head.weight, whole.lm_head.weight)
+
+
+def test_a_rank_with_whole_attention_keeps_every_head(split_checkpoint):
+    path, _ = split_checkpoint
+    whole = load_model(path, parts="trunk")
+    share = load_model(path, parts="trunk", shard=Shard(1, 2, attention="whole"))
+    assert (share.config.num_attention_heads, share.config.num_key_value_heads) == (4, 2)
+    for full, part in zip(whole.layers, share.layers):
+        assert torch.equal(part.self_attn.o_proj.weight, full.self_attn.o_proj.weight)
+        assert torch.equal(part.self_attn.k_proj.weight, full.self_attn.k_proj.weight)
+    assert share.layers[0].mlp.store.num_experts == 4
 
 
 def test_random_weights_split_like_the_whole_model(split_checkpoint):
