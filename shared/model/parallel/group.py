@@ -6,8 +6,10 @@ Two kinds of traffic:
   So no all-reduce: NCCL and gloo pick a reduction's order by the message's size, which would
   make a row's sum depend on how many rows share the step. Instead every rank's part is
   gathered and added in rank order, element by element.
-- commands, between steps (`send` / `receive`): rank 0's runner calls, as Python objects over
-  a gloo group on the CPU (a GPU group's collectives stay free for the rows).
+- commands, between steps (`send` / `receive`): rank 0's runner calls, pickled, over a gloo
+  group on the CPU (a GPU group's collectives stay free for the rows): one broadcast of a
+  fixed-size buffer for a step's command (torch's broadcast_object_list takes two: the size,
+  then the bytes).
 
 NVLink multicast (NVLS) stays off in every process (`NCCL_ENV`): set before the group exists.
 """
@@ -15,6 +17,7 @@ NVLink multicast (NVLS) stays off in every process (`NCCL_ENV`): set before the 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 from datetime import timedelta
 
@@ -28,6 +31,7 @@ from shared.model.parallel.shard import Shard
 # and NVSHMEM (on shared hosts a program using it can take the GPUs out of service).
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 STOP = "stop"
+COMMAND_BYTES = 16384  # a command's first broadcast: a step's windows fit (a long prompt's chunk takes two)
 # torch 2.13 renamed the one-tensor all-gather (the GPU image's older torch has the old name only).
 _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -60,6 +64,7 @@ class ModelGroup:
                                 timeout=timedelta(seconds=timeout_s))
         self.rows = dist.group.WORLD
         self.commands = dist.new_group(backend="gloo") if backend != "gloo" else self.rows
+        self._buffer = torch.zeros(COMMAND_BYTES, dtype=torch.uint8)  # (commands travel on the CPU)
 
     @property
     def rank(self) -> int:
@@ -102,14 +107,29 @@ class ModelGroup:
     # -- commands ---------------------------------------------------------------------------
 
     def send(self, command: tuple) -> None:
-        """Rank 0: a command to every follower."""
-        dist.broadcast_object_list([command], src=0, group=self.commands)
+        """Rank 0: a command to every follower (one broadcast of a fixed-size buffer for the usual
+        small command, a second one for the rest of a large one)."""
+        data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+        head = self._buffer
+        head[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+        first = data[: COMMAND_BYTES - 8]
+        head[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        dist.broadcast(head, src=0, group=self.commands)
+        if len(data) > len(first):
+            rest = torch.frombuffer(bytearray(data[len(first) :]), dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.commands)
 
     def receive(self) -> tuple:
         """A follower: rank 0's next command (blocks until it comes)."""
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.commands)
-        return box[0]
+        head = self._buffer
+        dist.broadcast(head, src=0, group=self.commands)
+        size = int.from_bytes(head[:8].numpy().tobytes(), "little")
+        data = head[8 : 8 + min(size, COMMAND_BYTES - 8)].numpy().tobytes()
+        if size > len(data):
+            rest = torch.empty(size - len(data), dtype=torch.uint8)
+            dist.broadcast(rest, src=0, group=self.commands)
+            data += rest.numpy().tobytes()
+        return pickle.loads(data)
 
     def close(self) -> None:
         if dist.is_initialized():
