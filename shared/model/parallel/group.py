@@ -98,6 +98,11 @@ class ModelGroup:
             total = total + other
         return total
 
+    def share(self, tensor: Tensor) -> None:
+        """Rank 0's `tensor` into every rank's (same shape and dtype), on the rows' group: on GPUs
+        device to device, with no host synchronisation (e.g. tokens sampled on rank 0's device)."""
+        dist.broadcast(tensor, src=0, group=self.rows)
+
     def agree_min(self, value: int) -> int:
         """The smallest of every rank's `value` (e.g. KV blocks: each rank's free memory differs)."""
         t = torch.tensor([value], dtype=torch.int64)

@@ -45,11 +45,11 @@ class LeaderRunner:
     def __getattr__(self, name: str):  # max_rows, path, pool, use_graphs, ...
         return getattr(self.runner, name)
 
-    def _call(self, name: str, *args, sent: tuple | None = None):
+    def _call(self, name: str, *args):
         with self.lock:
             if self.closed:
                 raise RuntimeError("the parallel runner is closed")
-            self.group.send((name, args if sent is None else sent))
+            self.group.send((name, args))
             return getattr(self.runner, name)(*args)
 
     def acquire(self, max_length: int) -> tuple[int, CacheLength]:
@@ -68,7 +68,16 @@ class LeaderRunner:
         return self._call("run_next")
 
     def feed_next(self, token_ids: Tensor) -> None:
-        self._call("feed_next", token_ids, sent=(token_ids.cpu(),))
+        """The tokens (on the device: a sampled round's draws) go to the followers device to
+        device, after the command that announces their shape: reading them on the host here
+        would wait for the step that made them."""
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("the parallel runner is closed")
+            token_ids = token_ids.contiguous()
+            self.group.send(("feed_next", (tuple(token_ids.shape), str(token_ids.dtype).removeprefix("torch."))))
+            self.group.share(token_ids)
+            self.runner.feed_next(token_ids)
 
     def settle(self, slot: int, kept_row: int | None = None) -> None:
         self._call("settle", slot, kept_row)
@@ -93,8 +102,10 @@ def follow(runner, group: ModelGroup) -> int:
             return count
         if name not in CALLS:
             raise ValueError(f"rank {group.rank}: unknown call {name!r} from rank 0")
-        if name == "feed_next":
-            args = (args[0].to(device),)
+        if name == "feed_next":  # (shape, dtype): the tokens themselves come by a broadcast
+            token_ids = torch.empty(args[0], dtype=getattr(torch, args[1]), device=device)
+            group.share(token_ids)
+            args = (token_ids,)
         try:
             getattr(runner, name)(*args)
         except ValueError as error:
