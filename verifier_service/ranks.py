@@ -18,6 +18,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import structlog
 import torch
@@ -63,8 +65,26 @@ def rank_threads(s: VerifierSettings) -> ThreadPlan:
     return ThreadPlan(count, count)
 
 
+def watch_parent(period_s: float = 1.0) -> threading.Thread:
+    """A follower leaves when rank 0's process is gone (killed, crashed, failed to load): it would
+    otherwise wait in a collective until the group's timeout."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(period_s)
+            if os.getppid() != parent:
+                log.error("rank 0 is gone; this follower leaves")
+                os._exit(1)
+
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def follower_main(s: VerifierSettings, rank: int, address: str) -> None:
     """A follower process: join, load the rank's share, build the engine, follow rank 0 to the end."""
+    watch_parent()
     os.environ.update(NCCL_ENV)
     configure_logging()
     threads = rank_threads(s).full
@@ -113,7 +133,8 @@ class Ranks:
             process.stdin.write(settings_json)  # (the settings may hold secrets: not on the command line)
             process.stdin.close()
             self.processes.append(process)
-        self.group = ModelGroup(Shard(0, s.parallel, s.parallel_attention), self.address, rank_device(s.device, 0))
+        device = rank_device(s.device, 0)
+        self.group = ModelGroup(Shard(0, s.parallel, s.parallel_attention), self.address, device)
         return self.group
 
     def dead(self) -> list[str]:

@@ -125,8 +125,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 raise ValueError("parallel: a model handed in already loaded cannot be split over processes")
             self.ranks = Ranks(s)
             log.info("starting ranks", parallel=s.parallel, address=self.ranks.address)
+            self.watchdog = asyncio.create_task(self._watch_ranks())  # (a follower that fails to start too)
             group = await self.worker.run(self.ranks.start)
-            self.watchdog = asyncio.create_task(self._watch_ranks())
         if self.model is None:
             path = resolve_model(s.model)
             log.info("loading model", path=str(path), device=s.device, dtype=s.dtype, quantize=s.quantize,

@@ -188,24 +188,52 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def test_a_lost_follower_takes_the_verifier_down(split_checkpoint, tmp_path):
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (not gone, not a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture
+def split_verifier_process(split_checkpoint, tmp_path):
+    """(the verifier's process, its follower's pid, its log path): `python -m verifier_service
+    --parallel 2`, ready."""
     path, _ = split_checkpoint
-    log = (tmp_path / "verifier.log").open("w")
-    verifier = subprocess.Popen([sys.executable, "-m", "verifier_service", "--model", str(path), "--parallel", "2",
-                                 "--port", "0", "--kv-cache-tokens", "2048"], stdout=log, stderr=subprocess.STDOUT)
+    log_path = tmp_path / "verifier.log"
+    with log_path.open("w") as log:
+        verifier = subprocess.Popen([sys.executable, "-m", "verifier_service", "--model", str(path), "--parallel", "2",
+                                     "--port", "0", "--kv-cache-tokens", "2048"], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
-        while "verifier ready" not in (tmp_path / "verifier.log").read_text():
-            assert verifier.poll() is None and time.monotonic() < deadline, (tmp_path / "verifier.log").read_text()
+        while "verifier ready" not in log_path.read_text():
+            assert verifier.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.2)
         (follower,) = children(verifier.pid)
-        os.kill(follower, signal.SIGKILL)
-        assert verifier.wait(30) == RANK_LOST_EXIT
-        assert "a follower rank ended" in (tmp_path / "verifier.log").read_text()
+        yield verifier, follower, log_path
     finally:
         if verifier.poll() is None:
             verifier.kill()
             verifier.wait()
+
+
+def test_a_lost_follower_takes_the_verifier_down(split_verifier_process):
+    verifier, follower, log_path = split_verifier_process
+    os.kill(follower, signal.SIGKILL)
+    assert verifier.wait(30) == RANK_LOST_EXIT
+    assert "a follower rank ended" in log_path.read_text()
+
+
+def test_a_follower_leaves_when_rank_0_is_gone(split_verifier_process):
+    verifier, follower, log_path = split_verifier_process
+    verifier.kill()
+    verifier.wait()
+    deadline = time.monotonic() + 20
+    while alive(follower):
+        assert time.monotonic() < deadline, "the follower outlived rank 0"
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
