@@ -24,7 +24,7 @@ from drafter_service.messages import check_commit, check_open
 from drafter_service.session import DraftSession, SessionStore
 from drafter_service.settings import DrafterSettings
 from shared import security, telemetry
-from shared.threads import model_threads, use_threads
+from shared.threads import model_threads, use_device, use_threads
 from shared.metrics import DrafterMetrics
 from shared.model import load_model, resident_bytes
 from shared.model.registry import resolve_model
@@ -57,6 +57,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         if threads is not None:  # (shared/threads.py: before any model work)
             await self.worker.run(use_threads, threads)  # (the model worker's thread runs the ops)
             log.info("cpu threads", threads=threads)
+        await self.worker.run(use_device, self.settings.device)
         if self.model is None:
             path = resolve_model(self.settings.model)
             log.info("loading model", path=str(path), device=self.settings.device)

@@ -83,3 +83,15 @@ def use_threads(num_threads: int) -> None:
     torch.set_num_threads(num_threads)
     if torch.get_num_threads() != num_threads:  # (the get is the first op: the count is this thread's now)
         raise RuntimeError(f"torch runs {torch.get_num_threads()} threads, not {num_threads}")
+
+
+def use_device(device: str) -> None:
+    """Run on the model's thread: a GPU named by index (`cuda:1`) becomes the thread's current
+    device, so the streams, events, graphs and kernel launches made without naming a device land
+    on the model's GPU (a drafter on a GPU of its own beside a verifier on cuda:0). Nothing on
+    the CPU."""
+    import torch
+
+    target = torch.device(device)
+    if target.type == "cuda":
+        torch.cuda.set_device(target.index or 0)

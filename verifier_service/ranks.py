@@ -30,7 +30,7 @@ from shared.model.parallel.group import NCCL_ENV, ModelGroup, free_address, rank
 from shared.model.parallel.lockstep import follow
 from shared.model.parallel.shard import Shard
 from shared.model.registry import resolve_model
-from shared.threads import ThreadPlan, use_threads
+from shared.threads import ThreadPlan, use_device, use_threads
 from verifier_service.settings import VerifierSettings
 
 log = structlog.get_logger("verifier")
@@ -90,6 +90,7 @@ def follower_main(s: VerifierSettings, rank: int, address: str) -> None:
     threads = rank_threads(s).full
     if threads is not None:
         use_threads(threads)
+    use_device(str(rank_device(s.device, rank)))
     from verifier_service.engine import Engine  # (after the environment is set)
 
     shard = Shard(rank, s.parallel, s.parallel_attention)

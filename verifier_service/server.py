@@ -27,7 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kernels.speculative import Gate, Mode
 from shared import security, telemetry
-from shared.threads import model_threads, use_threads
+from shared.threads import model_threads, use_device, use_threads
 from shared.metrics import VerifierMetrics
 from shared.model import resident_bytes
 from shared.model.registry import resolve_model
@@ -120,6 +120,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             await self.worker.run(use_threads, self.threads.full)  # (the engine loop's thread runs the ops)
             log.info("cpu threads", threads=self.threads.full, while_drafting=self.threads.drafting)
         group = None
+        await self.worker.run(use_device, s.device)  # (rank 0 of a split model: its GPU is --device's)
         if s.parallel > 1:
             if self.model is not None:
                 raise ValueError("parallel: a model handed in already loaded cannot be split over processes")

@@ -38,3 +38,16 @@ def test_explicit_threads_win_and_a_gpu_keeps_torch_s_default():
         model_threads(-1, device="cpu", role="drafter")
     with pytest.raises(ValueError, match="role"):
         model_threads(0, device="cpu", role="gateway")
+
+
+def test_a_gpu_named_by_index_becomes_the_model_thread_s_device(monkeypatch):
+    import torch
+
+    from shared.threads import use_device
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    use_device("cpu")
+    use_device("cuda")
+    use_device("cuda:1")
+    assert chosen == [0, 1]
