@@ -55,11 +55,11 @@ async def test_suffix_rounds_run_no_worker_job(tiny_mtp_model, worker_jobs, roun
     async with serve(tiny_mtp_model, "suffix") as (_, channel):
         chains, _ = await rounds(channel, tiny_mtp_model, 6)
     assert sum(c.source == common_pb2.DRAFT_SOURCE_SUFFIX for c in chains) >= 5  # the rounds drafted
-    # at load, the model thread's CPU threads (shared/threads.py); one job for the open (its MTP
+    # at load, the model thread's CPU threads and device (shared/threads.py); one job for the open (its MTP
     # catch-up, timed); after that only MTP batcher jobs, which with suffix chains only ever run
     # the deferred MTP rows of each commit after its chain went out — no job between a commit
     # and its chain
-    assert worker_jobs[:2] == ["use_threads", "open"] and set(worker_jobs[2:]) <= {"mtp_batch"}, worker_jobs
+    assert worker_jobs[:3] == ["use_threads", "use_device", "open"] and set(worker_jobs[3:]) <= {"mtp_batch"}, worker_jobs
 
 
 async def test_mtp_chains_draft_on_the_worker(tiny_mtp_model, worker_jobs, rounds):
