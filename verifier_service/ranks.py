@@ -93,7 +93,7 @@ def follower_main(s: VerifierSettings, rank: int, address: str) -> None:
     use_device(str(rank_device(s.device, rank)))
     from verifier_service.engine import Engine  # (after the environment is set)
 
-    shard = Shard(rank, s.parallel, s.parallel_attention)
+    shard = Shard(rank, s.parallel, s.parallel_dense)
     device = rank_device(s.device, rank)
     group = ModelGroup(shard, address, device)
     try:
@@ -135,7 +135,7 @@ class Ranks:
             process.stdin.close()
             self.processes.append(process)
         device = rank_device(s.device, 0)
-        self.group = ModelGroup(Shard(0, s.parallel, s.parallel_attention), self.address, device)
+        self.group = ModelGroup(Shard(0, s.parallel, s.parallel_dense), self.address, device)
         return self.group
 
     def dead(self) -> list[str]:
@@ -144,7 +144,11 @@ class Ranks:
                 if p.poll() is not None]
 
     def stop(self) -> None:
-        """After the engine told the followers to stop: wait for them (terminate a straggler), leave."""
+        """After the engine told the followers to stop: leave the group with them, then wait for
+        them to end (terminate a straggler)."""
+        if self.group is not None:
+            self.group.close()
+            self.group = None
         for rank, process in enumerate(self.processes, 1):
             try:
                 process.wait(JOIN_TIMEOUT_S)
@@ -152,9 +156,6 @@ class Ranks:
                 log.warning("follower did not stop; terminating it", rank=rank)
                 process.terminate()
                 process.wait(5)
-        if self.group is not None:
-            self.group.close()
-            self.group = None
 
 
 def main(argv: list[str] | None = None) -> None:

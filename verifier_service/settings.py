@@ -19,7 +19,7 @@ class VerifierSettings:
     drafter: str | None = field(default=None, metadata={"help": "drafter address (host:port, dns:///name:port, ipv4:a:p,b:p); none = decode without drafts"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     parallel: int = field(default=1, metadata={"help": "processes the model is split over (DESIGN §13): each holds 1/N of the routed experts (expert parallel) and of the attention heads (tensor parallel); on CUDA one GPU each (from --device's index up), on the CPU gloo processes. The fused path, all experts resident; the hybrid family splits its routed experts only"})
-    parallel_attention: str = field(default="split", metadata={"help": "with --parallel: split (each process 1/N of the attention heads and of the KV, and of any dense MLP; two collectives a layer) or whole (attention, KV and dense MLPs on every process; one collective a layer: the better trade where attention is a small share of a step's bytes). The hybrid family keeps its token mixers whole either way"})
+    parallel_dense: str = field(default="split", metadata={"help": "with --parallel: split (the dense weights too: each process 1/N of the attention heads and KV, of any dense MLP and of the lm_head's vocabulary; two collectives a layer and one for the logits) or whole (every process all but its experts; one collective a layer: the better trade where the dense weights are a small share of a step's bytes). The hybrid family keeps its token mixers whole either way"})
     dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16 or float16"})
     quantize: str = field(default="auto", metadata={"help": "weight format: auto (an FP8 checkpoint stays FP8 on a GPU, dequantised to --dtype on the CPU, where per-op dequantisation is slower), none (full precision everywhere), fp8 (block-scaled e4m3, blocks of 128 x 128: the projections and routed experts, routers and lm_head left; full-precision checkpoints converted on load). --dtype stays the activations'"})
     cpu_threads: int = field(default=0, metadata={"help": "torch CPU threads of the model (0 = auto: on the CPU all cores, but one left to a drafter on this host, a loopback --drafter address, while some request drafts; two processes spinning on the same cores slow each other several-fold)"})
@@ -77,8 +77,8 @@ class VerifierSettings:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 0")
         if self.parallel < 1:
             raise ValueError(f"parallel {self.parallel} must be >= 1")
-        if self.parallel_attention not in ("split", "whole"):
-            raise ValueError(f"parallel_attention {self.parallel_attention!r} must be split or whole")
+        if self.parallel_dense not in ("split", "whole"):
+            raise ValueError(f"parallel_dense {self.parallel_dense!r} must be split or whole")
         if self.parallel > 1 and self.num_expert_slots:
             raise ValueError("num_expert_slots: experts in host memory are not supported with parallel > 1 yet")
         if self.parallel > 1 and self.fused == "off":

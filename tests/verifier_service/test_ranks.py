@@ -71,10 +71,11 @@ def one_row_steps(engine: Engine, prompt: list[int], tokens: list[int]) -> torch
 @pytest.fixture
 def split_engine(request, split_checkpoint, split_hybrid_checkpoints):
     """(rank 0's engine of the model split over 2 processes, one process's engine): the
-    qwen3_moe checkpoint, or (param) a hybrid one by name."""
+    qwen3_moe checkpoint, or (param) a hybrid one by name; " whole": --parallel-dense whole."""
     name = getattr(request, "param", "qwen3_moe")
-    path = split_checkpoint[0] if name.startswith("qwen3_moe") else split_hybrid_checkpoints[name]
-    s = settings_for(path, 2, parallel_attention="whole" if name == "qwen3_moe whole" else "split")
+    family = name.removesuffix(" whole")
+    path = split_checkpoint[0] if family == "qwen3_moe" else split_hybrid_checkpoints[family]
+    s = settings_for(path, 2, parallel_dense="whole" if name.endswith(" whole") else "split")
     whole = load_share(s, None, "cpu")
     one = Engine(whole, **engine_options(s, whole))
     ranks = Ranks(s)
@@ -91,7 +92,7 @@ def split_engine(request, split_checkpoint, split_hybrid_checkpoints):
     assert ranks.dead() == ["rank 1 (exit code 0)"]  # the follower left when told
 
 
-@pytest.mark.parametrize("split_engine", ["qwen3_moe", "qwen3_moe whole"], indirect=True)
+@pytest.mark.parametrize("split_engine", ["qwen3_moe", "qwen3_moe whole", "hybrid"], indirect=True)
 def test_split_steps_equal_one_process_to_rounding(split_engine):
     split, one = split_engine
     assert split.runner.path == one.runner.path == "fused"
@@ -101,12 +102,13 @@ def test_split_steps_equal_one_process_to_rounding(split_engine):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-@pytest.mark.parametrize("split_engine", ["hybrid", "qwen3.5"], indirect=True)
-def test_a_split_hybrid_model_is_one_process_bit_for_bit(split_engine):
-    """The hybrid family splits only its routed experts (each route one owner, the ranks' route
-    outputs add exact zeros elsewhere), in prefill as in decode: every logit is one process's.
-    (qwen3_moe with whole attention is so for a step's rows too, but its one-process prefill sums
-    a prompt's experts by another path, so its prompt KV differs by rounding.)"""
+@pytest.mark.parametrize("split_engine", ["hybrid whole", "qwen3.5 whole"], indirect=True)
+def test_a_hybrid_model_split_by_experts_is_one_process_bit_for_bit(split_engine):
+    """With the dense weights whole the hybrid family splits only its routed experts (each route
+    one owner, the ranks' route outputs add exact zeros elsewhere), in prefill as in decode:
+    every logit is one process's. (qwen3_moe so split is so for a step's rows too, but its
+    one-process prefill sums a prompt's experts by another path: its prompt KV differs by
+    rounding.)"""
     split, one = split_engine
     for a, b in zip(steps(split), steps(one)):
         assert torch.equal(a, b)

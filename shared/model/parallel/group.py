@@ -137,5 +137,12 @@ class ModelGroup:
         return pickle.loads(data)
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Leave the group: every rank meets first (one leaving while another still holds its
+        connections aborts it), unless a rank is gone already."""
+        if not dist.is_initialized():
+            return
+        try:
+            dist.barrier(group=self.commands)
+        except RuntimeError:  # (a rank is gone: nothing to meet)
+            pass
+        dist.destroy_process_group()

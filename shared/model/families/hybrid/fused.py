@@ -291,7 +291,11 @@ class HybridFused(LayerwiseForward):
                            pdl=self.pdl)
 
     def logits(self, normed: Tensor) -> Tensor:  # [T, hidden] final-norm rows -> [T, vocab] float32
-        return linear(normed, self.model.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl)
+        logits = linear(normed, self.model.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl)
+        if self.group is None or not self.group.shard.splits_dense:
+            return logits
+        # split over ranks: every rank's share of the vocabulary, side by side (padding cut)
+        return self.group.gather(logits, dim=1)[:, : self.model.config.vocab_size]
 
     # -- prefill ----------------------------------------------------------------------------
 

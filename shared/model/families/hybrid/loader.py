@@ -32,7 +32,7 @@ from shared.model.families.hybrid.modules import Experts, Qwen3NextModel, Shared
 from kernels.fused.fp8 import FP8_DTYPE, Fp8Weight, cat_rows, stack
 from shared.model.fp8 import SCALE_SUFFIX, CheckpointTensors, Fp8Blocks
 from shared.model.loader import PARTS, list_files, problem
-from shared.model.parallel.shard import Shard
+from shared.model.parallel.shard import Shard, shard_lm_head
 from shared.model.quantize import keep_fp8, keeps_fp8, quantize_model, whole_groups
 
 PREFIXES = ("model.language_model.", "model.")  # the trunk's tensors, longest first
@@ -188,6 +188,8 @@ def load_hybrid(path: Path | None, *, device: torch.device, dtype: torch.dtype, 
         if quantize == "fp8":
             model = quantize_model(model)
     if shard is not None:
+        if shard.splits_dense:
+            shard_lm_head(model, shard)
         model.shard = shard
     return model
 

@@ -165,7 +165,7 @@ class FusedModel(LayerwiseForward):
             o_partials = F.linear(attn.view(num_rows, -1), dense(layer.o, attn.dtype))
         else:
             o_partials = linear_partials(attn.view(num_rows, -1), layer.o, layer.o_splits, pdl=pdl)
-        if self.group is not None and self.group.shard.splits_attention:
+        if self.group is not None and self.group.shard.splits_dense:
             o_partials = self._ranks_partials(o_partials)
         return add_rmsnorm(o_partials, residual, layer.post_norm, layer.eps, pdl=pdl)
 
@@ -180,7 +180,7 @@ class FusedModel(LayerwiseForward):
 
     def dense(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor) -> tuple[Tensor, Tensor]:
         gate, up = linear(normed, layer.gate_up, pdl=self.pdl).chunk(2, dim=-1)
-        if self.group is None or not self.group.shard.splits_attention:
+        if self.group is None or not self.group.shard.splits_dense:
             out = linear(F.silu(gate) * up, layer.down, pdl=self.pdl)
         else:  # the rank's share of the intermediate: its partial product, the ranks' added by the norm
             out = self._ranks_partials(linear(F.silu(gate) * up, layer.down, out_dtype=torch.float32, pdl=self.pdl))
@@ -246,8 +246,13 @@ class FusedModel(LayerwiseForward):
 
     def logits(self, normed: Tensor) -> Tensor:  # [T, hidden] final-norm rows -> [T, vocab] float32
         if not self.invariant and normed.shape[0] > 1:
-            return F.linear(normed, self.model.lm_head.weight).float()
-        return linear(normed, self.model.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl)
+            logits = F.linear(normed, self.model.lm_head.weight).float()
+        else:
+            logits = linear(normed, self.model.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl)
+        if self.group is None or not self.group.shard.splits_dense:
+            return logits
+        # split over ranks: every rank's share of the vocabulary, side by side (padding cut)
+        return self.group.gather(logits, dim=1)[:, : self.model.config.vocab_size]
 
     @torch.inference_mode()
     def prefill(self, token_ids: Tensor, spans: list[tuple[int, int, int]], kv: PagedKV) -> Tensor:
@@ -271,12 +276,12 @@ class FusedModel(LayerwiseForward):
                                    keys, values, kv.block_tables, layer.num_heads, layer.num_kv_heads, layer.eps)
             attn = prefill_attention(q, kv, index, spans)
             out = prefill_linear(attn.reshape(num_rows, -1), layer.o)
-            if self.group is not None and self.group.shard.splits_attention:
+            if self.group is not None and self.group.shard.splits_dense:
                 out = self._ranks_partials(out)
             normed, residual = add_rmsnorm(out, residual, layer.post_norm, layer.eps)
             if not layer.moe:
                 out = prefill_linear(silu_mul(prefill_linear(normed, layer.gate_up)), layer.down)
-                if self.group is not None and self.group.shard.splits_attention:
+                if self.group is not None and self.group.shard.splits_dense:
                     out = self._ranks_partials(out)
                 normed, residual = add_rmsnorm(out, residual, next_norm, layer.eps)
                 continue

@@ -46,9 +46,13 @@ def two_ranks():
         group.close()
     """)])
     group = ModelGroup(Shard(0, 2), address, torch.device("cpu"), timeout_s=60)
-    yield group, follower
-    group.close()
-    follower.wait(30)
+    try:
+        yield group, follower
+    finally:  # (the test leaves the group itself; a failed one leaves a follower to kill)
+        if follower.poll() is None:
+            follower.kill()
+            follower.wait()
+        group.close()
 
 
 def test_commands_of_every_size_arrive_whole_and_rows_add_in_rank_order(two_ranks):
@@ -67,4 +71,5 @@ def test_commands_of_every_size_arrive_whole_and_rows_add_in_rank_order(two_rank
     assert group.agree_min(int(gathered.sum().item())) == int(gathered.sum().item())  # the follower's the same
     for bits in total.view(torch.int32).tolist():
         assert group.agree_min(bits) == bits and -group.agree_min(-bits) == bits
+    group.close()  # (both leave together)
     assert follower.wait(30) == 0

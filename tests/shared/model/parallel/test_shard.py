@@ -25,12 +25,12 @@ def test_unsplittable_configs_name_their_field(split_checkpoint):
     check_shardable(config, Shard(0, 2))
     with pytest.raises(ValueError, match="num_key_value_heads \\(2\\)"):
         check_shardable(config, Shard(0, 4))
-    check_shardable(config, Shard(0, 4, attention="whole"))  # (whole attention: only the experts split)
+    check_shardable(config, Shard(0, 4, dense="whole"))  # (whole dense weights: only the experts split)
     with pytest.raises(ValueError, match="intermediate_size \\(48\\)"):
         check_shardable(ModelConfig.from_dict(raw | {"num_experts": 32, "num_attention_heads": 32,
                                                      "num_key_value_heads": 32}), Shard(0, 32))
-    with pytest.raises(ValueError, match="parallel_attention 'half'"):
-        Shard(0, 2, attention="half")
+    with pytest.raises(ValueError, match="parallel_dense 'half'"):
+        Shard(0, 2, dense="half")
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -61,17 +61,25 @@ def test_a_rank_loads_its_share_of_the_checkpoint(split_checkpoint, rank):
             assert part.mlp.store.num_experts == 4
             assert torch.equal(part.mlp.store.gate_up, full.mlp.store.gate_up[experts])
             assert torch.equal(part.mlp.store.down, full.mlp.store.down[experts])
-    assert torch.equal(share.lm_head.weight, whole.lm_head.weight)
+    # the lm_head: the rank's share of the 97-token vocabulary, 49 rows (rank 1's last one zero)
+    share_rows = whole.lm_head.weight[rank * 49 : (rank + 1) * 49]
+    assert share.lm_head.weight.shape == (49, raw["hidden_size"])
+    assert torch.equal(share.lm_head.weight[: share_rows.shape[0]], share_rows)
+    assert not share.lm_head.weight[share_rows.shape[0] :].any()
+    assert torch.equal(share.embed_tokens.weight, whole.embed_tokens.weight)  # (tied: the look-up stays whole)
 
 
-def test_a_rank_with_whole_attention_keeps_every_head(split_checkpoint):
+def test_a_rank_with_whole_dense_weights_keeps_all_but_its_experts(split_checkpoint):
     path, _ = split_checkpoint
     whole = load_model(path, parts="trunk")
-    share = load_model(path, parts="trunk", shard=Shard(1, 2, attention="whole"))
+    share = load_model(path, parts="trunk", shard=Shard(1, 2, dense="whole"))
     assert (share.config.num_attention_heads, share.config.num_key_value_heads) == (4, 2)
     for full, part in zip(whole.layers, share.layers):
         assert torch.equal(part.self_attn.o_proj.weight, full.self_attn.o_proj.weight)
         assert torch.equal(part.self_attn.k_proj.weight, full.self_attn.k_proj.weight)
+        if hasattr(full.mlp, "gate_proj"):
+            assert torch.equal(part.mlp.down_proj.weight, full.mlp.down_proj.weight)
+    assert torch.equal(share.lm_head.weight, whole.lm_head.weight)
     assert share.layers[0].mlp.store.num_experts == 4
 
 
@@ -114,8 +122,11 @@ def test_a_hybrid_rank_loads_its_routed_experts_and_whole_mixers(split_hybrid_ch
         assert torch.equal(part.down_proj, full.down_proj[4:])
     mixers = {n: p for n, p in whole.named_parameters() if "experts" not in n}
     for n, p in share.named_parameters():
-        if "experts" not in n:  # token mixers, routers, the shared expert: whole on every rank
+        if "experts" not in n and n != "lm_head.weight":  # token mixers, routers, the shared expert: whole
             assert torch.equal(p, mixers[n]), n
+    vocab = whole.lm_head.weight.shape[0]  # 97: shares of 49 rows, rank 1's last one padding
+    assert torch.equal(share.lm_head.weight[:48], whole.lm_head.weight[49:vocab])
+    assert not share.lm_head.weight[48:].any()
 
 
 def test_a_hybrid_rank_reads_its_rows_of_fused_expert_tensors(split_hybrid_checkpoints, tmp_path):
