@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import structlog
-import torch
 from opentelemetry.trace import Status, StatusCode
 
 from drafter_service.batcher import MtpBatcher
@@ -26,14 +25,13 @@ from drafter_service.settings import DrafterSettings
 from shared import security, telemetry
 from shared.threads import model_threads, use_device, use_threads
 from shared.metrics import DrafterMetrics
-from shared.model import load_model, resident_bytes
+from shared.model import DTYPES, load_model, resident_bytes
 from shared.model.registry import resolve_model
 from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, drafter_pb2_grpc
 from shared.service import ServiceServer, require_model, run_until_signalled
 from shared.worker import ModelWorker
 
 log = structlog.get_logger("drafter")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DRAFT_METHOD = "/tandem.v1.Drafter/Draft"
 
 

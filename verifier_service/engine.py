@@ -31,6 +31,7 @@ from shared.model.families import build_fused, fused_wanted
 from shared.model.graphs import FusedRunner
 from shared.model.kv_cache import KVPool
 from shared.model.moe import MoeBlock
+from shared.model.parallel.group import ModelGroup
 from shared.model.parallel.lockstep import LeaderRunner
 from shared.model.runner import ReferenceRunner, Runner, Window, WindowOutput
 from verifier_service.kv_memory import KVPlan, plan_kv
@@ -61,10 +62,9 @@ class Engine:
         kv_block_size: int = 64,
         kv_cache_tokens: int = 0,
         kv_memory_fraction: float = 0.9,
-        group=None,  # shared.model.parallel.group.ModelGroup: the model is this rank's share (DESIGN §13)
+        group: ModelGroup | None = None,  # the model is this rank's share of a split model (DESIGN §13)
     ) -> None:
         self.model = model
-        self.group = group
         self.draw_secret = draw_secret  # keys the accept/residual draws (verifier_service.audit)
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk

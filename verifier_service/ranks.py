@@ -25,7 +25,7 @@ import structlog
 import torch
 
 from shared.logs import configure_logging
-from shared.model import load_model
+from shared.model import DTYPES, load_model
 from shared.model.parallel.group import NCCL_ENV, ModelGroup, free_address, rank_device
 from shared.model.parallel.lockstep import follow
 from shared.model.parallel.shard import Shard
@@ -34,7 +34,6 @@ from shared.threads import ThreadPlan, use_device, use_threads
 from verifier_service.settings import VerifierSettings
 
 log = structlog.get_logger("verifier")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 JOIN_TIMEOUT_S = 30.0
 
 

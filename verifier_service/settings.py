@@ -18,7 +18,7 @@ class VerifierSettings:
     port: int = field(default=50051, metadata={"help": "port to bind; 0 picks a free one"})
     drafter: str | None = field(default=None, metadata={"help": "drafter address (host:port, dns:///name:port, ipv4:a:p,b:p); none = decode without drafts"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
-    parallel: int = field(default=1, metadata={"help": "processes the model is split over (DESIGN §13): each holds 1/N of the routed experts (expert parallel) and of the attention heads (tensor parallel); on CUDA one GPU each (from --device's index up), on the CPU gloo processes. The fused path, all experts resident; the hybrid family splits its routed experts only"})
+    parallel: int = field(default=1, metadata={"help": "processes the model is split over (DESIGN §13): each holds 1/N of the routed experts (expert parallel) and of the attention heads (tensor parallel); on CUDA one GPU each (from --device's index up), on the CPU gloo processes. The fused path (experts in host memory per process with --num-expert-slots); the hybrid family splits its routed experts only"})
     parallel_dense: str = field(default="split", metadata={"help": "with --parallel: split (the dense weights too: each process 1/N of the attention heads and KV, of any dense MLP and of the lm_head's vocabulary; two collectives a layer and one for the logits) or whole (every process all but its experts; one collective a layer: the better trade where the dense weights are a small share of a step's bytes). The hybrid family keeps its token mixers whole either way"})
     dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16 or float16"})
     quantize: str = field(default="auto", metadata={"help": "weight format: auto (an FP8 checkpoint stays FP8 on a GPU, dequantised to --dtype on the CPU, where per-op dequantisation is slower), none (full precision everywhere), fp8 (block-scaled e4m3, blocks of 128 x 128: the projections and routed experts, routers and lm_head left; full-precision checkpoints converted on load). --dtype stays the activations'"})
@@ -79,8 +79,6 @@ class VerifierSettings:
             raise ValueError(f"parallel {self.parallel} must be >= 1")
         if self.parallel_dense not in ("split", "whole"):
             raise ValueError(f"parallel_dense {self.parallel_dense!r} must be split or whole")
-        if self.parallel > 1 and self.num_expert_slots:
-            raise ValueError("num_expert_slots: experts in host memory are not supported with parallel > 1 yet")
         if self.parallel > 1 and self.fused == "off":
             raise ValueError("fused: a model split over processes (parallel > 1) runs the fused path only")
         if self.pdl not in ("auto", "off"):

@@ -27,6 +27,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_NAMES_IN_ERROR = 8
 PARTS = ("all", "trunk", "mtp")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # a --dtype's torch dtype
 
 
 def list_files(path: Path) -> dict[str, Path]:

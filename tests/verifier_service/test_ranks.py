@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -70,14 +71,16 @@ def one_row_steps(engine: Engine, prompt: list[int], tokens: list[int]) -> torch
 
 @pytest.fixture
 def split_engine(request, split_checkpoint, split_hybrid_checkpoints):
-    """(rank 0's engine of the model split over 2 processes, one process's engine): the
-    qwen3_moe checkpoint, or (param) a hybrid one by name; " whole": --parallel-dense whole."""
-    name = getattr(request, "param", "qwen3_moe")
-    family = name.removesuffix(" whole")
+    """(rank 0's engine of the model split over 2 processes, one process's engine, all experts
+    resident): the qwen3_moe checkpoint, or (param) a hybrid one by name, then options: "whole"
+    (--parallel-dense whole), "slots" (2 of each rank's 4 experts per layer in device slots)."""
+    family, *options = getattr(request, "param", "qwen3_moe").split()
     path = split_checkpoint[0] if family == "qwen3_moe" else split_hybrid_checkpoints[family]
-    s = settings_for(path, 2, parallel_dense="whole" if name.endswith(" whole") else "split")
-    whole = load_share(s, None, "cpu")
-    one = Engine(whole, **engine_options(s, whole))
+    s = settings_for(path, 2, parallel_dense="whole" if "whole" in options else "split",
+                     num_expert_slots=2 if "slots" in options else 0)
+    one_process = replace(s, parallel=1, num_expert_slots=0)
+    whole = load_share(one_process, None, "cpu")
+    one = Engine(whole, **engine_options(one_process, whole))
     ranks = Ranks(s)
     group = ranks.start()
     engine = None
@@ -92,7 +95,7 @@ def split_engine(request, split_checkpoint, split_hybrid_checkpoints):
     assert ranks.dead() == ["rank 1 (exit code 0)"]  # the follower left when told
 
 
-@pytest.mark.parametrize("split_engine", ["qwen3_moe", "qwen3_moe whole", "hybrid"], indirect=True)
+@pytest.mark.parametrize("split_engine", ["qwen3_moe", "qwen3_moe whole", "qwen3_moe slots", "hybrid"], indirect=True)
 def test_split_steps_equal_one_process_to_rounding(split_engine):
     split, one = split_engine
     assert split.runner.path == one.runner.path == "fused"
@@ -102,11 +105,11 @@ def test_split_steps_equal_one_process_to_rounding(split_engine):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-@pytest.mark.parametrize("split_engine", ["hybrid whole", "qwen3.5 whole"], indirect=True)
+@pytest.mark.parametrize("split_engine", ["hybrid whole", "qwen3.5 whole", "qwen3.5 whole slots"], indirect=True)
 def test_a_hybrid_model_split_by_experts_is_one_process_bit_for_bit(split_engine):
     """With the dense weights whole the hybrid family splits only its routed experts (each route
-    one owner, the ranks' route outputs add exact zeros elsewhere), in prefill as in decode:
-    every logit is one process's. (qwen3_moe so split is so for a step's rows too, but its
+    one owner, the ranks' route outputs add exact zeros elsewhere), in prefill as in decode,
+    with every expert resident or behind slots: every logit is one process's. (qwen3_moe so split is so for a step's rows too, but its
     one-process prefill sums a prompt's experts by another path: its prompt KV differs by
     rounding.)"""
     split, one = split_engine
@@ -144,15 +147,15 @@ async def test_split_verifier_serves_what_one_process_serves(servers, split_chec
     assert all(len(tokens) == 16 for tokens in outputs[1])
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize(("temperature", "num_expert_slots"), [(0.0, 0), (0.8, 0), (0.8, 2)])
 async def test_exact_mode_split_over_processes_is_plain_decoding(servers, split_checkpoint, temperature,
-                                                                 greedy_continuation):
+                                                                 num_expert_slots, greedy_continuation):
     path, _ = split_checkpoint
     reference = load_model(path, parts="trunk")
     q = {t: 1 / 8 for t in range(0, 96, 12)}
     drafter = ScriptedDrafter(lambda s: sampled_chain(s, q, 3) if s.round_id % 3 else chain(
         s, greedy_continuation(reference, s.tokens, 3)))
-    stub = await servers.start(None, drafter=drafter, model=str(path), parallel=2)
+    stub = await servers.start(None, drafter=drafter, model=str(path), parallel=2, num_expert_slots=num_expert_slots)
     for seed in range(3):
         req = request(PROMPT, 20, temperature=temperature, seed=seed)
         with_drafts, final, _ = await generate(stub, req)
@@ -240,7 +243,7 @@ def test_a_follower_leaves_when_rank_0_is_gone(split_verifier_process):
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (dict(parallel=0), "parallel 0 must be >= 1"),
-    (dict(parallel=2, num_expert_slots=4), "num_expert_slots"),
+    (dict(parallel=2, parallel_dense="half"), "parallel_dense 'half'"),
     (dict(parallel=2, fused="off"), "fused"),
 ])
 def test_settings_refuse_what_a_split_cannot_do(overrides, message):

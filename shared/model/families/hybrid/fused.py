@@ -181,8 +181,6 @@ class HybridFused(LayerwiseForward):
         # Experts in host memory with device slots: the host reads each MoE layer's routes.
         self.offload = offload_over([layer.store if layer.moe else None for layer in self.layers], prefetch=False)
         if group is not None:
-            if self.offload is not None:
-                raise ValueError("experts in host memory (expert slots) are not supported with --parallel yet")
             for layer in self.layers:
                 if layer.moe:
                     layer.expert_table = _ranks_table(layer.router.shape[0] - 1, group.shard, model.device)
@@ -250,7 +248,7 @@ class HybridFused(LayerwiseForward):
         expert_ids index the kernels' weights (slot ids where the caller made them resident)."""
         pdl = self.pdl
         if self.group is not None:
-            route_out = self._ranks_routes(layer, normed, expert_ids)
+            route_out = self._ranks_routes(layer, normed, expert_ids, offload)
             return combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps, centred=True, pdl=pdl)
 
         def run(ids: Tensor) -> Tensor:  # [T, k + 1] slot ids (the shared expert's: the last slot)
@@ -259,15 +257,20 @@ class HybridFused(LayerwiseForward):
         route_out = run(expert_ids) if offload is None else offload[0].experts(offload[1], normed, expert_ids, run)
         return combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps, centred=True, pdl=pdl)
 
-    def _ranks_routes(self, layer: HybridLayer, normed: Tensor, expert_ids: Tensor) -> Tensor:
+    def _ranks_routes(self, layer: HybridLayer, normed: Tensor, expert_ids: Tensor,
+                      offload: tuple[Offload, int] | None = None) -> Tensor:
         """Split over ranks: [T*(k+1), H] float32 route outputs, each computed by the rank that
-        holds its expert (rank 0 the shared one) and added over ranks in rank order (one owner a
-        route: its one-process bits)."""
+        holds its expert (rank 0 the shared one; with slots, made resident as in one process) and
+        added over ranks in rank order (one owner a route: its one-process bits)."""
         local_ids = layer.expert_table[expert_ids]  # [T, k + 1]: -1 where another rank computes the route
-        if normed.shape[0] <= MAX_FUSED_TOKENS:
-            route_out = fused_experts(normed, local_ids, layer.gate_up, layer.down, pdl=self.pdl, zero_dropped=True)
-        else:
-            route_out = experts_reference(normed, local_ids, layer.gate_up, layer.down)  # (zeros where -1)
+        fused = normed.shape[0] <= MAX_FUSED_TOKENS
+
+        def run(ids: Tensor) -> Tensor:  # this rank's slot ids (its shared expert's: the last slot), -1: none
+            if fused:
+                return fused_experts(normed, ids, layer.gate_up, layer.down, pdl=self.pdl, zero_dropped=True)
+            return experts_reference(normed, ids, layer.gate_up, layer.down)  # (zeros where -1)
+
+        route_out = run(local_ids) if offload is None else offload[0].experts(offload[1], normed, local_ids, run)
         return self.group.sum_rows(route_out)
 
     # -- forwards ---------------------------------------------------------------------------
@@ -329,8 +332,9 @@ class HybridFused(LayerwiseForward):
             expert_ids, weights = route(prefill_linear(normed, layer.router), layer.top_k, normalize=layer.normalize,
                                         shared_gate=True)
             if self.group is not None:
-                normed, residual = combine_add_rmsnorm(self._ranks_routes(layer, normed, expert_ids), weights,
-                                                       residual, next_norm, layer.eps, centred=True)
+                route_out = self._ranks_routes(layer, normed, expert_ids,
+                                               None if self.offload is None else (self.offload, index))
+                normed, residual = combine_add_rmsnorm(route_out, weights, residual, next_norm, layer.eps, centred=True)
                 continue
             if self._grouped_prefill():
                 if layer.grouped is not None:  # every expert resident

@@ -127,8 +127,6 @@ class FusedModel(LayerwiseForward):
         # Experts in host memory with device slots: the host reads each MoE layer's routes.
         self.offload = offload_over([layer.store if layer.moe else None for layer in self.layers], prefetch=expert_prefetch)
         if group is not None:
-            if self.offload is not None:
-                raise ValueError("experts in host memory (expert slots) are not supported with --parallel yet")
             for layer in self.layers:
                 if layer.moe:  # the router's experts (all) -> this rank's store index, -1 for another rank's
                     layer.expert_table = expert_table(layer.router.shape[0], group.shard, model.device)
@@ -205,7 +203,7 @@ class FusedModel(LayerwiseForward):
         index the store's weights (slot ids where the caller made them resident itself)."""
         pdl = self.pdl
         if self.group is not None:
-            return self._ranks_experts(layer, normed, residual, next_norm, expert_ids, weights)
+            return self._ranks_experts(layer, normed, residual, next_norm, expert_ids, weights, offload)
         if normed.shape[0] <= MAX_FUSED_TOKENS:
             def run(ids: Tensor) -> Tensor:  # [T, k] expert (or slot) ids
                 return fused_experts(normed, ids, layer.store.gate_up, layer.store.down, pdl=pdl)
@@ -216,15 +214,26 @@ class FusedModel(LayerwiseForward):
         return add_rmsnorm(out, residual, next_norm, layer.eps, pdl=pdl)
 
     def _ranks_experts(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor,
-                       expert_ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
-        """Split over ranks: this rank's routes (the others' zero), every rank's added in rank
-        order (one owner a route: its one-process bits), then the combine of one process."""
+                       expert_ids: Tensor, weights: Tensor,
+                       offload: tuple[Offload, int] | None = None) -> tuple[Tensor, Tensor]:
+        """Split over ranks: this rank's routes (the others' zero; with slots, its experts made
+        resident as in one process), every rank's added in rank order (one owner a route: its
+        one-process bits), then the combine of one process."""
         local_ids = layer.expert_table[expert_ids]  # [T, k]: -1 where another rank holds the expert
-        if normed.shape[0] <= MAX_FUSED_TOKENS:
-            route_out = fused_experts(normed, local_ids, layer.store.gate_up, layer.store.down, pdl=self.pdl,
-                                      zero_dropped=True)
-            return combine_add_rmsnorm(self.group.sum_rows(route_out), weights, residual, next_norm, layer.eps,
-                                       pdl=self.pdl)
+        if normed.shape[0] > MAX_FUSED_TOKENS:
+            return self._ranks_dispatch(layer, normed, residual, next_norm, local_ids, weights)
+
+        def run(ids: Tensor) -> Tensor:  # [T, k] this rank's expert (or slot) ids, -1 for another rank's
+            return fused_experts(normed, ids, layer.store.gate_up, layer.store.down, pdl=self.pdl, zero_dropped=True)
+
+        route_out = run(local_ids) if offload is None else offload[0].experts(offload[1], normed, local_ids, run)
+        return combine_add_rmsnorm(self.group.sum_rows(route_out), weights, residual, next_norm, layer.eps,
+                                   pdl=self.pdl)
+
+    def _ranks_dispatch(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor,
+                        local_ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+        """Split over ranks, many rows (prompts): this rank's experts' weighted sum by the store's
+        dispatch path (slots made resident there), the ranks' sums added by the norm."""
         out = layer.store.forward(normed, local_ids, weights.to(normed.dtype), path="dispatch")
         return add_rmsnorm(self._ranks_partials(out), residual, next_norm, layer.eps, pdl=self.pdl)
 
@@ -286,8 +295,9 @@ class FusedModel(LayerwiseForward):
                 normed, residual = add_rmsnorm(out, residual, next_norm, layer.eps)
                 continue
             expert_ids, weights = route(prefill_linear(normed, layer.router), layer.top_k, normalize=layer.normalize)
-            if self.group is not None:
-                normed, residual = self._ranks_experts(layer, normed, residual, next_norm, expert_ids, weights)
+            if self.group is not None:  # (as one process's prefill: the dispatch path)
+                normed, residual = self._ranks_dispatch(layer, normed, residual, next_norm,
+                                                        layer.expert_table[expert_ids], weights)
                 continue
             if host_ids is not None:  # the prompt's routes: what the window prefetches learn from
                 self.offload.memory.record(index, host_ids, expert_ids.reshape(-1).tolist())
