@@ -11,7 +11,7 @@
   - the lm_head: the r-th share of the vocabulary's rows (zero rows pad the last share to the
     others' size), the logits gathered in rank order (a tied lm_head gets its own copy of its
     share; the embedding, a look-up of one row a token, stays whole).
-  The hybrid family's token mixers stay whole either way (DESIGN §13).
+  The hybrid family's token mixers split the same way (families/hybrid/shard.py).
 - `dense="whole"`: every rank keeps all but its experts: one collective a layer instead of two
   and none for the logits — a step's rows are then one process's bits given the same KV — each
   rank reading every dense weight a step: the better trade where they are a small part of a
@@ -68,14 +68,33 @@ def check_shardable(config, shard: Shard) -> None:
         shard.part(config.intermediate_size, "intermediate_size")
 
 
-def _keep_rows(linear: nn.Linear, rows: slice) -> None:
-    linear.weight = nn.Parameter(linear.weight.data[rows].clone(), requires_grad=False)
-    linear.out_features = linear.weight.shape[0]
+def _full_precision(weight: torch.Tensor) -> torch.Tensor:
+    if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"--parallel splits full-precision dense weights only (this model's are {weight.dtype}): load "
+                         "it with --quantize none, or keep the dense weights whole (--parallel-dense whole)")
+    return weight
 
 
-def _keep_columns(linear: nn.Linear, columns: slice) -> None:
-    linear.weight = nn.Parameter(linear.weight.data[:, columns].clone(), requires_grad=False)
+def keep_rows(module: nn.Module, rows: slice | torch.Tensor, name: str = "weight") -> None:
+    """The module's parameter `name` keeps these rows (its first dimension's: a slice or indices)."""
+    kept = _full_precision(getattr(module, name).data)[rows].clone()
+    setattr(module, name, nn.Parameter(kept, requires_grad=False))
+    if isinstance(module, nn.Linear) and name == "weight":
+        module.out_features = kept.shape[0]
+
+
+def keep_columns(linear: nn.Linear, columns: slice) -> None:
+    linear.weight = nn.Parameter(_full_precision(linear.weight.data)[:, columns].clone(), requires_grad=False)
     linear.in_features = linear.weight.shape[1]
+
+
+def keep_dense_mlp(mlp: nn.Module, shard: Shard, intermediate_size: int) -> None:
+    """A dense MLP's share of its intermediate: gate/up rows, down columns."""
+    inter = shard.part(intermediate_size, "intermediate_size")
+    cut = slice(inter.start, inter.stop)
+    keep_rows(mlp.gate_proj, cut)
+    keep_rows(mlp.up_proj, cut)
+    keep_columns(mlp.down_proj, cut)
 
 
 def shard_trunk(model, shard: Shard) -> None:
@@ -92,23 +111,13 @@ def shard_trunk(model, shard: Shard) -> None:
     for layer in model.layers:
         attn = layer.self_attn
         if shard.splits_dense:
-            for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
-                if linear.weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                    raise ValueError("--parallel splits full-precision attention only (this checkpoint's is "
-                                     f"{linear.weight.dtype}): load it with --quantize none, or keep the dense "
-                                     "weights whole (--parallel-dense whole)")
-            _keep_rows(attn.q_proj, q_rows)
-            _keep_rows(attn.k_proj, kv_rows)
-            _keep_rows(attn.v_proj, kv_rows)
-            _keep_columns(attn.o_proj, q_rows)
+            keep_rows(attn.q_proj, q_rows)
+            keep_rows(attn.k_proj, kv_rows)
+            keep_rows(attn.v_proj, kv_rows)
+            keep_columns(attn.o_proj, q_rows)
             attn.num_heads, attn.num_kv_heads = len(heads), len(kv_heads)
-        mlp = layer.mlp
-        if hasattr(mlp, "gate_proj") and shard.splits_dense:  # a dense layer
-            inter = shard.part(config.intermediate_size, "intermediate_size")
-            cut = slice(inter.start, inter.stop)
-            _keep_rows(mlp.gate_proj, cut)
-            _keep_rows(mlp.up_proj, cut)
-            _keep_columns(mlp.down_proj, cut)
+        if hasattr(layer.mlp, "gate_proj") and shard.splits_dense:  # a dense layer
+            keep_dense_mlp(layer.mlp, shard, config.intermediate_size)
     model.config = replace(config, num_attention_heads=len(heads), num_key_value_heads=len(kv_heads))
     if shard.splits_dense:
         shard_lm_head(model, shard)

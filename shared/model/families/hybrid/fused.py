@@ -50,6 +50,7 @@ from shared.model.kv_cache import PagedKV
 from shared.model.layers import RoutingOptions, fuse_linear_rows
 from shared.model.moe import MoceOptions
 from shared.model.mtp import fused_mtp_inputs
+from shared.model.parallel.group import ModelGroup
 from shared.model.parallel.shard import expert_table
 from shared.model.offload import Offload, offload_over
 from shared.model.quantize import fp8_unsupported, weight_of
@@ -134,13 +135,13 @@ class HybridFused(LayerwiseForward):
     """Decode/verify forward of a loaded Qwen3NextModel through the fused kernels."""
 
     def __init__(self, model: Qwen3NextModel, *, max_rows: int, max_length: int, num_state_slots: int = 0,
-                 pdl: bool | None = None, group=None) -> None:
+                 pdl: bool | None = None, group: ModelGroup | None = None) -> None:
         """num_state_slots: KV pool slots whose linear-attention states this model keeps (the
         verifier's sessions; 0 for an MTP layer alone); max_rows: the most rows of a step.
         pdl: as FusedModel's. (No `invariant`: this family's rows are row-invariant always; its
         projections never go through F.linear / cuBLAS.) group: the ranks of a model split over
-        processes (DESIGN §13); the model is the rank's share: its routed experts (the token
-        mixers whole on every rank)."""
+        processes (DESIGN §13); the model is the rank's share (families/hybrid/shard.py): its
+        routed experts, and with the dense weights split its heads of every token mixer."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the fused path cannot run this model: {reason}")
@@ -204,7 +205,7 @@ class HybridFused(LayerwiseForward):
             out = self._linear_mixer(layer.mixer, normed, rows)
         else:
             out = self._attention_mixer(layer.mixer, normed, rows, kv)
-        return add_rmsnorm(out, residual, layer.post_norm, layer.eps, centred=True, pdl=self.pdl)
+        return add_rmsnorm(self._ranks_partials(out), residual, layer.post_norm, layer.eps, centred=True, pdl=self.pdl)
 
     def _linear_mixer(self, mixer: LinearMixer, normed: Tensor, rows: Rows) -> Tensor:
         if self.states is None or rows.state_in is None:
@@ -230,8 +231,23 @@ class HybridFused(LayerwiseForward):
     def dense(self, layer: HybridLayer, normed: Tensor, residual: Tensor, next_norm: Tensor) -> tuple[Tensor, Tensor]:
         """A dense MLP, the residual add and the next layer's centred norm."""
         gate, up = linear(normed, layer.gate_up, pdl=self.pdl).chunk(2, dim=-1)
-        out = linear(F.silu(gate) * up, layer.down, pdl=self.pdl)
-        return add_rmsnorm(out, residual, next_norm, layer.eps, centred=True, pdl=self.pdl)
+        out = linear(F.silu(gate) * up, layer.down, out_dtype=None if self._whole else torch.float32, pdl=self.pdl)
+        return add_rmsnorm(self._ranks_partials(out), residual, next_norm, layer.eps, centred=True, pdl=self.pdl)
+
+    @property
+    def _whole(self) -> bool:
+        """One process, or a split one whose dense weights are whole on every rank."""
+        return self.group is None or not self.group.shard.splits_dense
+
+    def _ranks_partials(self, partials: Tensor) -> Tensor:
+        """Dense weights split over ranks: every rank's partial sums of an output projection
+        ([T, splits, H] float32, or one [T, H] product) side by side along the split axis, for the
+        consuming norm to add in rank order (DESIGN §13)."""
+        if self._whole:
+            return partials
+        if partials.dim() == 2:
+            partials = partials.float().unsqueeze(1)
+        return self.group.gather(partials, dim=1)
 
     def router(self, layer: HybridLayer, normed: Tensor, rows: Rows,
                routing: RoutingOptions | None) -> tuple[Tensor, Tensor]:
@@ -295,7 +311,7 @@ class HybridFused(LayerwiseForward):
 
     def logits(self, normed: Tensor) -> Tensor:  # [T, hidden] final-norm rows -> [T, vocab] float32
         logits = linear(normed, self.model.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl)
-        if self.group is None or not self.group.shard.splits_dense:
+        if self._whole:
             return logits
         # split over ranks: every rank's share of the vocabulary, side by side (padding cut)
         return self.group.gather(logits, dim=1)[:, : self.model.config.vocab_size]
@@ -323,11 +339,11 @@ class HybridFused(LayerwiseForward):
                 out = self._prefill_linear(layer.mixer, normed, spans)
             else:
                 out = self._prefill_attention(layer.mixer, normed, positions, slots, spans, kv)
-            normed, residual = add_rmsnorm(out, residual, layer.post_norm, layer.eps, centred=True)
+            normed, residual = add_rmsnorm(self._ranks_partials(out), residual, layer.post_norm, layer.eps, centred=True)
             if not layer.moe:
                 gate, up = prefill_linear(normed, layer.gate_up).chunk(2, dim=-1)
                 out = prefill_linear(F.silu(gate) * up, layer.down)
-                normed, residual = add_rmsnorm(out, residual, next_norm, layer.eps, centred=True)
+                normed, residual = add_rmsnorm(self._ranks_partials(out), residual, next_norm, layer.eps, centred=True)
                 continue
             expert_ids, weights = route(prefill_linear(normed, layer.router), layer.top_k, normalize=layer.normalize,
                                         shared_gate=True)

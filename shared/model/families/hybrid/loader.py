@@ -32,6 +32,7 @@ from shared.model.families.hybrid.modules import Experts, Qwen3NextModel, Shared
 from kernels.fused.fp8 import FP8_DTYPE, Fp8Weight, cat_rows, stack
 from shared.model.fp8 import SCALE_SUFFIX, CheckpointTensors, Fp8Blocks
 from shared.model.loader import PARTS, list_files, problem
+from shared.model.families.hybrid.shard import shard_mixers
 from shared.model.parallel.shard import Shard, shard_lm_head
 from shared.model.quantize import keep_fp8, keeps_fp8, quantize_model, whole_groups
 
@@ -185,10 +186,14 @@ def load_hybrid(path: Path | None, *, device: torch.device, dtype: torch.dtype, 
     else:
         model = load_next(path, dtype=dtype, device=device, parts=parts, num_expert_slots=num_expert_slots,
                           keep_fp8_weights=keeps_fp8(quantize, device), shard=shard)
+        if shard is not None and shard.splits_dense:
+            shard_mixers(model, shard)  # (before quantizing: the rank's share is what gets block scales)
         if quantize == "fp8":
             model = quantize_model(model)
     if shard is not None:
         if shard.splits_dense:
+            if random_weights:  # (made a module at a time: FP8 ones cannot be cut)
+                shard_mixers(model, shard)
             shard_lm_head(model, shard)
         model.shard = shard
     return model

@@ -43,6 +43,7 @@ from shared.model.mtp import fused_mtp_inputs
 from shared.model.families.qwen3_moe.model import Qwen3MoeModel
 from shared.model.layers import RoutingOptions, fuse_linear_rows
 from shared.model.offload import Offload, offload_over
+from shared.model.parallel.group import ModelGroup
 from shared.model.parallel.shard import expert_table
 from shared.model.quantize import fp8_unsupported, weight_of
 from shared.model.rows import Rows, prefill_attention, prefill_rows
@@ -93,7 +94,7 @@ class FusedModel(LayerwiseForward):
     segmented_offload = True  # offloaded forwards replay as graph segments (shared.model.segments)
 
     def __init__(self, model: Qwen3MoeModel, *, max_rows: int, max_length: int, pdl: bool | None = None,
-                 invariant: bool = True, expert_prefetch: bool = False, group=None) -> None:
+                 invariant: bool = True, expert_prefetch: bool = False, group: ModelGroup | None = None) -> None:
         """pdl: launch each kernel as a programmatic dependent of the one before (default: where
         the GPU supports it); kernels then overlap their start with their predecessor's end.
         invariant: a row's bits are its one-row step's whatever shares its window or batch — on

@@ -115,8 +115,8 @@ def hybrid_experts(model) -> list:
 def test_a_hybrid_rank_loads_its_routed_experts_and_whole_mixers(split_hybrid_checkpoints, name):
     path = split_hybrid_checkpoints[name]
     whole = load_model(path, parts="trunk")
-    share = load_model(path, parts="trunk", shard=Shard(1, 2))
-    assert share.shard == Shard(1, 2)
+    share = load_model(path, parts="trunk", shard=Shard(1, 2, dense="whole"))
+    assert share.shard == Shard(1, 2, dense="whole")
     for full, part in zip(hybrid_experts(whole), hybrid_experts(share)):
         assert torch.equal(part.gate_up_proj, full.gate_up_proj[4:])
         assert torch.equal(part.down_proj, full.down_proj[4:])
@@ -124,6 +124,43 @@ def test_a_hybrid_rank_loads_its_routed_experts_and_whole_mixers(split_hybrid_ch
     for n, p in share.named_parameters():
         if "experts" not in n and n != "lm_head.weight":  # token mixers, routers, the shared expert: whole
             assert torch.equal(p, mixers[n]), n
+    assert torch.equal(share.lm_head.weight, whole.lm_head.weight)
+
+
+@pytest.mark.parametrize("name", ["hybrid", "qwen3.5"])
+def test_a_hybrid_rank_keeps_its_heads_of_every_mixer(split_hybrid_checkpoints, name):
+    """Dense weights split: rank 1 of 2 keeps key head 1 of 2, value heads 2-3 of 4, query heads
+    2-3 of 4 (each its query then its gate) and KV head 1 of 2 (Qwen3-Next's grouped projections
+    compared in Qwen3.5's layout)."""
+    from shared.model.families.hybrid.layout import split_grouped
+
+    path = split_hybrid_checkpoints[name]
+    whole = load_model(path, parts="trunk")
+    share = load_model(path, parts="trunk", shard=Shard(1, 2))
+    c = share.config
+    assert (c.linear_num_key_heads, c.linear_num_value_heads, c.num_attention_heads, c.num_key_value_heads) == (1, 2, 2, 1)
+    for full, part in zip(whole.layers, share.layers):
+        if full.linear:
+            a, b = full.linear_attn, part.linear_attn
+            if a.layout == "grouped":
+                split_grouped(a)
+            dk, dv, key_dim = a.head_k_dim, a.head_v_dim, a.key_dim
+            channels = torch.cat([torch.arange(dk, 2 * dk), key_dim + torch.arange(dk, 2 * dk),
+                                  2 * key_dim + torch.arange(2 * dv, 4 * dv)])
+            assert torch.equal(b.in_proj_qkv.weight, a.in_proj_qkv.weight[channels])
+            assert torch.equal(b.conv1d.weight, a.conv1d.weight[channels])
+            assert torch.equal(b.in_proj_z.weight, a.in_proj_z.weight[2 * dv : 4 * dv])
+            assert torch.equal(b.in_proj_b.weight, a.in_proj_b.weight[2:4])
+            assert torch.equal(b.A_log, a.A_log[2:4]) and torch.equal(b.dt_bias, a.dt_bias[2:4])
+            assert torch.equal(b.out_proj.weight, a.out_proj.weight[:, 2 * dv : 4 * dv])
+            assert torch.equal(b.norm.weight, a.norm.weight)
+            assert (b.num_k_heads, b.num_v_heads, b.conv_dim) == (1, 2, 2 * dk + 2 * dv)
+        else:
+            a, b = full.self_attn, part.self_attn
+            d = a.head_dim
+            assert torch.equal(b.q_proj.weight, a.q_proj.weight[2 * 2 * d : 4 * 2 * d])
+            assert torch.equal(b.k_proj.weight, a.k_proj.weight[d : 2 * d])
+            assert torch.equal(b.o_proj.weight, a.o_proj.weight[:, 2 * d : 4 * d])
     vocab = whole.lm_head.weight.shape[0]  # 97: shares of 49 rows, rank 1's last one padding
     assert torch.equal(share.lm_head.weight[:48], whole.lm_head.weight[49:vocab])
     assert not share.lm_head.weight[48:].any()
