@@ -28,11 +28,11 @@ from torch import nn
 
 from shared.model.families.hybrid.config import NextConfig
 from shared.model.experts import copy_streams
-from shared.model.families.hybrid.modules import Experts, Qwen3NextModel, SharedMoe
+from shared.model.families.hybrid.modules import DecoderLayer, Experts, Qwen3NextModel, SharedMoe
 from kernels.fused.fp8 import FP8_DTYPE, Fp8Weight, cat_rows, stack
 from shared.model.fp8 import SCALE_SUFFIX, CheckpointTensors, Fp8Blocks
 from shared.model.loader import PARTS, list_files, problem
-from shared.model.families.hybrid.shard import shard_mixers
+from shared.model.families.hybrid.shard import rank_config, shard_layer, shard_mixers
 from shared.model.parallel.shard import Shard, shard_lm_head
 from shared.model.quantize import keep_fp8, keeps_fp8, quantize_model, whole_groups
 
@@ -192,8 +192,6 @@ def load_hybrid(path: Path | None, *, device: torch.device, dtype: torch.dtype, 
             model = quantize_model(model)
     if shard is not None:
         if shard.splits_dense:
-            if random_weights:  # (made a module at a time: FP8 ones cannot be cut)
-                shard_mixers(model, shard)
             shard_lm_head(model, shard)
         model.shard = shard
     return model
@@ -232,11 +230,16 @@ def random_next(config: NextConfig, *, dtype: torch.dtype, device: str | torch.d
                     param.fill_(1.0 if name.endswith("linear_attn.norm.weight") else 0.0)
                 else:
                     param.normal_(0.0, std, generator=generator)
-        owned = _owned(config, shard)
-        if len(owned) < config.num_experts and isinstance(getattr(module, "mlp", None), SharedMoe):
-            module.mlp.experts.keep(owned)
+        if shard is not None and isinstance(module, DecoderLayer):  # the rank's share, before any quantizing
+            owned = _owned(config, shard)
+            if len(owned) < config.num_experts and isinstance(module.mlp, SharedMoe):
+                module.mlp.experts.keep(owned)
+            if shard.splits_dense:
+                shard_layer(module, shard, config)
         if quantize == "fp8":
             quantize_model(module)
+    if shard is not None and shard.splits_dense:
+        model.config = rank_config(config, shard)
     if quantize == "fp8":  # (what a unit is itself, e.g. mtp.fc, its parent converts; the rest is FP8 already)
         quantize_model(model)
     _rebuild_rotary(model)

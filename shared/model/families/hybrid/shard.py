@@ -25,27 +25,39 @@ from shared.model.parallel.shard import Shard, keep_columns, keep_dense_mlp, kee
 
 
 def shard_mixers(model, shard: Shard) -> None:
-    """In place: every token mixer and dense MLP cut to the rank's share, the config to the rank's
-    view (its head counts: the KV pool and the linear-attention states are sized from them)."""
-    c = model.config
-    k_heads = shard.part(c.linear_num_key_heads, "linear_num_key_heads")
-    v_heads = shard.part(c.linear_num_value_heads, "linear_num_value_heads")
-    heads = shard.part(c.num_attention_heads, "num_attention_heads")
-    kv_heads = shard.part(c.num_key_value_heads, "num_key_value_heads")
+    """In place: every token mixer and dense MLP cut to the rank's share (shard_layer), the config
+    to the rank's view (its head counts: the KV pool and the linear-attention states are sized
+    from them)."""
     for layer in model.layers:
-        if layer.linear:
-            _shard_deltanet(layer.linear_attn, k_heads, v_heads)
-        else:
-            attn, d = layer.self_attn, layer.self_attn.head_dim
-            keep_rows(attn.q_proj, slice(heads.start * 2 * d, heads.stop * 2 * d))  # (each head: query, gate)
-            keep_rows(attn.k_proj, slice(kv_heads.start * d, kv_heads.stop * d))
-            keep_rows(attn.v_proj, slice(kv_heads.start * d, kv_heads.stop * d))
-            keep_columns(attn.o_proj, slice(heads.start * d, heads.stop * d))
-            attn.num_heads, attn.num_kv_heads = len(heads), len(kv_heads)
-        if hasattr(layer.mlp, "gate_proj"):  # a dense layer
-            keep_dense_mlp(layer.mlp, shard, c.intermediate_size)
-    model.config = replace(c, num_attention_heads=len(heads), num_key_value_heads=len(kv_heads),
-                           linear_num_key_heads=len(k_heads), linear_num_value_heads=len(v_heads))
+        shard_layer(layer, shard, model.config)
+    model.config = rank_config(model.config, shard)
+
+
+def rank_config(c, shard: Shard):
+    """The config as a rank with the dense weights split sees it: its head counts."""
+    return replace(c, num_attention_heads=len(shard.part(c.num_attention_heads, "num_attention_heads")),
+                   num_key_value_heads=len(shard.part(c.num_key_value_heads, "num_key_value_heads")),
+                   linear_num_key_heads=len(shard.part(c.linear_num_key_heads, "linear_num_key_heads")),
+                   linear_num_value_heads=len(shard.part(c.linear_num_value_heads, "linear_num_value_heads")))
+
+
+def shard_layer(layer, shard: Shard, c) -> None:
+    """One decoder layer's token mixer and dense MLP cut to the rank's share (full precision:
+    before any quantization)."""
+    if layer.linear:
+        _shard_deltanet(layer.linear_attn, shard.part(c.linear_num_key_heads, "linear_num_key_heads"),
+                        shard.part(c.linear_num_value_heads, "linear_num_value_heads"))
+    else:
+        heads = shard.part(c.num_attention_heads, "num_attention_heads")
+        kv_heads = shard.part(c.num_key_value_heads, "num_key_value_heads")
+        attn, d = layer.self_attn, layer.self_attn.head_dim
+        keep_rows(attn.q_proj, slice(heads.start * 2 * d, heads.stop * 2 * d))  # (each head: query, gate)
+        keep_rows(attn.k_proj, slice(kv_heads.start * d, kv_heads.stop * d))
+        keep_rows(attn.v_proj, slice(kv_heads.start * d, kv_heads.stop * d))
+        keep_columns(attn.o_proj, slice(heads.start * d, heads.stop * d))
+        attn.num_heads, attn.num_kv_heads = len(heads), len(kv_heads)
+    if hasattr(layer.mlp, "gate_proj"):  # a dense layer
+        keep_dense_mlp(layer.mlp, shard, c.intermediate_size)
 
 
 def _shard_deltanet(attn: GatedDeltaNet, k_heads: range, v_heads: range) -> None:

@@ -192,3 +192,10 @@ def test_hybrid_random_weights_split_like_the_whole_model(next_configs):
     for full, part in zip(hybrid_experts(whole), hybrid_experts(share)):
         assert torch.equal(part.gate_up_proj, full.gate_up_proj[4:])
     assert torch.equal(share.embed_tokens.weight, whole.embed_tokens.weight)
+    full, part = whole.layers[0].linear_attn, share.layers[0].linear_attn  # (a Gated DeltaNet layer)
+    dv = full.head_v_dim
+    assert torch.equal(part.out_proj.weight, full.out_proj.weight[:, 2 * dv :])
+    assert share.config.linear_num_value_heads == 2
+    # FP8 random weights are cut before each module is quantized (an 80B-A3B model split so)
+    fp8 = load_model(config=config, random_weights=True, seed=4, parts="trunk", shard=Shard(1, 2), quantize="fp8")
+    assert fp8.layers[0].linear_attn.num_v_heads == 2 and fp8.config.num_key_value_heads == 1
