@@ -29,7 +29,33 @@ from shared.model.rows import Rows
 class LayerwiseForward:
     """What both families' fused forwards share, written once over the layer-level methods:
     a decoder layer (mixer, then the dense MLP or router and experts) and the trunk's rows
-    (embed, every layer, logits)."""
+    (embed, every layer, logits); and, for a model split over ranks (`group`, DESIGN §13), what
+    moves between them."""
+
+    group = None  # shared.model.parallel.group.ModelGroup of a model split over processes, else None
+
+    @property
+    def dense_whole(self) -> bool:
+        """One process, or a split one whose dense weights are whole on every rank."""
+        return self.group is None or not self.group.shard.splits_dense
+
+    def ranks_partials(self, partials: Tensor, *, dense: bool = True) -> Tensor:
+        """Split over ranks: every rank's partial sums of an output projection ([T, splits, H]
+        float32, or one [T, H] product) side by side along the split axis, for the consuming
+        norm to add in rank order. dense: a dense weight's (gathered where those are split);
+        else the routed experts' (always). One process: the partials as they are."""
+        if self.group is None or (dense and self.dense_whole):
+            return partials
+        if partials.dim() == 2:
+            partials = partials.float().unsqueeze(1)
+        return self.group.gather(partials, dim=1)
+
+    def ranks_vocab(self, logits: Tensor) -> Tensor:
+        """Split over ranks with the lm_head split: every rank's share of the vocabulary's logits
+        side by side (the last share's padding cut)."""
+        if self.dense_whole:
+            return logits
+        return self.group.gather(logits, dim=1)[:, : self.model.config.vocab_size]
 
     def decoder_layer(self, layer, normed: Tensor, residual: Tensor, next_norm: Tensor, rows: Rows, kv: PagedKV,
                       routing: RoutingOptions | None = None,

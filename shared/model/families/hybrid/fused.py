@@ -205,7 +205,7 @@ class HybridFused(LayerwiseForward):
             out = self._linear_mixer(layer.mixer, normed, rows)
         else:
             out = self._attention_mixer(layer.mixer, normed, rows, kv)
-        return add_rmsnorm(self._ranks_partials(out), residual, layer.post_norm, layer.eps, centred=True, pdl=self.pdl)
+        return add_rmsnorm(self.ranks_partials(out), residual, layer.post_norm, layer.eps, centred=True, pdl=self.pdl)
 
     def _linear_mixer(self, mixer: LinearMixer, normed: Tensor, rows: Rows) -> Tensor:
         if self.states is None or rows.state_in is None:
@@ -231,23 +231,8 @@ class HybridFused(LayerwiseForward):
     def dense(self, layer: HybridLayer, normed: Tensor, residual: Tensor, next_norm: Tensor) -> tuple[Tensor, Tensor]:
         """A dense MLP, the residual add and the next layer's centred norm."""
         gate, up = linear(normed, layer.gate_up, pdl=self.pdl).chunk(2, dim=-1)
-        out = linear(F.silu(gate) * up, layer.down, out_dtype=None if self._whole else torch.float32, pdl=self.pdl)
-        return add_rmsnorm(self._ranks_partials(out), residual, next_norm, layer.eps, centred=True, pdl=self.pdl)
-
-    @property
-    def _whole(self) -> bool:
-        """One process, or a split one whose dense weights are whole on every rank."""
-        return self.group is None or not self.group.shard.splits_dense
-
-    def _ranks_partials(self, partials: Tensor) -> Tensor:
-        """Dense weights split over ranks: every rank's partial sums of an output projection
-        ([T, splits, H] float32, or one [T, H] product) side by side along the split axis, for the
-        consuming norm to add in rank order (DESIGN §13)."""
-        if self._whole:
-            return partials
-        if partials.dim() == 2:
-            partials = partials.float().unsqueeze(1)
-        return self.group.gather(partials, dim=1)
+        out = linear(F.silu(gate) * up, layer.down, out_dtype=None if self.dense_whole else torch.float32, pdl=self.pdl)
+        return add_rmsnorm(self.ranks_partials(out), residual, next_norm, layer.eps, centred=True, pdl=self.pdl)
 
     def router(self, layer: HybridLayer, normed: Tensor, rows: Rows,
                routing: RoutingOptions | None) -> tuple[Tensor, Tensor]:
@@ -310,11 +295,7 @@ class HybridFused(LayerwiseForward):
                            pdl=self.pdl)
 
     def logits(self, normed: Tensor) -> Tensor:  # [T, hidden] final-norm rows -> [T, vocab] float32
-        logits = linear(normed, self.model.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl)
-        if self._whole:
-            return logits
-        # split over ranks: every rank's share of the vocabulary, side by side (padding cut)
-        return self.group.gather(logits, dim=1)[:, : self.model.config.vocab_size]
+        return self.ranks_vocab(linear(normed, self.model.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl))
 
     # -- prefill ----------------------------------------------------------------------------
 
@@ -339,11 +320,11 @@ class HybridFused(LayerwiseForward):
                 out = self._prefill_linear(layer.mixer, normed, spans)
             else:
                 out = self._prefill_attention(layer.mixer, normed, positions, slots, spans, kv)
-            normed, residual = add_rmsnorm(self._ranks_partials(out), residual, layer.post_norm, layer.eps, centred=True)
+            normed, residual = add_rmsnorm(self.ranks_partials(out), residual, layer.post_norm, layer.eps, centred=True)
             if not layer.moe:
                 gate, up = prefill_linear(normed, layer.gate_up).chunk(2, dim=-1)
                 out = prefill_linear(F.silu(gate) * up, layer.down)
-                normed, residual = add_rmsnorm(self._ranks_partials(out), residual, next_norm, layer.eps, centred=True)
+                normed, residual = add_rmsnorm(self.ranks_partials(out), residual, next_norm, layer.eps, centred=True)
                 continue
             expert_ids, weights = route(prefill_linear(normed, layer.router), layer.top_k, normalize=layer.normalize,
                                         shared_gate=True)

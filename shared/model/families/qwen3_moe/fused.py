@@ -164,26 +164,13 @@ class FusedModel(LayerwiseForward):
             o_partials = F.linear(attn.view(num_rows, -1), dense(layer.o, attn.dtype))
         else:
             o_partials = linear_partials(attn.view(num_rows, -1), layer.o, layer.o_splits, pdl=pdl)
-        if self.group is not None and self.group.shard.splits_dense:
-            o_partials = self._ranks_partials(o_partials)
-        return add_rmsnorm(o_partials, residual, layer.post_norm, layer.eps, pdl=pdl)
-
-    def _ranks_partials(self, partials: Tensor) -> Tensor:
-        """Split over ranks: every rank's partials ([T, splits, H] float32, or one [T, H] product)
-        side by side along the split axis, for the consuming norm to add in rank order."""
-        if self.group is None:
-            return partials
-        if partials.dim() == 2:
-            partials = partials.float().unsqueeze(1)
-        return self.group.gather(partials, dim=1)
+        return add_rmsnorm(self.ranks_partials(o_partials), residual, layer.post_norm, layer.eps, pdl=pdl)
 
     def dense(self, layer: FusedLayer, normed: Tensor, residual: Tensor, next_norm: Tensor) -> tuple[Tensor, Tensor]:
         gate, up = linear(normed, layer.gate_up, pdl=self.pdl).chunk(2, dim=-1)
-        if self.group is None or not self.group.shard.splits_dense:
-            out = linear(F.silu(gate) * up, layer.down, pdl=self.pdl)
-        else:  # the rank's share of the intermediate: its partial product, the ranks' added by the norm
-            out = self._ranks_partials(linear(F.silu(gate) * up, layer.down, out_dtype=torch.float32, pdl=self.pdl))
-        return add_rmsnorm(out, residual, next_norm, layer.eps, pdl=self.pdl)
+        # (split over ranks: the rank's share of the intermediate, a float32 partial product)
+        out = linear(F.silu(gate) * up, layer.down, out_dtype=None if self.dense_whole else torch.float32, pdl=self.pdl)
+        return add_rmsnorm(self.ranks_partials(out), residual, next_norm, layer.eps, pdl=self.pdl)
 
     def router(self, layer: FusedLayer, normed: Tensor, rows: Rows,
                routing: RoutingOptions | None) -> tuple[Tensor, Tensor]:
@@ -236,7 +223,7 @@ class FusedModel(LayerwiseForward):
         """Split over ranks, many rows (prompts): this rank's experts' weighted sum by the store's
         dispatch path (slots made resident there), the ranks' sums added by the norm."""
         out = layer.store.forward(normed, local_ids, weights.to(normed.dtype), path="dispatch")
-        return add_rmsnorm(self._ranks_partials(out), residual, next_norm, layer.eps, pdl=self.pdl)
+        return add_rmsnorm(self.ranks_partials(out, dense=False), residual, next_norm, layer.eps, pdl=self.pdl)
 
     # -- forwards ---------------------------------------------------------------------------
 
@@ -259,10 +246,7 @@ class FusedModel(LayerwiseForward):
             logits = F.linear(normed, self.model.lm_head.weight).float()
         else:
             logits = linear(normed, self.model.lm_head.weight, out_dtype=torch.float32, pdl=self.pdl)
-        if self.group is None or not self.group.shard.splits_dense:
-            return logits
-        # split over ranks: every rank's share of the vocabulary, side by side (padding cut)
-        return self.group.gather(logits, dim=1)[:, : self.model.config.vocab_size]
+        return self.ranks_vocab(logits)
 
     @torch.inference_mode()
     def prefill(self, token_ids: Tensor, spans: list[tuple[int, int, int]], kv: PagedKV) -> Tensor:
@@ -286,14 +270,10 @@ class FusedModel(LayerwiseForward):
                                    keys, values, kv.block_tables, layer.num_heads, layer.num_kv_heads, layer.eps)
             attn = prefill_attention(q, kv, index, spans)
             out = prefill_linear(attn.reshape(num_rows, -1), layer.o)
-            if self.group is not None and self.group.shard.splits_dense:
-                out = self._ranks_partials(out)
-            normed, residual = add_rmsnorm(out, residual, layer.post_norm, layer.eps)
+            normed, residual = add_rmsnorm(self.ranks_partials(out), residual, layer.post_norm, layer.eps)
             if not layer.moe:
                 out = prefill_linear(silu_mul(prefill_linear(normed, layer.gate_up)), layer.down)
-                if self.group is not None and self.group.shard.splits_dense:
-                    out = self._ranks_partials(out)
-                normed, residual = add_rmsnorm(out, residual, next_norm, layer.eps)
+                normed, residual = add_rmsnorm(self.ranks_partials(out), residual, next_norm, layer.eps)
                 continue
             expert_ids, weights = route(prefill_linear(normed, layer.router), layer.top_k, normalize=layer.normalize)
             if self.group is not None:  # (as one process's prefill: the dispatch path)
