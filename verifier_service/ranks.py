@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -82,7 +83,11 @@ def watch_parent(period_s: float = 1.0) -> threading.Thread:
 
 
 def follower_main(s: VerifierSettings, rank: int, address: str) -> None:
-    """A follower process: join, load the rank's share, build the engine, follow rank 0 to the end."""
+    """A follower process: join, load the rank's share, build the engine, follow rank 0 to the end.
+    It ignores SIGINT and SIGTERM (a terminal's Ctrl-C or a supervisor signals the whole process
+    group): rank 0 drains its requests, which needs every rank, then tells the followers to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     watch_parent()
     os.environ.update(NCCL_ENV)
     configure_logging()

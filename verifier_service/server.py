@@ -167,7 +167,10 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             return
         self.ranks_stopping = True
         if self.engine is not None:
-            self.engine.shutdown()
+            try:
+                self.engine.shutdown()
+            except RuntimeError as error:  # (a follower already gone: nothing to tell it)
+                log.warning("a follower rank could not be told to stop", ranks=self.ranks.dead(), error=str(error))
         self.ranks.stop()
 
     def _prefill_job(self, num_sessions: int, num_tokens: int) -> None:

@@ -210,7 +210,8 @@ def split_verifier_process(split_checkpoint, tmp_path):
     log_path = tmp_path / "verifier.log"
     with log_path.open("w") as log:
         verifier = subprocess.Popen([sys.executable, "-m", "verifier_service", "--model", str(path), "--parallel", "2",
-                                     "--port", "0", "--kv-cache-tokens", "2048"], stdout=log, stderr=subprocess.STDOUT)
+                                     "--port", "0", "--kv-cache-tokens", "2048"], stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)  # (its own process group, as under a terminal)
     try:
         deadline = time.monotonic() + 60
         while "verifier ready" not in log_path.read_text():
@@ -229,6 +230,20 @@ def test_a_lost_follower_takes_the_verifier_down(split_verifier_process):
     os.kill(follower, signal.SIGKILL)
     assert verifier.wait(30) == RANK_LOST_EXIT
     assert "a follower rank ended" in log_path.read_text()
+
+
+def test_a_signal_to_the_whole_process_group_drains_and_stops_every_rank(split_verifier_process):
+    """Ctrl-C, `timeout` or a supervisor signal every process of the group: the follower keeps
+    stepping while rank 0 drains, then stops when told."""
+    verifier, follower, log_path = split_verifier_process
+    os.killpg(verifier.pid, signal.SIGTERM)
+    assert verifier.wait(30) == 0
+    deadline = time.monotonic() + 10
+    while alive(follower):
+        assert time.monotonic() < deadline, "the follower outlived rank 0"
+        time.sleep(0.1)
+    text = log_path.read_text()
+    assert "draining" in text and '"follower stopped"' in text, text[-2000:]
 
 
 def test_a_follower_leaves_when_rank_0_is_gone(split_verifier_process):
