@@ -53,7 +53,14 @@ class LeaderRunner:
             return getattr(self.runner, name)(*args)
 
     def acquire(self, max_length: int) -> tuple[int, CacheLength]:
-        return self._call("acquire", max_length)
+        """A slot here first (no collective in it), then the followers', which must be the same:
+        the command carries it, and a follower that hands out another stops (ranks out of step)."""
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("the parallel runner is closed")
+            slot, length = self.runner.acquire(max_length)
+            self.group.send(("acquire", (max_length,), slot))
+            return slot, length
 
     def release(self, slot: int) -> None:
         self._call("release", slot)
@@ -93,11 +100,12 @@ class LeaderRunner:
 def follow(runner, group: ModelGroup) -> int:
     """A follower's loop: run rank 0's calls until it says stop; returns the calls run. A call
     that fails here fails alike on rank 0 (the same call on the same state), so it is logged and
-    the loop goes on."""
+    the loop goes on — except an acquire, which rank 0 sends only once it succeeded there: a
+    follower that cannot match it is out of step, and stops (rank 0 then exits: §13)."""
     device = getattr(runner, "device", torch.device("cpu"))
     count = 0
     while True:
-        name, args = group.receive()
+        name, args, *expected = group.receive()
         if name == STOP:
             return count
         if name not in CALLS:
@@ -106,8 +114,14 @@ def follow(runner, group: ModelGroup) -> int:
             token_ids = torch.empty(args[0], dtype=getattr(torch, args[1]), device=device)
             group.share(token_ids)
             args = (token_ids,)
-        try:
-            getattr(runner, name)(*args)
-        except ValueError as error:
-            log.warning("call failed on a follower (as on rank 0)", rank=group.rank, call=name, error=str(error))
+        if name == "acquire":  # (rank 0 sends it only once it has its slot)
+            slot, _ = runner.acquire(*args)
+            if slot != expected[0]:
+                raise RuntimeError(f"rank {group.rank} acquired slot {slot} where rank 0 has {expected[0]}: "
+                                   "the ranks are out of step")
+        else:
+            try:
+                getattr(runner, name)(*args)
+            except ValueError as error:
+                log.warning("call failed on a follower (as on rank 0)", rank=group.rank, call=name, error=str(error))
         count += 1
