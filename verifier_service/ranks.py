@@ -91,6 +91,7 @@ def follower_main(s: VerifierSettings, rank: int, address: str) -> None:
     watch_parent()
     os.environ.update(NCCL_ENV)
     configure_logging()
+    structlog.contextvars.bind_contextvars(rank=rank)  # (its lines share rank 0's stream)
     threads = rank_threads(s).full
     if threads is not None:
         use_threads(threads)

@@ -147,7 +147,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.prefiller = PrefillBatcher(self.worker, self.engine.prefill, s.prefill_chunk, on_job=self._prefill_job)
         self.metrics.model_bytes.set(model_bytes := resident_bytes(self.model))
         log.info("verifier ready", address=s.address, drafter=s.drafter, vocab=self.model.config.vocab_size,
-                 path=self.engine.path, model_gib=round(model_bytes / 2**30, 3))
+                 path=self.engine.path, model_gib=round(model_bytes / 2**30, 3),
+                 parallel=f"{s.parallel} ({s.parallel_dense} dense weights)" if s.parallel > 1 else None)
         if self.channel is not None:
             await self.probe_drafter()
 
