@@ -34,6 +34,14 @@ class LayerwiseForward:
 
     group = None  # shared.model.parallel.group.ModelGroup of a model split over processes, else None
 
+    def join(self, model, group) -> None:
+        """Take the ranks a model split over processes runs on (None: one process); the model
+        must be this rank's share (loaded with the group's shard)."""
+        if group is not None and getattr(model, "shard", None) != group.shard:
+            raise ValueError(f"rank {group.rank} of {group.size} needs the model loaded with its shard "
+                             f"(it holds {getattr(model, 'shard', None)})")
+        self.group = group
+
     @property
     def dense_whole(self) -> bool:
         """One process, or a split one whose dense weights are whole on every rank."""

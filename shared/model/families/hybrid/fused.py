@@ -145,10 +145,7 @@ class HybridFused(LayerwiseForward):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the fused path cannot run this model: {reason}")
-        self.group = group
-        if group is not None and getattr(model, "shard", None) != group.shard:
-            raise ValueError(f"rank {group.rank} of {group.size} needs the model loaded with its shard "
-                             f"(it holds {getattr(model, 'shard', None)})")
+        self.join(model, group)
         self.model = model
         c = model.config
         self.layers: list[HybridLayer] = []

@@ -10,11 +10,11 @@ shared.model.segments).
 On the CPU each op runs its torch reference (or, under the Triton interpreter, its kernel).
 
 Split over ranks (`group`, DESIGN §13): the model is this rank's share (shared.model.parallel.
-shard). The o projection's split-K partials of every rank are gathered along the split axis and
-summed by the norm that consumes them, in rank order; each rank runs only the routes to its own
-experts (the others zeroed) and the ranks' route outputs are added before the usual combine —
-each route has one owner, so the combine sees one-process bits. Every rank ends each layer with
-the same rows.
+shard). Each rank runs only the routes to its own experts (the others zeroed) and the ranks'
+route outputs are added before the usual combine — each route has one owner, so the combine sees
+one-process bits; with the dense weights split too, the o projection's split-K partials of every
+rank are gathered along the split axis and summed by the norm that consumes them, in rank order
+(LayerwiseForward.ranks_partials). Every rank ends each layer with the same rows.
 
 Rows are grouped into sequences (`Rows`): each row has a position and a KV slot; all rows
 of a sequence share its slot. The KV is paged (`PagedKV`): per layer [num_blocks, block_size,
@@ -109,10 +109,7 @@ class FusedModel(LayerwiseForward):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the fused path cannot run this model: {reason}")
-        self.group = group
-        if group is not None and getattr(model, "shard", None) != group.shard:
-            raise ValueError(f"rank {group.rank} of {group.size} needs the model loaded with its shard "
-                             f"(it holds {getattr(model, 'shard', None)})")
+        self.join(model, group)
         self.model = model
         c = model.config
         self.layers = [FusedLayer(layer, index) for index, layer in enumerate(model.layers)]
