@@ -105,9 +105,11 @@ def follower_main(s: VerifierSettings, rank: int, address: str) -> None:
         model = load_share(s, shard, device)
         engine = Engine(model, **engine_options(s, model), group=group)
         calls = follow(engine.runner, group)
-        log.info("follower stopped", rank=rank, calls=calls)
-    finally:
-        group.close()
+    except BaseException:
+        group.close(meet=False)  # (rank 0 is not at a meeting: it sees this process end)
+        raise
+    log.info("follower stopped", rank=rank, calls=calls)
+    group.close()
 
 
 class Ranks:
@@ -148,18 +150,24 @@ class Ranks:
         return [f"rank {rank} (exit code {p.returncode})" for rank, p in enumerate(self.processes, 1)
                 if p.poll() is not None]
 
-    def stop(self) -> None:
-        """After the engine told the followers to stop: leave the group with them, then wait for
-        them to end (terminate a straggler)."""
+    def stop(self, *, told: bool = True) -> None:
+        """At the end. told: the engine told the followers to stop — leave the group with them,
+        then wait for them to end (terminate a straggler). Otherwise (rank 0 failed before its
+        engine was built) they are somewhere in start-up: kill them (they ignore SIGTERM), then
+        leave."""
+        if not told:
+            for process in self.processes:
+                if process.poll() is None:
+                    process.kill()
         if self.group is not None:
-            self.group.close()
+            self.group.close(meet=told)
             self.group = None
         for rank, process in enumerate(self.processes, 1):
             try:
                 process.wait(JOIN_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                log.warning("follower did not stop; terminating it", rank=rank)
-                process.terminate()
+                log.warning("follower did not stop; killing it", rank=rank)
+                process.kill()
                 process.wait(5)
 
 

@@ -167,12 +167,14 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         if self.ranks is None:
             return
         self.ranks_stopping = True
+        told = False
         if self.engine is not None:
             try:
                 self.engine.shutdown()
+                told = True
             except RuntimeError as error:  # (a follower already gone: nothing to tell it)
                 log.warning("a follower rank could not be told to stop", ranks=self.ranks.dead(), error=str(error))
-        self.ranks.stop()
+        self.ranks.stop(told=told)
 
     def _prefill_job(self, num_sessions: int, num_tokens: int) -> None:
         self.metrics.prefill_sessions.observe(num_sessions)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -253,6 +254,35 @@ def test_a_follower_leaves_when_rank_0_is_gone(split_verifier_process):
     deadline = time.monotonic() + 20
     while alive(follower):
         assert time.monotonic() < deadline, "the follower outlived rank 0"
+        time.sleep(0.2)
+
+
+def processes_with(text: str) -> list[int]:
+    """Running processes (not zombies) whose command line holds `text`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if text in command and alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+def test_a_model_the_ranks_cannot_split_fails_at_start_and_leaves_no_follower(split_checkpoint):
+    """Every rank fails to load it (2 KV heads over 4 ranks): the verifier exits 2 at once naming
+    the field, and no follower is left waiting in a collective."""
+    path, _ = split_checkpoint
+    verifier = subprocess.run([sys.executable, "-m", "verifier_service", "--model", str(path), "--parallel", "4",
+                               "--port", "0"], capture_output=True, text=True, timeout=120)
+    assert verifier.returncode == 2, verifier.stderr[-2000:]
+    assert "num_key_value_heads (2) is not divisible by --parallel 4" in verifier.stderr
+    (address,) = re.findall(r'"address": "(127\.0\.0\.1:\d+)", "event": "starting ranks"', verifier.stderr)
+    deadline = time.monotonic() + 10
+    while processes_with(f"--address {address}"):
+        assert time.monotonic() < deadline, "a follower outlived its verifier"
         time.sleep(0.2)
 
 

@@ -136,13 +136,15 @@ class ModelGroup:
             data += rest.numpy().tobytes()
         return pickle.loads(data)
 
-    def close(self) -> None:
-        """Leave the group: every rank meets first (one leaving while another still holds its
-        connections aborts it), unless a rank is gone already."""
+    def close(self, *, meet: bool = True) -> None:
+        """Leave the group. meet: every rank meets first (one leaving while another still holds
+        its connections aborts it), unless a rank is gone already; without: leave now (after a
+        failure, when the other ranks are not where a meeting could happen)."""
         if not dist.is_initialized():
             return
-        try:
-            dist.barrier(group=self.commands)
-        except RuntimeError:  # (a rank is gone: nothing to meet)
-            pass
+        if meet:
+            try:
+                dist.barrier(group=self.commands)
+            except RuntimeError:  # (a rank is gone: nothing to meet)
+                pass
         dist.destroy_process_group()
