@@ -37,7 +37,13 @@ are compared with plain ones:
 - in a batch, a round also costs what it cost the other lanes: its draft rows' share of their
   step, and the time they waited for it before the step (the engine loop's estimate,
   verifier_service.step_costs / loop): counted with its own time, so speculation goes on where
-  it pays the batch, not only the request.
+  it pays the batch, not only the request;
+- costs compare only under the same load (`Load`: the request's lane alone in the engine loop,
+  or sharing its steps): the server keeps a ledger per load (`Ledgers`), a round counts where it
+  began and ended under one load, and a request whose load changed starts over as a new request
+  under the new one — at once while it speculates, at the end of its phase while its rounds are
+  promised plain. A verdict learnt by 8 requests together (where a batch's extra rows cost
+  every lane) does not keep a request alone from speculating, nor the reverse.
 
 Estimates: seconds per committed token over the last `window` rounds of a kind, the
 request's own, else the server's (fed by every request, the plain rounds of requests
@@ -52,6 +58,7 @@ import math
 import threading
 from collections import deque
 from dataclasses import dataclass
+from enum import Enum
 
 
 @dataclass(frozen=True)
@@ -213,40 +220,69 @@ class Ledger:
             return True
 
 
+class Load(Enum):
+    """What a round's cost is measured under: its request's lane alone in the engine loop, or
+    sharing the loop's steps with other lanes (a step's extra rows then cost every lane)."""
+
+    ALONE = "alone"
+    SHARED = "shared"
+
+    @staticmethod
+    def of(other_lanes: int) -> Load:
+        return Load.SHARED if other_lanes > 0 else Load.ALONE
+
+
+class Ledgers:
+    """The server's ledgers, one per load: costs measured under one load say nothing of another."""
+
+    def __init__(self, settings: GovernorSettings) -> None:
+        self._by_load = {load: Ledger(settings) for load in Load}
+
+    def __getitem__(self, load: Load) -> Ledger:
+        return self._by_load[load]
+
+
 class Governor:
     """One request's decisions. Per round, `begin(now)`: whether this round waits for a chain
     (then `next_speculates` says already whether the next one will, so a commit can be held
     back from a drafter that will not be asked and a plain step computed ahead); `end(tokens)`:
     the tokens it committed (its cost is closed by the next `begin`)."""
 
-    def __init__(self, settings: GovernorSettings, ledger: Ledger, drafting: bool = True) -> None:
+    def __init__(self, settings: GovernorSettings, ledgers: Ledgers, drafting: bool = True,
+                 load: Load = Load.ALONE) -> None:
         self.settings = settings
-        self.ledger = ledger
+        self.ledgers = ledgers
         self.drafting = drafting  # False: the request never drafts; its plain rounds still teach the ledger
         self.speculative = CostWindow(settings.window)
         self.plain = CostWindow(settings.window)
         self.exploring = False  # speculating to give the server a verdict (holds a Ledger.explore place)
         self.awaiting = False  # plain until the server's rounds give a verdict (no explorer place was free)
-        verdict = ledger.pays() if drafting else False
-        if verdict is None:
-            self.exploring = ledger.explore()
-            self.awaiting = not self.exploring
-        self.speculating = drafting and (verdict is True or self.exploring)  # the kind of the next round
-        self.phase_length = settings.judge_rounds if self.speculating else \
-            settings.verdict_rounds if self.awaiting else settings.min_hold
         self.calibrating = False  # this plain phase measures the plain cost, then judges at once
         self.rechecking = False  # this calibration re-measures a plain cost the server holds stale (Ledger.take_recheck)
         self.own_plain_age = 0  # this request's speculative rounds since its own last plain one
         self.probing = False  # this speculative phase is a probe (charged to the ledger's budget)
         self.reserved_s = 0.0  # per probe round, the share of the probe's reservation
-        self.phase_rounds = 0  # rounds since the phase began (or since the last judgement)
-        self.new_phase = True  # the next round is the first of its phase
         self.started: float | None = None
-        # the current round: its kind, whether it opened its phase, whether it belongs to a probe
+        # the current round: its kind, whether it opened its phase, whether it belongs to a probe, its load
         self.round_speculated = self.round_first = self.round_probe = False
+        self.round_load = load
         self.tokens = 0
         self.cost_to_others_s = 0.0  # the current round's cost to the other lanes of its step
-        self.rounds = self.speculative_rounds = self.detaches = self.probes = 0
+        self.rounds = self.speculative_rounds = self.detaches = self.probes = self.load_changes = 0
+        self._start(load)
+
+    def _start(self, load: Load) -> None:
+        """Decide as a new request under `load` does: the server's verdict for that load, else
+        explore (or wait for the verdict where every explorer's place is taken)."""
+        self.load, self.ledger = load, self.ledgers[load]  # (the ledger its estimates and decisions use)
+        self.exploring = self.awaiting = False
+        verdict = self.ledger.pays() if self.drafting else False
+        if verdict is None:
+            self.exploring = self.ledger.explore()
+            self.awaiting = not self.exploring
+        speculating = self.drafting and (verdict is True or self.exploring)
+        s = self.settings
+        self._switch(speculating, s.judge_rounds if speculating else s.verdict_rounds if self.awaiting else s.min_hold)
 
     @property
     def next_speculates(self) -> bool:
@@ -263,19 +299,35 @@ class Governor:
             return 0
         return max(self.phase_length - self.phase_rounds, 1)
 
-    def begin(self, now: float) -> bool:
-        """Close the last round (measured up to now); whether this round waits for a chain."""
+    def begin(self, now: float, load: Load = Load.ALONE) -> bool:
+        """Close the last round (measured up to now); whether this round, which begins under
+        `load`, waits for a chain."""
         if self.started is not None:
-            self._record(now - self.started + self.cost_to_others_s, self.tokens)
+            self._record(now - self.started + self.cost_to_others_s, self.tokens, same_load=load == self.round_load)
         self.started, self.tokens, self.cost_to_others_s = now, 0, 0.0
-        self.round_speculated, self.round_probe = self.speculating, self.probing
+        self.round_speculated, self.round_probe, self.round_load = self.speculating, self.probing, load
         self.round_first, self.new_phase = self.new_phase, False
         self.rounds += 1
         self.speculative_rounds += self.round_speculated
         self.phase_rounds += 1
-        if self.drafting and self.phase_rounds >= self.phase_length:
+        if not self.drafting:
+            return self.round_speculated
+        if load != self.load and (self.speculating or self.phase_rounds >= self.phase_length):
+            self._restart(load)  # (rounds promised plain stay plain: a plain phase ends first)
+        elif self.phase_rounds >= self.phase_length:
             self._decide()  # the next round's kind, from the rounds closed so far
         return self.round_speculated
+
+    def _restart(self, load: Load) -> None:
+        """The request's load changed: what it measured says nothing of the new one, so it
+        starts over as a new request under it (from the next round on)."""
+        self.close()  # (an explorer's or a recheck's place under the old load)
+        self.load_changes += 1
+        self.round_probe = False  # (a probe ends: its reservation stands for the rounds it ran)
+        self.own_plain_age = 0
+        self.speculative.clear()
+        self.plain.clear()
+        self._start(load)
 
     def end(self, tokens: int, cost_to_others_s: float = 0.0) -> None:
         """The current round committed `tokens` and cost the other lanes `cost_to_others_s`
@@ -283,23 +335,28 @@ class Governor:
         self.tokens = tokens
         self.cost_to_others_s = cost_to_others_s
 
-    def _record(self, seconds: float, tokens: int) -> None:
+    def _record(self, seconds: float, tokens: int, same_load: bool) -> None:
+        """Close the last round: the budget, and the cost estimates where it began and ended
+        under one load (the request's own estimates: where that is the load it decides for)."""
+        ledger = self.ledgers[self.round_load]
         if not self.round_speculated:
             if self.drafting:  # (the budget is a share of what requests that may speculate decode plainly)
-                self.ledger.earn(seconds)
+                ledger.earn(seconds)
         else:
-            plain = self.estimate(False)
+            plain = self.estimate(False) if self.round_load == self.load else None
             excess = seconds - tokens * plain if plain is not None else 0.0
             if self.round_first and plain is not None:
-                self.ledger.note_opening(excess)
+                ledger.note_opening(excess)
             if self.round_probe:  # what the round lost against plain decoding, less its share of the reservation
-                self.ledger.charge(excess - self.reserved_s)
-        if self.round_first or tokens <= 0:
+                ledger.charge(excess - self.reserved_s)
+        if self.round_first or tokens <= 0 or not same_load:
             return
-        own, server = (self.speculative, self.ledger.speculative) if self.round_speculated else (self.plain, self.ledger.plain)
-        own.add(seconds, tokens)
+        server = ledger.speculative if self.round_speculated else ledger.plain
         server.add(seconds, tokens)
-        self.ledger.counted(self.round_speculated)
+        ledger.counted(self.round_speculated)
+        if self.round_load != self.load:
+            return
+        (self.speculative if self.round_speculated else self.plain).add(seconds, tokens)
         self.own_plain_age = self.own_plain_age + 1 if self.round_speculated else 0
         if self.own_plain_age >= self.settings.recheck_rounds:  # (stale: the server's, fresher, is used instead)
             self.plain.clear()

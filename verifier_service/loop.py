@@ -30,11 +30,12 @@ of the device (DESIGN §9, "The engine loop"):
 - threads: `on_drafting` hears, on the loop's thread before a step, when whether some lane's
   drafter works (its last round verified drafts, until a granted plain round) changed — the
   verifier then yields a drafter on its host a core (shared/threads.py);
-- costs: each step's rows and seconds feed a per-row cost (verifier_service.step_costs); a
-  round carries what it cost the other lanes (`RoundOutcome.cost_to_others_s`, which its
-  governor counts as its own cost): its draft rows' share of a step shared with them, and the
-  time they waited, ready, for this lane before its step (the gather: a lane waiting for its
-  drafter's chain holds the batch up to `gather_s`).
+- costs: each step's rows, seconds and whether a drafter worked feed a fit (verifier_service.
+  step_costs); a round carries what it cost the other lanes (`RoundOutcome.cost_to_others_s`,
+  which its governor counts as its own cost): its draft rows' share of a step shared with them,
+  its share of what the working drafter added to the rounds of the lanes without drafts, and
+  the time they waited, ready, for this lane before its step (the gather: a lane waiting for
+  its drafter's chain holds the batch up to `gather_s`).
 
 A plain round run ahead is the round the coroutine would have asked for (its drafts: none), so
 running it early changes no token: the output law is the rounds' (DESIGN §2–3).
@@ -376,7 +377,7 @@ class EngineLoop:
         except Exception as error:  # every round of the step fails; the loop goes on
             results = [error] * len(lanes)
         else:
-            results = self._charged(rounds, results, time.perf_counter() - started)
+            results = self._charged(rounds, results, time.perf_counter() - started, drafting)
         with self._cond:
             for lane, result in zip(lanes, results, strict=True):
                 lane._ran(result)
@@ -387,15 +388,18 @@ class EngineLoop:
             _post(aloop, _deliver_all, pairs)
         return lanes
 
-    def _charged(self, rounds: list[tuple[Lane, RoundRequest]], results: list, seconds: float) -> list:
+    def _charged(self, rounds: list[tuple[Lane, RoundRequest]], results: list, seconds: float,
+                 drafting: bool) -> list:
         """The step's outcomes, each round charged what it cost the other lanes: its draft rows'
-        share of the step, and the time the other lanes waited for it before the step (the
-        gather); the step's rows and time go into the per-row cost."""
+        share of the step and of what the drafter at work added to it, and the time the other
+        lanes waited for it before the step (the gather); the step's rows, time and whether a
+        drafter worked go into the fit (verifier_service.step_costs)."""
         costs = self.step_costs
-        costs.add(sum(len(r.drafts) + 1 for _, r in rounds), seconds)
+        costs.add(sum(len(r.drafts) + 1 for _, r in rounds), seconds, drafting)
+        num_drafting = sum(1 for _, r in rounds if r.drafts)
         charged = []
         for (lane, r), result in zip(rounds, results, strict=True):
-            cost = costs.cost_to_others_s(len(r.drafts), len(rounds)) + lane._owed_s
+            cost = costs.cost_to_others_s(len(r.drafts), len(rounds), num_drafting) + lane._owed_s
             if cost and isinstance(result, RoundOutcome):
                 lane._owed_s = 0.0
                 result = replace(result, cost_to_others_s=cost)

@@ -26,7 +26,7 @@ from verifier_service.audit import HonestyAudit, accept_key
 from verifier_service.chains import ChainFault, retain, validate_chain
 from verifier_service.drafter_link import DrafterLink, open_message
 from verifier_service.engine import Engine
-from verifier_service.governor import Governor
+from verifier_service.governor import Governor, Load
 from verifier_service.loop import EngineLoop, Lane
 from verifier_service.rounds import RoundOutcome, RoundRequest, Session
 from verifier_service.settings import VerifierSettings
@@ -49,6 +49,7 @@ class Begun:
     proposed: int  # drafts the drafter sent (0: none, or an invalid chain)
     wait_ms: float
     bytes_up: int
+    load: Load = Load.ALONE  # under which it began (the ledger its governor judges by)
     followed: bool = False  # it ran as the follower of the round before (its chain came with that round's)
 
 
@@ -153,7 +154,8 @@ class RequestRounds:
         started = time.perf_counter()
         granted = round_id < running.granted_until
         # (a request without a drafter still runs the governor: its rounds teach the server the plain cost)
-        speculate = (governor.begin(started) if governor is not None else True) and link is not None
+        load = Load.of(self.loop.num_lanes - 1)  # (the other lanes: this request's has joined)
+        speculate = (governor.begin(started, load) if governor is not None else True) and link is not None
         if granted and speculate:
             raise RuntimeError(f"round {round_id} was granted as plain, but the governor speculates")
         follower, running.follower = running.follower, None
@@ -162,7 +164,7 @@ class RequestRounds:
                 raise RuntimeError(f"round {round_id} followed its chain drafted ahead, but the governor decodes plainly")
             link.next_round = round_id
             self._grant(running)
-            return Begun(span, started, True, follower.raw, follower.chain, follower.proposed, 0.0, 0, followed=True)
+            return Begun(span, started, True, follower.raw, follower.chain, follower.proposed, 0.0, 0, load, followed=True)
         chain, raw, wait_ms, bytes_up = None, None, 0.0, 0
         if speculate:
             bytes_up += await link.ask(lambda: open_message(session, round_id, self.settings.draft_ahead), trace_context)
@@ -177,7 +179,7 @@ class RequestRounds:
         if not granted:
             running.lane.turn(RoundRequest(session, chain.token_ids if chain else [], chain.q_rows if chain else None))
         self._grant(running)
-        return Begun(span, started, speculate, raw, chain, proposed, wait_ms, bytes_up)
+        return Begun(span, started, speculate, raw, chain, proposed, wait_ms, bytes_up, load)
 
     @staticmethod
     def _grant(running: Running) -> None:
@@ -291,7 +293,8 @@ class RequestRounds:
                                 speculative=begun.speculate, source=source, retained=retained,
                                 accepted=outcome.num_accepted, slot_hit_rate=self.engine.slot_hit_rate())
         begun.span.set_attributes({
-            "tandem.speculative": begun.speculate, "tandem.followed": begun.followed, "tandem.source": source,
+            "tandem.speculative": begun.speculate, "tandem.load": begun.load.value, "tandem.followed": begun.followed,
+            "tandem.source": source,
             "tandem.proposed": begun.proposed, "tandem.retained": retained,
             "tandem.verified": outcome.num_verified, "tandem.accepted": outcome.num_accepted,
             "tandem.emitted": len(outcome.emitted),

@@ -37,7 +37,7 @@ from shared.tokenizer import load_tokenizer
 from verifier_service.admission import Admission, AdmissionLimits, AdmissionRefused
 from verifier_service.audit import HonestyAudit
 from verifier_service.drafter_link import DeadlineTracker, DrafterHealth, DrafterLink, drafter_channel, open_message
-from verifier_service.governor import Governor, GovernorSettings, Ledger
+from verifier_service.governor import Governor, GovernorSettings, Ledgers, Load
 from verifier_service.engine import Engine
 from verifier_service.loop import BatchSettings, EngineLoop, Lane, RoundsExhausted
 from verifier_service.prefill import PrefillBatcher
@@ -77,7 +77,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.audit = HonestyAudit()  # the drafter address's honesty in probabilistic mode
         self.governor_settings = GovernorSettings(min_hold=settings.governor_hold,
                                                   probe_share=settings.governor_probe_share)
-        self.ledger = Ledger(self.governor_settings)  # what speculation realises lately, all requests
+        self.ledgers = Ledgers(self.governor_settings)  # what speculation realises lately, all requests, per load
         self.metrics = VerifierMetrics()
         self.channel = drafter_channel(settings) if settings.drafter else None
         self.drafter = drafter_pb2_grpc.DrafterStub(self.channel) if self.channel else None
@@ -246,8 +246,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 if self.drafter is not None and spec.speculate and self._may_draft(spec):
                     link = DrafterLink(self.drafter, self.deadlines, security.bearer_metadata(self.settings.drafter_token),
                                        self.drafter_health)
-                governor = Governor(self.governor_settings, self.ledger, drafting=link is not None) \
-                    if self.settings.governor else None
+                governor = Governor(self.governor_settings, self.ledgers, drafting=link is not None,
+                                    load=Load.of(self.worker.num_lanes)) if self.settings.governor else None
                 if link is not None and (governor is None or governor.next_speculates):  # else at its first probe
                     await link.open(open_message(session, 0, self.settings.draft_ahead), trace_context())
                 completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences, self.tokenizer)

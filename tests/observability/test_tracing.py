@@ -66,6 +66,7 @@ async def test_one_trace_from_client_to_drafter(spans, tiny_mtp_model):
                     "tandem.draft_ms", "tandem.rpc_ms", "tandem.verify_ms", "tandem.bytes_up", "tandem.bytes_down",
                     "tandem.drafter_slot_misses", "tandem.verifier_slot_misses", "tandem.speculative", "tandem.followed"):
             assert key in r.attributes, key
+        assert r.attributes["tandem.load"] == "alone"  # (the one request in the engine loop)
         assert r.parent.span_id == generate.context.span_id
     drafted = [r for r in by_name["round"] if r.attributes["tandem.retained"] > 0]
     assert drafted and all(r.attributes["tandem.bytes_down"] > 0 for r in drafted)

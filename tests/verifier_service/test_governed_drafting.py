@@ -3,6 +3,7 @@ probed again, the rounds it missed reach it as one commit, and the tokens never 
 
 from __future__ import annotations
 
+from verifier_service.governor import Load
 
 from .conftest import ScriptedDrafter, chain, generate, request
 
@@ -18,7 +19,7 @@ async def test_a_slow_drafter_is_detached_then_resumed_and_tokens_stay_the_same(
     req = request(PROMPT, 60, temperature=0.0, seed=0)
     req.speculation.disable = True
     plain, _, _ = await generate(stub, req)  # also teaches the server the plain cost
-    servers.verifier.service.ledger.credit_s = 100.0  # a probe budget for many probes (it is earned slowly)
+    servers.verifier.service.ledgers[Load.ALONE].credit_s = 100.0  # a probe budget for many probes (it is earned slowly)
     req.speculation.disable = False
     tokens, final, rounds = await generate(stub, req)
     assert tokens == plain
@@ -54,7 +55,7 @@ async def test_a_server_that_learnt_speculation_does_not_pay_opens_the_drafter_a
     stub = await servers.start(tiny_model, drafter=drafter, governor=True, governor_hold=4, max_draft_tokens=2)
     for _ in range(6):  # 3 measured speculative rounds each: the server's verdict needs 16
         await generate(stub, request(PROMPT, 60, temperature=0.0, seed=0))
-    ledger = servers.verifier.service.ledger
+    ledger = servers.verifier.service.ledgers[Load.ALONE]  # (each request runs alone)
     assert ledger.pays() is False
     ledger.credit_s = 100.0
     opened_before = len(drafter.sessions)
@@ -63,3 +64,28 @@ async def test_a_server_that_learnt_speculation_does_not_pay_opens_the_drafter_a
     assert len(drafter.sessions) == opened_before + 1
     # opened at the probe with the whole context so far
     assert len(drafter.sessions[-1].tokens) >= len(PROMPT) + 4
+
+
+async def test_a_request_alone_is_judged_by_what_requests_alone_measured(servers, tiny_model, greedy_continuation):
+    """The server's verdict is kept per load (DESIGN §9): what requests together learnt (their
+    drafts cost the batch more than they saved) does not keep a request alone from speculating;
+    what requests alone learnt does."""
+    drafter = ScriptedDrafter(lambda s: chain(s, greedy_continuation(tiny_model, s.tokens, 2)))
+    stub = await servers.start(tiny_model, drafter=drafter, governor=True, max_draft_tokens=2)
+    ledgers = servers.verifier.service.ledgers
+
+    def learnt_it_does_not_pay(load: Load) -> None:
+        ledger = ledgers[load]
+        ledger.speculative.clear()
+        ledger.plain.clear()
+        for _ in range(64):  # (a full window: 30 ms a token speculating against 3 ms plain)
+            ledger.speculative.add(0.030, 1)
+            ledger.plain.add(0.003, 1)
+        assert ledger.pays() is False
+
+    learnt_it_does_not_pay(Load.SHARED)
+    _, _, rounds = await generate(stub, request(PROMPT, 24, temperature=0.0, seed=0))
+    assert all(r.speculative for r in rounds[:4])  # no verdict alone yet: it explores
+    learnt_it_does_not_pay(Load.ALONE)
+    _, final, rounds = await generate(stub, request(PROMPT, 24, temperature=0.0, seed=1))
+    assert final.stats.speculative_rounds == 0 and not any(r.speculative for r in rounds)

@@ -6,18 +6,20 @@ from __future__ import annotations
 
 import pytest
 
-from verifier_service.governor import CostWindow, Governor, GovernorSettings, Ledger
+from verifier_service.governor import CostWindow, Governor, GovernorSettings, Ledgers, Load
+
+ALONE = Load.ALONE
 
 # (plain rechecks have tests of their own: here they never come)
 SETTINGS = GovernorSettings(judge_rounds=5, min_hold=4, probe_share=0.05, window=8, server_window=8, recheck_rounds=10**6)
 
 
-def run(governor: Governor, rounds: int, cost, clock: list[float] | None = None) -> list[bool]:
-    """Drive `rounds` rounds; cost(speculative) -> (seconds, tokens). Returns each round's kind."""
+def run(governor: Governor, rounds: int, cost, clock: list[float] | None = None, load: Load = ALONE) -> list[bool]:
+    """Drive `rounds` rounds under `load`; cost(speculative) -> (seconds, tokens). Returns each round's kind."""
     clock = clock if clock is not None else [0.0]
     kinds = []
     for _ in range(rounds):
-        speculative = governor.begin(clock[0])
+        speculative = governor.begin(clock[0], load)
         seconds, tokens = cost(speculative)
         clock[0] += seconds
         governor.end(tokens)
@@ -46,8 +48,8 @@ def runs(kinds: list[bool]) -> list[tuple[bool, int]]:
 
 
 def test_a_drafter_that_does_not_pay_is_detached_and_probed_within_the_budget():
-    ledger = Ledger(SETTINGS)
-    governor = Governor(SETTINGS, ledger)
+    ledgers = Ledgers(SETTINGS)
+    governor = Governor(SETTINGS, ledgers)
     clock = [0.0]
     kinds = run(governor, 3000, slow_drafter, clock)
     shape = runs(kinds)
@@ -66,19 +68,19 @@ def test_a_drafter_that_does_not_pay_is_detached_and_probed_within_the_budget():
 
 
 def test_the_budget_is_the_server_s_a_probe_spends_it_for_every_request():
-    ledger = Ledger(SETTINGS)
-    first, second = Governor(SETTINGS, ledger), Governor(SETTINGS, ledger)
+    ledgers = Ledgers(SETTINGS)
+    first, second = Governor(SETTINGS, ledgers), Governor(SETTINGS, ledgers)
     clocks = [0.0], [0.0]
     run(first, 20, slow_drafter, clocks[0])
     run(second, 20, slow_drafter, clocks[1])
-    ledger.credit_s = 0.126  # one probe's worth (5 x 25 ms)
+    ledgers[ALONE].credit_s = 0.126  # one probe's worth (5 x 25 ms)
     run(first, 10, slow_drafter, clocks[0])
     run(second, 10, slow_drafter, clocks[1])
     assert first.probes + second.probes == 1
 
 
 def test_a_drafter_that_pays_is_kept():
-    governor = Governor(SETTINGS, Ledger(SETTINGS))
+    governor = Governor(SETTINGS, Ledgers(SETTINGS))
     kinds = run(governor, 100, fast_drafter)
     # one calibration of the plain cost after the first judgement, speculation ever after
     assert runs(kinds) == [(True, 5), (False, 5), (True, 90)]
@@ -88,7 +90,7 @@ def test_a_drafter_that_pays_is_kept():
 def test_a_drafter_that_pays_the_request_but_not_its_batch_is_detached():
     """In a batch the round's drafts also cost the other lanes (RoundOutcome.cost_to_others_s):
     8 ms for 3 tokens pays against 5 ms a token alone, not with 10 ms more of the others'."""
-    governor = Governor(SETTINGS, Ledger(SETTINGS))
+    governor = Governor(SETTINGS, Ledgers(SETTINGS))
     clock = [0.0]
     kinds = []
     for _ in range(20):
@@ -100,7 +102,7 @@ def test_a_drafter_that_pays_the_request_but_not_its_batch_is_detached():
     assert runs(kinds) == [(True, 5), (False, 15)] and governor.detaches == 1  # calibrated, then detached
     assert governor.speculative.per_token() == pytest.approx(0.018 / 3)  # own time and the others' together
     # the same rounds with a small cost to the others (a GPU's nearly free rows) keep speculating
-    kept = Governor(SETTINGS, Ledger(SETTINGS))
+    kept = Governor(SETTINGS, Ledgers(SETTINGS))
     clock = [0.0]
     for _ in range(20):
         speculative = kept.begin(clock[0])
@@ -111,17 +113,17 @@ def test_a_drafter_that_pays_the_request_but_not_its_batch_is_detached():
 
 
 def test_a_known_plain_cost_skips_the_calibration():
-    ledger = Ledger(SETTINGS)
-    run(Governor(SETTINGS, ledger, drafting=False), 10, slow_drafter)  # a request without drafts
-    assert len(ledger.plain) == 8 and len(ledger.speculative) == 0  # (its first round is not measured)
-    governor = Governor(SETTINGS, ledger)
+    ledgers = Ledgers(SETTINGS)
+    run(Governor(SETTINGS, ledgers, drafting=False), 10, slow_drafter)  # a request without drafts
+    assert len(ledgers[ALONE].plain) == 8 and len(ledgers[ALONE].speculative) == 0  # (its first round is not measured)
+    governor = Governor(SETTINGS, ledgers)
     kinds = run(governor, 10, slow_drafter)
     assert runs(kinds) == [(True, 5), (False, 5)]  # detached at the first judgement (no budget to probe yet)
     assert governor.detaches == 1 and not governor.calibrating
 
 
 def test_the_first_round_of_a_phase_is_not_measured():
-    governor = Governor(SETTINGS, Ledger(SETTINGS))
+    governor = Governor(SETTINGS, Ledgers(SETTINGS))
     first = [True]
 
     def cost(speculative: bool) -> tuple[float, int]:
@@ -139,24 +141,24 @@ def test_the_first_round_of_a_phase_is_not_measured():
 
 
 def test_a_new_request_starts_plain_when_the_server_says_speculation_does_not_pay():
-    ledger = Ledger(SETTINGS)
+    ledgers = Ledgers(SETTINGS)
     for _ in range(3):
-        run(Governor(SETTINGS, ledger), 40, slow_drafter)
-    assert ledger.pays() is False
-    governor = Governor(SETTINGS, ledger)
+        run(Governor(SETTINGS, ledgers), 40, slow_drafter)
+    assert ledgers[ALONE].pays() is False
+    governor = Governor(SETTINGS, ledgers)
     assert not governor.next_speculates
-    ledger.credit_s = 10.0  # plenty: it probes after its hold, then detaches again
+    ledgers[ALONE].credit_s = 10.0  # plenty: it probes after its hold, then detaches again
     kinds = run(governor, 10, slow_drafter)
     assert runs(kinds) == [(False, 4), (True, 5), (False, 1)]
     # a server where it pays starts speculating at once
-    paying = Ledger(SETTINGS)
+    paying = Ledgers(SETTINGS)
     for _ in range(3):
         run(Governor(SETTINGS, paying), 40, fast_drafter)
-    assert paying.pays() is True and Governor(SETTINGS, paying).next_speculates
+    assert paying[ALONE].pays() is True and Governor(SETTINGS, paying).next_speculates
 
 
 def test_a_probe_that_pays_reattaches_and_is_refunded():
-    governor = Governor(SETTINGS, Ledger(SETTINGS))
+    governor = Governor(SETTINGS, Ledgers(SETTINGS))
     drafter, clock = [slow_drafter], [0.0]
     run(governor, 10, lambda s: drafter[0](s), clock)
     assert governor.detaches == 1
@@ -184,10 +186,10 @@ def test_bad_settings_are_refused(kwargs):
 
 
 def test_requests_that_never_draft_do_not_fund_probes_and_openings_count_in_a_probe_s_cost():
-    ledger = Ledger(SETTINGS)
-    run(Governor(SETTINGS, ledger, drafting=False), 50, slow_drafter)
-    assert ledger.credit_s == 0.0 and len(ledger.plain) == 8
-    governor = Governor(SETTINGS, ledger)
+    ledgers = Ledgers(SETTINGS)
+    run(Governor(SETTINGS, ledgers, drafting=False), 50, slow_drafter)
+    assert ledgers[ALONE].credit_s == 0.0 and len(ledgers[ALONE].plain) == 8
+    governor = Governor(SETTINGS, ledgers)
     first = [True]
 
     def cost(speculative: bool) -> tuple[float, int]:
@@ -198,7 +200,7 @@ def test_requests_that_never_draft_do_not_fund_probes_and_openings_count_in_a_pr
 
     run(governor, 10, cost)
     assert governor.detaches == 1
-    assert ledger.opening_excess_s == pytest.approx(0.25 * 0.095)  # one opening seen, EMA 0.25
+    assert ledgers[ALONE].opening_excess_s == pytest.approx(0.25 * 0.095)  # one opening seen, EMA 0.25
     # (judge_rounds - 1) rounds of 25 ms, plus the opening
     assert governor._expected_probe_loss() == pytest.approx(4 * 0.025 + 0.25 * 0.095)
 
@@ -220,7 +222,7 @@ def test_noisy_rounds_are_judged_by_their_trend_not_their_luck(round_ms, paying)
     import random
     rng = random.Random(7)
     settings = GovernorSettings()
-    governor = Governor(settings, Ledger(settings))
+    governor = Governor(settings, Ledgers(settings))
     kinds = run(governor, 2000, lambda s: (round_ms / 1e3, chain_tokens(rng)) if s else (0.0033, 1))
     if paying:
         assert governor.detaches == 0 and sum(kinds) / len(kinds) > 0.98  # (4 plain rounds every 256: 0.985)
@@ -238,7 +240,7 @@ def test_throughput_stays_within_the_probe_budget_of_the_better_of_the_two(round
     for seed in range(4):
         rng = random.Random(seed)
         settings = GovernorSettings()
-        governor = Governor(settings, Ledger(settings))
+        governor = Governor(settings, Ledgers(settings))
         clock, tokens = [0.0], [0]
 
         def cost(speculative: bool) -> tuple[float, int]:
@@ -253,10 +255,10 @@ def test_throughput_stays_within_the_probe_budget_of_the_better_of_the_two(round
 
 def test_a_detach_against_the_server_s_evidence_probes_again_early():
     settings = GovernorSettings(judge_rounds=5, min_hold=8, probe_share=0.05, window=8, server_window=64)
-    ledger = Ledger(settings)
+    ledgers = Ledgers(settings)
     for _ in range(3):
-        run(Governor(settings, ledger), 40, fast_drafter)  # the server's rounds: speculation pays
-    governor = Governor(settings, ledger)
+        run(Governor(settings, ledgers), 40, fast_drafter)  # the server's rounds: speculation pays
+    governor = Governor(settings, ledgers)
     luck = iter([(0.008, 3)] + [(0.040, 1)] * 4)  # this request's rounds 2-5 commit one token each
     kinds = run(governor, 20, lambda s: next(luck, fast_drafter(s)) if s else fast_drafter(s))
     # detached at the first judgement, probed again after min_hold // 4 = 2 plain rounds (not 8)
@@ -271,20 +273,20 @@ def test_the_server_s_verdict_follows_the_same_noise_rule():
     for seed in range(20):
         rng = random.Random(seed)
         settings = GovernorSettings()
-        ledger = Ledger(settings)
+        ledgers = Ledgers(settings)
         for _ in range(64):
-            ledger.speculative.add(0.0061, chain_tokens(rng))
-            ledger.plain.add(0.0033, 1)
-        assert ledger.pays() is True, seed
+            ledgers[ALONE].speculative.add(0.0061, chain_tokens(rng))
+            ledgers[ALONE].plain.add(0.0033, 1)
+        assert ledgers[ALONE].pays() is True, seed
 
 
-def round_robin(governors: list[Governor], rounds: int, cost) -> list[list[bool]]:
+def round_robin(governors: list[Governor], rounds: int, cost, load: Load = ALONE) -> list[list[bool]]:
     """Requests running together: one round of each in turn, each on its own clock."""
     clocks = [[0.0] for _ in governors]
     kinds: list[list[bool]] = [[] for _ in governors]
     for _ in range(rounds):
         for governor, clock, seen in zip(governors, clocks, kinds):
-            seen.extend(run(governor, 1, cost, clock))
+            seen.extend(run(governor, 1, cost, clock, load))
     return kinds
 
 
@@ -293,33 +295,33 @@ def test_requests_arriving_together_send_two_explorers_and_the_rest_follow_the_v
     """8 requests on a fresh server: 2 speculate to find out (max_explorers), 6 start plain and
     look at the server's verdict every verdict_rounds rounds. A drafter that does not pay is
     then paid for by the 2 alone; one that pays has every request speculating within two looks."""
-    ledger = Ledger(SETTINGS)
-    governors = [Governor(SETTINGS, ledger) for _ in range(8)]
+    ledgers = Ledgers(SETTINGS)
+    governors = [Governor(SETTINGS, ledgers) for _ in range(8)]
     assert [g.next_speculates for g in governors] == [True] * 2 + [False] * 6
     kinds = round_robin(governors, 40, fast_drafter if paying else slow_drafter)
     waiting = kinds[2:]
     if paying:
-        assert ledger.pays() is True
+        assert ledgers[ALONE].pays() is True
         assert all(seen.index(True) <= 2 * SETTINGS.verdict_rounds for seen in waiting)
         assert all(all(seen[2 * SETTINGS.verdict_rounds:]) for seen in waiting)  # and they stay
     else:
-        assert ledger.pays() is False
+        assert ledgers[ALONE].pays() is False
         assert not any(any(seen) for seen in waiting)  # (the budget holds no probe yet)
         assert sum(g.detaches for g in governors) == 2
-    assert ledger.explorers == 0  # both explorers judged: their places are free again
+    assert ledgers[ALONE].explorers == 0  # both explorers judged: their places are free again
 
 
 def test_an_explorer_that_ends_before_judging_gives_its_place_back():
-    ledger = Ledger(SETTINGS)
-    first, second = Governor(SETTINGS, ledger), Governor(SETTINGS, ledger)
-    third = Governor(SETTINGS, ledger)
+    ledgers = Ledgers(SETTINGS)
+    first, second = Governor(SETTINGS, ledgers), Governor(SETTINGS, ledgers)
+    third = Governor(SETTINGS, ledgers)
     assert (first.next_speculates, second.next_speculates, third.next_speculates) == (True, True, False)
     run(first, 2, slow_drafter)
     first.close()  # the request ended (or was cancelled) before its judgement
     first.close()  # (twice is once)
-    assert ledger.explorers == 1
-    assert Governor(SETTINGS, ledger).next_speculates
-    assert ledger.explorers == 2
+    assert ledgers[ALONE].explorers == 1
+    assert Governor(SETTINGS, ledgers).next_speculates
+    assert ledgers[ALONE].explorers == 2
     # a waiting request takes a place freed while it waits, at its next look
     second.close()
     kinds = run(third, SETTINGS.verdict_rounds + 1, slow_drafter)
@@ -336,14 +338,17 @@ def test_rounds_promised_plain_are_plain(seed):
     rng = random.Random(seed)
     settings = GovernorSettings(judge_rounds=3, min_hold=4, probe_share=0.2, window=4, server_window=8,
                                 max_explorers=1, verdict_rounds=2)
-    ledger = Ledger(settings)
-    governors = [Governor(settings, ledger, drafting=i != 7) for i in range(8)]
+    ledgers = Ledgers(settings)
+    governors = [Governor(settings, ledgers, drafting=i != 7) for i in range(8)]
     promised = [0] * 8  # rounds still promised plain, per request
     clock = [0.0] * 8
     checked = 0
+    load = ALONE
     for _ in range(300):
+        if rng.random() < 0.05:  # (the other lanes come and go: each request's load changes)
+            load = Load.SHARED if load == ALONE else ALONE
         for i, governor in enumerate(governors):
-            speculative = governor.begin(clock[i])
+            speculative = governor.begin(clock[i], load)
             if promised[i]:
                 assert not speculative, (seed, i)
                 promised[i] -= 1
@@ -359,9 +364,10 @@ def test_rounds_promised_plain_are_plain(seed):
         if rng.random() < 0.02:  # a request ends; a new one takes its place
             j = rng.randrange(7)
             governors[j].close()
-            governors[j], promised[j] = Governor(settings, ledger), 0
+            governors[j], promised[j] = Governor(settings, ledgers), 0
     assert checked > 500  # (the promises were exercised)
     assert sum(g.detaches + g.probes for g in governors) > 0
+    assert sum(g.load_changes for g in governors) > 0
 
 
 def test_a_plain_cost_measured_under_other_load_is_measured_again():
@@ -372,7 +378,7 @@ def test_a_plain_cost_measured_under_other_load_is_measured_again():
     detaches, and stays mostly plain after."""
     settings = GovernorSettings(judge_rounds=5, min_hold=4, probe_share=0.05, window=8, server_window=8,
                                 recheck_rounds=40)
-    governor = Governor(settings, Ledger(settings))
+    governor = Governor(settings, Ledgers(settings))
     rounds = [0]  # (a recheck is 3 plain rounds: half a judgement's, at least 3)
 
     def cost(speculative: bool) -> tuple[float, int]:
@@ -393,7 +399,7 @@ def test_a_drafter_that_pays_keeps_paying_across_plain_rechecks():
     `recheck_rounds` speculative ones, never a detach."""
     settings = GovernorSettings(judge_rounds=5, min_hold=4, probe_share=0.05, window=8, server_window=8,
                                 recheck_rounds=40)
-    governor = Governor(settings, Ledger(settings))
+    governor = Governor(settings, Ledgers(settings))
     kinds = run(governor, 400, fast_drafter)
     assert governor.detaches == 0
     assert sum(not k for k in kinds) <= 5 + (400 // 40 + 1) * 3  # the first calibration, then 3 plain rounds per 40
@@ -402,16 +408,67 @@ def test_a_drafter_that_pays_keeps_paying_across_plain_rechecks():
 def test_one_request_rechecks_at_a_time_and_an_ended_one_gives_the_place_back():
     settings = GovernorSettings(judge_rounds=5, min_hold=4, probe_share=0.05, window=8, server_window=8,
                                 recheck_rounds=10)
-    ledger = Ledger(settings)
-    first, second = Governor(settings, ledger), Governor(settings, ledger)
+    ledgers = Ledgers(settings)
+    first, second = Governor(settings, ledgers), Governor(settings, ledgers)
     # 5 speculative rounds, a 5-round calibration, then speculation: past 10 speculative rounds
     # without a plain one (its 13th measured) its next judgement (its 25th round) takes the recheck
     run(first, 25, fast_drafter)
-    assert first.rechecking and ledger.rechecking and not first.next_speculates
-    assert not ledger.plain.rounds  # (the stale window dropped: the recheck's rounds replace it)
+    assert first.rechecking and ledgers[ALONE].rechecking and not first.next_speculates
+    assert not ledgers[ALONE].plain.rounds  # (the stale window dropped: the recheck's rounds replace it)
     run(second, 40, fast_drafter)
     assert not second.rechecking  # the place was taken
     first.close()  # the request ended mid-recheck
-    assert not ledger.rechecking and ledger.since_plain == 0
-    ledger.since_plain = settings.recheck_rounds
-    assert ledger.take_recheck()
+    assert not ledgers[ALONE].rechecking and ledgers[ALONE].since_plain == 0
+    ledgers[ALONE].since_plain = settings.recheck_rounds
+    assert ledgers[ALONE].take_recheck()
+
+
+def test_a_verdict_learnt_under_one_load_does_not_decide_for_the_other():
+    """8 requests together learn that their drafts cost the batch more than they save (on a CPU a
+    step costs about its rows); a request alone later must find out for itself — here its drafter
+    pays — and the verdict it learns must not send the next batch speculating."""
+    ledgers = Ledgers(SETTINGS)
+    round_robin([Governor(SETTINGS, ledgers, load=Load.SHARED) for _ in range(8)], 40, slow_drafter, load=Load.SHARED)
+    assert ledgers[Load.SHARED].pays() is False and ledgers[ALONE].pays() is None
+    alone = Governor(SETTINGS, ledgers)  # no verdict alone: it explores
+    assert alone.next_speculates and alone.exploring
+    kinds = run(alone, 30, fast_drafter)
+    assert kinds[:5] == [True] * 5 and alone.detaches == 0 and sum(kinds) >= 30 - 5 - 1
+    assert ledgers[ALONE].pays() is True and ledgers[Load.SHARED].pays() is False
+    assert Governor(SETTINGS, ledgers).next_speculates  # the next request alone speculates at once
+    assert not Governor(SETTINGS, ledgers, load=Load.SHARED).next_speculates  # one in a batch does not
+
+
+def test_a_request_whose_load_changes_starts_over_under_the_new_one():
+    """Speculating, it starts over at once (no round is promised plain); plain, at the end of its
+    phase (the engine loop runs its promised rounds without asking). Its explorer's place and
+    its own estimates stay with the old load."""
+    ledgers = Ledgers(SETTINGS)
+    round_robin([Governor(SETTINGS, ledgers, load=Load.SHARED) for _ in range(2)], 40, slow_drafter,
+                load=Load.SHARED)  # under load speculation does not pay
+    assert ledgers[Load.SHARED].pays() is False
+    governor = Governor(SETTINGS, ledgers)  # alone: explores
+    run(governor, 3, fast_drafter)
+    assert governor.exploring and ledgers[ALONE].explorers == 1
+    assert governor.begin(1.0, Load.SHARED)  # (this round was decided: it speculates)
+    governor.end(3)
+    assert governor.load_changes == 1 and not governor.exploring and ledgers[ALONE].explorers == 0
+    assert not governor.next_speculates and governor.plain_ahead() == SETTINGS.min_hold
+    assert len(governor.speculative) == 0 and len(governor.plain) == 0
+    # plain under load, promised min_hold rounds; alone again, it keeps them before starting over
+    kinds = run(governor, SETTINGS.min_hold - 1, fast_drafter, clock=[1.1])
+    assert kinds == [False] * (SETTINGS.min_hold - 1) and governor.load_changes == 1
+    run(governor, 1, fast_drafter, clock=[2.0])  # the phase's last round: it starts over alone (an explorer)
+    assert governor.load_changes == 2 and governor.next_speculates and governor.exploring
+
+
+def test_a_round_counts_only_where_it_began_and_ended_under_one_load():
+    ledgers = Ledgers(SETTINGS)
+    governor = Governor(SETTINGS, ledgers, drafting=False)  # (plain rounds only: every one would count)
+    clock = [0.0]
+    run(governor, 4, slow_drafter, clock)  # 2 closed and counted: the first round of a phase is not, the 4th is open
+    assert len(ledgers[ALONE].plain) == 2
+    run(governor, 4, slow_drafter, clock, load=Load.SHARED)  # the 4th alone round ended shared: not counted
+    assert len(ledgers[ALONE].plain) == 2 and len(ledgers[Load.SHARED].plain) == 3
+    run(governor, 1, slow_drafter, clock)  # (the last shared round ended alone)
+    assert len(ledgers[Load.SHARED].plain) == 3 and len(ledgers[ALONE].plain) == 2

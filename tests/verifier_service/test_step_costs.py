@@ -56,3 +56,37 @@ def test_bad_steps_are_refused():
         StepCosts().add(0, 0.1)
     with pytest.raises(ValueError):
         StepCosts().add(3, float("nan"))
+
+
+def test_what_a_working_drafter_adds_to_a_step_is_fitted_apart_from_the_rows():
+    """Steps cost 0.5 ms a row plus 2 ms, and 3 ms more while a drafter works (on a CPU: the
+    verifier gave it a core). Drafting steps also have more rows (their drafts), so a slope
+    fitted on all steps together would read the drafter's cost as a row cost."""
+    costs = StepCosts(window=128, min_steps=8)
+    rng = random.Random(1)
+    for _ in range(128):
+        drafting = rng.random() < 0.5
+        lanes = rng.randint(1, 8)
+        rows = lanes + (4 * rng.randint(1, lanes) if drafting else 0)
+        costs.add(rows, 0.002 + 0.0005 * rows + (0.003 if drafting else 0.0) + rng.uniform(-1e-5, 1e-5), drafting)
+    assert costs.per_row_s() == pytest.approx(0.0005, rel=0.02)
+    assert costs.drafting_s() == pytest.approx(0.003, rel=0.02)
+    # one lane of 8 drafts 4: its rows cost the 7 others 4 rows each, the drafter 3 ms each
+    assert costs.cost_to_others_s(4, 8, 1) == pytest.approx(4 * 7 * 0.0005 + 7 * 0.003, rel=0.02)
+    # 2 of 8 lanes draft: they share what the drafter cost the 6 that did not
+    assert costs.cost_to_others_s(4, 8, 2) == pytest.approx(4 * 7 * 0.0005 + 6 * 0.003 / 2, rel=0.02)
+    # every lane drafts: each one's own rounds measure the drafter's cost; only the rows are charged
+    assert costs.cost_to_others_s(4, 8, 8) == pytest.approx(4 * 7 * 0.0005, rel=0.02)
+
+
+def test_a_drafter_s_cost_is_unknown_until_both_kinds_of_step_were_seen():
+    costs = StepCosts(window=64, min_steps=4)
+    for rows in (1, 2, 3, 4, 5, 6):
+        costs.add(rows, 0.001 * rows)
+    assert costs.per_row_s() == pytest.approx(0.001) and costs.drafting_s() is None
+    for rows in (5, 6, 7):
+        costs.add(rows, 0.001 * rows + 0.004, drafting=True)
+    assert costs.drafting_s() is None  # (3 drafting steps: fewer than min_steps)
+    costs.add(8, 0.012, drafting=True)
+    assert costs.drafting_s() == pytest.approx(0.004)
+    assert costs.cost_to_others_s(2, 4, 1) == pytest.approx(0.001 * 2 * 3 + 0.004 * 3)
