@@ -220,8 +220,9 @@ def test_dockerfile_installs_the_project_from_pypi_only():
     copied = {part.rstrip("/") for word, rest in instructions if word == "COPY" and "--from" not in rest
               for part in rest.split()[:-1]}
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    package_dirs = {package.split(".")[0] for package in project["tool"]["setuptools"]["packages"]}
-    package_dirs = {project["tool"]["setuptools"]["package-dir"].get(p, p).split("/")[0] for p in package_dirs}
+    find = project["tool"]["setuptools"]["packages"]["find"]
+    roots = {pattern.split(".")[0] for pattern in find["include"]}  # (each root package's folder, under its `where`)
+    package_dirs = {Path(where, root).parts[0] for root in roots for where in find["where"] if (ROOT / where / root).is_dir()}
     needed = {"pyproject.toml", "setup.py", "README.md", "models", *package_dirs}
     assert needed <= copied, f"not copied: {sorted(needed - copied)}"
     assert entrypoint() == ["tandem"] and project["project"]["scripts"]["tandem"] == "shared.cli:main"
