@@ -77,7 +77,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.audit = HonestyAudit()  # the drafter address's honesty in probabilistic mode
         self.governor_settings = GovernorSettings(min_hold=settings.governor_hold,
                                                   probe_share=settings.governor_probe_share)
-        self.ledgers = Ledgers(self.governor_settings)  # what speculation realises lately, all requests, by kind and load
+        self.ledgers = Ledgers(self.governor_settings)  # what speculation realises lately, all requests, per load
         self.metrics = VerifierMetrics()
         self.channel = drafter_channel(settings) if settings.drafter else None
         self.drafter = drafter_pb2_grpc.DrafterStub(self.channel) if self.channel else None
@@ -247,8 +247,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     link = DrafterLink(self.drafter, self.deadlines, security.bearer_metadata(self.settings.drafter_token),
                                        self.drafter_health)
                 governor = Governor(self.governor_settings, self.ledgers, drafting=link is not None,
-                                    load=Load.of(self.worker.num_lanes), sampled=not spec.sampling.greedy) \
-                    if self.settings.governor else None
+                                    load=Load.of(self.worker.num_lanes)) if self.settings.governor else None
                 if link is not None and (governor is None or governor.next_speculates):  # else at its first probe
                     await link.open(open_message(session, 0, self.settings.draft_ahead), trace_context())
                 completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences, self.tokenizer)

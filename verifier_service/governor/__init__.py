@@ -1,6 +1,6 @@
 """Speculation that never costs (DESIGN §9): per request, whether its next round waits for the
-drafter (`request.Governor`), judged against what the server's rounds of the same kind and
-load realised (`ledger.Ledgers`)."""
+drafter (`request.Governor`), judged against what the server's rounds under the same load
+realised (`ledger.Ledgers`)."""
 
 from verifier_service.governor.ledger import CostWindow, Ledger, Ledgers, Load
 from verifier_service.governor.request import Governor

@@ -1,8 +1,8 @@
 """The server's side of the governor (verifier_service.governor, DESIGN §9): what rounds of
 each kind realised lately over all requests (the prior of a request that has not measured a
 kind, and the server's verdict), the explorers' places, the plain cost's rechecks and the probe
-budget — one ledger per kind of request (greedy or sampled) and load (alone or sharing the
-engine loop's steps): costs compare only between like rounds."""
+budget — one ledger per load (alone in the engine loop, or sharing its steps): costs compare
+only under the same load."""
 
 from __future__ import annotations
 
@@ -158,12 +158,10 @@ class Load(Enum):
 
 
 class Ledgers:
-    """The server's ledgers, one per load and kind of request — greedy or sampled, whose drafts
-    are accepted at very different rates: costs compare only between like rounds."""
+    """The server's ledgers, one per load: costs measured under one load say nothing of another."""
 
     def __init__(self, settings: GovernorSettings) -> None:
-        self._by_class = {(load, sampled): Ledger(settings) for load in Load for sampled in (False, True)}
+        self._by_load = {load: Ledger(settings) for load in Load}
 
-    def __getitem__(self, key: tuple[Load, bool]) -> Ledger:
-        """The ledger of (load, sampled)."""
-        return self._by_class[key]
+    def __getitem__(self, load: Load) -> Ledger:
+        return self._by_load[load]

@@ -38,10 +38,9 @@ are compared with plain ones:
   step, and the time they waited for it before the step (the engine loop's estimate,
   verifier_service.step_costs / loop): counted with its own time, so speculation goes on where
   it pays the batch, not only the request;
-- costs compare only between like rounds: of the same kind of request (greedy or sampled: their
-  drafts are accepted at very different rates) under the same load (`Load`: the request's lane
-  alone in the engine loop, or sharing its steps). The server keeps a ledger per kind and load
-  (`Ledgers`), a round counts where it began and ended under one load, and a request whose load changed starts over as a new request
+- costs compare only under the same load (`Load`: the request's lane alone in the engine loop,
+  or sharing its steps): the server keeps a ledger per load (`Ledgers`), a round counts where it
+  began and ended under one load, and a request whose load changed starts over as a new request
   under the new one — at once while it speculates, at the end of its phase while its rounds are
   promised plain. A verdict learnt by 8 requests together (where a batch's extra rows cost
   every lane) does not keep a request alone from speculating, nor the reverse.
@@ -66,10 +65,9 @@ class Governor:
     the tokens it committed (its cost is closed by the next `begin`)."""
 
     def __init__(self, settings: GovernorSettings, ledgers: Ledgers, drafting: bool = True,
-                 load: Load = Load.ALONE, sampled: bool = False) -> None:
+                 load: Load = Load.ALONE) -> None:
         self.settings = settings
         self.ledgers = ledgers
-        self.sampled = sampled  # (its ledgers are the sampled requests')
         self.drafting = drafting  # False: the request never drafts; its plain rounds still teach the ledger
         self.speculative = CostWindow(settings.window)
         self.plain = CostWindow(settings.window)
@@ -92,7 +90,7 @@ class Governor:
     def _start(self, load: Load) -> None:
         """Decide as a new request under `load` does: the server's verdict for that load, else
         explore (or wait for the verdict where every explorer's place is taken)."""
-        self.load, self.ledger = load, self.ledgers[load, self.sampled]  # (the ledger its estimates and decisions use)
+        self.load, self.ledger = load, self.ledgers[load]  # (the ledger its estimates and decisions use)
         self.exploring = self.awaiting = False
         verdict = self.ledger.pays() if self.drafting else False
         if verdict is None:
@@ -156,7 +154,7 @@ class Governor:
     def _record(self, seconds: float, tokens: int, same_load: bool) -> None:
         """Close the last round: the budget, and the cost estimates where it began and ended
         under one load (the request's own estimates: where that is the load it decides for)."""
-        ledger = self.ledgers[self.round_load, self.sampled]
+        ledger = self.ledgers[self.round_load]
         if not self.round_speculated:
             if self.drafting:  # (the budget is a share of what requests that may speculate decode plainly)
                 ledger.earn(seconds)

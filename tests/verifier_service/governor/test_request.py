@@ -9,8 +9,6 @@ import pytest
 from verifier_service.governor import CostWindow, Governor, GovernorSettings, Ledgers, Load
 
 ALONE = Load.ALONE
-GREEDY_ALONE = Load.ALONE, False  # (a ledger: greedy requests', alone)
-GREEDY_SHARED = Load.SHARED, False
 
 # (plain rechecks have tests of their own: here they never come)
 SETTINGS = GovernorSettings(judge_rounds=5, min_hold=4, probe_share=0.05, window=8, server_window=8, recheck_rounds=10**6)
@@ -75,7 +73,7 @@ def test_the_budget_is_the_server_s_a_probe_spends_it_for_every_request():
     clocks = [0.0], [0.0]
     run(first, 20, slow_drafter, clocks[0])
     run(second, 20, slow_drafter, clocks[1])
-    ledgers[GREEDY_ALONE].credit_s = 0.126  # one probe's worth (5 x 25 ms)
+    ledgers[ALONE].credit_s = 0.126  # one probe's worth (5 x 25 ms)
     run(first, 10, slow_drafter, clocks[0])
     run(second, 10, slow_drafter, clocks[1])
     assert first.probes + second.probes == 1
@@ -117,7 +115,7 @@ def test_a_drafter_that_pays_the_request_but_not_its_batch_is_detached():
 def test_a_known_plain_cost_skips_the_calibration():
     ledgers = Ledgers(SETTINGS)
     run(Governor(SETTINGS, ledgers, drafting=False), 10, slow_drafter)  # a request without drafts
-    assert len(ledgers[GREEDY_ALONE].plain) == 8 and len(ledgers[GREEDY_ALONE].speculative) == 0  # (its first round is not measured)
+    assert len(ledgers[ALONE].plain) == 8 and len(ledgers[ALONE].speculative) == 0  # (its first round is not measured)
     governor = Governor(SETTINGS, ledgers)
     kinds = run(governor, 10, slow_drafter)
     assert runs(kinds) == [(True, 5), (False, 5)]  # detached at the first judgement (no budget to probe yet)
@@ -146,17 +144,17 @@ def test_a_new_request_starts_plain_when_the_server_says_speculation_does_not_pa
     ledgers = Ledgers(SETTINGS)
     for _ in range(3):
         run(Governor(SETTINGS, ledgers), 40, slow_drafter)
-    assert ledgers[GREEDY_ALONE].pays() is False
+    assert ledgers[ALONE].pays() is False
     governor = Governor(SETTINGS, ledgers)
     assert not governor.next_speculates
-    ledgers[GREEDY_ALONE].credit_s = 10.0  # plenty: it probes after its hold, then detaches again
+    ledgers[ALONE].credit_s = 10.0  # plenty: it probes after its hold, then detaches again
     kinds = run(governor, 10, slow_drafter)
     assert runs(kinds) == [(False, 4), (True, 5), (False, 1)]
     # a server where it pays starts speculating at once
     paying = Ledgers(SETTINGS)
     for _ in range(3):
         run(Governor(SETTINGS, paying), 40, fast_drafter)
-    assert paying[GREEDY_ALONE].pays() is True and Governor(SETTINGS, paying).next_speculates
+    assert paying[ALONE].pays() is True and Governor(SETTINGS, paying).next_speculates
 
 
 def test_a_probe_that_pays_reattaches_and_is_refunded():
@@ -190,7 +188,7 @@ def test_bad_settings_are_refused(kwargs):
 def test_requests_that_never_draft_do_not_fund_probes_and_openings_count_in_a_probe_s_cost():
     ledgers = Ledgers(SETTINGS)
     run(Governor(SETTINGS, ledgers, drafting=False), 50, slow_drafter)
-    assert ledgers[GREEDY_ALONE].credit_s == 0.0 and len(ledgers[GREEDY_ALONE].plain) == 8
+    assert ledgers[ALONE].credit_s == 0.0 and len(ledgers[ALONE].plain) == 8
     governor = Governor(SETTINGS, ledgers)
     first = [True]
 
@@ -202,7 +200,7 @@ def test_requests_that_never_draft_do_not_fund_probes_and_openings_count_in_a_pr
 
     run(governor, 10, cost)
     assert governor.detaches == 1
-    assert ledgers[GREEDY_ALONE].opening_excess_s == pytest.approx(0.25 * 0.095)  # one opening seen, EMA 0.25
+    assert ledgers[ALONE].opening_excess_s == pytest.approx(0.25 * 0.095)  # one opening seen, EMA 0.25
     # (judge_rounds - 1) rounds of 25 ms, plus the opening
     assert governor._expected_probe_loss() == pytest.approx(4 * 0.025 + 0.25 * 0.095)
 
@@ -277,9 +275,9 @@ def test_the_server_s_verdict_follows_the_same_noise_rule():
         settings = GovernorSettings()
         ledgers = Ledgers(settings)
         for _ in range(64):
-            ledgers[GREEDY_ALONE].speculative.add(0.0061, chain_tokens(rng))
-            ledgers[GREEDY_ALONE].plain.add(0.0033, 1)
-        assert ledgers[GREEDY_ALONE].pays() is True, seed
+            ledgers[ALONE].speculative.add(0.0061, chain_tokens(rng))
+            ledgers[ALONE].plain.add(0.0033, 1)
+        assert ledgers[ALONE].pays() is True, seed
 
 
 def round_robin(governors: list[Governor], rounds: int, cost, load: Load = ALONE) -> list[list[bool]]:
@@ -303,14 +301,14 @@ def test_requests_arriving_together_send_two_explorers_and_the_rest_follow_the_v
     kinds = round_robin(governors, 40, fast_drafter if paying else slow_drafter)
     waiting = kinds[2:]
     if paying:
-        assert ledgers[GREEDY_ALONE].pays() is True
+        assert ledgers[ALONE].pays() is True
         assert all(seen.index(True) <= 2 * SETTINGS.verdict_rounds for seen in waiting)
         assert all(all(seen[2 * SETTINGS.verdict_rounds:]) for seen in waiting)  # and they stay
     else:
-        assert ledgers[GREEDY_ALONE].pays() is False
+        assert ledgers[ALONE].pays() is False
         assert not any(any(seen) for seen in waiting)  # (the budget holds no probe yet)
         assert sum(g.detaches for g in governors) == 2
-    assert ledgers[GREEDY_ALONE].explorers == 0  # both explorers judged: their places are free again
+    assert ledgers[ALONE].explorers == 0  # both explorers judged: their places are free again
 
 
 def test_an_explorer_that_ends_before_judging_gives_its_place_back():
@@ -321,9 +319,9 @@ def test_an_explorer_that_ends_before_judging_gives_its_place_back():
     run(first, 2, slow_drafter)
     first.close()  # the request ended (or was cancelled) before its judgement
     first.close()  # (twice is once)
-    assert ledgers[GREEDY_ALONE].explorers == 1
+    assert ledgers[ALONE].explorers == 1
     assert Governor(SETTINGS, ledgers).next_speculates
-    assert ledgers[GREEDY_ALONE].explorers == 2
+    assert ledgers[ALONE].explorers == 2
     # a waiting request takes a place freed while it waits, at its next look
     second.close()
     kinds = run(third, SETTINGS.verdict_rounds + 1, slow_drafter)
@@ -415,14 +413,14 @@ def test_one_request_rechecks_at_a_time_and_an_ended_one_gives_the_place_back():
     # 5 speculative rounds, a 5-round calibration, then speculation: past 10 speculative rounds
     # without a plain one (its 13th measured) its next judgement (its 25th round) takes the recheck
     run(first, 25, fast_drafter)
-    assert first.rechecking and ledgers[GREEDY_ALONE].rechecking and not first.next_speculates
-    assert not ledgers[GREEDY_ALONE].plain.rounds  # (the stale window dropped: the recheck's rounds replace it)
+    assert first.rechecking and ledgers[ALONE].rechecking and not first.next_speculates
+    assert not ledgers[ALONE].plain.rounds  # (the stale window dropped: the recheck's rounds replace it)
     run(second, 40, fast_drafter)
     assert not second.rechecking  # the place was taken
     first.close()  # the request ended mid-recheck
-    assert not ledgers[GREEDY_ALONE].rechecking and ledgers[GREEDY_ALONE].since_plain == 0
-    ledgers[GREEDY_ALONE].since_plain = settings.recheck_rounds
-    assert ledgers[GREEDY_ALONE].take_recheck()
+    assert not ledgers[ALONE].rechecking and ledgers[ALONE].since_plain == 0
+    ledgers[ALONE].since_plain = settings.recheck_rounds
+    assert ledgers[ALONE].take_recheck()
 
 
 def test_a_verdict_learnt_under_one_load_does_not_decide_for_the_other():
@@ -431,12 +429,12 @@ def test_a_verdict_learnt_under_one_load_does_not_decide_for_the_other():
     pays — and the verdict it learns must not send the next batch speculating."""
     ledgers = Ledgers(SETTINGS)
     round_robin([Governor(SETTINGS, ledgers, load=Load.SHARED) for _ in range(8)], 40, slow_drafter, load=Load.SHARED)
-    assert ledgers[GREEDY_SHARED].pays() is False and ledgers[GREEDY_ALONE].pays() is None
+    assert ledgers[Load.SHARED].pays() is False and ledgers[ALONE].pays() is None
     alone = Governor(SETTINGS, ledgers)  # no verdict alone: it explores
     assert alone.next_speculates and alone.exploring
     kinds = run(alone, 30, fast_drafter)
     assert kinds[:5] == [True] * 5 and alone.detaches == 0 and sum(kinds) >= 30 - 5 - 1
-    assert ledgers[GREEDY_ALONE].pays() is True and ledgers[GREEDY_SHARED].pays() is False
+    assert ledgers[ALONE].pays() is True and ledgers[Load.SHARED].pays() is False
     assert Governor(SETTINGS, ledgers).next_speculates  # the next request alone speculates at once
     assert not Governor(SETTINGS, ledgers, load=Load.SHARED).next_speculates  # one in a batch does not
 
@@ -448,13 +446,13 @@ def test_a_request_whose_load_changes_starts_over_under_the_new_one():
     ledgers = Ledgers(SETTINGS)
     round_robin([Governor(SETTINGS, ledgers, load=Load.SHARED) for _ in range(2)], 40, slow_drafter,
                 load=Load.SHARED)  # under load speculation does not pay
-    assert ledgers[GREEDY_SHARED].pays() is False
+    assert ledgers[Load.SHARED].pays() is False
     governor = Governor(SETTINGS, ledgers)  # alone: explores
     run(governor, 3, fast_drafter)
-    assert governor.exploring and ledgers[GREEDY_ALONE].explorers == 1
+    assert governor.exploring and ledgers[ALONE].explorers == 1
     assert governor.begin(1.0, Load.SHARED)  # (this round was decided: it speculates)
     governor.end(3)
-    assert governor.load_changes == 1 and not governor.exploring and ledgers[GREEDY_ALONE].explorers == 0
+    assert governor.load_changes == 1 and not governor.exploring and ledgers[ALONE].explorers == 0
     assert not governor.next_speculates and governor.plain_ahead() == SETTINGS.min_hold
     assert len(governor.speculative) == 0 and len(governor.plain) == 0
     # plain under load, promised min_hold rounds; alone again, it keeps them before starting over
@@ -469,22 +467,9 @@ def test_a_round_counts_only_where_it_began_and_ended_under_one_load():
     governor = Governor(SETTINGS, ledgers, drafting=False)  # (plain rounds only: every one would count)
     clock = [0.0]
     run(governor, 4, slow_drafter, clock)  # 2 closed and counted: the first round of a phase is not, the 4th is open
-    assert len(ledgers[GREEDY_ALONE].plain) == 2
+    assert len(ledgers[ALONE].plain) == 2
     run(governor, 4, slow_drafter, clock, load=Load.SHARED)  # the 4th alone round ended shared: not counted
-    assert len(ledgers[GREEDY_ALONE].plain) == 2 and len(ledgers[GREEDY_SHARED].plain) == 3
+    assert len(ledgers[ALONE].plain) == 2 and len(ledgers[Load.SHARED].plain) == 3
     run(governor, 1, slow_drafter, clock)  # (the last shared round ended alone)
-    assert len(ledgers[GREEDY_SHARED].plain) == 3 and len(ledgers[GREEDY_ALONE].plain) == 2
+    assert len(ledgers[Load.SHARED].plain) == 3 and len(ledgers[ALONE].plain) == 2
 
-
-def test_greedy_and_sampled_requests_learn_apart():
-    """A sampled request's drafts are accepted far less often than a greedy one's: what greedy
-    requests learnt (speculation pays) must not send every sampled request exploring, nor the reverse."""
-    ledgers = Ledgers(SETTINGS)
-    run(Governor(SETTINGS, ledgers), 30, fast_drafter)
-    assert ledgers[GREEDY_ALONE].pays() is True and ledgers[Load.ALONE, True].pays() is None
-    sampled = Governor(SETTINGS, ledgers, sampled=True)
-    assert sampled.exploring  # (its own kind has no verdict yet)
-    run(sampled, 30, slow_drafter)
-    assert ledgers[Load.ALONE, True].pays() is False and ledgers[GREEDY_ALONE].pays() is True
-    assert not Governor(SETTINGS, ledgers, sampled=True).next_speculates
-    assert Governor(SETTINGS, ledgers).next_speculates
