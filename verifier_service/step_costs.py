@@ -10,8 +10,8 @@ CPU a step costs about its rows: a lane's four drafts make seven other lanes' ro
 by as much as they make its own faster).
 
 A drafter at work can slow every step beyond its rows: on a CPU the verifier gives the drafter
-one of its cores while some lane drafts (shared/threads.py) and the two processes share the
-memory bus; on a GPU the two share the device. That is a step's second term, fitted as a
+one of its cores while some lane drafts (shared/threads.py), so every lane's step runs on
+fewer threads; on a GPU the two share the device. That is a step's second term, fitted as a
 constant added to the steps run while a drafter worked (one slope for both kinds of step, an
 intercept each), and the lanes whose drafts made the drafter work share what it added to the
 rounds of the lanes that drafted nothing: a lane drafting alone in a step of 8 owes 7 of it,
