@@ -21,7 +21,7 @@ from drafter_service.planner import Estimates, Plan, Planner, choose
 from drafter_service.proposers import Proposal
 from drafter_service.proposers.mtp import DraftJob, MTPProposer
 from drafter_service.proposers.global_index import GlobalIndex, best_match
-from drafter_service.proposers.suffix import COUNT_CHUNK, SuffixIndex, SuffixMatch
+from drafter_service.proposers.suffix import COUNT_CHUNK, MAX_MATCH, SuffixIndex, SuffixMatch
 from drafter_service.session import DraftSession, session_params
 from drafter_service.settings import DrafterSettings
 from kernels.speculative import Mode
@@ -292,7 +292,9 @@ class Drafter:
         ), plan
         return session.ahead
 
-    def add_output(self, token_ids: list[int]) -> Iterator[None]:
-        """Count a finished request's output into the global index (loop), LOOP_COUNT tokens per
-        step: the caller yields to the loop between steps."""
-        yield from self.global_index.adding(token_ids, LOOP_COUNT)
+    def add_output(self, tokens: list[int], prompt_length: int) -> Iterator[None]:
+        """Count a finished request's output (`tokens` past `prompt_length`) into the global index
+        (loop), with its prompt's last tokens as contexts, LOOP_COUNT tokens per step: the caller
+        yields to the loop between steps."""
+        lead = min(prompt_length, MAX_MATCH)
+        yield from self.global_index.adding(tokens[prompt_length - lead:], LOOP_COUNT, lead)

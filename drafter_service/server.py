@@ -73,10 +73,11 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         log.info("drafter ready", address=self.settings.address, mtp=self.drafter.mtp is not None,
                  model_gib=round(model_bytes / 2**30, 3))
 
-    def _add_output(self, token_ids: list[int]) -> None:
-        """A finished request's output joins the global index (loop): its first LOOP_COUNT tokens
-        at once (a request that follows finds them), the rest in steps between other work."""
-        steps = self.drafter.add_output(token_ids)
+    def _add_output(self, tokens: list[int], prompt_length: int) -> None:
+        """A finished request's output (`tokens` past `prompt_length`) joins the global index
+        (loop): its first LOOP_COUNT tokens at once (a request that follows finds them), the rest
+        in steps between other work."""
+        steps = self.drafter.add_output(tokens, prompt_length)
         if next(steps, StopIteration) is not StopIteration:  # (the first step is done; more are left)
             task = asyncio.get_running_loop().create_task(self._finish_adding(steps))
             self._background.add(task)
@@ -211,7 +212,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             if session is not None:
                 self.sessions.remove(session)
                 if self.drafter is not None:
-                    self._add_output(session.tokens[session.opened_with:])
+                    self._add_output(session.tokens, session.opened_with)
                     # On the worker, behind any job of this session already submitted there (a
                     # cancelled caller's work still pending in the batcher never runs).
                     self.worker.submit(self.drafter.close, session)

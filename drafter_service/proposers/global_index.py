@@ -1,7 +1,8 @@
 """The global suffix index: previous requests' outputs, in a stated number of bytes (issue 37).
 
 It holds the counts suffix.py's rule needs (for every context of the lengths in ORDERS inside
-an output, the tokens that followed it) in a native table (`_context_table.c`: one
+an output, or reaching back into its prompt's last MAX_MATCH tokens, the output's tokens that
+followed it) in a native table (`_context_table.c`: one
 open-addressing array of 8-byte slots per context length, hashed on the same 31-bit rolling
 hashes as the per-request index), plus each held output's tokens (4 bytes a token) so that an
 output can leave again. A proposal is the same as suffix.py's walk over the same counts would
@@ -26,7 +27,14 @@ from array import array
 from collections import deque
 from collections.abc import Iterator
 
-from drafter_service.proposers.suffix import GLOBAL_FACTOR, GLOBAL_OFFSET, MIN_TOKEN_PROB, SuffixIndex, SuffixMatch
+from drafter_service.proposers.suffix import (
+    GLOBAL_FACTOR,
+    GLOBAL_OFFSET,
+    MAX_MATCH,
+    MIN_TOKEN_PROB,
+    SuffixIndex,
+    SuffixMatch,
+)
 
 _new_tuple = tuple.__new__
 TOKEN_BYTES = 4  # an output's tokens as uint32
@@ -44,13 +52,15 @@ def _native_table():
 
 
 class _Output:
-    """A held output: its tokens (uint32) and how many of them are counted."""
+    """A held output: its tokens (uint32), the first `lead` of them its prompt's end (contexts
+    only, never counted), and how far they are counted."""
 
-    __slots__ = ("tokens", "counted", "held")
+    __slots__ = ("tokens", "lead", "counted", "held")
 
-    def __init__(self, tokens: array) -> None:
+    def __init__(self, tokens: array, lead: int) -> None:
         self.tokens = tokens
-        self.counted = 0
+        self.lead = lead
+        self.counted = lead
         self.held = True  # False once evicted (a step of its addition still to come then stops)
 
     @property
@@ -86,22 +96,28 @@ class GlobalIndex:
         """Contexts held, over every length."""
         return self.table.contexts if self.table is not None else 0
 
-    def add(self, token_ids: list[int]) -> None:
-        """Count a finished output (contexts within it only, as the request's prompt is its own)."""
-        for _ in self.adding(token_ids, len(token_ids) or 1):
+    def add(self, token_ids: list[int], lead: int = 0) -> None:
+        """Count a finished output: each of its tokens after the contexts before it, within the
+        output and its prompt's last `lead` tokens, with which `token_ids` begins (at most
+        MAX_MATCH: the longest context). Only the output's tokens are counted — a request's
+        prompt is its own — but a request whose prompt ends as this one's did finds what followed
+        it from its first round (chat templates end every prompt the same way)."""
+        for _ in self.adding(token_ids, max(len(token_ids) - lead, 1), lead):
             pass
 
-    def adding(self, token_ids: list[int], chunk: int) -> Iterator[None]:
+    def adding(self, token_ids: list[int], chunk: int, lead: int = 0) -> Iterator[None]:
         """add() in steps of `chunk` tokens: a generator that yields between steps (the caller
         may do other work there, other outputs' steps included); the first step runs at the
         first next(). Between steps the counted part of the output is matched already."""
-        if self.table is None or not token_ids:
+        if not 0 <= lead <= MAX_MATCH:
+            raise ValueError(f"lead {lead}: a prompt's last 0..{MAX_MATCH} tokens")
+        if self.table is None or len(token_ids) <= lead:
             return
-        output = _Output(array("I", token_ids))
+        output = _Output(array("I", token_ids), lead)
         self.outputs.append(output)
         self.token_bytes += output.nbytes
-        for start in range(0, len(output.tokens), chunk):
-            if start:
+        for start in range(lead, len(output.tokens), chunk):
+            if start > lead:
                 yield
             if not output.held:
                 return
@@ -124,15 +140,15 @@ class GlobalIndex:
         output = self.outputs.popleft()
         output.held = False
         self.evictions += 1
-        for start in range(0, output.counted, chunk):
-            if start:
+        for start in range(output.lead, output.counted, chunk):
+            if start > output.lead:
                 yield
             self.table.uncount(output.tokens, start, min(start + chunk, output.counted))
         self.token_bytes -= output.nbytes
 
     def _truncate(self, output: _Output) -> None:
         self.token_bytes -= output.nbytes
-        if output.counted:
+        if output.counted > output.lead:
             output.tokens = output.tokens[: output.counted]
             self.token_bytes += output.nbytes
         else:

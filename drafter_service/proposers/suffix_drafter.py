@@ -4,7 +4,7 @@ and any caller without the service; the drafter service composes the same pieces
 from __future__ import annotations
 
 from drafter_service.proposers.global_index import GlobalIndex, best_match
-from drafter_service.proposers.suffix import MIN_TOKEN_PROB, SuffixIndex, SuffixMatch
+from drafter_service.proposers.suffix import MAX_MATCH, MIN_TOKEN_PROB, SuffixIndex, SuffixMatch
 
 DEFAULT_GLOBAL_BYTES = 512 << 20  # as the drafter's --global-index-mb default
 
@@ -44,8 +44,9 @@ class SuffixDrafter:
     def finish(self, request_id: object, keep: bool = True) -> None:
         """The request ends; its output joins the global index (keep=False: it does not)."""
         index, prompt_length = self._requests.pop(request_id)
-        if keep:
-            self.global_index.add(index.tokens[prompt_length:])
+        if keep:  # (with its prompt's last tokens as contexts)
+            lead = min(prompt_length, MAX_MATCH)
+            self.global_index.add(index.tokens[prompt_length - lead:], lead)
 
     def _index(self, request_id: object) -> SuffixIndex:
         try:

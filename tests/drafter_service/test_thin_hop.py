@@ -9,7 +9,7 @@ import pytest
 
 import drafter_service.drafter as drafter_module
 from drafter_service.proposers.global_index import GlobalIndex
-from drafter_service.proposers.suffix import SuffixIndex
+from drafter_service.proposers.suffix import MAX_MATCH, SuffixIndex
 from drafter_service.server import DrafterServer
 from drafter_service.settings import DrafterSettings
 from shared.protocol import common_pb2, drafter_pb2_grpc
@@ -90,7 +90,8 @@ async def test_a_long_output_joins_the_global_index_in_steps(tiny_mtp_model, mon
                 break
             await asyncio.sleep(0.01)
         expected = GlobalIndex(1 << 20)
-        expected.add(emitted)
+        lead = min(len(REPEATING), MAX_MATCH)  # (the prompt's last tokens count as contexts)
+        expected.add(REPEATING[len(REPEATING) - lead:] + emitted, lead)
         assert len(index) == len(expected) > 0
         registry = server.service.metrics.registry
         assert registry.get_sample_value("tandem_drafter_global_index_bytes") == index.nbytes > 0

@@ -27,13 +27,14 @@ from drafter_service.proposers.suffix import (
 )
 
 
-def python_counts(outputs):
-    """The counts the global index held before issue 37: suffix.py's dicts over each output."""
+def python_counts(outputs, leads=None):
+    """The counts the global index held before issue 37: suffix.py's dicts over each output
+    (after its first `lead` tokens, its prompt's end: contexts only)."""
     counts = ContextCounts()
-    for tokens in outputs:
+    for tokens, lead in zip(outputs, leads or [0] * len(outputs)):
         prefix = [0]
         _hash_tokens(prefix, tokens)
-        _count_stream(counts, tokens, prefix, 0)
+        _count_stream(counts, tokens, prefix, lead)
     return counts
 
 
@@ -60,8 +61,8 @@ def queries(rng, outputs, vocab, count):
         yield noise
 
 
-def assert_same_proposals(index, outputs, rng, vocab, count=60):
-    counts = python_counts(outputs)
+def assert_same_proposals(index, outputs, rng, vocab, count=60, leads=None):
+    counts = python_counts(outputs, leads)
     assert len(index) == len(counts)
     for context in queries(rng, outputs, vocab, count):
         for k in (1, 4, 16, 40):
@@ -89,6 +90,51 @@ def test_proposals_equal_the_python_counts_token_for_token(seed):
             pass
     assert index.requests == len(outputs) and index.evictions == 0
     assert_same_proposals(index, outputs, rng, vocab)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_prompt_s_end_is_context_only(seed):
+    """Outputs added with their prompts' last tokens (0..MAX_MATCH of them): the contexts reach
+    back into those tokens, only the output's tokens are counted, proposal for proposal the same
+    as suffix.py's counts from `lead` on; evicting them takes back exactly what was counted."""
+    rng = random.Random(seed)
+    vocab = (3, 40)[seed % 2]
+    leads = [rng.choice((0, 1, 7, suffix.MAX_MATCH)) for _ in range(6)]
+    outputs = [[rng.randrange(vocab) for _ in range(lead + rng.randrange(1, 300))] for lead in leads]
+    index = GlobalIndex(16 << 20)
+    for tokens, lead in zip(outputs, leads):
+        for _ in index.adding(tokens, rng.randrange(1, 60), lead):
+            pass
+    assert_same_proposals(index, outputs, rng, vocab, leads=leads)
+    assert index.token_bytes == sum(len(t) * global_module.TOKEN_BYTES + global_module.OUTPUT_BYTES for t in outputs)
+    for _ in index._evicting_oldest(50):
+        pass
+    assert len(index) == len(python_counts(outputs[1:], leads[1:]))
+    assert_same_proposals(index, outputs[1:], rng, vocab, count=20, leads=leads[1:])
+    with pytest.raises(ValueError, match="lead"):
+        index.add([1, 2, 3], suffix.MAX_MATCH + 1)
+    index.add([1, 2, 3], 3)  # (a prompt's end and no output: nothing held)
+    assert index.requests == len(outputs) - 1
+
+
+def test_a_request_whose_prompt_ends_as_an_earlier_one_s_drafts_its_output_at_once():
+    """A chat template ends every prompt the same way: the first round of a request repeats
+    the earlier output's start only if that output was counted after its prompt's end."""
+    from drafter_service.proposers.suffix_drafter import SuffixDrafter
+
+    template_end = [90, 91, 92, 93]
+    output = [5, 6, 7, 8, 9, 10, 11, 12]
+    drafter = SuffixDrafter(16 << 20)
+    drafter.start("first", [1, 2, 3] + template_end)
+    drafter.extend("first", output)
+    drafter.finish("first")
+    drafter.start("second", [40, 41, 42] + template_end)
+    assert drafter.propose("second", 4) == output[:4]
+    without = GlobalIndex(16 << 20)
+    without.add(output)  # (the output alone: its first token follows no context of it)
+    asking = SuffixIndex()
+    asking.extend([40, 41, 42] + template_end, count=False)
+    assert without.lookup(asking, 4) is None
 
 
 def test_proposals_equal_the_python_counts_on_real_code():
