@@ -153,8 +153,8 @@ class RequestRounds:
         spec, round_id = session.spec, running.round_id
         started = time.perf_counter()
         granted = round_id < running.granted_until
-        # (a request without a drafter still runs the governor: its rounds teach the server the plain cost)
         load = Load.of(self.loop.num_lanes - 1)  # (the other lanes: this request's has joined)
+        # (a request without a drafter still runs the governor: its rounds teach the server the plain cost)
         speculate = (governor.begin(started, load) if governor is not None else True) and link is not None
         if granted and speculate:
             raise RuntimeError(f"round {round_id} was granted as plain, but the governor speculates")

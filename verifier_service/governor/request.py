@@ -35,7 +35,8 @@ are compared with plain ones:
 - the first round of each phase stays out of the estimates (a probe's first chain pays the
   drafter's catch-up of the rounds it missed; a first plain round may lose a compute-ahead);
 - in a batch, a round also costs what it cost the other lanes: its draft rows' share of their
-  step, and the time they waited for it before the step (the engine loop's estimate,
+  step, its share of what its drafter at work added to the step of the lanes without drafts,
+  and the time they waited for it before the step (the engine loop's estimates,
   verifier_service.step_costs / loop): counted with its own time, so speculation goes on where
   it pays the batch, not only the request;
 - costs compare only under the same load (`Load`: the request's lane alone in the engine loop,
