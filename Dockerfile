@@ -36,8 +36,10 @@ COPY shared/ shared/
 COPY verifier_service/ verifier_service/
 COPY drafter_service/ drafter_service/
 COPY gateway_service/ gateway_service/
-# Check from outside /src that the installed package (generated modules included) imports.
-RUN pip install . && cd / && tandem protocol && python -c "import drafter_service.proposers._context_table"
+# Check from outside /src that the installed package (generated modules, the compiled index and
+# every service's subpackages included) imports.
+RUN pip install . && cd / && tandem protocol \
+    && python -c "import drafter_service.proposers._context_table, drafter_service.server, verifier_service.server, gateway_service.server"
 # The embedded demo model (models/tandem-demo-moe), readable by the unprivileged user.
 COPY models/ /opt/tandem/models/
 RUN chmod -R a+rX /opt/tandem/models
