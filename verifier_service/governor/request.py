@@ -40,11 +40,15 @@ are compared with plain ones:
   verifier_service.step_costs / loop): counted with its own time, so speculation goes on where
   it pays the batch, not only the request;
 - costs compare only under the same load (`Load`: the request's lane alone in the engine loop,
-  or sharing its steps): the server keeps a ledger per load (`Ledgers`), a round counts where it
-  began and ended under one load, and a request whose load changed starts over as a new request
-  under the new one — at once while it speculates, at the end of its phase while its rounds are
-  promised plain. A verdict learnt by 8 requests together (where a batch's extra rows cost
-  every lane) does not keep a request alone from speculating, nor the reverse.
+  or sharing its steps): the server keeps a ledger per load (`Ledgers`), a round counts under the
+  load it began with (one during which lanes came or went too), and a request whose load
+  changed — `judge_rounds` rounds in a row began under the other one — starts over as a new
+  request under it: at once while it speculates, at the end of its phase while its rounds are
+  promised plain. A load that flips every round or two is no load to decide for: the request
+  keeps deciding for its own, and judges (without the streak, each flip restarted it, its
+  phases never ended and its explorers speculated on for ever: caught by a test). A verdict
+  learnt by 8 requests together (where a batch's extra rows cost every lane) does not keep a
+  request alone from speculating, nor the reverse.
 
 Estimates: seconds per committed token over the last `window` rounds of a kind, the
 request's own, else the server's (fed by every request, the plain rounds of requests
@@ -86,6 +90,7 @@ class Governor:
         self.tokens = 0
         self.cost_to_others_s = 0.0  # the current round's cost to the other lanes of its step
         self.rounds = self.speculative_rounds = self.detaches = self.probes = self.load_changes = 0
+        self.load_streak = 0  # rounds in a row begun under a load other than the one it decides for
         self._start(load)
 
     def _start(self, load: Load) -> None:
@@ -120,7 +125,7 @@ class Governor:
         """Close the last round (measured up to now); whether this round, which begins under
         `load`, waits for a chain."""
         if self.started is not None:
-            self._record(now - self.started + self.cost_to_others_s, self.tokens, same_load=load == self.round_load)
+            self._record(now - self.started + self.cost_to_others_s, self.tokens)
         self.started, self.tokens, self.cost_to_others_s = now, 0, 0.0
         self.round_speculated, self.round_probe, self.round_load = self.speculating, self.probing, load
         self.round_first, self.new_phase = self.new_phase, False
@@ -129,7 +134,10 @@ class Governor:
         self.phase_rounds += 1
         if not self.drafting:
             return self.round_speculated
-        if load != self.load and (self.speculating or self.phase_rounds >= self.phase_length):
+        # its load changed when `judge_rounds` rounds in a row began under the other one (a load
+        # that flips every round or two is no load to decide for: the request keeps its own)
+        self.load_streak = self.load_streak + 1 if load != self.load else 0
+        if self.load_streak >= self.settings.judge_rounds and (self.speculating or self.phase_rounds >= self.phase_length):
             self._restart(load)  # (rounds promised plain stay plain: a plain phase ends first)
         elif self.phase_rounds >= self.phase_length:
             self._decide()  # the next round's kind, from the rounds closed so far
@@ -140,6 +148,7 @@ class Governor:
         starts over as a new request under it (from the next round on)."""
         self.close()  # (an explorer's or a recheck's place under the old load)
         self.load_changes += 1
+        self.load_streak = 0
         self.round_probe = False  # (a probe ends: its reservation stands for the rounds it ran)
         self.own_plain_age = 0
         self.speculative.clear()
@@ -152,9 +161,9 @@ class Governor:
         self.tokens = tokens
         self.cost_to_others_s = cost_to_others_s
 
-    def _record(self, seconds: float, tokens: int, same_load: bool) -> None:
-        """Close the last round: the budget, and the cost estimates where it began and ended
-        under one load (the request's own estimates: where that is the load it decides for)."""
+    def _record(self, seconds: float, tokens: int) -> None:
+        """Close the last round: the budget and the cost estimates of the load it began under
+        (the request's own estimates: where that is the load it decides for)."""
         ledger = self.ledgers[self.round_load]
         if not self.round_speculated:
             if self.drafting:  # (the budget is a share of what requests that may speculate decode plainly)
@@ -166,7 +175,7 @@ class Governor:
                 ledger.note_opening(excess)
             if self.round_probe:  # what the round lost against plain decoding, less its share of the reservation
                 ledger.charge(excess - self.reserved_s)
-        if self.round_first or tokens <= 0 or not same_load:
+        if self.round_first or tokens <= 0:
             return
         server = ledger.speculative if self.round_speculated else ledger.plain
         server.add(seconds, tokens)

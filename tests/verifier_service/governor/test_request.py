@@ -440,36 +440,56 @@ def test_a_verdict_learnt_under_one_load_does_not_decide_for_the_other():
 
 
 def test_a_request_whose_load_changes_starts_over_under_the_new_one():
-    """Speculating, it starts over at once (no round is promised plain); plain, at the end of its
-    phase (the engine loop runs its promised rounds without asking). Its explorer's place and
-    its own estimates stay with the old load."""
+    """Once `judge_rounds` rounds in a row began under the other load: speculating, at once (no
+    round is promised plain); plain, at the end of its phase (the engine loop runs its promised
+    rounds without asking). Its own estimates stay with the old load."""
     ledgers = Ledgers(SETTINGS)
     round_robin([Governor(SETTINGS, ledgers, load=Load.SHARED) for _ in range(2)], 40, slow_drafter,
                 load=Load.SHARED)  # under load speculation does not pay
-    assert ledgers[Load.SHARED].pays() is False
-    governor = Governor(SETTINGS, ledgers)  # alone: explores
-    run(governor, 3, fast_drafter)
-    assert governor.exploring and ledgers[ALONE].explorers == 1
-    assert governor.begin(1.0, Load.SHARED)  # (this round was decided: it speculates)
-    governor.end(3)
-    assert governor.load_changes == 1 and not governor.exploring and ledgers[ALONE].explorers == 0
+    run(Governor(SETTINGS, ledgers), 30, fast_drafter)  # alone it does
+    assert ledgers[Load.SHARED].pays() is False and ledgers[ALONE].pays() is True
+    governor = Governor(SETTINGS, ledgers)
+    clock = [0.0]
+    run(governor, 1, fast_drafter, clock)
+    kinds = run(governor, SETTINGS.judge_rounds - 1, fast_drafter, clock, Load.SHARED)
+    assert all(kinds) and governor.load_changes == 0 and governor.next_speculates  # (not yet a change)
+    assert run(governor, 1, fast_drafter, clock, Load.SHARED) == [True]  # (decided before: it speculates)
+    assert governor.load_changes == 1 and governor.load == Load.SHARED
     assert not governor.next_speculates and governor.plain_ahead() == SETTINGS.min_hold
     assert len(governor.speculative) == 0 and len(governor.plain) == 0
-    # plain under load, promised min_hold rounds; alone again, it keeps them before starting over
-    kinds = run(governor, SETTINGS.min_hold - 1, fast_drafter, clock=[1.1])
-    assert kinds == [False] * (SETTINGS.min_hold - 1) and governor.load_changes == 1
-    run(governor, 1, fast_drafter, clock=[2.0])  # the phase's last round: it starts over alone (an explorer)
-    assert governor.load_changes == 2 and governor.next_speculates and governor.exploring
+    # plain under load, promised min_hold rounds; alone again, it keeps them, then starts over
+    kinds = run(governor, SETTINGS.judge_rounds - 1, fast_drafter, clock)
+    assert kinds == [False] * (SETTINGS.judge_rounds - 1) and governor.load_changes == 1
+    run(governor, 1, fast_drafter, clock)
+    assert governor.load_changes == 2 and governor.load == ALONE and governor.next_speculates
 
 
-def test_a_round_counts_only_where_it_began_and_ended_under_one_load():
+def test_a_round_counts_under_the_load_it_began_with():
     ledgers = Ledgers(SETTINGS)
     governor = Governor(SETTINGS, ledgers, drafting=False)  # (plain rounds only: every one would count)
     clock = [0.0]
     run(governor, 4, slow_drafter, clock)  # 2 closed and counted: the first round of a phase is not, the 4th is open
     assert len(ledgers[ALONE].plain) == 2
-    run(governor, 4, slow_drafter, clock, load=Load.SHARED)  # the 4th alone round ended shared: not counted
-    assert len(ledgers[ALONE].plain) == 2 and len(ledgers[Load.SHARED].plain) == 3
-    run(governor, 1, slow_drafter, clock)  # (the last shared round ended alone)
-    assert len(ledgers[Load.SHARED].plain) == 3 and len(ledgers[ALONE].plain) == 2
+    run(governor, 4, slow_drafter, clock, load=Load.SHARED)  # the 4th alone round (ended shared) counts alone
+    assert len(ledgers[ALONE].plain) == 3 and len(ledgers[Load.SHARED].plain) == 3
+    run(governor, 1, slow_drafter, clock)
+    assert len(ledgers[Load.SHARED].plain) == 4 and len(ledgers[ALONE].plain) == 3
 
+
+
+@pytest.mark.parametrize("every", [1, 3, 7, 9, 20])
+def test_a_drafter_that_never_pays_is_left_even_when_the_load_changes_all_the_time(every):
+    """Loads flipping every `every` rounds (2 requests, a drafter slower than plain in every
+    round): each load's ledger reaches its verdict and speculation stops. Were a request to start
+    over at every flip (or rounds spanning a flip left uncounted), its phases would never end and
+    its explorers would speculate on for ever."""
+    ledgers = Ledgers(SETTINGS)
+    governors = [Governor(SETTINGS, ledgers) for _ in range(2)]
+    clocks = [[0.0], [0.0]]
+    kinds: list[bool] = []
+    for n in range(600):
+        load = Load.SHARED if (n // every) % 2 else ALONE
+        for governor, clock in zip(governors, clocks):
+            kinds.extend(run(governor, 1, slow_drafter, clock, load))
+    assert ledgers[ALONE].pays() is False and ledgers[Load.SHARED].pays() is False
+    assert sum(kinds[200:]) <= 0.1 * len(kinds[200:]), sum(kinds[200:])  # (probes aside)
