@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -111,7 +112,8 @@ class RequestRounds:
     its loop, metrics, the honesty audit, the draws' secret)."""
 
     def __init__(self, settings: VerifierSettings, engine: Engine, loop: EngineLoop, metrics: VerifierMetrics,
-                 audit: HonestyAudit, draw_secret: bytes, streams_text: bool) -> None:
+                 audit: HonestyAudit, draw_secret: bytes, streams_text: bool,
+                 round_load: Callable[[], Load]) -> None:
         self.settings = settings
         self.engine = engine
         self.loop = loop
@@ -119,6 +121,7 @@ class RequestRounds:
         self.audit = audit
         self.draw_secret = draw_secret
         self.streams_text = streams_text  # (a tokenizer: events carry text deltas)
+        self.round_load = round_load  # what a round begins under (VerifierService.round_load)
 
     def _audited(self, chain, session: Session, link: DrafterLink):
         """The chain if probabilistic mode may use it; its draws feed the honesty audit."""
@@ -153,7 +156,7 @@ class RequestRounds:
         spec, round_id = session.spec, running.round_id
         started = time.perf_counter()
         granted = round_id < running.granted_until
-        load = Load.of(self.loop.num_lanes - 1)  # (the other lanes: this request's has joined)
+        load = self.round_load()
         # (a request without a drafter still runs the governor: its rounds teach the server the plain cost)
         speculate = (governor.begin(started, load) if governor is not None else True) and link is not None
         if granted and speculate:

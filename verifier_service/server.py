@@ -101,6 +101,13 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         """Requests holding a session."""
         return self.admission.active
 
+    def round_load(self) -> Load:
+        """What a running request's rounds are measured under (its governor's ledger): alone, or
+        beside other requests holding a session — decoding, or still in prefill (requests that
+        arrive together share the steps from their first round, though their lanes join the
+        engine loop one prefill at a time)."""
+        return Load.of(self.admission.active - 1)
+
     async def probe_drafter(self, timeout_s: float = 3.0) -> None:
         """At start-up: say whether the drafter answers (and how the link is secured)."""
         s = self.settings
@@ -143,7 +150,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.admission.limits = replace(self.admission.limits, kv_blocks=plan.num_blocks, kv_block_size=plan.block_size)
         self.worker.start(self.engine)
         self.rounds = RequestRounds(s, self.engine, self.worker, self.metrics, self.audit, self.draw_secret,
-                                    streams_text=self.tokenizer is not None)
+                                    streams_text=self.tokenizer is not None, round_load=self.round_load)
         self.prefiller = PrefillBatcher(self.worker, self.engine.prefill, s.prefill_chunk, on_job=self._prefill_job)
         self.metrics.model_bytes.set(model_bytes := resident_bytes(self.model))
         log.info("verifier ready", address=s.address, drafter=s.drafter, vocab=self.model.config.vocab_size,
@@ -247,7 +254,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     link = DrafterLink(self.drafter, self.deadlines, security.bearer_metadata(self.settings.drafter_token),
                                        self.drafter_health)
                 governor = Governor(self.governor_settings, self.ledgers, drafting=link is not None,
-                                    load=Load.of(self.worker.num_lanes)) if self.settings.governor else None
+                                    load=self.round_load()) if self.settings.governor else None
                 if link is not None and (governor is None or governor.next_speculates):  # else at its first probe
                     await link.open(open_message(session, 0, self.settings.draft_ahead), trace_context())
                 completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences, self.tokenizer)
