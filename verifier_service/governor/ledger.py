@@ -1,7 +1,7 @@
 """The server's side of the governor (verifier_service.governor, DESIGN §9): what rounds of
 each kind realised lately over all requests (the prior of a request that has not measured a
 kind, and the server's verdict), the explorers' places, the plain cost's rechecks and the probe
-budget — one ledger per load (alone in the engine loop, or sharing its steps): costs compare
+budget — one ledger per load (a request alone, or beside others holding a session): costs compare
 only under the same load."""
 
 from __future__ import annotations
@@ -146,8 +146,9 @@ class Ledger:
 
 
 class Load(Enum):
-    """What a round's cost is measured under: its request's lane alone in the engine loop, or
-    sharing the loop's steps with other lanes (a step's extra rows then cost every lane)."""
+    """What a round's cost is measured under: its request alone, or beside other requests
+    holding a session (VerifierService.round_load), whose rounds share the engine loop's steps
+    (a step's extra rows then cost every lane)."""
 
     ALONE = "alone"
     SHARED = "shared"

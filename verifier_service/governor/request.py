@@ -39,8 +39,8 @@ are compared with plain ones:
   and the time they waited for it before the step (the engine loop's estimates,
   verifier_service.step_costs / loop): counted with its own time, so speculation goes on where
   it pays the batch, not only the request;
-- costs compare only under the same load (`Load`: the request's lane alone in the engine loop,
-  or sharing its steps): the server keeps a ledger per load (`Ledgers`), a round counts under the
+- costs compare only under the same load (`Load`: the request alone, or beside other requests
+  holding a session): the server keeps a ledger per load (`Ledgers`), a round counts under the
   load it began with (one during which lanes came or went too), and a request whose load
   changed — `judge_rounds` rounds in a row began under the other one — starts over as a new
   request under it: at once while it speculates, at the end of its phase while its rounds are
