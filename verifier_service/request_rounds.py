@@ -50,7 +50,7 @@ class Begun:
     proposed: int  # drafts the drafter sent (0: none, or an invalid chain)
     wait_ms: float
     bytes_up: int
-    load: Load = Load.ALONE  # under which it began (the ledger its governor judges by)
+    load: Load = Load.ALONE  # the load its governor decides for (else: under which it began)
     followed: bool = False  # it ran as the follower of the round before (its chain came with that round's)
 
 
@@ -159,6 +159,8 @@ class RequestRounds:
         load = self.round_load()
         # (a request without a drafter still runs the governor: its rounds teach the server the plain cost)
         speculate = (governor.begin(started, load) if governor is not None else True) and link is not None
+        if governor is not None:
+            load = governor.load  # (what its decisions follow: a load changes after a streak of rounds)
         if granted and speculate:
             raise RuntimeError(f"round {round_id} was granted as plain, but the governor speculates")
         follower, running.follower = running.follower, None

@@ -122,3 +122,44 @@ async def test_the_gateway_joins_the_callers_trace_and_the_verifiers(spans, tiny
     edge = finished["completion"]
     assert edge.attributes["tandem.request_id"] == "edge-trace"
     assert finished["Generate"].attributes["tandem.request_id"] == "edge-trace"  # the id travels on
+
+
+async def test_requests_that_arrive_together_round_as_sharing_from_their_first_round(spans, tiny_mtp_model):
+    """A round's load (its span's `tandem.load`: the load its governor decides for, the ledger
+    it judges by) counts the requests holding a session, not the lanes in the engine loop:
+    requests admitted together share the steps from their first round, though their lanes join
+    one prefill at a time (counting lanes, each of these governors started "alone")."""
+    import threading
+
+    pair = Pair()
+    try:
+        await pair.start(tiny_mtp_model, drafter_settings={"planner": "mtp"}, governor=True)
+        service = pair.verifier.service
+        gate = threading.Event()
+        held = asyncio.ensure_future(service.worker.run(gate.wait))  # (the engine loop busy: prefills queue behind it)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{pair.verifier.port}") as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+
+            async def one(index):
+                req = request([3, 14, 15, 92, 65 + index], 8, temperature=0.0, seed=index)
+                req.request_id = f"together-{index}"
+                return [event async for event in stub.Generate(req)]
+
+            calls = [asyncio.ensure_future(one(i)) for i in range(3)]
+            for _ in range(500):
+                if service.active == 3:
+                    break
+                await asyncio.sleep(0.01)
+            assert service.active == 3
+            gate.set()
+            await held
+            await asyncio.gather(*calls)
+    finally:
+        await pair.stop()
+    firsts = {}
+    for s in spans.get_finished_spans():
+        if s.name == "Generate" and str(s.attributes.get("tandem.request_id", "")).startswith("together-"):
+            rounds = [r for r in spans.get_finished_spans() if r.name == "round" and r.parent.span_id == s.context.span_id]
+            firsts[s.attributes["tandem.request_id"]] = min(rounds, key=lambda r: r.attributes["tandem.round_id"])
+    assert len(firsts) == 3
+    assert all(r.attributes["tandem.load"] == "shared" for r in firsts.values())
