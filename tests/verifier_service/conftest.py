@@ -168,6 +168,20 @@ async def generate(stub, req):
     return tokens, final, rounds
 
 
+async def drafted_as_plain(stub, prompt_ids, max_new_tokens, *, temperature, seeds):
+    """Exact mode's promise through the service: each seed's request, once with drafts and once
+    with speculation disabled, gives the same tokens. The drafted requests' final events."""
+    finals = []
+    for seed in seeds:
+        req = request(prompt_ids, max_new_tokens, temperature=temperature, seed=seed)
+        with_drafts, final, _ = await generate(stub, req)
+        req.speculation.disable = True
+        plain, _, _ = await generate(stub, req)
+        assert with_drafts == plain, seed
+        finals.append(final)
+    return finals
+
+
 def request_spec(prompt, *, temperature, seed=7, max_new_tokens=24, request_id="r"):
     """A RequestSpec as the engine takes it (exact mode, top-k 20 / top-p 0.95, up to 4 drafts)."""
     return RequestSpec(

@@ -30,7 +30,7 @@ from verifier_service.ranks import Ranks, engine_options, load_share
 from verifier_service.server import RANK_LOST_EXIT
 from verifier_service.settings import VerifierSettings
 
-from .conftest import ScriptedDrafter, chain, generate, request, sampled_chain
+from .conftest import ScriptedDrafter, chain, drafted_as_plain, generate, request, sampled_chain
 
 PROMPT = [3, 14, 15, 92, 65]
 LOGIT_TOLERANCE = 1e-4  # float32 logits of a tiny model: a reordered sum moves them by ~1e-6
@@ -157,12 +157,7 @@ async def test_exact_mode_split_over_processes_is_plain_decoding(servers, split_
     drafter = ScriptedDrafter(lambda s: sampled_chain(s, q, 3) if s.round_id % 3 else chain(
         s, greedy_continuation(reference, s.tokens, 3)))
     stub = await servers.start(None, drafter=drafter, model=str(path), parallel=2, num_expert_slots=num_expert_slots)
-    for seed in range(3):
-        req = request(PROMPT, 20, temperature=temperature, seed=seed)
-        with_drafts, final, _ = await generate(stub, req)
-        req.speculation.disable = True
-        plain, _, _ = await generate(stub, req)
-        assert with_drafts == plain
+    for final in await drafted_as_plain(stub, PROMPT, 20, temperature=temperature, seeds=range(3)):
         assert final.stats.accepted > 0 and final.stats.rounds < 20  # drafts were accepted
         assert final.stats.drafter_faults == 0
 
@@ -171,12 +166,7 @@ async def test_exact_mode_split_hybrid_is_plain_decoding(servers, split_hybrid_c
     q = {t: 1 / 8 for t in range(0, 96, 12)}
     drafter = ScriptedDrafter(lambda s: sampled_chain(s, q, 3))
     stub = await servers.start(None, drafter=drafter, model=str(split_hybrid_checkpoints["qwen3.5"]), parallel=2)
-    for seed in range(3):
-        req = request(PROMPT, 16, temperature=0.8, seed=seed)
-        with_drafts, final, _ = await generate(stub, req)
-        req.speculation.disable = True
-        plain, _, _ = await generate(stub, req)
-        assert with_drafts == plain
+    for final in await drafted_as_plain(stub, PROMPT, 16, temperature=0.8, seeds=range(3)):
         assert final.stats.proposed > 0 and final.stats.drafter_faults == 0
 
 

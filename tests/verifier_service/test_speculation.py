@@ -17,7 +17,7 @@ from kernels.sampling import SamplingParams, process_logits
 from kernels.speculative import Gate, Mode, output_law
 from shared.protocol import common_pb2
 
-from .conftest import ScriptedDrafter, chain, generate, request, sampled_chain
+from .conftest import ScriptedDrafter, chain, drafted_as_plain, generate, request, sampled_chain
 
 PROMPT = [3, 14, 15, 92, 65]
 N_REQUESTS = 2000  # per distribution test
@@ -31,12 +31,7 @@ async def test_exact_mode_identical_with_and_without_drafter(servers, tiny_model
     drafter = ScriptedDrafter(lambda s: sampled_chain(s, q, 3) if s.round_id % 3 else chain(
         s, greedy_continuation(tiny_model, s.tokens, 3)))
     stub = await servers.start(tiny_model, drafter=drafter)
-    for seed in range(4):
-        req = request(PROMPT, 20, temperature=temperature, seed=seed)
-        with_drafts, final, rounds = await generate(stub, req)
-        req.speculation.disable = True
-        plain, _, _ = await generate(stub, req)
-        assert with_drafts == plain
+    for final in await drafted_as_plain(stub, PROMPT, 20, temperature=temperature, seeds=range(4)):
         assert final.stats.accepted > 0 and final.stats.proposed > 0
         assert final.stats.rounds < 20  # drafts were really accepted
         assert final.stats.drafter_faults == 0
