@@ -54,7 +54,7 @@ from shared.client import AsyncVerifierClient, GenerationConfig  # noqa: E402
 from shared.model.registry import resolve_model  # noqa: E402
 from verifier_service.drafter_link import DrafterLink  # noqa: E402
 from verifier_service.engine import Engine  # noqa: E402
-from verifier_service.loop import Lane  # noqa: E402
+from verifier_service.lane import Lane  # noqa: E402
 from verifier_service.request_rounds import RequestRounds  # noqa: E402
 from verifier_service.server import VerifierServer  # noqa: E402
 from verifier_service.settings import VerifierSettings  # noqa: E402

@@ -52,6 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+from verifier_service.lane import Lane, deliver_all
 from verifier_service.rounds import RoundOutcome, RoundRequest
 from verifier_service.step_costs import StepCosts
 
@@ -88,115 +89,6 @@ class LoopClosed(RuntimeError):
 class RoundsExhausted(RuntimeError):
     """A lane's granted plain rounds will not run: its session decodes no more (its cache is
     full, it reached max_new_tokens or an end-of-sequence token)."""
-
-
-class Lane:
-    """One session's rounds in the loop. Made by EngineLoop.join; used from the event loop."""
-
-    def __init__(self, loop: EngineLoop, session: Any, aloop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self.session = session
-        self._aloop = aloop
-        self._outcomes: asyncio.Queue[RoundOutcome | BaseException] = asyncio.Queue()
-        # guarded by the loop's lock:
-        self._turns: deque[RoundRequest] = deque()  # rounds handed in, not yet run
-        self._plain_left = 0  # granted plain rounds not yet run
-        self._unread = 0  # outcomes run, not yet read
-        self._committed = 0  # rounds run (every round: turns and granted ones, in order)
-        self._follower: tuple[int, list[int], RoundRequest] | None = None  # (after round, assumed emitted, round)
-        self._owed_s = 0.0  # lane-seconds the other lanes waited for this one (a step's gather), not yet charged
-        self._drafting = False  # its last round verified drafts (until a granted plain round): its drafter works
-        self.left = False
-
-    def turn(self, request: RoundRequest) -> None:
-        """Hand in the lane's next round (after every granted one)."""
-        if request.session is not self.session:
-            raise ValueError("a lane runs its own session's rounds")
-        with self._loop._cond:
-            self._turns.append(request)
-            self._loop._cond.notify()
-
-    def follow(self, round_index: int, emitted: list[int], request: RoundRequest) -> bool:
-        """Run `request` right after round `round_index` (counted from the lane's first round) if
-        that round emits exactly `emitted`. False: too late (that round already ran), nothing
-        is kept."""
-        if request.session is not self.session:
-            raise ValueError("a lane runs its own session's rounds")
-        with self._loop._cond:
-            # In a batch the other lanes keep the device busy, and a lane running ahead of them
-            # splits the step they would share (H200, 8 sessions: 4.8 rounds a step against 7.0).
-            if self.left or self._committed > round_index or len(self._loop._lanes) > 1:
-                return False
-            self._follower = (round_index, list(emitted), request)
-            return True
-
-    def grant(self, num_rounds: int) -> None:
-        """Let the loop run `num_rounds` more plain rounds of this lane on its own."""
-        if num_rounds < 0:
-            raise ValueError(f"num_rounds {num_rounds} must be >= 0")
-        if num_rounds:
-            with self._loop._cond:
-                self._plain_left += num_rounds
-                self._loop._cond.notify()
-
-    async def outcome(self) -> RoundOutcome:
-        """The next round's outcome, in round order (a failed step raises its error)."""
-        result = await self._outcomes.get()
-        with self._loop._cond:
-            self._unread -= 1
-            if self._plain_left:  # a lane held by its lead may run again
-                self._loop._cond.notify()
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-    def leave(self) -> None:
-        """The session runs no more rounds (idempotent); rounds not yet run are dropped."""
-        with self._loop._cond:
-            if not self.left:
-                self.left = True
-                self._turns.clear()
-                self._plain_left = 0
-                self._follower = None
-                self._loop._lanes.pop(id(self.session), None)
-                self._loop._cond.notify()
-
-    # -- on the loop's thread, under its lock --
-
-    def _ready(self, max_lead: int) -> bool:
-        if self.left:
-            return False
-        if self._turns:
-            return True
-        return self._plain_left > 0 and self._unread < max_lead and self.session.may_decode()
-
-    def _take(self) -> RoundRequest:
-        self._unread += 1
-        if self._turns:
-            request = self._turns.popleft()
-            self._drafting = self._drafting or bool(request.drafts)
-            return request
-        self._drafting = False
-        self._plain_left -= 1
-        # another granted round follows: enqueue its step before this one is read
-        return RoundRequest(self.session, [], None, decode_ahead=self._plain_left > 0)
-
-    def _ran(self, result: RoundOutcome | BaseException) -> None:
-        """Under the loop's lock, when a round of this lane ran: its follower, if its round's
-        outcome is what it assumed, becomes the next turn."""
-        index = self._committed
-        self._committed += 1
-        follower, self._follower = self._follower, None
-        if follower is None or self.left:
-            return
-        after, emitted, request = follower
-        if after == index and not isinstance(result, BaseException) and list(result.emitted) == emitted:
-            self._turns.appendleft(request)
-        elif after > index:  # (for a later round)
-            self._follower = follower
-
-    def _deliver(self, result: RoundOutcome | BaseException) -> None:  # (on the event loop)
-        self._outcomes.put_nowait(result)
 
 
 @dataclass
@@ -338,7 +230,7 @@ class EngineLoop:
         for lane in self._lanes.values():
             if lane._plain_left and not lane._turns and not lane.session.may_decode():
                 lane._plain_left = 0
-                _post(lane._aloop, _deliver_all, [(lane, RoundsExhausted("the session decodes no more"))])
+                _post(lane._aloop, deliver_all, [(lane, RoundsExhausted("the session decodes no more"))])
 
     def _plan(self, ready: list[Lane]) -> list[tuple[Lane, RoundRequest]]:
         """The step's rounds (under the lock): at most max_rounds, oldest lanes first; where
@@ -385,7 +277,7 @@ class EngineLoop:
         for lane, result in zip(lanes, results, strict=True):
             by_loop.setdefault(lane._aloop, []).append((lane, result))
         for aloop, pairs in by_loop.items():  # one wake-up of the event loop for the whole step
-            _post(aloop, _deliver_all, pairs)
+            _post(aloop, deliver_all, pairs)
         return lanes
 
     def _charged(self, rounds: list[tuple[Lane, RoundRequest]], results: list, seconds: float,
@@ -416,7 +308,7 @@ class EngineLoop:
                 _post(job.aloop, _settle, job.future, None, closed)
         for lane in lanes:
             if lane._turns or lane._plain_left:
-                _post(lane._aloop, _deliver_all, [(lane, closed)])
+                _post(lane._aloop, deliver_all, [(lane, closed)])
 
 
 def _owe(waited_for: list[Lane], ready: list[Lane], seconds: float) -> None:
@@ -442,9 +334,3 @@ def _settle(future: asyncio.Future, result: Any, error: BaseException | None) ->
         future.set_exception(error)
     else:
         future.set_result(result)
-
-
-def _deliver_all(pairs: list[tuple[Lane, Any]]) -> None:
-    for lane, result in pairs:
-        if not lane.left:
-            lane._deliver(result)

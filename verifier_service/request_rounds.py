@@ -28,7 +28,8 @@ from verifier_service.chains import ChainFault, retain, validate_chain
 from verifier_service.drafter_link import DrafterLink, open_message
 from verifier_service.engine import Engine
 from verifier_service.governor import Governor, Load
-from verifier_service.loop import EngineLoop, Lane
+from verifier_service.lane import Lane
+from verifier_service.loop import EngineLoop
 from verifier_service.rounds import RoundOutcome, RoundRequest, Session
 from verifier_service.settings import VerifierSettings
 from verifier_service.stats import RequestStats

@@ -39,7 +39,8 @@ from verifier_service.audit import HonestyAudit
 from verifier_service.drafter_link import DeadlineTracker, DrafterHealth, DrafterLink, drafter_channel, open_message
 from verifier_service.governor import Governor, GovernorSettings, Ledgers, Load
 from verifier_service.engine import Engine
-from verifier_service.loop import BatchSettings, EngineLoop, Lane, RoundsExhausted
+from verifier_service.lane import Lane
+from verifier_service.loop import BatchSettings, EngineLoop, RoundsExhausted
 from verifier_service.prefill import PrefillBatcher
 from verifier_service.ranks import Ranks, engine_options, load_share, rank_threads
 from verifier_service.request_rounds import RequestRounds, Running, trace_context

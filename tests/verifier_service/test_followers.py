@@ -141,7 +141,7 @@ async def test_a_follower_too_late_leaves_its_chain_to_the_next_round(servers, t
     """When the round a chain drafted ahead follows has run already, the chain goes back to the
     link: a drafter whose assumption held sends no other chain for that round, so dropping it
     would cost the round its drafter's deadline (a plain round and a fault)."""
-    from verifier_service.loop import Lane
+    from verifier_service.lane import Lane
 
     monkeypatch.setattr(Lane, "follow", lambda self, *args: False)  # always too late
     drafter = AheadDrafter(tiny_model.config.vocab_size)
