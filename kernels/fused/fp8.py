@@ -104,6 +104,30 @@ class Fp8Weight:
         return w.view(*q.shape[:-2], block_rows * rows, block_cols * columns)[..., :num_rows, :num_cols].to(dtype)
 
 
+def e4m3_bits_as_bf16(q: Tensor) -> Tensor:
+    """e4m3 values q as bf16 by fp8_kernels.e4m3_as_bf16's bit moves (its reference, any device):
+    each code's byte in the high half of a 16-bit lane, sign | magnitude >> 4 — bf16's exponent and
+    mantissa fields then hold e4m3's, a value 2^-120 times the true one (biases 127 and 7) — times
+    2^120 in bf16. Exact for every finite code, subnormals included."""
+    lane = q.view(torch.uint8).to(torch.int32) << 8
+    bits = (lane & 0x8000) | ((lane >> 4) & 0x07F0)
+    return bits.to(torch.int16).view(torch.bfloat16) * torch.tensor(2.0**120, dtype=torch.bfloat16)
+
+
+def exact_bf16(q: Tensor) -> Tensor:
+    """e4m3 values q (any shape) in bf16 as the FP8 kernels make them: on a GPU by the kernels' own
+    bit moves (fp8_kernels.e4m3_as_bf16), elsewhere by their reference."""
+    if not q.is_cuda:
+        return e4m3_bits_as_bf16(q)
+    from kernels.fused.fp8_kernels import exact_bf16_kernel
+
+    flat = q.contiguous().view(-1)
+    out = torch.empty(flat.shape, dtype=torch.bfloat16, device=q.device)
+    block = 1024
+    exact_bf16_kernel[(max(1, -(-flat.numel() // block)),)](flat, out, flat.numel(), BLOCK=block)
+    return out.view(q.shape)
+
+
 def quantize(weight: Tensor, block: tuple[int, int]) -> Fp8Weight:
     """Block-scaled e4m3 of weight [..., N, K]: each block's largest magnitude maps to FP8_MAX
     (the published checkpoints' scheme); an all-zero block gets scale 1."""

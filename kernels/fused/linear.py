@@ -33,13 +33,19 @@ PREFILL_TILE = (64, 128, 64, 4, 4)
 INVARIANT_PREFILL = True  # False: cuBLAS (bench/hybrid_fast.py --sections prefill_sharing measures both)
 
 
-# FP8 weights' tiles against bf16's: FP8_WIDEN times its K tile (more bytes a load) and
-# FP8_WIDE_N times its column block; the projections' and the experts' (EXPERT_FP8_WIDEN) as
-# measured on the H200 (bench/fp8_kernels.py, docs/PERFORMANCE.md): the kernels' in-register
-# dequantisation, not the bytes, bounds them, so wider tiles measured slower.
+# FP8 weights' tiles, as measured on the H200 with weights read from HBM (bench/fp8_kernels.py,
+# docs/PERFORMANCE.md): the projections dequantise each tile in registers (fp8_kernels.dequant_tile),
+# FP8_WIDEN times bf16's K tile in column blocks of FP8_BLOCK_N; the experts multiply each tile's
+# e4m3 values and scale its partial product (EXPERT_FP8_EXACT: fp8_kernels.scaled_dot, a tile inside
+# one block column), EXPERT_FP8_WIDEN times bf16's K tile. FP8_ASM: the e4m3 values made bf16 by
+# bit moves (CUDA, bf16 activations) rather than Triton's conversion. A few-row product is bound by
+# its latency more than by its bytes, so the ways measured differ by op.
 FP8_WIDEN = 2
+FP8_BLOCK_N = 32
 EXPERT_FP8_WIDEN = 1
-FP8_WIDE_N = 1
+LINEAR_FP8_EXACT = False
+EXPERT_FP8_EXACT = True
+FP8_ASM = True
 SMEM_BUDGET = 160 * 1024  # bytes of shared memory the pipelined tiles of a program may take
 
 
@@ -86,14 +92,16 @@ def _kernels():
 
 def weight_config(weight: Weight, x_dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of a weight: linear_config by its shape and
-    element size; FP8 weights take FP8_WIDEN times bf16's K tile (the same bytes a load),
-    made to fit the block's columns (Fp8Weight.tile_k)."""
+    element size; FP8 weights take FP8_BLOCK_N columns and FP8_WIDEN times bf16's K tile (the
+    same bytes a load), made to fit the block's columns (Fp8Weight.tile_k; inside one with
+    LINEAR_FP8_EXACT)."""
     num_out, num_in = weight.shape
     if not isinstance(weight, Fp8Weight):
         return linear_config(num_out, num_in, torch.finfo(x_dtype).bits // 8)
     block_n, block_k, warps, stages = linear_config(num_out, num_in, 2)
-    block_n = min(FP8_WIDE_N * block_n, max(16, next_power_of_2(num_out)))
-    block_k = weight.tile_k(min(FP8_WIDEN * block_k, max(16, next_power_of_2(num_in))))
+    block_n = min(FP8_BLOCK_N, max(16, next_power_of_2(num_out)))
+    wanted = min(FP8_WIDEN * block_k, max(16, next_power_of_2(num_in)))
+    block_k = weight.tile_k(min(wanted, weight.block[1]) if LINEAR_FP8_EXACT else wanted)
     x_bytes = torch.finfo(x_dtype).bits // 8
     return block_n, block_k, warps, pipeline_stages(stages, (BLOCK_M * x_bytes + block_n) * block_k)
 
@@ -239,9 +247,16 @@ def _launch(x: Tensor, weight: Weight, out: Tensor, splits: int, pdl: bool,
         x, w, out, scale, num_rows, num_out, num_in, x.stride(0), w.stride(0), stride_ym, k_per_split, stride_ys,
         scale.stride(0) if fp8 else 0,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32, SPLITS=splits,
-        PDL=pdl, FP8=fp8, SBN=sbn, SBK=sbk, SUB=min(block_k, sbk),
+        PDL=pdl, FP8=fp8, SBN=sbn, SBK=sbk, SUB=min(block_k, sbk), **fp8_way(fp8 and LINEAR_FP8_EXACT, x),
         num_warps=warps, num_stages=stages, **launch_options(pdl),
     )
+
+
+def fp8_way(exact: bool, x: Tensor) -> dict[str, bool]:
+    """The FP8 kernels' way for activations x: EXACT (fp8_kernels.scaled_dot, else dequant_tile)
+    and ASM (FP8_ASM where it applies). The bit moves are PTX, so the interpreter (CPU tests)
+    converts with Triton's own cast."""
+    return dict(EXACT=exact, ASM=exact and FP8_ASM and x.is_cuda and x.dtype == torch.bfloat16)
 
 
 def _k_per_split(weight: Weight, dtype: torch.dtype, splits: int) -> int:

@@ -168,7 +168,7 @@ def fused_experts(
     gate_up_kernel[(num_routes, cdiv(inter, block_n))](
         x.contiguous(), ids, sorted_routes, tile_len, gate_up_q, act, num_routes, inter, hidden,
         TOP_K=top_k, R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, PDL=pdl,
-        TABLE=table, **_fp8_arguments(gate_up, block_k), num_warps=warps, num_stages=stages, **launch_options(pdl),
+        TABLE=table, **_fp8_arguments(gate_up, block_k, x), num_warps=warps, num_stages=stages, **launch_options(pdl),
     )
     out = (torch.zeros if zero_dropped else torch.empty)((num_routes, hidden), dtype=torch.float32, device=x.device)
     block_n, block_k, warps, stages = expert_config(down, x.dtype)
@@ -176,34 +176,35 @@ def fused_experts(
     down_kernel[(num_routes, cdiv(hidden, block_n))](
         act, ids, sorted_routes, tile_len, down_q, out, num_routes, inter, hidden,
         R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, PDL=down_pdl, TABLE=table,
-        PRELOAD=DOWN_PRELOAD, **_fp8_arguments(down, block_k), num_warps=warps, num_stages=stages,
+        PRELOAD=DOWN_PRELOAD, **_fp8_arguments(down, block_k, x), num_warps=warps, num_stages=stages,
         **launch_options(down_pdl),
     )
     return out
 
 
 def expert_config(weight: Weight, x_dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """moe_config of an expert stack [E, N, K]; FP8: EXPERT_FP8_WIDEN times bf16's K tile and
-    FP8_WIDE_N times its column block (linear.py)."""
+    """moe_config of an expert stack [E, N, K]; FP8: EXPERT_FP8_WIDEN times bf16's K tile, inside
+    one block column with EXPERT_FP8_EXACT (linear.py)."""
     num_out, num_in = weight.shape[1:]
     x_bytes = torch.finfo(x_dtype).bits // 8
     if not isinstance(weight, Fp8Weight):
         return moe_config(num_out, num_in, x_bytes)
     block_n, block_k, warps, _ = moe_config(num_out, num_in, 2)
-    block_n = min(linear_module.FP8_WIDE_N * block_n, max(16, next_power_of_2(num_out)))
-    block_k = weight.tile_k(min(linear_module.EXPERT_FP8_WIDEN * block_k, max(16, next_power_of_2(num_in))))
+    wanted = min(linear_module.EXPERT_FP8_WIDEN * block_k, max(16, next_power_of_2(num_in)))
+    block_k = weight.tile_k(min(wanted, weight.block[1]) if linear_module.EXPERT_FP8_EXACT else wanted)
     return block_n, block_k, warps, pipeline_stages(4, (BLOCK_M * x_bytes + 2 * block_n) * block_k)
 
 
-def _fp8_arguments(weight: Weight, block_k: int) -> dict:
+def _fp8_arguments(weight: Weight, block_k: int, x: Tensor) -> dict:
     """The expert kernels' FP8 arguments: the block scales (experts stride_se apart, block rows
-    stride_sn) and blocks (SBN × SBK, pieces of SUB columns); for full-precision weights FP8 off
-    and a stand-in pointer, unread."""
+    stride_sn), blocks (SBN × SBK, pieces of SUB columns) and the way (linear.fp8_way); for
+    full-precision weights FP8 off and a stand-in pointer, unread."""
     if not isinstance(weight, Fp8Weight):
-        return dict(s_ptr=weight, stride_se=0, stride_sn=0, FP8=False, SBN=1, SBK=1, SUB=1)
+        return dict(s_ptr=weight, stride_se=0, stride_sn=0, FP8=False, SBN=1, SBK=1, SUB=1,
+                    **linear_module.fp8_way(False, x))
     sbn, sbk = weight.block
     return dict(s_ptr=weight.scale, stride_se=weight.scale.stride(0), stride_sn=weight.scale.stride(1), FP8=True,
-                SBN=sbn, SBK=sbk, SUB=min(block_k, sbk))
+                SBN=sbn, SBK=sbk, SUB=min(block_k, sbk), **linear_module.fp8_way(linear_module.EXPERT_FP8_EXACT, x))
 
 
 def combine_add_rmsnorm(

@@ -1,12 +1,15 @@
 """kernels.fused.fp8 and the kernels reading block-scaled FP8 weights (issue 36): the scheme's
-arithmetic, linear / linear_partials / fused_experts against the dequantised reference (within
-float32 rounding: the kernel dequantises exactly, only the order of sums differs), and row
-invariance — a row's bits alone are its bits in a window."""
+arithmetic, the bit moves that make e4m3 values bf16, linear / linear_partials / fused_experts
+in both ways (each tile dequantised, or its e4m3 values multiplied and its partial product
+scaled) against the dequantised reference (within float32 rounding: only the order of sums and
+where the scale is applied differ), and row invariance — a row's bits alone are its bits in a
+window."""
 
 import pytest
 import torch
 
-from kernels.fused.fp8 import FP8_MAX, Fp8Weight, cat_rows, per_row, quantize, row_slice, take_rows
+from kernels.fused.fp8 import (FP8_MAX, FP8_DTYPE, Fp8Weight, cat_rows, e4m3_bits_as_bf16, exact_bf16, per_row,
+                               quantize, row_slice, take_rows)
 from kernels.fused.linear import linear, linear_partials, prefill_linear, rowwise_linear
 from kernels.fused.moe import experts_reference, fused_experts
 
@@ -37,6 +40,29 @@ def test_quantize_keeps_each_block_within_e4m3_rounding(num_out, num_in, block):
     assert float(fp8.q.float().abs().max()) == FP8_MAX
 
 
+def every_finite_code(device):
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 0x7F) != 0x7F]  # e4m3fn's two NaNs
+    return codes.to(torch.uint8).view(FP8_DTYPE).to(device)
+
+
+def test_e4m3_bit_moves_make_every_finite_code_exact_in_bf16():
+    # the kernels' way of reading FP8 (scaled_dot) multiplies these values: every one must be the
+    # code's own value, bit for bit (torch's conversion is exact: e4m3 values fit bf16)
+    codes = every_finite_code("cpu")
+    expected = codes.to(torch.bfloat16)
+    got = e4m3_bits_as_bf16(codes)
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16)), (codes[got != expected], got[got != expected])
+    assert got.abs().max() == FP8_MAX and (got[got != 0].abs().min() == 2.0**-9)  # the largest, the smallest subnormal
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the bit moves are PTX: they run on a GPU only")
+def test_the_kernels_bit_moves_on_the_gpu_match_their_reference():
+    codes = every_finite_code("cuda").repeat(7)  # several elements a thread, odd total
+    got = exact_bf16(codes[:-3])
+    assert torch.equal(got.view(torch.int16).cpu(), codes[:-3].to(torch.bfloat16).view(torch.int16).cpu())
+
+
 def test_rows_concatenate_keeping_blocks_only_when_whole():
     g = torch.Generator().manual_seed(3)
     a, b = quantize(torch.randn(64, 64, generator=g), (32, 32)), quantize(torch.randn(40, 64, generator=g), (32, 32))
@@ -56,9 +82,21 @@ def test_rows_concatenate_keeping_blocks_only_when_whole():
         Fp8Weight(a.q, a.scale[:1], a.block)
 
 
+@pytest.fixture(params=["dequant", "exact"])
+def fp8_way(request, monkeypatch):
+    """Both ways the kernels read FP8 weights, for the projections and the experts alike
+    (kernels.fused.linear: LINEAR_ / EXPERT_FP8_EXACT; each op's default is the one measured faster)."""
+    import kernels.fused.linear as linear_module
+
+    exact = request.param == "exact"
+    monkeypatch.setattr(linear_module, "LINEAR_FP8_EXACT", exact)
+    monkeypatch.setattr(linear_module, "EXPERT_FP8_EXACT", exact)
+    return request.param
+
+
 @devices_and_dtypes()
 @pytest.mark.parametrize("num_out,num_in,block", SHAPES)
-def test_linear_reads_fp8_as_its_dequantised_weight(device, dtype, num_out, num_in, block):
+def test_linear_reads_fp8_as_its_dequantised_weight(device, dtype, num_out, num_in, block, fp8_way):
     g = torch.Generator().manual_seed(num_in)
     fp8 = quantize(0.1 * torch.randn(num_out, num_in, generator=g), block).to(device)
     x = torch.randn(9, num_in, generator=g).to(device, dtype)
@@ -77,7 +115,7 @@ def test_linear_reads_fp8_as_its_dequantised_weight(device, dtype, num_out, num_
 
 @devices_and_dtypes()
 @pytest.mark.parametrize("hidden,inter,block", [(64, 48, (16, 32)), (96, 40, (32, 32)), (100, 32, (128, 32))])
-def test_fused_experts_read_fp8_as_their_dequantised_weights(device, dtype, hidden, inter, block):
+def test_fused_experts_read_fp8_as_their_dequantised_weights(device, dtype, hidden, inter, block, fp8_way):
     g = torch.Generator().manual_seed(hidden + inter)
     num_experts = 6
     gate = quantize(0.1 * torch.randn(num_experts, inter, hidden, generator=g), block)
