@@ -5,9 +5,12 @@ of `block` = (rows, columns) — the published checkpoints' `weight_scale_inv` �
 [..., ceil(N / rows), ceil(K / columns)]: the weight is q × scale, block by block. Leading
 dimensions (experts) index both alike.
 
-The kernels read q and scale directly: each loaded tile is dequantised in registers, a piece
-of at most one block column at a time (fp8_kernels.dequant_tile), rounded to the activations'
-dtype as `dequantize` rounds it, then multiplied as a bf16 tile would be. A row finds its block
+The kernels read q and scale directly, one of two ways (kernels.fused.linear: LINEAR_ /
+EXPERT_FP8_EXACT): each loaded tile dequantised in registers, a piece of at most one block
+column at a time (fp8_kernels.dequant_tile), rounded to the activations' dtype as `dequantize`
+rounds it, then multiplied as a bf16 tile would be; or a tile inside one block column
+multiplied as its e4m3 values (exact in bf16: `exact_bf16`) and its partial product scaled
+(fp8_kernels.scaled_dot), no weight rounded. A row finds its block
 by integer division, so weights whose rows are concatenated (q|k|v, a gate and an up
 projection) keep their blocks when every part's row count is a multiple of the block's rows,
 and otherwise carry one scale per row (block (1, columns)); either way the values are the
