@@ -30,10 +30,12 @@ of the device (DESIGN §9, "The engine loop"):
 - threads: `on_drafting` hears, on the loop's thread before a step, when whether some lane's
   drafter works (its last round verified drafts, until a granted plain round) changed — the
   verifier then yields a drafter on its host a core (shared/threads.py);
-- costs: each step's rows, seconds and whether a drafter worked feed a fit (verifier_service.
-  step_costs); a round carries what it cost the other lanes (`RoundOutcome.cost_to_others_s`,
-  which its governor counts as its own cost): its draft rows' share of a step shared with them,
-  its share of what the working drafter added to the rounds of the lanes without drafts, and
+- costs: each step's rows, seconds and whether it ran on the threads left beside a working
+  drafter (`on_drafting` wired: a CPU verifier with its drafter on this host) feed a fit
+  (verifier_service.step_costs); a round carries what it cost the other lanes
+  (`RoundOutcome.cost_to_others_s`, which its governor counts as its own cost): its draft rows'
+  share of a step shared with them, its share of what the working drafter added to the rounds
+  of the lanes without drafts, and
   the time they waited, ready, for this lane before its step (the gather: a lane waiting for
   its drafter's chain holds the batch up to `gather_s`).
 
@@ -269,7 +271,13 @@ class EngineLoop:
         except Exception as error:  # every round of the step fails; the loop goes on
             results = [error] * len(lanes)
         else:
-            results = self._charged(rounds, results, time.perf_counter() - started, drafting)
+            # The fit's second kind of step is one run on the threads left beside a drafter (a CPU
+            # verifier with its drafter on this host). Where the threads never change (a GPU, a
+            # drafter elsewhere) steps with a drafter at work are the steps with draft rows, whose
+            # cost is far from linear in rows on a GPU: a fitted drafter term would be the draft
+            # rows' cost read twice, and a lane drafting among 7 plain ones charged it 7-fold.
+            yielded = drafting and self.on_drafting is not None
+            results = self._charged(rounds, results, time.perf_counter() - started, yielded)
         with self._cond:
             for lane, result in zip(lanes, results, strict=True):
                 lane._ran(result)

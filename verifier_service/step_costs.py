@@ -11,7 +11,9 @@ by as much as they make its own faster).
 
 A drafter at work can slow every step beyond its rows: on a CPU the verifier gives the drafter
 one of its cores while some lane drafts (shared/threads.py), so every lane's step runs on
-fewer threads; on a GPU the two share the device. That is a step's second term, fitted as a
+fewer threads. That is a step's second term (the engine loop marks such steps only where it
+yields the core: elsewhere — a GPU — a step with a drafter at work is a step with draft rows,
+and on a GPU's far-from-linear cost the term would read those rows' cost twice), fitted as a
 constant added to the steps run while a drafter worked (one slope for both kinds of step, an
 intercept each), and the lanes whose drafts made the drafter work share what it added to the
 rounds of the lanes that drafted nothing: a lane drafting alone in a step of 8 owes 7 of it,

@@ -295,6 +295,43 @@ async def test_a_round_with_drafts_in_a_shared_step_carries_its_cost_to_the_othe
         loop.shutdown(wait=True)
 
 
+class RecordingCosts(StepCosts):
+    """StepCosts that also keeps the kind each step was fitted as."""
+
+    def __init__(self):
+        super().__init__()
+        self.kinds = []
+
+    def add(self, rows, seconds, drafting=False):
+        self.kinds.append(drafting)
+        super().add(rows, seconds, drafting)
+
+
+@pytest.mark.parametrize("yields_threads", [False, True])
+async def test_steps_count_as_beside_a_drafter_only_where_the_loop_yields_it_threads(yields_threads):
+    # On a GPU (no on_drafting) the steps with a drafter at work are the steps with draft rows: a
+    # drafter term fitted from them would be those rows' cost again, charged to a lane drafting
+    # among plain ones once per plain lane. Only a loop that gives its drafter a core fits one.
+    engine = OutcomeEngine()
+    costs = RecordingCosts()
+    heard = []
+    loop = EngineLoop("test-loop", BatchSettings(max_rounds=8, gather_s=0.5), step_costs=costs,
+                      on_drafting=heard.append if yields_threads else None)
+    loop.start(engine)
+    try:
+        a, b = loop.join(Session("a")), loop.join(Session("b"))
+        engine.gate.clear()
+        outcomes = [asyncio.create_task(round_of(a, [5, 6, 7])), asyncio.create_task(round_of(b))]
+        await asyncio.sleep(0.05)
+        engine.gate.set()
+        await asyncio.gather(*outcomes)
+        await asyncio.gather(round_of(a), round_of(b))
+        assert costs.kinds == ([True, True] if yields_threads else [False, False])  # (a's drafter works on)
+        assert heard == ([True] if yields_threads else [])
+    finally:
+        loop.shutdown(wait=True)
+
+
 async def test_a_lane_the_step_waited_for_owes_the_ready_lanes_their_wait():
     engine = OutcomeEngine()
     loop = EngineLoop("test-loop", BatchSettings(max_rounds=8, gather_s=0.5), step_costs=KnownCosts())
