@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from drafter_service.planner import Estimates, Plan, Planner, choose
 from drafter_service.proposers import Proposal
 from drafter_service.proposers.mtp import DraftJob, MTPProposer
-from drafter_service.proposers.global_index import GlobalIndex, best_match
-from drafter_service.proposers.suffix import COUNT_CHUNK, MAX_MATCH, SuffixIndex, SuffixMatch
+from drafter_service.proposers.global_index import GlobalIndex, best_match, with_prompt_end
+from drafter_service.proposers.suffix import COUNT_CHUNK, SuffixIndex, SuffixMatch
 from drafter_service.session import DraftSession, session_params
 from drafter_service.settings import DrafterSettings
 from kernels.speculative import Mode
@@ -296,5 +296,5 @@ class Drafter:
         """Count a finished request's output (`tokens` past `prompt_length`) into the global index
         (loop), with its prompt's last tokens as contexts, LOOP_COUNT tokens per step: the caller
         yields to the loop between steps."""
-        lead = min(prompt_length, MAX_MATCH)
-        yield from self.global_index.adding(tokens[prompt_length - lead:], LOOP_COUNT, lead)
+        output, lead = with_prompt_end(tokens, prompt_length)
+        yield from self.global_index.adding(output, LOOP_COUNT, lead)

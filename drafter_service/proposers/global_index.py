@@ -51,6 +51,13 @@ def _native_table():
     return ContextTable()
 
 
+def with_prompt_end(tokens: list[int], prompt_length: int) -> tuple[list[int], int]:
+    """A finished request's output (`tokens` past `prompt_length`) as GlobalIndex.add takes it:
+    led by its prompt's last tokens (at most MAX_MATCH, the longest context), and how many."""
+    lead = min(prompt_length, MAX_MATCH)
+    return tokens[prompt_length - lead:], lead
+
+
 class _Output:
     """A held output: its tokens (uint32), the first `lead` of them its prompt's end (contexts
     only, never counted), and how far they are counted."""

@@ -3,8 +3,8 @@ and any caller without the service; the drafter service composes the same pieces
 
 from __future__ import annotations
 
-from drafter_service.proposers.global_index import GlobalIndex, best_match
-from drafter_service.proposers.suffix import MAX_MATCH, MIN_TOKEN_PROB, SuffixIndex, SuffixMatch
+from drafter_service.proposers.global_index import GlobalIndex, best_match, with_prompt_end
+from drafter_service.proposers.suffix import MIN_TOKEN_PROB, SuffixIndex, SuffixMatch
 
 DEFAULT_GLOBAL_BYTES = 512 << 20  # as the drafter's --global-index-mb default
 
@@ -45,8 +45,7 @@ class SuffixDrafter:
         """The request ends; its output joins the global index (keep=False: it does not)."""
         index, prompt_length = self._requests.pop(request_id)
         if keep:  # (with its prompt's last tokens as contexts)
-            lead = min(prompt_length, MAX_MATCH)
-            self.global_index.add(index.tokens[prompt_length - lead:], lead)
+            self.global_index.add(*with_prompt_end(index.tokens, prompt_length))
 
     def _index(self, request_id: object) -> SuffixIndex:
         try:
