@@ -75,6 +75,24 @@ def scaled_dot(a, w, acc, s_ptr, s_rows, s_ok, k0, SBK: tl.constexpr, IEEE: tl.c
 
 
 @triton.jit
+def tile_dot(a, w, acc, s_ptr, s_rows, s_ok, k0, K, IEEE: tl.constexpr, FP8: tl.constexpr, SBK: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, EXACT: tl.constexpr,
+             ASM: tl.constexpr):
+    """acc + a @ w^T: the product of every step of the fused kernels' K loops (linear, the
+    experts'). FP8: w [BLOCK_N, BLOCK_K] is float8 with its block scales at s_ptr + s_rows (the
+    columns' scale rows): EXACT, the tile's e4m3 values multiplied and the partial product scaled
+    (scaled_dot); else dequantised in registers, rounded to a's dtype (dequant_tile)."""
+    if FP8 and EXACT:
+        return scaled_dot(a, w, acc, s_ptr, s_rows, s_ok, k0, SBK, IEEE, ASM)
+    if FP8:
+        w = dequant_tile(w, s_ptr, s_rows, s_ok, k0, K, SBK, BLOCK_N, BLOCK_K, SUB).to(a.dtype)
+    if IEEE:
+        return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
 def exact_bf16_kernel(q_ptr, out_ptr, n, BLOCK: tl.constexpr):
     """out = e4m3_as_bf16(q) elementwise (kernels.fused.fp8.exact_bf16: the bit moves tested alone)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

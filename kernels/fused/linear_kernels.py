@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from kernels.fused.fp8_kernels import dequant_tile, scaled_dot
+from kernels.fused.fp8_kernels import tile_dot
 
 
 @triton.jit
@@ -15,8 +15,7 @@ def linear_kernel(
 ):
     """FP8: w is float8 with one float32 scale per block of SBN rows × SBK columns at s_ptr
     (rows stride_sn apart): EXACT, each tile (inside one block column) multiplied as its e4m3
-    values and its partial product scaled (fp8_kernels.scaled_dot); else dequantised tile by tile
-    (fp8_kernels.dequant_tile)."""
+    values and its partial product scaled, else dequantised tile by tile (fp8_kernels.tile_dot)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)  # split-K: this program sums K range [split, split + 1) * k_per_split
@@ -40,15 +39,7 @@ def linear_kernel(
         k_ok = kk < K
         x = tl.load(x_ptr + rows[:, None] * stride_xm + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + cols[:, None] * stride_wn + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        if FP8 and EXACT:
-            acc = scaled_dot(x, w, acc, s_ptr, (cols // SBN) * stride_sn, col_ok, k0, SBK, IEEE, ASM)
-        else:
-            if FP8:  # dequantised in registers, rounded to x's dtype as the reference's weight is
-                w = dequant_tile(w, s_ptr, (cols // SBN) * stride_sn, col_ok, k0, K, SBK, BLOCK_N, BLOCK_K,
-                                 SUB).to(x.dtype)
-            if IEEE:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
+        acc = tile_dot(x, w, acc, s_ptr, (cols // SBN) * stride_sn, col_ok, k0, K, IEEE, FP8, SBK, BLOCK_N, BLOCK_K,
+                       SUB, EXACT, ASM)
     out = acc.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], out, mask=row_ok[:, None] & col_ok[None, :])

@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from kernels.fused.fp8_kernels import dequant_tile, scaled_dot
+from kernels.fused.fp8_kernels import tile_dot
 
 
 @triton.jit
@@ -62,23 +62,6 @@ def route_table_kernel(ids_ptr, sorted_ptr, tile_len_ptr, R, R_PAD: tl.constexpr
 
 
 @triton.jit
-def _dot(a, w, acc, s_ptr, s_rows, s_ok, k0, K, IEEE: tl.constexpr, FP8: tl.constexpr, SBK: tl.constexpr,
-         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, EXACT: tl.constexpr, ASM: tl.constexpr):
-    """acc + a @ w^T; FP8: w [BLOCK_N, BLOCK_K] is float8 with its block scales at s_ptr + s_rows
-    (the columns' scale rows): EXACT, the tile's e4m3 values multiplied and the partial product
-    scaled (fp8_kernels.scaled_dot); else dequantised in registers, rounded to a's dtype
-    (fp8_kernels.dequant_tile)."""
-    if FP8 and EXACT:
-        return scaled_dot(a, w, acc, s_ptr, s_rows, s_ok, k0, SBK, IEEE, ASM)
-    if FP8:
-        w = dequant_tile(w, s_ptr, s_rows, s_ok, k0, K, SBK, BLOCK_N, BLOCK_K, SUB).to(a.dtype)
-    if IEEE:
-        return tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, tl.trans(w), acc)
-
-
-@triton.jit
 def gate_up_kernel(
     x_ptr, ids_ptr, sorted_ptr, tile_len_ptr, w_ptr, act_ptr, R, I, H, s_ptr, stride_se, stride_sn,
     TOP_K: tl.constexpr, R_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -87,7 +70,7 @@ def gate_up_kernel(
     ASM: tl.constexpr,
 ):
     """FP8: float8 weights with one float32 scale per block of SBN rows × SBK columns at s_ptr
-    (experts stride_se apart, block rows stride_sn), dequantised tile by tile (_dot)."""
+    (experts stride_se apart, block rows stride_sn), dequantised tile by tile (fp8_kernels.tile_dot)."""
     if PDL:  # wait for the predecessor kernel before touching anything it may write or read
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -111,8 +94,8 @@ def gate_up_kernel(
             x = tl.load(x_ptr + tokens[:, None] * H + kk[None, :], mask=member_ok[:, None] & k_ok[None, :], other=0.0)
             wg = tl.load(w_base + n[:, None] * H + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             wu = tl.load(w_base + (n[:, None] + I) * H + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc_g = _dot(x, wg, acc_g, s_base, s_gate, n_ok, k0, H, IEEE, FP8, SBK, BLOCK_N, BLOCK_K, SUB, EXACT, ASM)
-            acc_u = _dot(x, wu, acc_u, s_base, s_up, n_ok, k0, H, IEEE, FP8, SBK, BLOCK_N, BLOCK_K, SUB, EXACT, ASM)
+            acc_g = tile_dot(x, wg, acc_g, s_base, s_gate, n_ok, k0, H, IEEE, FP8, SBK, BLOCK_N, BLOCK_K, SUB, EXACT, ASM)
+            acc_u = tile_dot(x, wu, acc_u, s_base, s_up, n_ok, k0, H, IEEE, FP8, SBK, BLOCK_N, BLOCK_K, SUB, EXACT, ASM)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
         tl.store(act_ptr + members[:, None] * I + n[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=member_ok[:, None] & n_ok[None, :])
@@ -149,14 +132,14 @@ def down_kernel(
         if PRELOAD:  # the loop's first step on the early tile (same order of sums)
             a = tl.load(act_ptr + members[:, None] * I + ks[None, :], mask=member_ok[:, None] & (ks < I)[None, :],
                         other=0.0)
-            acc = _dot(a, w_first, acc, s_base, s_rows, n_ok, 0, I, IEEE, FP8, SBK, BLOCK_N, BLOCK_K, SUB, EXACT, ASM)
+            acc = tile_dot(a, w_first, acc, s_base, s_rows, n_ok, 0, I, IEEE, FP8, SBK, BLOCK_N, BLOCK_K, SUB, EXACT, ASM)
             k_first = BLOCK_K
         for k0 in range(k_first, I, BLOCK_K):
             kk = k0 + ks
             k_ok = kk < I
             a = tl.load(act_ptr + members[:, None] * I + kk[None, :], mask=member_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_base + n[:, None] * I + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = _dot(a, w, acc, s_base, s_rows, n_ok, k0, I, IEEE, FP8, SBK, BLOCK_N, BLOCK_K, SUB, EXACT, ASM)
+            acc = tile_dot(a, w, acc, s_base, s_rows, n_ok, k0, I, IEEE, FP8, SBK, BLOCK_N, BLOCK_K, SUB, EXACT, ASM)
         tl.store(out_ptr + members[:, None] * H + n[None, :], acc, mask=member_ok[:, None] & n_ok[None, :])
 
 @triton.jit
