@@ -367,9 +367,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return handler(args)
+    except Exception as error:
+        if not _interrupted(error):
+            raise
     except KeyboardInterrupt:  # Ctrl-C before a service took over SIGINT (imports, loading, binding)
-        print(f"tandem {args.command}: interrupted", file=sys.stderr)
-        return 130
+        pass
+    print(f"tandem {args.command}: interrupted", file=sys.stderr)
+    return 130
+
+
+def _interrupted(error: BaseException) -> bool:
+    """Whether a Ctrl-C lies under `error`: one that lands inside a class body being built
+    (torch's imports are full of them) reaches us wrapped, as the cause of a RuntimeError."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
 
 
 if __name__ == "__main__":

@@ -146,3 +146,30 @@ def test_ctrl_c_during_start_up_ends_the_service_without_a_traceback(after_s):
     assert service.returncode in (0, 130, -signal.SIGINT) and "Traceback" not in err, err
     if service.returncode != 0:
         assert "tandem verifier: interrupted" in err
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_ctrl_c_wrapped_by_an_import_still_reads_as_an_interrupt(monkeypatch, capsys, wrapped):
+    """A Ctrl-C that lands while Python builds a class (torch's imports build hundreds) reaches
+    the CLI as the cause of a RuntimeError ("Error calling __set_name__"): still one line and
+    status 130; an error with no interrupt under it still raises."""
+    from shared import cli
+
+    def interrupted_import(_args):
+        if not wrapped:
+            raise KeyboardInterrupt
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as interrupt:
+            raise RuntimeError("Error calling __set_name__ on 'Field' instance") from interrupt
+
+    monkeypatch.setattr(cli, "_run_service", lambda name, args: interrupted_import(args))
+    assert cli.main(["verifier", "--port", "0"]) == 130
+    assert "tandem verifier: interrupted" in capsys.readouterr().err
+
+    def plain_failure(name, args):
+        raise RuntimeError("not an interrupt")
+
+    monkeypatch.setattr(cli, "_run_service", plain_failure)
+    with pytest.raises(RuntimeError, match="not an interrupt"):
+        cli.main(["verifier", "--port", "0"])
