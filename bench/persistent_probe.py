@@ -3,25 +3,31 @@
 Chains of dependent one-row products, run two ways on the same random weights:
 - today: each stage as the service runs it — `linear` for a stage without K splits;
   `linear_partials`, then `add_rmsnorm` adding its partials in split order (as o_proj's are: the
-  norm is today's extra work), for one with — every kernel captured in one CUDA graph (PDL off, as the step runs these GEMVs);
+  norm is today's extra work), for one with; a router's partials into `route`, then
+  `fused_experts` and `combine_add_rmsnorm` — every kernel captured in one CUDA graph (PDL off);
 - persistent: the whole chain in one cooperative launch (kernels.fused.persistent.ChainPlan),
   `--programs-per-sm` programs a multiprocessor, with each way of prefetching the next stage's
   weights into L2 (none, before the barrier, at the stage's start), also captured in a graph.
 
-Chains (`--chains`):
-- `attention`: `--layers` × (qkv-like [4096, 2048], then o_proj-like [2048, 4096] in its 4 K
-  splits, as the service splits it) at Qwen3-30B-A3B's dense shapes: weights 3 × L2 and more, so every stage reads HBM;
+Chains (`--chains`), at Qwen3-30B-A3B's shapes, `--layers` layers (weights well past L2, so every
+stage reads HBM):
+- `attention`: qkv-like [4096, 2048], then o_proj-like [2048, 4096] in its K splits;
+- `moe`: the router [128, 2048] (its K splits) and 8 of 128 experts (gate/up [1536, 2048], down
+  [2048, 768]): the experts' weights are known only once the router's stage has passed;
+- `layer`: both (attention's products, then the MoE block): a layer without attention's own
+  kernels and the norms;
 - `tiny`: 48 stages of [256, 256]: no bytes to speak of — a stage's time is the barrier's (or, in
   today's graph, a launch's) own.
 
-Per chain, rows and way: µs a stage (median of graph replays), the weights' GB/s, the fraction
-of the bandwidth floor (the weights' bytes at the rate of a device-to-device copy measured in this
-run), and the paired ratio today / this way (> 1: faster than today), the median over `--blocks`
-blocks that alternate the ways. Every way's last partials are checked equal to the persistent
-one-program run first (the chain changes no bit: tests/kernels/fused/test_persistent.py).
+Per chain, rows and way: µs a stage (median of graph replays), the weights' GB/s (the experts
+the rows route to counted once each), the fraction of the bandwidth floor (those bytes at the rate
+of a device-to-device copy measured in this run), and the paired ratio today / this way (> 1:
+faster than today), the median over `--blocks` blocks that alternate the ways. Every persistent
+way's output is checked equal to the one-program run first (programs and prefetch change no bit:
+tests/kernels/fused/test_persistent.py).
 
-Usage: python bench/persistent_probe.py [--blocks 5] [--reps 10] [--rows 1,5] [--layers 12]
-       [--chains attention,tiny] [--programs-per-sm 1,2]
+Usage: python bench/persistent_probe.py [--blocks 5] [--reps 10] [--rows 1,5] [--layers 8]
+       [--chains attention,moe,layer,tiny] [--programs-per-sm 1,2] [--no-cooperative]
 """
 
 from __future__ import annotations
@@ -38,38 +44,80 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.fused_step import graph_time  # noqa: E402  (device ms of calls captured in one graph)
 from bench.model_baseline import copy_bandwidth  # noqa: E402
 from kernels.fused.linear import linear, linear_partials, split_k  # noqa: E402
+from kernels.fused.moe import combine_add_rmsnorm, fused_experts  # noqa: E402
 from kernels.fused.norm import add_rmsnorm  # noqa: E402
-from kernels.fused.persistent import PREFETCH_WAYS, ChainPlan  # noqa: E402
+from kernels.fused.persistent import PREFETCH_WAYS, ChainPlan, Dense, Experts, sum_partials  # noqa: E402
+from kernels.fused.router import route  # noqa: E402
 
-H, Q_OUT, O_IN = 2048, 4096, 4096
+H, Q_OUT, O_IN, E, I, TOP_K = 2048, 4096, 4096, 128, 768, 8
 
 
 def log(*parts: object) -> None:
     print(*parts, file=sys.stderr, flush=True)
 
 
-def chain(name: str, layers: int) -> tuple[list[tuple[int, int]], list[int]]:
-    """(weight shapes, splits) of a chain."""
-    if name == "attention":
-        return [(Q_OUT, H), (H, O_IN)] * layers, [1, split_k(H, O_IN)] * layers
+def chain(name: str, layers: int, generator: torch.Generator, dtype: torch.dtype = torch.bfloat16
+          ) -> list[Dense | Experts]:
+    """A chain's stages, random weights on the generator's device."""
+    def w(*shape):
+        return torch.empty(shape, device=generator.device, dtype=dtype).normal_(0, shape[-1] ** -0.5,
+                                                                                 generator=generator)
+
+    def attention():
+        return [Dense(w(Q_OUT, H)), Dense(w(H, O_IN), split_k(H, O_IN))]
+
+    def moe():
+        return [Dense(w(E, H), split_k(E, H)), Experts(w(E, 2 * I, H), w(E, H, I), TOP_K)]
+
     if name == "tiny":
-        return [(256, 256)] * 48, [1] * 48
-    raise ValueError(f"--chains: {name!r} is not attention or tiny")
+        return [Dense(w(256, 256)) for _ in range(48)]
+    parts = {"attention": attention, "moe": moe, "layer": lambda: attention() + moe()}
+    if name not in parts:
+        raise ValueError(f"--chains: {name!r} is not attention, moe, layer or tiny")
+    return [stage for _ in range(layers) for stage in parts[name]()]
 
 
-def today_ops(weights: list[torch.Tensor], splits: list[int], x: torch.Tensor):
+def bytes_read(stages: list[Dense | Experts], plan: ChainPlan) -> int:
+    """Weight bytes a pass reads: dense weights whole, each expert the rows route to once."""
+    total = 0
+    for index, stage in enumerate(stages):
+        if isinstance(stage, Dense):
+            total += stage.weight.numel() * stage.weight.element_size()
+            continue
+        logits = sum_partials(plan.outputs[index - 1]).to(stage.gate_up.dtype).float()
+        experts = torch.softmax(logits, -1).topk(stage.top_k, -1).indices.unique().numel()
+        total += experts * (stage.gate_up[0].numel() + stage.down[0].numel()) * stage.gate_up.element_size()
+    return total
+
+
+def today_ops(stages: list[Dense | Experts], x: torch.Tensor):
     """The chain as today's kernels run it; returns a callable (for capture)."""
-    ones = {w.shape[0]: torch.ones(w.shape[0], device=x.device, dtype=x.dtype) for w in weights}
-    zeros = {w.shape[0]: torch.zeros(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype) for w in weights}
+    rows = x.shape[0]
+    ones = torch.ones(max(H, Q_OUT, O_IN, 256), device=x.device, dtype=x.dtype)
+    zeros = torch.zeros(rows, max(H, Q_OUT, O_IN, 256), device=x.device, dtype=x.dtype)
 
     def run():
         source = x
-        for weight, num_splits in zip(weights, splits):
-            if num_splits == 1:
-                source = linear(source, weight)
+        for index, stage in enumerate(stages):
+            if isinstance(stage, Experts):
+                continue
+            router = index + 1 < len(stages) and isinstance(stages[index + 1], Experts)
+            width = stage.weight.shape[0]
+            if stage.splits == 1:
+                out = linear(source, stage.weight)
+                if router:
+                    ids, weights = route(out, TOP_K, normalize=True)
             else:
-                partials = linear_partials(source, weight, num_splits)  # [rows, splits, N]
-                _, source = add_rmsnorm(partials, zeros[weight.shape[0]], ones[weight.shape[0]], 1e-6)
+                partials = linear_partials(source, stage.weight, stage.splits)  # [rows, splits, N]
+                if router:
+                    ids, weights = route(partials, TOP_K, round_to=x.dtype, normalize=True)
+                else:
+                    _, out = add_rmsnorm(partials, zeros[:, :width], ones[:width], 1e-6)
+            if router:
+                experts = stages[index + 1]
+                per_route = fused_experts(source, ids, experts.gate_up, experts.down)
+                _, out = combine_add_rmsnorm(per_route, weights, zeros[:, :H], ones[:H], 1e-6)
+            source = out
         return source
     return run
 
@@ -79,8 +127,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=5)
     parser.add_argument("--reps", type=int, default=10, help="graph replays a way a block")
     parser.add_argument("--rows", default="1,5")
-    parser.add_argument("--layers", type=int, default=12, help="layers of the attention chain")
-    parser.add_argument("--chains", default="attention,tiny")
+    parser.add_argument("--layers", type=int, default=8, help="layers of the attention, moe and layer chains")
+    parser.add_argument("--chains", default="attention,moe,layer,tiny")
     parser.add_argument("--programs-per-sm", default="1,2")
     parser.add_argument("--no-cooperative", action="store_true",
                         help="launch the chain as a plain grid (if the driver refuses a cooperative one in a graph)")
@@ -101,18 +149,17 @@ def main() -> None:
     print("| --- | ---: | --- | ---: | ---: | ---: | --- |")
     g = torch.Generator(device="cuda").manual_seed(0)
     for name in args.chains.split(","):
-        shapes, splits = chain(name, args.layers)
-        weights = [torch.empty(s, device=device, dtype=torch.bfloat16).normal_(0, s[1] ** -0.5, generator=g)
-                   for s in shapes]
-        weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+        stages = chain(name, args.layers, g)
         for rows in rows_list:
-            x = torch.empty(rows, shapes[0][1], device=device, dtype=torch.bfloat16).normal_(generator=g)
-            check = ChainPlan(weights, splits, rows, programs=1, cooperative=not args.no_cooperative).run(x).clone()
-            ways = {"today": today_ops(weights, splits, x)}
+            x = torch.empty(rows, H if name != "tiny" else 256, device=device, dtype=torch.bfloat16).normal_(generator=g)
+            one = ChainPlan(stages, rows, programs=1, cooperative=not args.no_cooperative)
+            check = one.run(x).clone()
+            weight_bytes = bytes_read(stages, one)
+            ways = {"today": today_ops(stages, x)}
             for programs in per_sm:
                 for prefetch in PREFETCH_WAYS:
                     try:
-                        plan = ChainPlan(weights, splits, rows, programs=programs * sms, prefetch=prefetch,
+                        plan = ChainPlan(stages, rows, programs=programs * sms, prefetch=prefetch,
                                          cooperative=not args.no_cooperative)
                         out = plan.run(x)
                         torch.cuda.synchronize()
@@ -134,7 +181,7 @@ def main() -> None:
             for way, samples in times.items():
                 us = statistics.median(samples)
                 ratios = [t / s for t, s in zip(times["today"], samples)]
-                print(f"| {name} | {rows} | {way} | {us / len(weights):.2f} | {weight_bytes / us / 1e3:,.0f} | "
+                print(f"| {name} | {rows} | {way} | {us / len(stages):.2f} | {weight_bytes / us / 1e3:,.0f} | "
                       f"{floor_us / us:.2f} | {statistics.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f}) |")
             sys.stdout.flush()
 

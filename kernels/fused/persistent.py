@@ -1,34 +1,57 @@
 """A chain of dependent products in one persistent launch: issue 39's probe (DESIGN §11).
 
 A one-row decode step is a chain of dependent kernels, each so small that its launch, ramp and
-drain cost more than its bytes (docs/PERFORMANCE.md). Here the programs stay resident across a
-chain of products — stage s multiplies the sum of stage s-1's split-K partials by its weight —
-and meet at grid barriers, so nothing is launched between stages, and (`prefetch`) the next
-stage's weights can stream into L2 while the data they multiply is still being made. The chain
-is the smallest thing that answers whether a persistent step pays in Triton on the GPU
-(bench/persistent_probe.py times it against the same products as today's kernels in a CUDA
-graph) before a whole layer is built this way.
+drain cost more than its bytes (docs/PERFORMANCE.md). Here the programs of one launch stay
+resident across a chain of stages and meet at grid barriers, so nothing is launched between
+stages, and (`prefetch`) the next stage's weights can stream into L2 while the data they
+multiply is still being made. Stages:
+- `Dense(weight, splits)`: the sum of the stage before's split-K partials (in split order,
+  rounded to the weights' dtype) times the weight, as split-K partials;
+- `Experts(gate_up, down, top_k)`, after a Dense stage that is its router: each row's routes
+  from the router's partials (as kernels.fused.router.route makes them), then two stages — gate
+  and up of each route with SiLU (its input the router's), and down with the routes' outputs
+  added by weight in rank order (the combine, without residual or norm).
+The chain is the smallest thing that answers whether a persistent step pays in Triton on the GPU
+(bench/persistent_probe.py times it against today's kernels in a CUDA graph) before a whole
+layer is built this way.
 
-Invariants: a stage's partials are linear_partials' with the same tiles (the same K order and
-product), so a row's bits depend neither on the other rows nor on the number of programs, and
-the consumer adds partials in split order as today's do. The barrier needs every program
-resident at once: on CUDA the launch is cooperative (one program a multiprocessor by default);
-the interpreter runs programs one after another, so there a chain runs as one program.
+Invariants: a dense stage's partials are linear_partials' with the same tiles (the same K order
+and product), so a row's bits depend neither on the other rows nor on the number of programs;
+every program computes a row's routes the same way. The barrier needs every program resident at
+once: on CUDA the launch is cooperative (one program a multiprocessor by default); the
+interpreter runs programs one after another, so there a chain runs as one program.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.fused import cdiv, interpreting, tl_dtype, use_triton
+from kernels.fused import cdiv, interpreting, next_power_of_2, tl_dtype, use_triton
 from kernels.fused.linear import BLOCK_M, linear_config, pipeline_stages, rowwise_linear
+from kernels.routing import route_topk
 
-STAGE_FIELDS = 8  # persistent_kernels.FIELDS
+STAGE_FIELDS = 16  # persistent_kernels.FIELDS
+DENSE, GATE_UP, DOWN = 0, 1, 2  # persistent_kernels' stage kinds
 LINE = 128  # bytes an L2 prefetch covers
 PREFETCH_WAYS = {"none": 0, "before-barrier": 1, "at-stage-start": 2}
+
+
+@dataclass(frozen=True)
+class Dense:
+    weight: Tensor  # [num_out, num_in], rows contiguous
+    splits: int = 1
+
+
+@dataclass(frozen=True)
+class Experts:
+    gate_up: Tensor  # [E, 2·inter, H]: gate rows, then up rows
+    down: Tensor  # [E, H, inter]
+    top_k: int
 
 
 @functools.cache
@@ -43,85 +66,147 @@ def k_per_split(num_in: int, splits: int, block_k: int) -> int:
     return cdiv(cdiv(num_in, splits), block_k) * block_k
 
 
+def _check(stages: list[Dense | Experts], rows: int) -> None:
+    if not stages or not isinstance(stages[0], Dense):
+        raise ValueError("stages: a chain starts with a Dense stage")
+    first = stages[0].weight
+    if not 1 <= rows <= BLOCK_M:
+        raise ValueError(f"rows = {rows} must lie in [1, {BLOCK_M}] (one BLOCK_M tile)")
+    width = first.shape[1]  # what the stage before makes
+    for s, stage in enumerate(stages):
+        tensors = [stage.weight] if isinstance(stage, Dense) else [stage.gate_up, stage.down]
+        for t in tensors:
+            if not t.is_contiguous() or t.dtype != first.dtype or t.device != first.device:
+                raise ValueError(f"stages[{s}]: weights must be contiguous, {first.dtype} on {first.device}")
+        if isinstance(stage, Dense):
+            if stage.weight.dim() != 2 or stage.weight.shape[1] != width:
+                raise ValueError(f"stages[{s}]: weight {tuple(stage.weight.shape)} does not take the {width} values "
+                                 f"the stage before makes")
+            if stage.splits < 1:
+                raise ValueError(f"stages[{s}]: splits = {stage.splits} must be >= 1")
+            width = stage.weight.shape[0]
+            continue
+        router = stages[s - 1]
+        if not isinstance(router, Dense):
+            raise ValueError(f"stages[{s}]: Experts follow the Dense stage that is their router")
+        num_experts, hidden = router.weight.shape[0], router.weight.shape[1]
+        if stage.gate_up.dim() != 3 or stage.gate_up.shape[0] != num_experts or stage.gate_up.shape[2] != hidden \
+                or stage.gate_up.shape[1] % 2:
+            raise ValueError(f"stages[{s}]: gate_up {tuple(stage.gate_up.shape)} is not [{num_experts}, 2·inter, "
+                             f"{hidden}] (the router's experts and input)")
+        if tuple(stage.down.shape) != (num_experts, hidden, stage.gate_up.shape[1] // 2):
+            raise ValueError(f"stages[{s}]: down {tuple(stage.down.shape)} is not "
+                             f"[{num_experts}, {hidden}, {stage.gate_up.shape[1] // 2}]")
+        if not 1 <= stage.top_k <= num_experts:
+            raise ValueError(f"stages[{s}]: top_k = {stage.top_k} must lie in [1, {num_experts}]")
+        width = hidden
+
+
 class ChainPlan:
     """Buffers, table and barrier counter of one chain at one row count (as a captured graph is
-    one window size): `run(x)` returns the last stage's partials [splits, rows, num_out] float32."""
+    one window size): `run(x)` returns the last stage's partials [splits, rows, width] float32."""
 
-    def __init__(self, weights: list[Tensor], splits: list[int], rows: int, *, programs: int | None = None,
+    def __init__(self, stages: list[Dense | Experts], rows: int, *, programs: int | None = None,
                  prefetch: str = "none", tile: tuple[int, int, int, int] | None = None,
                  cooperative: bool = True) -> None:
-        if not weights or len(weights) != len(splits):
-            raise ValueError(f"weights ({len(weights)}) and splits ({len(splits)}) must be as many, at least one")
-        first = weights[0]
-        for s, (weight, num_splits) in enumerate(zip(weights, splits)):
-            if weight.dim() != 2 or weight.stride(1) != 1 or weight.stride(0) != weight.shape[1]:
-                raise ValueError(f"weights[{s}]: a contiguous [num_out, num_in] matrix is needed")
-            if weight.dtype != first.dtype or weight.device != first.device:
-                raise ValueError(f"weights[{s}]: {weight.dtype} on {weight.device}, not {first.dtype} on {first.device}")
-            if s and weight.shape[1] != weights[s - 1].shape[0]:
-                raise ValueError(f"weights[{s}]: takes {weight.shape[1]} inputs, stage {s - 1} makes {weights[s - 1].shape[0]}")
-            if num_splits < 1:
-                raise ValueError(f"splits[{s}] = {num_splits} must be >= 1")
-        if not 1 <= rows <= BLOCK_M:
-            raise ValueError(f"rows = {rows} must lie in [1, {BLOCK_M}] (one BLOCK_M tile)")
-        if prefetch not in PREFETCH_WAYS:
-            raise ValueError(f"prefetch = {prefetch!r} is not one of {sorted(PREFETCH_WAYS)}")
+        _check(stages, rows)
+        first = stages[0].weight
         device = first.device
         if programs is None:
             programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         if programs < 1 or (device.type != "cuda" and programs != 1):
             raise ValueError(f"programs = {programs}: at least 1, and exactly 1 off CUDA (the interpreter runs "
                              f"programs one after another, so a grid barrier over more would never be passed)")
+        if prefetch not in PREFETCH_WAYS:
+            raise ValueError(f"prefetch = {prefetch!r} is not one of {sorted(PREFETCH_WAYS)}")
         if prefetch != "none" and device.type != "cuda":
             raise ValueError("prefetch: the L2 prefetch is PTX, so it needs CUDA")
-        self.weights, self.splits, self.rows, self.programs = list(weights), list(splits), rows, programs
+        self.stages, self.rows, self.programs = list(stages), rows, programs
         self.prefetch = PREFETCH_WAYS[prefetch]
         # cooperative: the driver refuses a grid that cannot be resident at once (else a barrier
         # would hang); off, residency rests on the grid fitting the GPU with nothing else running.
         self.cooperative = cooperative
+        dense_splits = [s.splits for s in stages if isinstance(s, Dense)]
+        self.max_in_splits = max([1, *dense_splits])
         if tile is None:
             # linear_config's tile, its stages refitted: each K step also buffers the float32
-            # partials of the input (as many as the widest split before)
-            block_n, block_k, warps, stages = linear_config(*first.shape, first.element_size())
-            max_in = max([1, *splits[:-1]])
-            tile = (block_n, block_k, warps,
-                    pipeline_stages(stages, (BLOCK_M * 4 * max_in + block_n * first.element_size()) * block_k))
+            # partials of the input (as many as the widest split)
+            block_n, block_k, warps, num_stages = linear_config(*first.shape, first.element_size())
+            tile = (block_n, block_k, warps, pipeline_stages(
+                num_stages, (BLOCK_M * 4 * self.max_in_splits + 2 * block_n * first.element_size()) * block_k))
         self.tile = tile
-        block_k = self.tile[1]
-        self.input = torch.zeros((1, rows, first.shape[1]), dtype=torch.float32, device=device)  # [1, rows, K0]
-        self.outputs = [torch.zeros((s, rows, w.shape[0]), dtype=torch.float32, device=device)  # [splits, rows, N]
-                        for w, s in zip(weights, splits)]
+        block_k = tile[1]
+        experts = [s for s in stages if isinstance(s, Experts)]
+        self.block_e = next_power_of_2(max([2, *(s.gate_up.shape[0] for s in experts)]))
+        self.k_pad = next_power_of_2(max([2, *(s.top_k for s in experts)]))
+
+        def buffer(*shape: int) -> Tensor:
+            return torch.zeros(shape, dtype=torch.float32, device=device)
+
+        self.input = buffer(1, rows, first.shape[1])  # [1, rows, K0]: x, as the first stage's "partials"
+        self.outputs: list[Tensor] = []  # per stage of `stages`: its last kernel stage's output
+        self.acts: list[Tensor | None] = []  # per stage: an Experts stage's routes' activations [1, rows·k, inter]
         table = []
-        previous, previous_splits = self.input, 1
-        for weight, num_splits, out in zip(weights, splits, self.outputs):
-            num_out, num_in = weight.shape
-            table.append([weight.data_ptr(), out.data_ptr(), previous.data_ptr(), num_out, num_in, num_splits,
-                          k_per_split(num_in, num_splits, block_k), previous_splits])
-            previous, previous_splits = out, num_splits
-        self.table = torch.tensor(table, dtype=torch.int64, device=device)  # [stages, STAGE_FIELDS]
+        source, source_splits = self.input, 1
+        for s, stage in enumerate(stages):
+            if isinstance(stage, Dense):
+                num_out, num_in = stage.weight.shape
+                out = buffer(stage.splits, rows, num_out)  # [splits, rows, N]
+                table.append([stage.weight.data_ptr(), out.data_ptr(), source.data_ptr(), num_out, num_in,
+                              stage.splits, k_per_split(num_in, stage.splits, block_k), source_splits, DENSE,
+                              0, 0, 0, 0])
+                router_in, router_in_splits = source, source_splits
+                self.acts.append(None)
+                source, source_splits = out, stage.splits
+            else:
+                num_experts, double_inter, hidden = stage.gate_up.shape
+                inter = double_inter // 2
+                routes = (source.data_ptr(), source_splits, num_experts, stage.top_k)
+                act = buffer(1, rows * stage.top_k, inter)
+                out = buffer(1, rows, hidden)
+                table.append([stage.gate_up.data_ptr(), act.data_ptr(), router_in.data_ptr(), inter, hidden, 1, hidden,
+                              router_in_splits, GATE_UP, *routes])
+                table.append([stage.down.data_ptr(), out.data_ptr(), act.data_ptr(), hidden, inter, 1, inter, 1, DOWN,
+                              *routes])
+                self.acts.append(act)
+                source, source_splits = out, 1
+            self.outputs.append(source)
+        self.table = torch.tensor([row + [0] * (STAGE_FIELDS - len(row)) for row in table], dtype=torch.int64,
+                                  device=device)  # [kernel stages, STAGE_FIELDS]
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
 
     def run(self, x: Tensor) -> Tensor:  # x [rows, K0] in the weights' dtype
-        if tuple(x.shape) != tuple(self.input.shape[1:]) or x.dtype != self.weights[0].dtype:
-            raise ValueError(f"x: {tuple(x.shape)} {x.dtype}, the plan takes {tuple(self.input.shape[1:])} "
-                             f"{self.weights[0].dtype}")
+        dtype = self.stages[0].weight.dtype
+        if tuple(x.shape) != tuple(self.input.shape[1:]) or x.dtype != dtype:
+            raise ValueError(f"x: {tuple(x.shape)} {x.dtype}, the plan takes {tuple(self.input.shape[1:])} {dtype}")
         self.input[0].copy_(x)
         if not use_triton(x):
-            for s, (weight, num_splits) in enumerate(zip(self.weights, self.splits)):
-                source = self.input if s == 0 else self.outputs[s - 1]
-                self.outputs[s].copy_(stage_partials(sum_partials(source).to(weight.dtype), weight, num_splits,
-                                                     self.tile[1]))
+            self._reference()
             return self.outputs[-1]
         self.counter.zero_()
-        block_n, block_k, warps, stages = self.tile
+        block_n, block_k, warps, num_stages = self.tile
         options = {"launch_cooperative_grid": True} if self.cooperative and not interpreting() else {}
         _kernels()[(self.programs,)](
-            self.table, self.counter, len(self.weights), self.rows,
+            self.table, self.counter, self.table.shape[0], self.rows,
             BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, DTYPE=tl_dtype(x.dtype), IEEE=x.dtype == torch.float32,
-            PREFETCH=self.prefetch, LINE=LINE // x.element_size(), MAX_IN_SPLITS=max([1, *self.splits[:-1]]),
-            num_warps=warps, num_stages=stages, **options,
+            PREFETCH=self.prefetch, LINE=LINE // x.element_size(), MAX_IN_SPLITS=self.max_in_splits,
+            BLOCK_E=self.block_e, K_PAD=self.k_pad, num_warps=warps, num_stages=num_stages, **options,
         )
         return self.outputs[-1]
+
+    def _reference(self) -> None:
+        """The chain by the torch reference, into the same buffers."""
+        source, router_in = self.input, None
+        for stage, out, act in zip(self.stages, self.outputs, self.acts):
+            dtype = self.stages[0].weight.dtype
+            if isinstance(stage, Dense):
+                router_in = source
+                out.copy_(stage_partials(sum_partials(source).to(dtype), stage.weight, stage.splits, self.tile[1]))
+            else:
+                routes, combined = experts_stage(sum_partials(router_in).to(dtype), source, stage)
+                act.copy_(routes.unsqueeze(0))
+                out.copy_(combined.unsqueeze(0))
+            source = out
 
 
 def sum_partials(partials: Tensor) -> Tensor:  # [splits, rows, N] float32 -> [rows, N]
@@ -133,8 +218,27 @@ def sum_partials(partials: Tensor) -> Tensor:  # [splits, rows, N] float32 -> [r
 
 
 def stage_partials(x: Tensor, weight: Tensor, splits: int, block_k: int) -> Tensor:
-    """The torch reference of one stage: [splits, rows, N] float32, split s the product over K range
-    s·k_per_split ..., row by row (rowwise_linear), as linear_partials' reference."""
+    """The torch reference of a Dense stage: [splits, rows, N] float32, split s the product over K
+    range s·k_per_split ..., row by row (rowwise_linear), as linear_partials' reference."""
     step = k_per_split(weight.shape[1], splits, block_k)
     return torch.stack([rowwise_linear(x[:, s * step:(s + 1) * step].float(), weight[:, s * step:(s + 1) * step].float())
                         for s in range(splits)])
+
+
+def experts_stage(x: Tensor, router_partials: Tensor, stage: Experts) -> tuple[Tensor, Tensor]:
+    """The torch reference of an Experts stage: (the routes' activations [rows·k, inter] float32 of
+    dtype values, the combined outputs [rows, H] float32). x [rows, H] the router's input."""
+    logits = sum_partials(router_partials).to(x.dtype)
+    ids, weights = route_topk(logits, stage.top_k, normalize=True)  # [rows, k]
+    inter = stage.down.shape[2]
+    acts, combined = [], []
+    for row in range(x.shape[0]):
+        total = torch.zeros(stage.down.shape[1], dtype=torch.float32, device=x.device)
+        for rank in range(stage.top_k):
+            expert = int(ids[row, rank])
+            gate_up = rowwise_linear(x[row:row + 1].float(), stage.gate_up[expert].float())  # [1, 2·inter]
+            act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype).float()
+            acts.append(act)
+            total = total + weights[row, rank] * rowwise_linear(act, stage.down[expert].float())[0]
+        combined.append(total)
+    return torch.cat(acts), torch.stack(combined)

@@ -5,9 +5,14 @@ import triton.language as tl
 
 from kernels.fused.fp8_kernels import tile_dot
 
-# A stage's entry in the chain's table: int64 fields (weight, out, in) addresses, num_out, num_in,
-# splits, k_per_split, in_splits (kernels.fused.persistent.ChainPlan builds it).
-FIELDS: tl.constexpr = 8
+# A stage's entry in the chain's table, int64 fields (kernels.fused.persistent.ChainPlan builds it):
+# 0 weight, 1 out, 2 in (addresses), 3 num_out, 4 num_in, 5 splits, 6 k_per_split, 7 in_splits,
+# 8 kind (DENSE, GATE_UP, DOWN), 9 the router's partials (address), 10 their splits, 11 experts,
+# 12 routes a row (top k).
+FIELDS: tl.constexpr = 16
+DENSE: tl.constexpr = 0
+GATE_UP: tl.constexpr = 1
+DOWN: tl.constexpr = 2
 
 
 @triton.jit
@@ -34,23 +39,219 @@ def prefetch_l2(ptrs):
 
 
 @triton.jit
-def prefetch_share(entry, pid, num_programs, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
-                   LINE: tl.constexpr):
-    """Prefetch into L2 every weight line of a stage that this program will multiply."""
+def prefetch_rows(w_ptr, cols, num_out, num_in, k_start, k_stop, BLOCK_K: tl.constexpr, LINE: tl.constexpr):
+    """Prefetch the lines of weight rows `cols` (of num_out) over columns [k_start, k_stop)."""
+    lines = tl.arange(0, BLOCK_K // LINE) * LINE
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        prefetch_l2(w_ptr + tl.minimum(cols, num_out - 1)[:, None] * num_in
+                    + tl.minimum(k0 + lines, num_in - 1)[None, :])
+
+
+@triton.jit
+def row_routes(route_ptr, route_splits, M, row, num_experts, top_k, DTYPE: tl.constexpr, BLOCK_E: tl.constexpr,
+               K_PAD: tl.constexpr):
+    """(expert ids [K_PAD], weights [K_PAD]) of one row, as kernels.fused.router.route makes them:
+    the router's split-K partials added in split order and rounded to DTYPE, softmax in float32,
+    top k by rank (ties to the lower id), weights normalised over the k. Every program that needs
+    a row's routes computes them (a few reductions over E logits): no stage, no barrier for them."""
+    e = tl.arange(0, BLOCK_E)
+    ok = e < num_experts
+    x = tl.load(route_ptr + row * num_experts + e, mask=ok, other=0.0, cache_modifier=".cg")
+    for s in range(1, route_splits):
+        x += tl.load(route_ptr + (s * M + row) * num_experts + e, mask=ok, other=0.0, cache_modifier=".cg")
+    x = tl.where(ok, x.to(DTYPE).to(tl.float32), float("-inf"))
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = p / tl.sum(p, axis=0)
+    remaining = tl.where(ok, p, float("-inf"))
+    ranks = tl.arange(0, K_PAD)
+    picked = tl.zeros((K_PAD,), tl.int32)
+    chosen = tl.zeros((K_PAD,), tl.float32)
+    for rank in range(top_k):
+        best = tl.argmax(remaining, axis=0, tie_break_left=True)
+        prob = tl.sum(tl.where(e == best, p, 0.0), axis=0)
+        picked = tl.where(ranks == rank, best.to(tl.int32), picked)
+        chosen = tl.where(ranks == rank, prob, chosen)
+        remaining = tl.where(e == best, float("-inf"), remaining)
+    chosen = chosen / tl.maximum(tl.sum(chosen, axis=0), 6.103515625e-05)  # kernels.routing.WEIGHT_FLOOR, 2**-14
+    return picked, chosen
+
+
+@triton.jit
+def pick(values, ranks, rank):
+    """values[rank] of a [K_PAD] vector, as a scalar."""
+    return tl.sum(tl.where(ranks == rank, values, 0), axis=0)
+
+
+@triton.jit
+def dense_stage(entry, pid, num_programs, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                DTYPE: tl.constexpr, IEEE: tl.constexpr, MAX_IN_SPLITS: tl.constexpr):
+    """out [splits, M, num_out] = split-K partials of (Σ in's partials, rounded to DTYPE) @ w^T; items
+    (column block, split) round-robin; each K loop is linear_kernel's (same tiles, order, product)."""
     w_ptr = tl.load(entry + 0).to(tl.pointer_type(DTYPE))
+    out_ptr = tl.load(entry + 1).to(tl.pointer_type(tl.float32))
+    in_ptr = tl.load(entry + 2).to(tl.pointer_type(tl.float32))
     num_out = tl.load(entry + 3).to(tl.int32)
     num_in = tl.load(entry + 4).to(tl.int32)
     splits = tl.load(entry + 5).to(tl.int32)
     k_per_split = tl.load(entry + 6).to(tl.int32)
+    in_splits = tl.load(entry + 7).to(tl.int32)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
     ns = tl.arange(0, BLOCK_N)
-    lines = tl.arange(0, BLOCK_K // LINE) * LINE
+    ks = tl.arange(0, BLOCK_K)
     for item in range(pid, tl.cdiv(num_out, BLOCK_N) * splits, num_programs):
+        split = item % splits
         cols = (item // splits) * BLOCK_N + ns
-        k_start = (item % splits) * k_per_split
+        col_ok = cols < num_out
+        k_start = split * k_per_split
         k_stop = tl.minimum(num_in, k_start + k_per_split)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_stop, BLOCK_K):
-            prefetch_l2(w_ptr + tl.minimum(cols, num_out - 1)[:, None] * num_in
-                        + tl.minimum(k0 + lines, num_in - 1)[None, :])
+            kk = k0 + ks
+            k_ok = kk < num_in
+            x_ok = row_ok[:, None] & k_ok[None, :]
+            # (the other programs' partials: read through L2, never a stale L1 line)
+            xs = tl.load(in_ptr + rows[:, None] * num_in + kk[None, :], mask=x_ok, other=0.0, cache_modifier=".cg")
+            # (unrolled, masked past in_splits: a loop nested in the K loop would keep the
+            # compiler from pipelining the weight loads)
+            for j in tl.static_range(1, MAX_IN_SPLITS):
+                xs += tl.load(in_ptr + j * M * num_in + rows[:, None] * num_in + kk[None, :],
+                              mask=x_ok & (j < in_splits), other=0.0, cache_modifier=".cg")
+            w = tl.load(w_ptr + cols[:, None] * num_in + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tile_dot(xs.to(DTYPE), w, acc, w_ptr, cols, col_ok, k0, num_in, IEEE, False, 1, BLOCK_N, BLOCK_K,
+                           BLOCK_K, False, False)
+        tl.store(out_ptr + split * M * num_out + rows[:, None] * num_out + cols[None, :], acc,
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def gate_up_stage(entry, pid, num_programs, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DTYPE: tl.constexpr, IEEE: tl.constexpr, MAX_IN_SPLITS: tl.constexpr, BLOCK_E: tl.constexpr,
+                  K_PAD: tl.constexpr):
+    """out [M·k, inter] = silu(x @ gate_e^T) · (x @ up_e^T), rounded to DTYPE, for route (row, rank)
+    with expert e = the row's rank-th pick; w [E, 2·inter, H] (gate rows, then up rows); items
+    (route, column block) round-robin, one route a tile (its row in the tile's first)."""
+    w_ptr = tl.load(entry + 0).to(tl.pointer_type(DTYPE))
+    out_ptr = tl.load(entry + 1).to(tl.pointer_type(tl.float32))
+    in_ptr = tl.load(entry + 2).to(tl.pointer_type(tl.float32))
+    inter = tl.load(entry + 3).to(tl.int32)
+    hidden = tl.load(entry + 4).to(tl.int32)
+    in_splits = tl.load(entry + 7).to(tl.int32)
+    route_ptr = tl.load(entry + 9).to(tl.pointer_type(tl.float32))
+    route_splits = tl.load(entry + 10).to(tl.int32)
+    num_experts = tl.load(entry + 11).to(tl.int32)
+    top_k = tl.load(entry + 12).to(tl.int32)
+    rows = tl.arange(0, BLOCK_M)
+    first = rows == 0
+    ns = tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    ranks = tl.arange(0, K_PAD)
+    num_blocks = tl.cdiv(inter, BLOCK_N)
+    for item in range(pid, M * top_k * num_blocks, num_programs):
+        route = item // num_blocks
+        row = route // top_k
+        picked, _ = row_routes(route_ptr, route_splits, M, row, num_experts, top_k, DTYPE, BLOCK_E, K_PAD)
+        expert = pick(picked, ranks, route % top_k)
+        cols = (item % num_blocks) * BLOCK_N + ns
+        col_ok = cols < inter
+        gate_rows = expert.to(tl.int64) * 2 * inter + cols
+        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < hidden
+            x_ok = first[:, None] & k_ok[None, :]
+            xs = tl.load(in_ptr + row * hidden + kk[None, :] + 0 * rows[:, None], mask=x_ok, other=0.0,
+                         cache_modifier=".cg")
+            for j in tl.static_range(1, MAX_IN_SPLITS):
+                xs += tl.load(in_ptr + (j * M + row) * hidden + kk[None, :] + 0 * rows[:, None],
+                              mask=x_ok & (j < in_splits), other=0.0, cache_modifier=".cg")
+            x = xs.to(DTYPE)
+            w_ok = col_ok[:, None] & k_ok[None, :]
+            wg = tl.load(w_ptr + gate_rows[:, None] * hidden + kk[None, :], mask=w_ok, other=0.0)
+            wu = tl.load(w_ptr + (gate_rows + inter)[:, None] * hidden + kk[None, :], mask=w_ok, other=0.0)
+            gate = tile_dot(x, wg, gate, w_ptr, cols, col_ok, k0, hidden, IEEE, False, 1, BLOCK_N, BLOCK_K, BLOCK_K,
+                            False, False)
+            up = tile_dot(x, wu, up, w_ptr, cols, col_ok, k0, hidden, IEEE, False, 1, BLOCK_N, BLOCK_K, BLOCK_K,
+                          False, False)
+        act = (gate * tl.sigmoid(gate) * up).to(DTYPE).to(tl.float32)
+        tl.store(out_ptr + route * inter + cols[None, :] + 0 * rows[:, None], act, mask=first[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def down_stage(entry, pid, num_programs, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               DTYPE: tl.constexpr, IEEE: tl.constexpr, BLOCK_E: tl.constexpr, K_PAD: tl.constexpr):
+    """out [1, M, H] = Σ_rank weight · (act_route @ down_e^T) in float32, rank order (the combine),
+    for each row; w [E, H, inter]; items: column blocks round-robin."""
+    w_ptr = tl.load(entry + 0).to(tl.pointer_type(DTYPE))
+    out_ptr = tl.load(entry + 1).to(tl.pointer_type(tl.float32))
+    act_ptr = tl.load(entry + 2).to(tl.pointer_type(tl.float32))  # [M·k, inter]
+    hidden = tl.load(entry + 3).to(tl.int32)
+    inter = tl.load(entry + 4).to(tl.int32)
+    route_ptr = tl.load(entry + 9).to(tl.pointer_type(tl.float32))
+    route_splits = tl.load(entry + 10).to(tl.int32)
+    num_experts = tl.load(entry + 11).to(tl.int32)
+    top_k = tl.load(entry + 12).to(tl.int32)
+    rows = tl.arange(0, BLOCK_M)
+    first = rows == 0
+    ns = tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    ranks = tl.arange(0, K_PAD)
+    for item in range(pid, tl.cdiv(hidden, BLOCK_N), num_programs):
+        cols = item * BLOCK_N + ns
+        col_ok = cols < hidden
+        for row in range(M):
+            picked, chosen = row_routes(route_ptr, route_splits, M, row, num_experts, top_k, DTYPE, BLOCK_E, K_PAD)
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for rank in range(top_k):
+                expert = pick(picked, ranks, rank)
+                w_rows = expert.to(tl.int64) * hidden + cols
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for k0 in range(0, inter, BLOCK_K):
+                    kk = k0 + ks
+                    k_ok = kk < inter
+                    a = tl.load(act_ptr + (row * top_k + rank) * inter + kk[None, :] + 0 * rows[:, None],
+                                mask=first[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
+                    w = tl.load(w_ptr + w_rows[:, None] * inter + kk[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                                other=0.0)
+                    acc = tile_dot(a.to(DTYPE), w, acc, w_ptr, cols, col_ok, k0, inter, IEEE, False, 1, BLOCK_N,
+                                   BLOCK_K, BLOCK_K, False, False)
+                total += pick(chosen, ranks, rank) * acc
+            tl.store(out_ptr + row * hidden + cols[None, :] + 0 * rows[:, None], total,
+                     mask=first[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def prefetch_share(entry, pid, num_programs, M, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
+                   LINE: tl.constexpr, BLOCK_E: tl.constexpr, K_PAD: tl.constexpr):
+    """Prefetch into L2 every weight line of a stage that this program will multiply: a dense
+    stage's always; a down stage's once its routes are known (the router's stage has passed:
+    called from the gate/up stage); a gate/up stage's never (its routes are not known yet)."""
+    kind = tl.load(entry + 8).to(tl.int32)
+    w_ptr = tl.load(entry + 0).to(tl.pointer_type(DTYPE))
+    num_out = tl.load(entry + 3).to(tl.int32)
+    num_in = tl.load(entry + 4).to(tl.int32)
+    ns = tl.arange(0, BLOCK_N)
+    if kind == DENSE:
+        splits = tl.load(entry + 5).to(tl.int32)
+        k_per_split = tl.load(entry + 6).to(tl.int32)
+        for item in range(pid, tl.cdiv(num_out, BLOCK_N) * splits, num_programs):
+            k_start = (item % splits) * k_per_split
+            prefetch_rows(w_ptr, (item // splits) * BLOCK_N + ns, num_out, num_in, k_start,
+                          tl.minimum(num_in, k_start + k_per_split), BLOCK_K, LINE)
+    elif kind == DOWN:
+        route_ptr = tl.load(entry + 9).to(tl.pointer_type(tl.float32))
+        route_splits = tl.load(entry + 10).to(tl.int32)
+        num_experts = tl.load(entry + 11).to(tl.int32)
+        top_k = tl.load(entry + 12).to(tl.int32)
+        ranks = tl.arange(0, K_PAD)
+        for item in range(pid, tl.cdiv(num_out, BLOCK_N), num_programs):
+            for row in range(M):
+                picked, _ = row_routes(route_ptr, route_splits, M, row, num_experts, top_k, DTYPE, BLOCK_E, K_PAD)
+                for rank in range(top_k):
+                    expert = pick(picked, ranks, rank)
+                    prefetch_rows(w_ptr + expert.to(tl.int64) * num_out * num_in, item * BLOCK_N + ns, num_out,
+                                  num_in, 0, num_in, BLOCK_K, LINE)
 
 
 @triton.jit
@@ -58,57 +259,28 @@ def chain_kernel(
     table_ptr, counter_ptr, chain_length, M,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
     IEEE: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, MAX_IN_SPLITS: tl.constexpr,
+    BLOCK_E: tl.constexpr, K_PAD: tl.constexpr,
 ):
-    """Every stage of a chain of products in one launch: stage s multiplies the sum of stage s-1's
-    split-K partials (in split order, rounded to DTYPE) by its weight and writes its own partials;
-    the programs stay resident, each taking the stage's (column block, split) items round-robin,
-    and meet at a grid barrier between stages. A K loop is linear_kernel's (same tiles, same
-    order, the same product), so with the same tiles a stage's partials are linear_partials'.
-    PREFETCH: 0 none; 1 the next stage's share of weights prefetched into L2 before the barrier;
-    2 at the stage's start, so HBM streams the next stage's weights while this one runs."""
+    """Every stage of a chain in one launch: the programs stay resident, take each stage's items
+    round-robin and meet at a grid barrier between stages. PREFETCH: 0 none; 1 the next stage's
+    share of weights prefetched into L2 before the barrier; 2 at the stage's start, so HBM streams
+    the next stage's weights while this one runs (prefetch_share: where they are known)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    ns = tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
     for stage in range(chain_length):
         entry = table_ptr + stage * FIELDS
         if PREFETCH == 2:
             if stage + 1 < chain_length:
-                prefetch_share(entry + FIELDS, pid, num_programs, BLOCK_N, BLOCK_K, DTYPE, LINE)
-        w_ptr = tl.load(entry + 0).to(tl.pointer_type(DTYPE))
-        out_ptr = tl.load(entry + 1).to(tl.pointer_type(tl.float32))  # [splits, M, num_out]
-        in_ptr = tl.load(entry + 2).to(tl.pointer_type(tl.float32))  # [in_splits, M, num_in]
-        num_out = tl.load(entry + 3).to(tl.int32)
-        num_in = tl.load(entry + 4).to(tl.int32)
-        splits = tl.load(entry + 5).to(tl.int32)
-        k_per_split = tl.load(entry + 6).to(tl.int32)
-        in_splits = tl.load(entry + 7).to(tl.int32)
-        for item in range(pid, tl.cdiv(num_out, BLOCK_N) * splits, num_programs):
-            split = item % splits
-            cols = (item // splits) * BLOCK_N + ns
-            col_ok = cols < num_out
-            k_start = split * k_per_split
-            k_stop = tl.minimum(num_in, k_start + k_per_split)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(k_start, k_stop, BLOCK_K):
-                kk = k0 + ks
-                k_ok = kk < num_in
-                x_ok = row_ok[:, None] & k_ok[None, :]
-                # (the other programs' partials: read through L2, never a stale L1 line)
-                xs = tl.load(in_ptr + rows[:, None] * num_in + kk[None, :], mask=x_ok, other=0.0, cache_modifier=".cg")
-                # (unrolled, masked past in_splits: a loop nested in the K loop would keep the
-                # compiler from pipelining the weight loads)
-                for j in tl.static_range(1, MAX_IN_SPLITS):
-                    xs += tl.load(in_ptr + j * M * num_in + rows[:, None] * num_in + kk[None, :],
-                                  mask=x_ok & (j < in_splits), other=0.0, cache_modifier=".cg")
-                w = tl.load(w_ptr + cols[:, None] * num_in + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-                acc = tile_dot(xs.to(DTYPE), w, acc, w_ptr, cols, col_ok, k0, num_in, IEEE, False, 1, BLOCK_N, BLOCK_K,
-                               BLOCK_K, False, False)
-            tl.store(out_ptr + split * M * num_out + rows[:, None] * num_out + cols[None, :], acc,
-                     mask=row_ok[:, None] & col_ok[None, :])
+                prefetch_share(entry + FIELDS, pid, num_programs, M, BLOCK_N, BLOCK_K, DTYPE, LINE, BLOCK_E, K_PAD)
+        kind = tl.load(entry + 8).to(tl.int32)
+        if kind == DENSE:
+            dense_stage(entry, pid, num_programs, M, BLOCK_M, BLOCK_N, BLOCK_K, DTYPE, IEEE, MAX_IN_SPLITS)
+        elif kind == GATE_UP:
+            gate_up_stage(entry, pid, num_programs, M, BLOCK_M, BLOCK_N, BLOCK_K, DTYPE, IEEE, MAX_IN_SPLITS, BLOCK_E,
+                          K_PAD)
+        else:
+            down_stage(entry, pid, num_programs, M, BLOCK_M, BLOCK_N, BLOCK_K, DTYPE, IEEE, BLOCK_E, K_PAD)
         if PREFETCH == 1:
             if stage + 1 < chain_length:
-                prefetch_share(entry + FIELDS, pid, num_programs, BLOCK_N, BLOCK_K, DTYPE, LINE)
+                prefetch_share(entry + FIELDS, pid, num_programs, M, BLOCK_N, BLOCK_K, DTYPE, LINE, BLOCK_E, K_PAD)
         grid_barrier(counter_ptr, (stage + 1) * num_programs)

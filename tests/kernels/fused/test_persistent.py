@@ -1,12 +1,14 @@
 """kernels.fused.persistent: a chain of products in one persistent launch computes what today's
-kernels compute stage by stage (linear_partials, partials added in split order), row-invariantly,
-whatever the number of programs or the prefetch."""
+kernels compute stage by stage (linear_partials, partials added in split order; route, the
+experts and their combine), row-invariantly, whatever the number of programs or the prefetch."""
 
 import pytest
 import torch
 
 from kernels.fused.linear import linear_config, linear_partials
-from kernels.fused.persistent import ChainPlan, stage_partials, sum_partials
+from kernels.fused.moe import fused_experts
+from kernels.fused.persistent import ChainPlan, Dense, Experts, experts_stage, stage_partials, sum_partials
+from kernels.fused.router import route
 
 from .conftest import assert_same_row, devices_and_dtypes, tolerance
 
@@ -19,6 +21,10 @@ SPLITS = [1, 4, 2]
 def chain_weights(device, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(shape, generator=g) / shape[1] ** 0.5).to(device, dtype) for shape in SHAPES]
+
+
+def dense_chain(weights, splits=SPLITS):
+    return [Dense(w, s) for w, s in zip(weights, splits)]
 
 
 def today(x, weights, splits):
@@ -39,7 +45,7 @@ def test_the_stages_take_one_tile():
 def test_a_chain_computes_todays_products_stage_by_stage(device, dtype):
     weights = chain_weights(device, dtype)
     x = torch.randn(5, SHAPES[0][1], generator=torch.Generator().manual_seed(1)).to(device, dtype)
-    plan = ChainPlan(weights, SPLITS, rows=5)
+    plan = ChainPlan(dense_chain(weights), rows=5)
     last = plan.run(x)
     assert last.shape == (2, 5, SHAPES[-1][0]) and last.dtype == torch.float32
     expected = today(x, weights, SPLITS)
@@ -61,9 +67,9 @@ def test_a_chain_computes_todays_products_stage_by_stage(device, dtype):
 def test_a_row_is_the_same_alone_or_in_a_window(device, dtype):
     weights = chain_weights(device, dtype, seed=2)
     x = torch.randn(5, SHAPES[0][1], generator=torch.Generator().manual_seed(3)).to(device, dtype)
-    window = ChainPlan(weights, SPLITS, rows=5).run(x).clone()
+    window = ChainPlan(dense_chain(weights), rows=5).run(x).clone()
     for row in (0, 4):
-        alone = ChainPlan(weights, SPLITS, rows=1).run(x[row:row + 1])
+        alone = ChainPlan(dense_chain(weights), rows=1).run(x[row:row + 1])
         assert_same_row(alone[:, 0], window[:, row])
 
 
@@ -72,31 +78,39 @@ def test_a_row_is_the_same_alone_or_in_a_window(device, dtype):
 def test_programs_and_prefetch_change_no_bit(dtype):
     weights = chain_weights("cuda", dtype, seed=4)
     x = torch.randn(3, SHAPES[0][1], generator=torch.Generator().manual_seed(5)).to("cuda", dtype)
-    one = ChainPlan(weights, SPLITS, rows=3, programs=1).run(x).clone()
+    one = ChainPlan(dense_chain(weights), rows=3, programs=1).run(x).clone()
     for programs in (7, None):
         for prefetch in ("none", "before-barrier", "at-stage-start"):
-            plan = ChainPlan(weights, SPLITS, rows=3, programs=programs, prefetch=prefetch)
+            plan = ChainPlan(dense_chain(weights), rows=3, programs=programs, prefetch=prefetch)
             assert torch.equal(plan.run(x), one), (programs, prefetch)
-            assert int(plan.counter) == len(SHAPES) * plan.programs  # every program passed every barrier
+            assert int(plan.counter) == plan.table.shape[0] * plan.programs  # every program passed every barrier
 
 
 def test_plans_name_what_is_wrong():
     weights = chain_weights("cpu", torch.float32)
-    with pytest.raises(ValueError, match=r"weights\[1\]: takes 512 inputs, stage 0 makes 1024"):
-        ChainPlan([weights[0], weights[0]], [1, 1], rows=1)
-    with pytest.raises(ValueError, match="as many"):
-        ChainPlan(weights, [1], rows=1)
-    with pytest.raises(ValueError, match=r"splits\[2\] = 0"):
-        ChainPlan(weights, [1, 1, 0], rows=1)
+    router, gate_up, down = torch.randn(8, 1024), torch.randn(8, 64, 1024), torch.randn(8, 1024, 32)
+    cases = [
+        ([Dense(weights[0]), Dense(weights[0])], "stages\\[1\\]: weight \\(1024, 512\\) does not take the 1024"),
+        ([], "starts with a Dense stage"),
+        ([Dense(weights[0], 0)], "splits = 0"),
+        ([Dense(weights[0].t())], "contiguous"),
+        ([Dense(weights[0]), Dense(router), Experts(gate_up, down, 2), Experts(gate_up, down, 2)],
+         "stages\\[3\\]: Experts follow the Dense stage that is their router"),
+        ([Dense(weights[0]), Experts(gate_up, down, 2)], "is not \\[1024, 2·inter, 512\\]"),
+        ([Dense(weights[0]), Dense(router), Experts(gate_up[:, :63].contiguous(), down, 2)], "gate_up \\(8, 63, 1024\\)"),
+        ([Dense(weights[0]), Dense(router), Experts(gate_up, down[..., :16].contiguous(), 2)], "down \\(8, 1024, 16\\)"),
+        ([Dense(weights[0]), Dense(router), Experts(gate_up, down, 9)], "top_k = 9"),
+    ]
+    for stages, message in cases:
+        with pytest.raises(ValueError, match=message):
+            ChainPlan(stages, rows=1)
     with pytest.raises(ValueError, match="rows = 17"):
-        ChainPlan(weights, SPLITS, rows=17)
+        ChainPlan(dense_chain(weights), rows=17)
     with pytest.raises(ValueError, match="exactly 1 off CUDA"):
-        ChainPlan(weights, SPLITS, rows=1, programs=2)
+        ChainPlan(dense_chain(weights), rows=1, programs=2)
     with pytest.raises(ValueError, match="prefetch"):
-        ChainPlan(weights, SPLITS, rows=1, prefetch="at-stage-start")
-    with pytest.raises(ValueError, match="contiguous"):
-        ChainPlan([weights[0].t()], [1], rows=1)
-    plan = ChainPlan(weights, SPLITS, rows=2)
+        ChainPlan(dense_chain(weights), rows=1, prefetch="at-stage-start")
+    plan = ChainPlan(dense_chain(weights), rows=2)
     with pytest.raises(ValueError, match="x: "):
         plan.run(torch.zeros(3, 512))
 
@@ -107,7 +121,63 @@ def test_the_reference_path_runs_where_triton_does_not(monkeypatch):
 
     weights = chain_weights("cpu", torch.float32, seed=6)
     x = torch.randn(2, SHAPES[0][1], generator=torch.Generator().manual_seed(7))
-    kernel = ChainPlan(weights, SPLITS, rows=2).run(x).clone()
+    kernel = ChainPlan(dense_chain(weights), rows=2).run(x).clone()
     monkeypatch.setattr(persistent, "use_triton", lambda _x: False)
-    reference = ChainPlan(weights, SPLITS, rows=2).run(x)
+    reference = ChainPlan(dense_chain(weights), rows=2).run(x)
     torch.testing.assert_close(kernel, reference, rtol=2e-5, atol=1e-5)
+
+
+def moe_chain(device, dtype, seed=8, hidden=512, experts=8, inter=64, top_k=3):
+    """A layer's MoE block twice over: router (split-K) and experts, then again on their output."""
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return (torch.randn(shape, generator=g) / shape[-1] ** 0.5).to(device, dtype)
+
+    stages = []
+    for _ in range(2):
+        stages += [Dense(w(experts, hidden), 4), Experts(w(experts, 2 * inter, hidden), w(experts, hidden, inter), top_k)]
+    return stages
+
+
+@devices_and_dtypes()
+def test_an_experts_stage_computes_todays_routes_experts_and_combine(device, dtype):
+    stages = moe_chain(device, dtype)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(9)).to(device, dtype)
+    plan = ChainPlan(stages, rows=4)
+    plan.run(x)
+    source = x
+    for index in (0, 2):  # each router and its experts, from the chain's own input to them
+        experts = stages[index + 1]
+        router_partials = plan.outputs[index]  # [4, rows, E]
+        ids, weights = route(router_partials.transpose(0, 1).contiguous(), experts.top_k, round_to=dtype, normalize=True)
+        per_route = fused_experts(source, ids, experts.gate_up, experts.down).view(4, experts.top_k, -1)
+        combined = torch.zeros(4, 512, dtype=torch.float32, device=device)
+        for rank in range(experts.top_k):
+            combined += weights[:, rank:rank + 1] * per_route[:, rank]
+        got = plan.outputs[index + 1][0]
+        assert float((got - combined).abs().max() / combined.abs().max()) < tolerance(dtype)
+        reference_acts, reference = experts_stage(source, router_partials, experts)
+        assert float((got - reference).abs().max() / reference.abs().max()) < tolerance(dtype)
+        torch.testing.assert_close(plan.acts[index + 1][0], reference_acts, rtol=tolerance(dtype), atol=tolerance(dtype))
+        source = got.to(dtype)
+
+
+@devices_and_dtypes()
+def test_an_experts_row_is_the_same_alone_or_in_a_window(device, dtype):
+    stages = moe_chain(device, dtype, seed=10)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(11)).to(device, dtype)
+    window = ChainPlan(stages, rows=5).run(x).clone()
+    for row in (1, 4):
+        assert_same_row(ChainPlan(stages, rows=1).run(x[row:row + 1])[:, 0], window[:, row])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="many programs and the L2 prefetch need a CUDA device")
+def test_an_experts_chain_changes_no_bit_with_programs_or_prefetch():
+    stages = moe_chain("cuda", torch.bfloat16, seed=12)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(13)).to("cuda", torch.bfloat16)
+    one = ChainPlan(stages, rows=3, programs=1).run(x).clone()
+    for prefetch in ("none", "before-barrier", "at-stage-start"):
+        plan = ChainPlan(stages, rows=3, prefetch=prefetch)
+        assert torch.equal(plan.run(x), one), prefetch
+        assert int(plan.counter) == plan.table.shape[0] * plan.programs
