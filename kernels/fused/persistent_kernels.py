@@ -9,10 +9,10 @@ from kernels.fused.fp8_kernels import tile_dot
 # 0 weight, 1 out, 2 in (addresses), 3 num_out, 4 num_in, 5 splits, 6 k_per_split, 7 in_splits,
 # 8 kind (DENSE, GATE_UP, DOWN), 9 the router's partials (address), 10 their splits, 11 experts,
 # 12 routes a row (top k).
-FIELDS: tl.constexpr = 16
-DENSE: tl.constexpr = 0
-GATE_UP: tl.constexpr = 1
-DOWN: tl.constexpr = 2
+FIELDS = tl.constexpr(16)
+DENSE = tl.constexpr(0)
+GATE_UP = tl.constexpr(1)
+DOWN = tl.constexpr(2)
 
 
 @triton.jit
