@@ -15,11 +15,12 @@ The chain is the smallest thing that answers whether a persistent step pays in T
 (bench/persistent_probe.py times it against today's kernels in a CUDA graph) before a whole
 layer is built this way.
 
-Invariants: a dense stage's partials are linear_partials' with the same tiles (the same K order
-and product), so a row's bits depend neither on the other rows nor on the number of programs;
-every program computes a row's routes the same way. The barrier needs every program resident at
-once: on CUDA the launch is cooperative (one program a multiprocessor by default); the
-interpreter runs programs one after another, so there a chain runs as one program.
+Invariants: a dense stage's partials are linear_partials' with the same tile (the same K order
+and product; `tile=` linear_config's), so a row's bits depend neither on the other rows nor on
+the number of programs; every program computes a row's routes the same way. The barrier needs
+every program resident at once: on CUDA the launch is cooperative (one program a multiprocessor
+by default); the interpreter runs programs one after another, so there a chain runs as one
+program.
 """
 
 from __future__ import annotations
@@ -32,13 +33,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.fused import cdiv, interpreting, next_power_of_2, tl_dtype, use_triton
-from kernels.fused.linear import BLOCK_M, linear_config, pipeline_stages, rowwise_linear
+from kernels.fused.linear import BLOCK_M, rowwise_linear
 from kernels.routing import route_topk
 
 STAGE_FIELDS = 16  # persistent_kernels.FIELDS
 DENSE, GATE_UP, DOWN = 0, 1, 2  # persistent_kernels' stage kinds
 LINE = 128  # bytes an L2 prefetch covers
 PREFETCH_WAYS = {"none": 0, "before-barrier": 1, "at-stage-start": 2}
+# (BLOCK_N, BLOCK_K, warps, pipeline stages) of every stage. One kernel holds every stage's code,
+# so its registers are the most any stage needs: compiled for sm_90, linear_config's 64 × 256 in
+# 4 warps spilled heavily once the experts' code joined, this tile hardly (ptxas -v; figures in
+# docs/PERFORMANCE.md; bench/persistent_probe.py --tiles compares tiles on the GPU).
+DEFAULT_TILE = (64, 128, 8, 3)
 
 
 @dataclass(frozen=True)
@@ -129,11 +135,9 @@ class ChainPlan:
         dense_splits = [s.splits for s in stages if isinstance(s, Dense)]
         self.max_in_splits = max([1, *dense_splits])
         if tile is None:
-            # linear_config's tile, its stages refitted: each K step also buffers the float32
-            # partials of the input (as many as the widest split)
-            block_n, block_k, warps, num_stages = linear_config(*first.shape, first.element_size())
-            tile = (block_n, block_k, warps, pipeline_stages(
-                num_stages, (BLOCK_M * 4 * self.max_in_splits + 2 * block_n * first.element_size()) * block_k))
+            tile = DEFAULT_TILE
+        if len(tile) != 4 or min(tile) < 1 or tile[1] % 16 or tile[0] % 16:
+            raise ValueError(f"tile = {tile}: (BLOCK_N, BLOCK_K, warps, stages), blocks multiples of 16")
         self.tile = tile
         block_k = tile[1]
         experts = [s for s in stages if isinstance(s, Experts)]

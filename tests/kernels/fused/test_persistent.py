@@ -45,7 +45,7 @@ def test_the_stages_take_one_tile():
 def test_a_chain_computes_todays_products_stage_by_stage(device, dtype):
     weights = chain_weights(device, dtype)
     x = torch.randn(5, SHAPES[0][1], generator=torch.Generator().manual_seed(1)).to(device, dtype)
-    plan = ChainPlan(dense_chain(weights), rows=5)
+    plan = ChainPlan(dense_chain(weights), rows=5, tile=linear_config(*SHAPES[0]))  # linear_partials' own tile
     last = plan.run(x)
     assert last.shape == (2, 5, SHAPES[-1][0]) and last.dtype == torch.float32
     expected = today(x, weights, SPLITS)
@@ -110,6 +110,8 @@ def test_plans_name_what_is_wrong():
         ChainPlan(dense_chain(weights), rows=1, programs=2)
     with pytest.raises(ValueError, match="prefetch"):
         ChainPlan(dense_chain(weights), rows=1, prefetch="at-stage-start")
+    with pytest.raises(ValueError, match="tile"):
+        ChainPlan(dense_chain(weights), rows=1, tile=(64, 100, 4, 3))
     plan = ChainPlan(dense_chain(weights), rows=2)
     with pytest.raises(ValueError, match="x: "):
         plan.run(torch.zeros(3, 512))
