@@ -11,17 +11,20 @@ tests/kernels/fused whole), only the check a CPU can make.
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 # case -> (module, kernel, the non-constexpr arguments' types (others i32), constants, options)
 CASES = {
-    **{f"chain, prefetch {p}": (
+    **{f"chain, prefetch {p}": (  # at the default tile (kernels.fused.persistent.DEFAULT_TILE)
         "kernels.fused.persistent_kernels", "chain_kernel", {"table_ptr": "*i64", "counter_ptr": "*i32"},
-        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, DTYPE="bfloat16", IEEE=False, PREFETCH=p, LINE=64, MAX_IN_SPLITS=4,
-             BLOCK_E=128, K_PAD=8), dict(num_stages=2, launch_cooperative_grid=True)) for p in (0, 1, 2)},
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, DTYPE="bfloat16", IEEE=False, PREFETCH=p, LINE=64,
+             MAX_IN_SPLITS=4, BLOCK_E=128, K_PAD=8), dict(num_warps=8, num_stages=3, launch_cooperative_grid=True))
+       for p in (0, 1, 2)},
     **{f"linear, {way}": (
         "kernels.fused.linear_kernels", "linear_kernel",
         {"x_ptr": "*bf16", "w_ptr": "*bf16" if way == "bf16" else "*fp8e4nv", "y_ptr": "*fp32", "s_ptr": "*fp32"},
@@ -48,6 +51,8 @@ def compile_all() -> dict[str, dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from triton.backends.nvidia.compiler import get_ptxas
+
     results = {}
     for case, (module, name, types, constants, options) in CASES.items():
         kernel = getattr(importlib.import_module(module), name)
@@ -56,7 +61,15 @@ def compile_all() -> dict[str, dict]:
         try:
             compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
                                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options})
-            results[case] = {"ptx": compiled.asm["ptx"]}
+            ptx = compiled.asm["ptx"]
+            with tempfile.TemporaryDirectory() as folder:  # ptxas -v: the registers and spills a thread
+                path = os.path.join(folder, "kernel.ptx")
+                with open(path, "w") as file:
+                    file.write(ptx)
+                report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", path + ".o"],
+                                        capture_output=True, text=True, check=True).stderr
+            spills = re.search(r"(\d+) bytes spill stores", report)
+            results[case] = {"ptx": ptx, "spill_stores": int(spills.group(1)) if spills else 0}
         except Exception as error:  # (reported per case by the tests)
             results[case] = {"error": f"{type(error).__name__}: {error}"}
     return results
@@ -83,6 +96,8 @@ def test_the_persistent_chain_compiles_with_its_barrier_and_prefetch(compiled, p
     assert ptx.count("atom.global.gpu.release.add") == 1 and "ld.global.gpu.acquire" in ptx
     assert ("prefetch.global.L2" in ptx) == (prefetch > 0)
     assert "cp.async" in ptx  # the weight loads pipelined
+    # one kernel holds every stage's code: a tile that leaves it too few registers spills in every loop
+    assert compiled[f"chain, prefetch {prefetch}"]["spill_stores"] < 1024
 
 
 @pytest.mark.parametrize("way", ["bf16", "fp8 dequantised", "fp8 exact"])
