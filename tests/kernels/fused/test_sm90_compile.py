@@ -18,7 +18,8 @@ import tempfile
 
 import pytest
 
-# case -> (module, kernel, the non-constexpr arguments' types (others i32), constants, options)
+# case -> (module, kernel (an expression in it), the arguments' Triton types where not the default
+# (pointers *bf16, FLOATS fp32, other scalars i32), constants, options)
 CASES = {
     **{f"chain, prefetch {p}": (  # at the default tile (kernels.fused.persistent.DEFAULT_TILE)
         "kernels.fused.persistent_kernels", "chain_kernel", {"table_ptr": "*i64", "counter_ptr": "*i32"},
@@ -39,7 +40,43 @@ CASES = {
              SBN=128, SBK=128, SUB=128, EXACT=way != "bf16", ASM=way != "bf16",
              **(dict(TOP_K=8) if name == "gate_up_kernel" else dict(PRELOAD=True))), dict(num_stages=3))
         for name in ("gate_up_kernel", "down_kernel") for way in ("bf16", "fp8 exact")},
+    # the other kernels of the step (and the FP8 bit moves alone), as their launch sites launch them
+    "add_rmsnorm": ("kernels.fused.norm", "_kernels()[0]", {"x_ptr": "*fp32"},
+                    dict(HAS_RESIDUAL=True, BLOCK=2048, PARTIALS=4, PDL=True, EARLY=True, CENTRED=True), {}),
+    "qk_norm_rope": ("kernels.fused.norm", "_kernels()[1]",
+                     {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64", "slot_ptr": "*i32", "table_ptr": "*i32"},
+                     dict(NUM_Q=32, NUM_KV=4, D=128, HALF=32, BLOCK_SIZE=16, PDL=True, EARLY=True, CENTRED=True,
+                          ROT=64, Q_STRIDE=256), {}),
+    "attention split": ("kernels.fused.attention_kernels", "split_kernel",
+                        {"table_ptr": "*i32", "pos_ptr": "*i64", "seq_start_ptr": "*i32", "seq_slot_ptr": "*i32",
+                         "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32"},
+                        dict(NUM_Q=32, NUM_KV=4, D=128, GROUP=8, ROWS_PER_BLOCK=2, SPLIT=128, BLOCK_SIZE=16, TILES=2,
+                             BLOCK_M=16, BLOCK_N=64, IEEE=False, PDL=True), dict(num_stages=3)),
+    "attention merge": ("kernels.fused.attention_kernels", "merge_kernel",
+                        {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "pos_ptr": "*i64"},
+                        dict(NUM_Q=32, D=128, SPLIT=128, CHUNK=32, SLICE=64, PDL=True, EARLY=True, HAS_GATE=True),
+                        dict(num_warps=1)),
+    **{f"router top-k, {way}": (
+        "kernels.fused.router", "_kernels()",
+        {"logits_ptr": "*fp32", "ids_ptr": "*i64", "weights_ptr": "*fp32", "resident_ptr": "*i8", "draft_ptr": "*i8",
+         "other_mult_ptr": "*fp32", "draft_mult_ptr": "*fp32", "live_ptr": "*i32"},
+        dict(TOP_K=8, K_PAD=8, BLOCK_E=256, NORMALIZE=True, MOCE=way == "moce", PARTIALS=4, ROUND_TO="bfloat16",
+             HAS_LIVE=True, PDL=True, SHARED=True, OUT_K=9, MAX_WITH_INDEX=True), {}) for way in ("plain", "moce")},
+    "route table": ("kernels.fused.moe_kernels", "route_table_kernel", {"ids_ptr": "*i64", "sorted_ptr": "*i32",
+                                                                         "tile_len_ptr": "*i32"},
+                    dict(R_PAD=128, CHUNK=16, BLOCK_M=16, PDL=True), {}),
+    "combine": ("kernels.fused.moe_kernels", "combine_kernel",
+                {"route_ptr": "*fp32", "weights_ptr": "*fp32", "rows_ptr": "*i64"},
+                dict(TOP_K=9, K_PAD=16, BLOCK=2048, HAS_ROWS=True, PDL=True, EARLY=True, CENTRED=True),
+                dict(num_warps=8)),
+    "gated delta": ("kernels.fused.deltanet_kernels", "gated_delta_kernel",
+                    {"a_log_ptr": "*fp32", "dt_bias_ptr": "*bf16", "rec_ptr": "*fp32", "starts_ptr": "*i32",
+                     "in_ptr": "*i32", "dst_ptr": "*i32", "kept_rec_ptr": "*fp32", "arrivals_ptr": "*i32"},
+                    dict(HK=16, HV=32, DK=128, DV=128, BLOCK_K=128, BLOCK_V=64, V_SPLITS=2, KEEP_CONV=True,
+                         KEEP_REC=True, PDL=True, EARLY=True), dict(num_warps=4)),
+    "e4m3 bit moves": ("kernels.fused.fp8_kernels", "exact_bf16_kernel", {"q_ptr": "*fp8e4nv"}, dict(BLOCK=1024), {}),
 }
+FLOATS = {"eps", "sm_scale", "floor", "q_scale", "qk_eps"}  # scalar arguments of type float
 
 
 def compile_all() -> dict[str, dict]:
@@ -55,9 +92,10 @@ def compile_all() -> dict[str, dict]:
 
     results = {}
     for case, (module, name, types, constants, options) in CASES.items():
-        kernel = getattr(importlib.import_module(module), name)
-        constants = {k: getattr(tl, v) if k == "DTYPE" else v for k, v in constants.items()}
-        signature = {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "i32") for p in kernel.params}
+        kernel = eval(name, vars(importlib.import_module(module)))  # (a closure's kernels: "_kernels()[0]")
+        constants = {k: getattr(tl, v) if k in ("DTYPE", "ROUND_TO") else v for k, v in constants.items()}
+        signature = {p.name: "constexpr" if p.is_constexpr else types.get(
+            p.name, "*bf16" if p.name.endswith("_ptr") else "fp32" if p.name in FLOATS else "i32") for p in kernel.params}
         try:
             compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
                                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options})
@@ -116,3 +154,10 @@ def test_the_expert_kernels_compile(compiled, name, way):
 if __name__ == "__main__":
     sys.path.insert(0, os.getcwd())
     print(json.dumps(compile_all()))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.startswith(("chain", "linear", "gate_up", "down_kernel"))])
+def test_every_other_kernel_of_the_step_compiles(compiled, case):
+    ptx = ptx_of(compiled, case)
+    assert (case == "e4m3 bit moves") <= ("prmt.b32" in ptx)
+    assert ("griddepcontrol.wait" in ptx) == (case != "e4m3 bit moves")  # PDL where launched as a dependent
