@@ -29,7 +29,7 @@ tests/kernels/fused/test_persistent.py).
 
 Usage: python bench/persistent_probe.py [--blocks 5] [--reps 10] [--rows 1,5] [--layers 8]
        [--chains attention,moe,layer,tiny] [--programs-per-sm 1] [--tiles "64,128,8,3;32,128,4,3"]
-       [--no-cooperative]
+       [--fp8] [--no-cooperative]
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.fused_step import graph_time  # noqa: E402  (device ms of calls captured in one graph)
 from bench.model_baseline import copy_bandwidth  # noqa: E402
+from kernels.fused.fp8 import Fp8Weight, quantize  # noqa: E402
 from kernels.fused.linear import linear, linear_partials, split_k  # noqa: E402
 from kernels.fused.moe import combine_add_rmsnorm, fused_experts  # noqa: E402
 from kernels.fused.norm import add_rmsnorm  # noqa: E402
@@ -59,18 +60,20 @@ def log(*parts: object) -> None:
     print(*parts, file=sys.stderr, flush=True)
 
 
-def chain(name: str, layers: int, generator: torch.Generator, dtype: torch.dtype = torch.bfloat16
-          ) -> list[Dense | Experts]:
-    """A chain's stages, random weights on the generator's device."""
-    def w(*shape):
-        return torch.empty(shape, device=generator.device, dtype=dtype).normal_(0, shape[-1] ** -0.5,
-                                                                                 generator=generator)
+def chain(name: str, layers: int, generator: torch.Generator, dtype: torch.dtype = torch.bfloat16,
+          fp8: bool = False) -> list[Dense | Experts]:
+    """A chain's stages, random weights on the generator's device; fp8: block-scaled FP8 in blocks
+    of 128 × 128 but the routers (as `--quantize fp8` converts a model)."""
+    def w(*shape, quantized=fp8):
+        weight = torch.empty(shape, device=generator.device, dtype=dtype).normal_(0, shape[-1] ** -0.5,
+                                                                                  generator=generator)
+        return quantize(weight, (128, 128)) if quantized else weight
 
     def attention():
         return [Dense(w(Q_OUT, H)), Dense(w(H, O_IN), split_k(H, O_IN))]
 
     def moe():
-        return [Dense(w(E, H), split_k(E, H)), Experts(w(E, 2 * I, H), w(E, H, I), TOP_K)]
+        return [Dense(w(E, H, quantized=False), split_k(E, H)), Experts(w(E, 2 * I, H), w(E, H, I), TOP_K)]
 
     if name == "tiny":
         return [Dense(w(256, 256)) for _ in range(48)]
@@ -80,16 +83,21 @@ def chain(name: str, layers: int, generator: torch.Generator, dtype: torch.dtype
     return [stage for _ in range(layers) for stage in parts[name]()]
 
 
+def nbytes(weight) -> int:
+    """A weight's bytes (FP8: its values and block scales)."""
+    return weight.nbytes if isinstance(weight, Fp8Weight) else weight.numel() * weight.element_size()
+
+
 def bytes_read(stages: list[Dense | Experts], plan: ChainPlan) -> int:
     """Weight bytes a pass reads: dense weights whole, each expert the rows route to once."""
     total = 0
     for index, stage in enumerate(stages):
         if isinstance(stage, Dense):
-            total += stage.weight.numel() * stage.weight.element_size()
+            total += nbytes(stage.weight)
             continue
-        logits = sum_partials(plan.outputs[index - 1]).to(stage.gate_up.dtype).float()
+        logits = sum_partials(plan.outputs[index - 1]).to(torch.bfloat16).float()
         experts = torch.softmax(logits, -1).topk(stage.top_k, -1).indices.unique().numel()
-        total += experts * (stage.gate_up[0].numel() + stage.down[0].numel()) * stage.gate_up.element_size()
+        total += experts * (nbytes(stage.gate_up[0]) + nbytes(stage.down[0]))
     return total
 
 
@@ -135,6 +143,8 @@ def main() -> None:
     parser.add_argument("--programs-per-sm", default="1")
     parser.add_argument("--tiles", default="64,128,8,3;32,128,4,3",
                         help="the chain's tiles to compare: BLOCK_N,BLOCK_K,warps,stages separated by ;")
+    parser.add_argument("--fp8", action="store_true",
+                        help="the chains' weights block-scaled FP8 (routers full precision), both ways")
     parser.add_argument("--no-cooperative", action="store_true",
                         help="launch the chain as a plain grid (if the driver refuses a cooperative one in a graph)")
     args = parser.parse_args()
@@ -149,13 +159,14 @@ def main() -> None:
     per_sm = [int(v) for v in args.programs_per_sm.split(",")]
     tiles = [tuple(int(v) for v in tile.split(",")) for tile in args.tiles.split(";")]
     rows_list = [int(v) for v in args.rows.split(",")]
-    print(f"# persistent_probe, {datetime.date.today()}, {torch.cuda.get_device_name()}, floor at the copy's "
+    print(f"# persistent_probe, {datetime.date.today()}, {torch.cuda.get_device_name()}, "
+          f"{'FP8' if args.fp8 else 'bf16'} weights, floor at the copy's "
           f"{bandwidth / 1e12:.2f} TB/s; µs a stage (GB/s, fraction of the floor), paired ratio today / way")
     print("| chain | rows | way | µs a stage | GB/s | of the floor | today / way (range) |")
     print("| --- | ---: | --- | ---: | ---: | ---: | --- |")
     g = torch.Generator(device="cuda").manual_seed(0)
     for name in args.chains.split(","):
-        stages = chain(name, args.layers, g)
+        stages = chain(name, args.layers, g, fp8=args.fp8)
         for rows in rows_list:
             x = torch.empty(rows, H if name != "tiny" else 256, device=device, dtype=torch.bfloat16).normal_(generator=g)
             one = ChainPlan(stages, rows, programs=1, cooperative=not args.no_cooperative)

@@ -32,8 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import kernels.fused.linear as linear_module
 from kernels.fused import cdiv, interpreting, next_power_of_2, tl_dtype, use_triton
-from kernels.fused.linear import BLOCK_M, rowwise_linear
+from kernels.fused.fp8 import Fp8Weight
+from kernels.fused.linear import BLOCK_M, Weight, dense, rowwise_linear
 from kernels.routing import route_topk
 
 STAGE_FIELDS = 16  # persistent_kernels.FIELDS
@@ -49,15 +51,23 @@ DEFAULT_TILE = (64, 128, 8, 3)
 
 @dataclass(frozen=True)
 class Dense:
-    weight: Tensor  # [num_out, num_in], rows contiguous
+    weight: Weight  # [num_out, num_in], rows contiguous; or block-scaled FP8 (kernels.fused.fp8)
     splits: int = 1
 
 
 @dataclass(frozen=True)
 class Experts:
-    gate_up: Tensor  # [E, 2·inter, H]: gate rows, then up rows
-    down: Tensor  # [E, H, inter]
+    gate_up: Weight  # [E, 2·inter, H]: gate rows, then up rows
+    down: Weight  # [E, H, inter]
     top_k: int
+
+
+def _weights(stage: Dense | Experts) -> list[Weight]:
+    return [stage.weight] if isinstance(stage, Dense) else [stage.gate_up, stage.down]
+
+
+def _rows(weight: Weight) -> Tensor:
+    return weight.q if isinstance(weight, Fp8Weight) else weight
 
 
 @functools.cache
@@ -78,12 +88,21 @@ def _check(stages: list[Dense | Experts], rows: int) -> None:
     first = stages[0].weight
     if not 1 <= rows <= BLOCK_M:
         raise ValueError(f"rows = {rows} must lie in [1, {BLOCK_M}] (one BLOCK_M tile)")
+    full = [w for stage in stages for w in _weights(stage) if not isinstance(w, Fp8Weight)]
+    fp8 = [w for stage in stages for w in _weights(stage) if isinstance(w, Fp8Weight)]
     width = first.shape[1]  # what the stage before makes
     for s, stage in enumerate(stages):
-        tensors = [stage.weight] if isinstance(stage, Dense) else [stage.gate_up, stage.down]
-        for t in tensors:
-            if not t.is_contiguous() or t.dtype != first.dtype or t.device != first.device:
-                raise ValueError(f"stages[{s}]: weights must be contiguous, {first.dtype} on {first.device}")
+        for t in _weights(stage):
+            if not _rows(t).is_contiguous() or t.device != first.device or (
+                    not isinstance(t, Fp8Weight) and t.dtype != full[0].dtype):
+                raise ValueError(f"stages[{s}]: weights must be contiguous, on {first.device}, full-precision ones "
+                                 f"all {full[0].dtype if full else ''}")
+            if fp8 and isinstance(stage, Experts) and not isinstance(t, Fp8Weight):
+                raise ValueError(f"stages[{s}]: a chain with FP8 weights has FP8 experts (full precision is for "
+                                 f"dense stages there: the routers)")
+            if isinstance(t, Fp8Weight) and (not t.kernel_ready() or t.block != fp8[0].block):
+                raise ValueError(f"stages[{s}]: FP8 weights in blocks of {list(t.block)}: a chain's are all in one "
+                                 f"block shape the kernels read (kernels.fused.fp8.Fp8Weight.kernel_ready)")
         if isinstance(stage, Dense):
             if stage.weight.dim() != 2 or stage.weight.shape[1] != width:
                 raise ValueError(f"stages[{s}]: weight {tuple(stage.weight.shape)} does not take the {width} values "
@@ -116,8 +135,7 @@ class ChainPlan:
                  prefetch: str = "none", tile: tuple[int, int, int, int] | None = None,
                  cooperative: bool = True) -> None:
         _check(stages, rows)
-        first = stages[0].weight
-        device = first.device
+        device = stages[0].weight.device
         if programs is None:
             programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         if programs < 1 or (device.type != "cuda" and programs != 1):
@@ -140,6 +158,14 @@ class ChainPlan:
             raise ValueError(f"tile = {tile}: (BLOCK_N, BLOCK_K, warps, stages), blocks multiples of 16")
         self.tile = tile
         block_k = tile[1]
+        fp8 = [w for stage in stages for w in _weights(stage) if isinstance(w, Fp8Weight)]
+        self.block = fp8[0].block if fp8 else None  # the FP8 weights' (rows, columns) blocks
+        exact = any(isinstance(w, Fp8Weight) and (linear_module.EXPERT_FP8_EXACT if isinstance(stage, Experts)
+                                                  else linear_module.LINEAR_FP8_EXACT)
+                    for stage in stages for w in _weights(stage))
+        if exact and self.block[1] % block_k:
+            raise ValueError(f"tile: BLOCK_K {block_k} must divide the FP8 blocks' {self.block[1]} columns "
+                             f"(an exact tile lies inside one block column)")
         experts = [s for s in stages if isinstance(s, Experts)]
         self.block_e = next_power_of_2(max([2, *(s.gate_up.shape[0] for s in experts)]))
         self.k_pad = next_power_of_2(max([2, *(s.top_k for s in experts)]))
@@ -147,18 +173,24 @@ class ChainPlan:
         def buffer(*shape: int) -> Tensor:
             return torch.zeros(shape, dtype=torch.float32, device=device)
 
-        self.input = buffer(1, rows, first.shape[1])  # [1, rows, K0]: x, as the first stage's "partials"
+        self.input = buffer(1, rows, stages[0].weight.shape[1])  # [1, rows, K0]: x, as the first stage's "partials"
         self.outputs: list[Tensor] = []  # per stage of `stages`: its last kernel stage's output
         self.acts: list[Tensor | None] = []  # per stage: an Experts stage's routes' activations [1, rows·k, inter]
+        def scales(weight: Weight) -> list[int]:  # the table's FP8 fields: scales' address, block-row and expert strides
+            if not isinstance(weight, Fp8Weight):
+                return [0, 0, 0]
+            scale = weight.scale
+            return [scale.data_ptr(), scale.stride(-2), scale.stride(0) if scale.dim() == 3 else 0]
+
         table = []
         source, source_splits = self.input, 1
         for s, stage in enumerate(stages):
             if isinstance(stage, Dense):
                 num_out, num_in = stage.weight.shape
                 out = buffer(stage.splits, rows, num_out)  # [splits, rows, N]
-                table.append([stage.weight.data_ptr(), out.data_ptr(), source.data_ptr(), num_out, num_in,
+                table.append([_rows(stage.weight).data_ptr(), out.data_ptr(), source.data_ptr(), num_out, num_in,
                               stage.splits, k_per_split(num_in, stage.splits, block_k), source_splits, DENSE,
-                              0, 0, 0, 0])
+                              0, 0, 0, 0, *scales(stage.weight)])
                 router_in, router_in_splits = source, source_splits
                 self.acts.append(None)
                 source, source_splits = out, stage.splits
@@ -168,10 +200,10 @@ class ChainPlan:
                 routes = (source.data_ptr(), source_splits, num_experts, stage.top_k)
                 act = buffer(1, rows * stage.top_k, inter)
                 out = buffer(1, rows, hidden)
-                table.append([stage.gate_up.data_ptr(), act.data_ptr(), router_in.data_ptr(), inter, hidden, 1, hidden,
-                              router_in_splits, GATE_UP, *routes])
-                table.append([stage.down.data_ptr(), out.data_ptr(), act.data_ptr(), hidden, inter, 1, inter, 1, DOWN,
-                              *routes])
+                table.append([_rows(stage.gate_up).data_ptr(), act.data_ptr(), router_in.data_ptr(), inter, hidden, 1,
+                              hidden, router_in_splits, GATE_UP, *routes, *scales(stage.gate_up)])
+                table.append([_rows(stage.down).data_ptr(), out.data_ptr(), act.data_ptr(), hidden, inter, 1, inter, 1,
+                              DOWN, *routes, *scales(stage.down)])
                 self.acts.append(act)
                 source, source_splits = out, 1
             self.outputs.append(source)
@@ -179,13 +211,14 @@ class ChainPlan:
                                   device=device)  # [kernel stages, STAGE_FIELDS]
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
 
-    def run(self, x: Tensor) -> Tensor:  # x [rows, K0] in the weights' dtype
-        dtype = self.stages[0].weight.dtype
-        if tuple(x.shape) != tuple(self.input.shape[1:]) or x.dtype != dtype:
-            raise ValueError(f"x: {tuple(x.shape)} {x.dtype}, the plan takes {tuple(self.input.shape[1:])} {dtype}")
+    def run(self, x: Tensor) -> Tensor:  # x [rows, K0] in the full-precision weights' dtype
+        full = [w for stage in self.stages for w in _weights(stage) if not isinstance(w, Fp8Weight)]
+        if tuple(x.shape) != tuple(self.input.shape[1:]) or (full and x.dtype != full[0].dtype):
+            raise ValueError(f"x: {tuple(x.shape)} {x.dtype}, the plan takes {tuple(self.input.shape[1:])} "
+                             f"{full[0].dtype if full else ''}")
         self.input[0].copy_(x)
         if not use_triton(x):
-            self._reference()
+            self._reference(x.dtype)
             return self.outputs[-1]
         self.counter.zero_()
         block_n, block_k, warps, num_stages = self.tile
@@ -194,19 +227,24 @@ class ChainPlan:
             self.table, self.counter, self.table.shape[0], self.rows,
             BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, DTYPE=tl_dtype(x.dtype), IEEE=x.dtype == torch.float32,
             PREFETCH=self.prefetch, LINE=LINE // x.element_size(), MAX_IN_SPLITS=self.max_in_splits,
-            BLOCK_E=self.block_e, K_PAD=self.k_pad, num_warps=warps, num_stages=num_stages, **options,
+            BLOCK_E=self.block_e, K_PAD=self.k_pad, HAS_FP8=self.block is not None, SBN=(self.block or (1, 1))[0],
+            SBK=(self.block or (1, 1))[1], SUB=min(block_k, (self.block or (1, 1))[1]),
+            DENSE_EXACT=linear_module.LINEAR_FP8_EXACT, EXPERT_EXACT=linear_module.EXPERT_FP8_EXACT,
+            ASM=linear_module.FP8_ASM and x.is_cuda and x.dtype == torch.bfloat16,
+            num_warps=warps, num_stages=num_stages, **options,
         )
         return self.outputs[-1]
 
-    def _reference(self) -> None:
-        """The chain by the torch reference, into the same buffers."""
+    def _reference(self, dtype: torch.dtype) -> None:
+        """The chain by the torch reference (FP8 weights dequantised), into the same buffers."""
         source, router_in = self.input, None
         for stage, out, act in zip(self.stages, self.outputs, self.acts):
-            dtype = self.stages[0].weight.dtype
             if isinstance(stage, Dense):
                 router_in = source
-                out.copy_(stage_partials(sum_partials(source).to(dtype), stage.weight, stage.splits, self.tile[1]))
+                out.copy_(stage_partials(sum_partials(source).to(dtype), dense(stage.weight, dtype), stage.splits,
+                                         self.tile[1]))
             else:
+                stage = Experts(dense(stage.gate_up, dtype), dense(stage.down, dtype), stage.top_k)
                 routes, combined = experts_stage(sum_partials(router_in).to(dtype), source, stage)
                 act.copy_(routes.unsqueeze(0))
                 out.copy_(combined.unsqueeze(0))

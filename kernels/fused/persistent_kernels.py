@@ -8,7 +8,8 @@ from kernels.fused.fp8_kernels import tile_dot
 # A stage's entry in the chain's table, int64 fields (kernels.fused.persistent.ChainPlan builds it):
 # 0 weight, 1 out, 2 in (addresses), 3 num_out, 4 num_in, 5 splits, 6 k_per_split, 7 in_splits,
 # 8 kind (DENSE, GATE_UP, DOWN), 9 the router's partials (address), 10 their splits, 11 experts,
-# 12 routes a row (top k).
+# 12 routes a row (top k); FP8 weights: 13 their block scales (address; 0: full precision), 14 the
+# scales' block-row stride, 15 their expert stride.
 FIELDS = tl.constexpr(16)
 DENSE = tl.constexpr(0)
 GATE_UP = tl.constexpr(1)
@@ -83,11 +84,24 @@ def pick(values, ranks, rank):
 
 
 @triton.jit
+def weight_pointer(entry, DTYPE: tl.constexpr, FP8: tl.constexpr):
+    """A stage's weight: float8 e4m3 values (FP8) or the activations' dtype."""
+    if FP8:
+        return tl.load(entry + 0).to(tl.pointer_type(tl.float8e4nv))
+    else:
+        return tl.load(entry + 0).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
 def dense_stage(entry, pid, num_programs, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                DTYPE: tl.constexpr, IEEE: tl.constexpr, MAX_IN_SPLITS: tl.constexpr):
+                DTYPE: tl.constexpr, IEEE: tl.constexpr, MAX_IN_SPLITS: tl.constexpr, FP8: tl.constexpr,
+                SBN: tl.constexpr, SBK: tl.constexpr, SUB: tl.constexpr, EXACT: tl.constexpr, ASM: tl.constexpr):
     """out [splits, M, num_out] = split-K partials of (Σ in's partials, rounded to DTYPE) @ w^T; items
-    (column block, split) round-robin; each K loop is linear_kernel's (same tiles, order, product)."""
-    w_ptr = tl.load(entry + 0).to(tl.pointer_type(DTYPE))
+    (column block, split) round-robin; each K loop is linear_kernel's (same tiles, order, product;
+    FP8: the same way to read the weights, fp8_kernels.tile_dot)."""
+    w_ptr = weight_pointer(entry, DTYPE, FP8)
+    s_ptr = tl.load(entry + 13).to(tl.pointer_type(tl.float32))
+    stride_sn = tl.load(entry + 14).to(tl.int32)
     out_ptr = tl.load(entry + 1).to(tl.pointer_type(tl.float32))
     in_ptr = tl.load(entry + 2).to(tl.pointer_type(tl.float32))
     num_out = tl.load(entry + 3).to(tl.int32)
@@ -118,8 +132,8 @@ def dense_stage(entry, pid, num_programs, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.
                 xs += tl.load(in_ptr + j * M * num_in + rows[:, None] * num_in + kk[None, :],
                               mask=x_ok & (j < in_splits), other=0.0, cache_modifier=".cg")
             w = tl.load(w_ptr + cols[:, None] * num_in + kk[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = tile_dot(xs.to(DTYPE), w, acc, w_ptr, cols, col_ok, k0, num_in, IEEE, False, 1, BLOCK_N, BLOCK_K,
-                           BLOCK_K, False, False)
+            acc = tile_dot(xs.to(DTYPE), w, acc, s_ptr, (cols // SBN) * stride_sn, col_ok, k0, num_in, IEEE, FP8, SBK,
+                           BLOCK_N, BLOCK_K, SUB, EXACT, ASM)
         tl.store(out_ptr + split * M * num_out + rows[:, None] * num_out + cols[None, :], acc,
                  mask=row_ok[:, None] & col_ok[None, :])
 
@@ -127,11 +141,15 @@ def dense_stage(entry, pid, num_programs, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 @triton.jit
 def gate_up_stage(entry, pid, num_programs, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   DTYPE: tl.constexpr, IEEE: tl.constexpr, MAX_IN_SPLITS: tl.constexpr, BLOCK_E: tl.constexpr,
-                  K_PAD: tl.constexpr):
+                  K_PAD: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SUB: tl.constexpr,
+                  EXACT: tl.constexpr, ASM: tl.constexpr):
     """out [M·k, inter] = silu(x @ gate_e^T) · (x @ up_e^T), rounded to DTYPE, for route (row, rank)
     with expert e = the row's rank-th pick; w [E, 2·inter, H] (gate rows, then up rows); items
     (route, column block) round-robin, one route a tile (its row in the tile's first)."""
-    w_ptr = tl.load(entry + 0).to(tl.pointer_type(DTYPE))
+    w_ptr = weight_pointer(entry, DTYPE, FP8)
+    s_ptr = tl.load(entry + 13).to(tl.pointer_type(tl.float32))
+    stride_sn = tl.load(entry + 14).to(tl.int32)
+    stride_se = tl.load(entry + 15)
     out_ptr = tl.load(entry + 1).to(tl.pointer_type(tl.float32))
     in_ptr = tl.load(entry + 2).to(tl.pointer_type(tl.float32))
     inter = tl.load(entry + 3).to(tl.int32)
@@ -155,6 +173,9 @@ def gate_up_stage(entry, pid, num_programs, M, BLOCK_M: tl.constexpr, BLOCK_N: t
         cols = (item % num_blocks) * BLOCK_N + ns
         col_ok = cols < inter
         gate_rows = expert.to(tl.int64) * 2 * inter + cols
+        s_base = s_ptr + expert.to(tl.int64) * stride_se
+        s_gate = (cols // SBN) * stride_sn
+        s_up = ((cols + inter) // SBN) * stride_sn
         gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
@@ -170,20 +191,25 @@ def gate_up_stage(entry, pid, num_programs, M, BLOCK_M: tl.constexpr, BLOCK_N: t
             w_ok = col_ok[:, None] & k_ok[None, :]
             wg = tl.load(w_ptr + gate_rows[:, None] * hidden + kk[None, :], mask=w_ok, other=0.0)
             wu = tl.load(w_ptr + (gate_rows + inter)[:, None] * hidden + kk[None, :], mask=w_ok, other=0.0)
-            gate = tile_dot(x, wg, gate, w_ptr, cols, col_ok, k0, hidden, IEEE, False, 1, BLOCK_N, BLOCK_K, BLOCK_K,
-                            False, False)
-            up = tile_dot(x, wu, up, w_ptr, cols, col_ok, k0, hidden, IEEE, False, 1, BLOCK_N, BLOCK_K, BLOCK_K,
-                          False, False)
-        act = (gate * tl.sigmoid(gate) * up).to(DTYPE).to(tl.float32)
+            gate = tile_dot(x, wg, gate, s_base, s_gate, col_ok, k0, hidden, IEEE, FP8, SBK, BLOCK_N, BLOCK_K,
+                            SUB, EXACT, ASM)
+            up = tile_dot(x, wu, up, s_base, s_up, col_ok, k0, hidden, IEEE, FP8, SBK, BLOCK_N, BLOCK_K,
+                          SUB, EXACT, ASM)
+        act = (gate / (1.0 + tl.exp(-gate)) * up).to(DTYPE).to(tl.float32)  # (gate_up_kernel's SiLU)
         tl.store(out_ptr + route * inter + cols[None, :] + 0 * rows[:, None], act, mask=first[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def down_stage(entry, pid, num_programs, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               DTYPE: tl.constexpr, IEEE: tl.constexpr, BLOCK_E: tl.constexpr, K_PAD: tl.constexpr):
+               DTYPE: tl.constexpr, IEEE: tl.constexpr, BLOCK_E: tl.constexpr, K_PAD: tl.constexpr,
+               FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SUB: tl.constexpr, EXACT: tl.constexpr,
+               ASM: tl.constexpr):
     """out [1, M, H] = Σ_rank weight · (act_route @ down_e^T) in float32, rank order (the combine),
     for each row; w [E, H, inter]; items: column blocks round-robin."""
-    w_ptr = tl.load(entry + 0).to(tl.pointer_type(DTYPE))
+    w_ptr = weight_pointer(entry, DTYPE, FP8)
+    s_ptr = tl.load(entry + 13).to(tl.pointer_type(tl.float32))
+    stride_sn = tl.load(entry + 14).to(tl.int32)
+    stride_se = tl.load(entry + 15)
     out_ptr = tl.load(entry + 1).to(tl.pointer_type(tl.float32))
     act_ptr = tl.load(entry + 2).to(tl.pointer_type(tl.float32))  # [M·k, inter]
     hidden = tl.load(entry + 3).to(tl.int32)
@@ -206,6 +232,7 @@ def down_stage(entry, pid, num_programs, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
             for rank in range(top_k):
                 expert = pick(picked, ranks, rank)
                 w_rows = expert.to(tl.int64) * hidden + cols
+                s_base = s_ptr + expert.to(tl.int64) * stride_se
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for k0 in range(0, inter, BLOCK_K):
                     kk = k0 + ks
@@ -214,8 +241,8 @@ def down_stage(entry, pid, num_programs, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
                                 mask=first[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
                     w = tl.load(w_ptr + w_rows[:, None] * inter + kk[None, :], mask=col_ok[:, None] & k_ok[None, :],
                                 other=0.0)
-                    acc = tile_dot(a.to(DTYPE), w, acc, w_ptr, cols, col_ok, k0, inter, IEEE, False, 1, BLOCK_N,
-                                   BLOCK_K, BLOCK_K, False, False)
+                    acc = tile_dot(a.to(DTYPE), w, acc, s_base, (cols // SBN) * stride_sn, col_ok, k0, inter, IEEE,
+                                   FP8, SBK, BLOCK_N, BLOCK_K, SUB, EXACT, ASM)
                 total += pick(chosen, ranks, rank) * acc
             tl.store(out_ptr + row * hidden + cols[None, :] + 0 * rows[:, None], total,
                      mask=first[:, None] & col_ok[None, :])
@@ -223,12 +250,25 @@ def down_stage(entry, pid, num_programs, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
 
 @triton.jit
 def prefetch_share(entry, pid, num_programs, M, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
-                   LINE: tl.constexpr, BLOCK_E: tl.constexpr, K_PAD: tl.constexpr):
+                   LINE: tl.constexpr, BLOCK_E: tl.constexpr, K_PAD: tl.constexpr, HAS_FP8: tl.constexpr):
     """Prefetch into L2 every weight line of a stage that this program will multiply: a dense
     stage's always; a down stage's once its routes are known (the router's stage has passed:
-    called from the gate/up stage); a gate/up stage's never (its routes are not known yet)."""
+    called from the gate/up stage); a gate/up stage's never (its routes are not known yet).
+    (Block scales are not prefetched: a tile's are a few bytes.)"""
+    if HAS_FP8:
+        if tl.load(entry + 13) != 0:  # a line holds twice the elements of one byte
+            prefetch_typed(entry, pid, num_programs, M, BLOCK_N, BLOCK_K, DTYPE, 2 * LINE, BLOCK_E, K_PAD, True)
+        else:
+            prefetch_typed(entry, pid, num_programs, M, BLOCK_N, BLOCK_K, DTYPE, LINE, BLOCK_E, K_PAD, False)
+    else:
+        prefetch_typed(entry, pid, num_programs, M, BLOCK_N, BLOCK_K, DTYPE, LINE, BLOCK_E, K_PAD, False)
+
+
+@triton.jit
+def prefetch_typed(entry, pid, num_programs, M, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
+                   LINE: tl.constexpr, BLOCK_E: tl.constexpr, K_PAD: tl.constexpr, FP8: tl.constexpr):
     kind = tl.load(entry + 8).to(tl.int32)
-    w_ptr = tl.load(entry + 0).to(tl.pointer_type(DTYPE))
+    w_ptr = weight_pointer(entry, DTYPE, FP8)
     num_out = tl.load(entry + 3).to(tl.int32)
     num_in = tl.load(entry + 4).to(tl.int32)
     ns = tl.arange(0, BLOCK_N)
@@ -255,32 +295,57 @@ def prefetch_share(entry, pid, num_programs, M, BLOCK_N: tl.constexpr, BLOCK_K: 
 
 
 @triton.jit
+def run_stage(entry, pid, num_programs, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              DTYPE: tl.constexpr, IEEE: tl.constexpr, MAX_IN_SPLITS: tl.constexpr, BLOCK_E: tl.constexpr,
+              K_PAD: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SUB: tl.constexpr,
+              DENSE_EXACT: tl.constexpr, EXPERT_EXACT: tl.constexpr, ASM: tl.constexpr, EXPERTS: tl.constexpr):
+    """This program's share of one stage, by its kind (EXPERTS: the experts' stages compiled in)."""
+    kind = tl.load(entry + 8).to(tl.int32)
+    if kind == DENSE or not EXPERTS:
+        dense_stage(entry, pid, num_programs, M, BLOCK_M, BLOCK_N, BLOCK_K, DTYPE, IEEE, MAX_IN_SPLITS, FP8, SBN, SBK,
+                    SUB, DENSE_EXACT, ASM and DENSE_EXACT)
+    elif kind == GATE_UP:
+        gate_up_stage(entry, pid, num_programs, M, BLOCK_M, BLOCK_N, BLOCK_K, DTYPE, IEEE, MAX_IN_SPLITS, BLOCK_E,
+                      K_PAD, FP8, SBN, SBK, SUB, EXPERT_EXACT, ASM and EXPERT_EXACT)
+    else:
+        down_stage(entry, pid, num_programs, M, BLOCK_M, BLOCK_N, BLOCK_K, DTYPE, IEEE, BLOCK_E, K_PAD, FP8, SBN, SBK,
+                   SUB, EXPERT_EXACT, ASM and EXPERT_EXACT)
+
+
+@triton.jit
 def chain_kernel(
     table_ptr, counter_ptr, chain_length, M,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
     IEEE: tl.constexpr, PREFETCH: tl.constexpr, LINE: tl.constexpr, MAX_IN_SPLITS: tl.constexpr,
-    BLOCK_E: tl.constexpr, K_PAD: tl.constexpr,
+    BLOCK_E: tl.constexpr, K_PAD: tl.constexpr, HAS_FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr,
+    SUB: tl.constexpr, DENSE_EXACT: tl.constexpr, EXPERT_EXACT: tl.constexpr, ASM: tl.constexpr,
 ):
     """Every stage of a chain in one launch: the programs stay resident, take each stage's items
     round-robin and meet at a grid barrier between stages. PREFETCH: 0 none; 1 the next stage's
     share of weights prefetched into L2 before the barrier; 2 at the stage's start, so HBM streams
-    the next stage's weights while this one runs (prefetch_share: where they are known)."""
+    the next stage's weights while this one runs (prefetch_share: where they are known).
+    HAS_FP8: some stages' weights are FP8 (a stage's scales field says which), read the way
+    kernels.fused.linear reads them (DENSE_EXACT, EXPERT_EXACT, ASM)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     for stage in range(chain_length):
         entry = table_ptr + stage * FIELDS
         if PREFETCH == 2:
             if stage + 1 < chain_length:
-                prefetch_share(entry + FIELDS, pid, num_programs, M, BLOCK_N, BLOCK_K, DTYPE, LINE, BLOCK_E, K_PAD)
-        kind = tl.load(entry + 8).to(tl.int32)
-        if kind == DENSE:
-            dense_stage(entry, pid, num_programs, M, BLOCK_M, BLOCK_N, BLOCK_K, DTYPE, IEEE, MAX_IN_SPLITS)
-        elif kind == GATE_UP:
-            gate_up_stage(entry, pid, num_programs, M, BLOCK_M, BLOCK_N, BLOCK_K, DTYPE, IEEE, MAX_IN_SPLITS, BLOCK_E,
-                          K_PAD)
+                prefetch_share(entry + FIELDS, pid, num_programs, M, BLOCK_N, BLOCK_K, DTYPE, LINE, BLOCK_E, K_PAD,
+                               HAS_FP8)
+        if HAS_FP8:  # (a chain with FP8 weights has FP8 experts: full precision is only dense there, the routers)
+            if tl.load(entry + 13) != 0:
+                run_stage(entry, pid, num_programs, M, BLOCK_M, BLOCK_N, BLOCK_K, DTYPE, IEEE, MAX_IN_SPLITS, BLOCK_E,
+                          K_PAD, True, SBN, SBK, SUB, DENSE_EXACT, EXPERT_EXACT, ASM, True)
+            else:
+                run_stage(entry, pid, num_programs, M, BLOCK_M, BLOCK_N, BLOCK_K, DTYPE, IEEE, MAX_IN_SPLITS, BLOCK_E,
+                          K_PAD, False, 1, 1, 1, False, False, False, False)
         else:
-            down_stage(entry, pid, num_programs, M, BLOCK_M, BLOCK_N, BLOCK_K, DTYPE, IEEE, BLOCK_E, K_PAD)
+            run_stage(entry, pid, num_programs, M, BLOCK_M, BLOCK_N, BLOCK_K, DTYPE, IEEE, MAX_IN_SPLITS, BLOCK_E,
+                      K_PAD, False, 1, 1, 1, False, False, False, True)
         if PREFETCH == 1:
             if stage + 1 < chain_length:
-                prefetch_share(entry + FIELDS, pid, num_programs, M, BLOCK_N, BLOCK_K, DTYPE, LINE, BLOCK_E, K_PAD)
+                prefetch_share(entry + FIELDS, pid, num_programs, M, BLOCK_N, BLOCK_K, DTYPE, LINE, BLOCK_E, K_PAD,
+                               HAS_FP8)
         grid_barrier(counter_ptr, (stage + 1) * num_programs)

@@ -5,7 +5,8 @@ experts and their combine), row-invariantly, whatever the number of programs or 
 import pytest
 import torch
 
-from kernels.fused.linear import linear_config, linear_partials
+from kernels.fused.fp8 import quantize
+from kernels.fused.linear import dense, linear_config, linear_partials, weight_config
 from kernels.fused.moe import fused_experts
 from kernels.fused.persistent import ChainPlan, Dense, Experts, experts_stage, stage_partials, sum_partials
 from kernels.fused.router import route
@@ -129,22 +130,28 @@ def test_the_reference_path_runs_where_triton_does_not(monkeypatch):
     torch.testing.assert_close(kernel, reference, rtol=2e-5, atol=1e-5)
 
 
-def moe_chain(device, dtype, seed=8, hidden=512, experts=8, inter=64, top_k=3):
-    """A layer's MoE block twice over: router (split-K) and experts, then again on their output."""
+def moe_chain(device, dtype, seed=8, hidden=512, experts=8, inter=64, top_k=3, fp8=False):
+    """A layer's MoE block twice over: router (split-K) and experts, then again on their output;
+    fp8: the experts' weights block-scaled FP8 (routers stay full precision, as --quantize fp8 leaves them)."""
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape):
         return (torch.randn(shape, generator=g) / shape[-1] ** 0.5).to(device, dtype)
 
+    def expert_weight(*shape):
+        return quantize(w(*shape), (128, 128)) if fp8 else w(*shape)
+
     stages = []
     for _ in range(2):
-        stages += [Dense(w(experts, hidden), 4), Experts(w(experts, 2 * inter, hidden), w(experts, hidden, inter), top_k)]
+        stages += [Dense(w(experts, hidden), 4),
+                   Experts(expert_weight(experts, 2 * inter, hidden), expert_weight(experts, hidden, inter), top_k)]
     return stages
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["full", "fp8"])
 @devices_and_dtypes()
-def test_an_experts_stage_computes_todays_routes_experts_and_combine(device, dtype):
-    stages = moe_chain(device, dtype)
+def test_an_experts_stage_computes_todays_routes_experts_and_combine(device, dtype, fp8):
+    stages = moe_chain(device, dtype, fp8=fp8)
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(9)).to(device, dtype)
     plan = ChainPlan(stages, rows=4)
     plan.run(x)
@@ -159,7 +166,8 @@ def test_an_experts_stage_computes_todays_routes_experts_and_combine(device, dty
             combined += weights[:, rank:rank + 1] * per_route[:, rank]
         got = plan.outputs[index + 1][0]
         assert float((got - combined).abs().max() / combined.abs().max()) < tolerance(dtype)
-        reference_acts, reference = experts_stage(source, router_partials, experts)
+        reference_acts, reference = experts_stage(source, router_partials, Experts(
+            dense(experts.gate_up, dtype), dense(experts.down, dtype), experts.top_k))
         assert float((got - reference).abs().max() / reference.abs().max()) < tolerance(dtype)
         torch.testing.assert_close(plan.acts[index + 1][0], reference_acts, rtol=tolerance(dtype), atol=tolerance(dtype))
         source = got.to(dtype)
@@ -183,3 +191,16 @@ def test_an_experts_chain_changes_no_bit_with_programs_or_prefetch():
         plan = ChainPlan(stages, rows=3, prefetch=prefetch)
         assert torch.equal(plan.run(x), one), prefetch
         assert int(plan.counter) == plan.table.shape[0] * plan.programs
+
+
+@devices_and_dtypes()
+def test_fp8_dense_stages_read_their_weights_as_linear_partials_does(device, dtype):
+    weights = [quantize(w, (128, 128)) for w in chain_weights(device, dtype, seed=14)]
+    x = torch.randn(3, SHAPES[0][1], generator=torch.Generator().manual_seed(15)).to(device, dtype)
+    plan = ChainPlan(dense_chain(weights), rows=3, tile=weight_config(weights[0], dtype))  # linear_partials' tile
+    plan.run(x)
+    for stage, (got, want) in enumerate(zip(plan.outputs, today(x, weights, SPLITS))):
+        if device == "cuda":
+            assert torch.equal(got, want), f"stage {stage}: max diff {(got - want).abs().max():.3g}"
+        else:
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-5)

@@ -21,11 +21,12 @@ import pytest
 # case -> (module, kernel (an expression in it), the arguments' Triton types where not the default
 # (pointers *bf16, FLOATS fp32, other scalars i32), constants, options)
 CASES = {
-    **{f"chain, prefetch {p}": (  # at the default tile (kernels.fused.persistent.DEFAULT_TILE)
+    **{f"chain, prefetch {p}{', fp8' if fp8 else ''}": (  # at the default tile (persistent.DEFAULT_TILE)
         "kernels.fused.persistent_kernels", "chain_kernel", {"table_ptr": "*i64", "counter_ptr": "*i32"},
         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, DTYPE="bfloat16", IEEE=False, PREFETCH=p, LINE=64,
-             MAX_IN_SPLITS=4, BLOCK_E=128, K_PAD=8), dict(num_warps=8, num_stages=3, launch_cooperative_grid=True))
-       for p in (0, 1, 2)},
+             MAX_IN_SPLITS=4, BLOCK_E=128, K_PAD=8, HAS_FP8=fp8, SBN=128, SBK=128, SUB=128, DENSE_EXACT=False,
+             EXPERT_EXACT=True, ASM=True), dict(num_warps=8, num_stages=3, launch_cooperative_grid=True))
+       for p in (0, 1, 2) for fp8 in (False, True)},
     **{f"linear, {way}": (
         "kernels.fused.linear_kernels", "linear_kernel",
         {"x_ptr": "*bf16", "w_ptr": "*bf16" if way == "bf16" else "*fp8e4nv", "y_ptr": "*fp32", "s_ptr": "*fp32"},
@@ -127,15 +128,18 @@ def ptx_of(compiled: dict, case: str) -> str:
     return compiled[case]["ptx"]
 
 
+@pytest.mark.parametrize("fp8", ["", ", fp8"])
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
-def test_the_persistent_chain_compiles_with_its_barrier_and_prefetch(compiled, prefetch):
-    ptx = ptx_of(compiled, f"chain, prefetch {prefetch}")
+def test_the_persistent_chain_compiles_with_its_barrier_and_prefetch(compiled, prefetch, fp8):
+    case = f"chain, prefetch {prefetch}{fp8}"
+    ptx = ptx_of(compiled, case)
     # one thread a program arrives (release) and polls (acquire): the barrier counts programs
     assert ptx.count("atom.global.gpu.release.add") == 1 and "ld.global.gpu.acquire" in ptx
     assert ("prefetch.global.L2" in ptx) == (prefetch > 0)
     assert "cp.async" in ptx  # the weight loads pipelined
+    assert ("prmt.b32" in ptx) == bool(fp8)  # the experts' FP8 tiles by bit moves
     # one kernel holds every stage's code: a tile that leaves it too few registers spills in every loop
-    assert compiled[f"chain, prefetch {prefetch}"]["spill_stores"] < 1024
+    assert compiled[case]["spill_stores"] < 1024, compiled[case]["spill_stores"]
 
 
 @pytest.mark.parametrize("way", ["bf16", "fp8 dequantised", "fp8 exact"])
