@@ -38,7 +38,9 @@ from kernels.fused.fp8 import Fp8Weight
 from kernels.fused.linear import BLOCK_M, Weight, dense, rowwise_linear
 from kernels.routing import route_topk
 
-STAGE_FIELDS = 16  # persistent_kernels.FIELDS
+# A stage's entry in the table the kernel walks: its fields in persistent_kernels' order (F_*).
+FIELDS = ("weight", "out", "in", "num_out", "num_in", "splits", "k_per_split", "in_splits", "kind", "routes",
+          "route_splits", "experts", "top_k", "scales", "scale_row_stride", "scale_expert_stride")
 DENSE, GATE_UP, DOWN = 0, 1, 2  # persistent_kernels' stage kinds
 LINE = 128  # bytes an L2 prefetch covers
 PREFETCH_WAYS = {"none": 0, "before-barrier": 1, "at-stage-start": 2}
@@ -75,6 +77,21 @@ def _kernels():
     from kernels.fused.persistent_kernels import chain_kernel
 
     return chain_kernel
+
+
+def _entry(weight: Weight, kind: int, *, out: Tensor, source: Tensor, splits: int = 1, k_per_split: int | None = None,
+           **fields: int) -> list[int]:
+    """A stage's table entry, by FIELDS (unnamed fields 0; a weight in full precision has no scales)."""
+    named = dict(weight=_rows(weight).data_ptr(), out=out.data_ptr(), **{"in": source.data_ptr()}, kind=kind,
+                 splits=splits, k_per_split=fields["num_in"] if k_per_split is None else k_per_split, **fields)
+    if isinstance(weight, Fp8Weight):
+        scale = weight.scale
+        named.update(scales=scale.data_ptr(), scale_row_stride=scale.stride(-2),
+                     scale_expert_stride=scale.stride(0) if scale.dim() == 3 else 0)
+    unknown = set(named) - set(FIELDS)
+    if unknown:
+        raise ValueError(f"table fields {sorted(unknown)} are not among {FIELDS}")
+    return [int(named.get(name, 0)) for name in FIELDS]
 
 
 def k_per_split(num_in: int, splits: int, block_k: int) -> int:
@@ -176,39 +193,32 @@ class ChainPlan:
         self.input = buffer(1, rows, stages[0].weight.shape[1])  # [1, rows, K0]: x, as the first stage's "partials"
         self.outputs: list[Tensor] = []  # per stage of `stages`: its last kernel stage's output
         self.acts: list[Tensor | None] = []  # per stage: an Experts stage's routes' activations [1, rows·k, inter]
-        def scales(weight: Weight) -> list[int]:  # the table's FP8 fields: scales' address, block-row and expert strides
-            if not isinstance(weight, Fp8Weight):
-                return [0, 0, 0]
-            scale = weight.scale
-            return [scale.data_ptr(), scale.stride(-2), scale.stride(0) if scale.dim() == 3 else 0]
-
         table = []
         source, source_splits = self.input, 1
-        for s, stage in enumerate(stages):
+        for stage in stages:
             if isinstance(stage, Dense):
                 num_out, num_in = stage.weight.shape
                 out = buffer(stage.splits, rows, num_out)  # [splits, rows, N]
-                table.append([_rows(stage.weight).data_ptr(), out.data_ptr(), source.data_ptr(), num_out, num_in,
-                              stage.splits, k_per_split(num_in, stage.splits, block_k), source_splits, DENSE,
-                              0, 0, 0, 0, *scales(stage.weight)])
+                table.append(_entry(stage.weight, DENSE, out=out, source=source, num_out=num_out, num_in=num_in,
+                                    splits=stage.splits, k_per_split=k_per_split(num_in, stage.splits, block_k),
+                                    in_splits=source_splits))
                 router_in, router_in_splits = source, source_splits
                 self.acts.append(None)
                 source, source_splits = out, stage.splits
             else:
                 num_experts, double_inter, hidden = stage.gate_up.shape
                 inter = double_inter // 2
-                routes = (source.data_ptr(), source_splits, num_experts, stage.top_k)
+                routes = dict(routes=source.data_ptr(), route_splits=source_splits, experts=num_experts,
+                              top_k=stage.top_k)
                 act = buffer(1, rows * stage.top_k, inter)
                 out = buffer(1, rows, hidden)
-                table.append([_rows(stage.gate_up).data_ptr(), act.data_ptr(), router_in.data_ptr(), inter, hidden, 1,
-                              hidden, router_in_splits, GATE_UP, *routes, *scales(stage.gate_up)])
-                table.append([_rows(stage.down).data_ptr(), out.data_ptr(), act.data_ptr(), hidden, inter, 1, inter, 1,
-                              DOWN, *routes, *scales(stage.down)])
+                table.append(_entry(stage.gate_up, GATE_UP, out=act, source=router_in, num_out=inter, num_in=hidden,
+                                    in_splits=router_in_splits, **routes))
+                table.append(_entry(stage.down, DOWN, out=out, source=act, num_out=hidden, num_in=inter, **routes))
                 self.acts.append(act)
                 source, source_splits = out, 1
             self.outputs.append(source)
-        self.table = torch.tensor([row + [0] * (STAGE_FIELDS - len(row)) for row in table], dtype=torch.int64,
-                                  device=device)  # [kernel stages, STAGE_FIELDS]
+        self.table = torch.tensor(table, dtype=torch.int64, device=device)  # [kernel stages, len(FIELDS)]
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
 
     def run(self, x: Tensor) -> Tensor:  # x [rows, K0] in the full-precision weights' dtype

@@ -5,11 +5,28 @@ import triton.language as tl
 
 from kernels.fused.fp8_kernels import tile_dot
 
-# A stage's entry in the chain's table, int64 fields (kernels.fused.persistent.ChainPlan builds it):
-# 0 weight, 1 out, 2 in (addresses), 3 num_out, 4 num_in, 5 splits, 6 k_per_split, 7 in_splits,
-# 8 kind (DENSE, GATE_UP, DOWN), 9 the router's partials (address), 10 their splits, 11 experts,
-# 12 routes a row (top k); FP8 weights: 13 their block scales (address; 0: full precision), 14 the
-# scales' block-row stride, 15 their expert stride.
+# A stage's entry in the chain's table: int64 fields at these offsets (kernels.fused.persistent.FIELDS
+# names them alike and builds the table): the weight, output and input (addresses), the weight's
+# outputs and inputs, its K splits and columns per split, the input's splits, the stage's kind
+# (DENSE, GATE_UP, DOWN); an experts stage's router partials (address), their splits, the experts
+# and the routes a row; FP8 weights' block scales (address; 0: full precision) and their block-row
+# and expert strides.
+F_WEIGHT = tl.constexpr(0)
+F_OUT = tl.constexpr(1)
+F_IN = tl.constexpr(2)
+F_NUM_OUT = tl.constexpr(3)
+F_NUM_IN = tl.constexpr(4)
+F_SPLITS = tl.constexpr(5)
+F_K_PER_SPLIT = tl.constexpr(6)
+F_IN_SPLITS = tl.constexpr(7)
+F_KIND = tl.constexpr(8)
+F_ROUTES = tl.constexpr(9)
+F_ROUTE_SPLITS = tl.constexpr(10)
+F_EXPERTS = tl.constexpr(11)
+F_TOP_K = tl.constexpr(12)
+F_SCALES = tl.constexpr(13)
+F_SCALE_ROW_STRIDE = tl.constexpr(14)
+F_SCALE_EXPERT_STRIDE = tl.constexpr(15)
 FIELDS = tl.constexpr(16)
 DENSE = tl.constexpr(0)
 GATE_UP = tl.constexpr(1)
@@ -87,9 +104,30 @@ def pick(values, ranks, rank):
 def weight_pointer(entry, DTYPE: tl.constexpr, FP8: tl.constexpr):
     """A stage's weight: float8 e4m3 values (FP8) or the activations' dtype."""
     if FP8:
-        return tl.load(entry + 0).to(tl.pointer_type(tl.float8e4nv))
+        return tl.load(entry + F_WEIGHT).to(tl.pointer_type(tl.float8e4nv))
     else:
-        return tl.load(entry + 0).to(tl.pointer_type(DTYPE))
+        return tl.load(entry + F_WEIGHT).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def io_of(entry):
+    """A stage's (output, input, the weight's outputs, its inputs): the buffers float32."""
+    return (tl.load(entry + F_OUT).to(tl.pointer_type(tl.float32)), tl.load(entry + F_IN).to(tl.pointer_type(tl.float32)),
+            tl.load(entry + F_NUM_OUT).to(tl.int32), tl.load(entry + F_NUM_IN).to(tl.int32))
+
+
+@triton.jit
+def routes_of(entry):
+    """An experts stage's routing: (router partials, their splits, experts, routes a row)."""
+    return (tl.load(entry + F_ROUTES).to(tl.pointer_type(tl.float32)), tl.load(entry + F_ROUTE_SPLITS).to(tl.int32),
+            tl.load(entry + F_EXPERTS).to(tl.int32), tl.load(entry + F_TOP_K).to(tl.int32))
+
+
+@triton.jit
+def scales_of(entry):
+    """A stage's FP8 block scales: (address, block-row stride, expert stride)."""
+    return (tl.load(entry + F_SCALES).to(tl.pointer_type(tl.float32)),
+            tl.load(entry + F_SCALE_ROW_STRIDE).to(tl.int32), tl.load(entry + F_SCALE_EXPERT_STRIDE))
 
 
 @triton.jit
@@ -100,15 +138,11 @@ def dense_stage(entry, pid, num_programs, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.
     (column block, split) round-robin; each K loop is linear_kernel's (same tiles, order, product;
     FP8: the same way to read the weights, fp8_kernels.tile_dot)."""
     w_ptr = weight_pointer(entry, DTYPE, FP8)
-    s_ptr = tl.load(entry + 13).to(tl.pointer_type(tl.float32))
-    stride_sn = tl.load(entry + 14).to(tl.int32)
-    out_ptr = tl.load(entry + 1).to(tl.pointer_type(tl.float32))
-    in_ptr = tl.load(entry + 2).to(tl.pointer_type(tl.float32))
-    num_out = tl.load(entry + 3).to(tl.int32)
-    num_in = tl.load(entry + 4).to(tl.int32)
-    splits = tl.load(entry + 5).to(tl.int32)
-    k_per_split = tl.load(entry + 6).to(tl.int32)
-    in_splits = tl.load(entry + 7).to(tl.int32)
+    s_ptr, stride_sn, _ = scales_of(entry)
+    out_ptr, in_ptr, num_out, num_in = io_of(entry)
+    splits = tl.load(entry + F_SPLITS).to(tl.int32)
+    k_per_split = tl.load(entry + F_K_PER_SPLIT).to(tl.int32)
+    in_splits = tl.load(entry + F_IN_SPLITS).to(tl.int32)
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < M
     ns = tl.arange(0, BLOCK_N)
@@ -147,18 +181,10 @@ def gate_up_stage(entry, pid, num_programs, M, BLOCK_M: tl.constexpr, BLOCK_N: t
     with expert e = the row's rank-th pick; w [E, 2·inter, H] (gate rows, then up rows); items
     (route, column block) round-robin, one route a tile (its row in the tile's first)."""
     w_ptr = weight_pointer(entry, DTYPE, FP8)
-    s_ptr = tl.load(entry + 13).to(tl.pointer_type(tl.float32))
-    stride_sn = tl.load(entry + 14).to(tl.int32)
-    stride_se = tl.load(entry + 15)
-    out_ptr = tl.load(entry + 1).to(tl.pointer_type(tl.float32))
-    in_ptr = tl.load(entry + 2).to(tl.pointer_type(tl.float32))
-    inter = tl.load(entry + 3).to(tl.int32)
-    hidden = tl.load(entry + 4).to(tl.int32)
-    in_splits = tl.load(entry + 7).to(tl.int32)
-    route_ptr = tl.load(entry + 9).to(tl.pointer_type(tl.float32))
-    route_splits = tl.load(entry + 10).to(tl.int32)
-    num_experts = tl.load(entry + 11).to(tl.int32)
-    top_k = tl.load(entry + 12).to(tl.int32)
+    s_ptr, stride_sn, stride_se = scales_of(entry)
+    out_ptr, in_ptr, inter, hidden = io_of(entry)
+    in_splits = tl.load(entry + F_IN_SPLITS).to(tl.int32)
+    route_ptr, route_splits, num_experts, top_k = routes_of(entry)
     rows = tl.arange(0, BLOCK_M)
     first = rows == 0
     ns = tl.arange(0, BLOCK_N)
@@ -207,17 +233,9 @@ def down_stage(entry, pid, num_programs, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
     """out [1, M, H] = Σ_rank weight · (act_route @ down_e^T) in float32, rank order (the combine),
     for each row; w [E, H, inter]; items: column blocks round-robin."""
     w_ptr = weight_pointer(entry, DTYPE, FP8)
-    s_ptr = tl.load(entry + 13).to(tl.pointer_type(tl.float32))
-    stride_sn = tl.load(entry + 14).to(tl.int32)
-    stride_se = tl.load(entry + 15)
-    out_ptr = tl.load(entry + 1).to(tl.pointer_type(tl.float32))
-    act_ptr = tl.load(entry + 2).to(tl.pointer_type(tl.float32))  # [M·k, inter]
-    hidden = tl.load(entry + 3).to(tl.int32)
-    inter = tl.load(entry + 4).to(tl.int32)
-    route_ptr = tl.load(entry + 9).to(tl.pointer_type(tl.float32))
-    route_splits = tl.load(entry + 10).to(tl.int32)
-    num_experts = tl.load(entry + 11).to(tl.int32)
-    top_k = tl.load(entry + 12).to(tl.int32)
+    s_ptr, stride_sn, stride_se = scales_of(entry)
+    out_ptr, act_ptr, hidden, inter = io_of(entry)  # act [M·k, inter]
+    route_ptr, route_splits, num_experts, top_k = routes_of(entry)
     rows = tl.arange(0, BLOCK_M)
     first = rows == 0
     ns = tl.arange(0, BLOCK_N)
@@ -256,7 +274,7 @@ def prefetch_share(entry, pid, num_programs, M, BLOCK_N: tl.constexpr, BLOCK_K: 
     called from the gate/up stage); a gate/up stage's never (its routes are not known yet).
     (Block scales are not prefetched: a tile's are a few bytes.)"""
     if HAS_FP8:
-        if tl.load(entry + 13) != 0:  # a line holds twice the elements of one byte
+        if tl.load(entry + F_SCALES) != 0:  # a line holds twice the elements of one byte
             prefetch_typed(entry, pid, num_programs, M, BLOCK_N, BLOCK_K, DTYPE, 2 * LINE, BLOCK_E, K_PAD, True)
         else:
             prefetch_typed(entry, pid, num_programs, M, BLOCK_N, BLOCK_K, DTYPE, LINE, BLOCK_E, K_PAD, False)
@@ -267,23 +285,20 @@ def prefetch_share(entry, pid, num_programs, M, BLOCK_N: tl.constexpr, BLOCK_K: 
 @triton.jit
 def prefetch_typed(entry, pid, num_programs, M, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
                    LINE: tl.constexpr, BLOCK_E: tl.constexpr, K_PAD: tl.constexpr, FP8: tl.constexpr):
-    kind = tl.load(entry + 8).to(tl.int32)
+    kind = tl.load(entry + F_KIND).to(tl.int32)
     w_ptr = weight_pointer(entry, DTYPE, FP8)
-    num_out = tl.load(entry + 3).to(tl.int32)
-    num_in = tl.load(entry + 4).to(tl.int32)
+    num_out = tl.load(entry + F_NUM_OUT).to(tl.int32)
+    num_in = tl.load(entry + F_NUM_IN).to(tl.int32)
     ns = tl.arange(0, BLOCK_N)
     if kind == DENSE:
-        splits = tl.load(entry + 5).to(tl.int32)
-        k_per_split = tl.load(entry + 6).to(tl.int32)
+        splits = tl.load(entry + F_SPLITS).to(tl.int32)
+        k_per_split = tl.load(entry + F_K_PER_SPLIT).to(tl.int32)
         for item in range(pid, tl.cdiv(num_out, BLOCK_N) * splits, num_programs):
             k_start = (item % splits) * k_per_split
             prefetch_rows(w_ptr, (item // splits) * BLOCK_N + ns, num_out, num_in, k_start,
                           tl.minimum(num_in, k_start + k_per_split), BLOCK_K, LINE)
     elif kind == DOWN:
-        route_ptr = tl.load(entry + 9).to(tl.pointer_type(tl.float32))
-        route_splits = tl.load(entry + 10).to(tl.int32)
-        num_experts = tl.load(entry + 11).to(tl.int32)
-        top_k = tl.load(entry + 12).to(tl.int32)
+        route_ptr, route_splits, num_experts, top_k = routes_of(entry)
         ranks = tl.arange(0, K_PAD)
         for item in range(pid, tl.cdiv(num_out, BLOCK_N), num_programs):
             for row in range(M):
@@ -300,7 +315,7 @@ def run_stage(entry, pid, num_programs, M, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
               K_PAD: tl.constexpr, FP8: tl.constexpr, SBN: tl.constexpr, SBK: tl.constexpr, SUB: tl.constexpr,
               DENSE_EXACT: tl.constexpr, EXPERT_EXACT: tl.constexpr, ASM: tl.constexpr, EXPERTS: tl.constexpr):
     """This program's share of one stage, by its kind (EXPERTS: the experts' stages compiled in)."""
-    kind = tl.load(entry + 8).to(tl.int32)
+    kind = tl.load(entry + F_KIND).to(tl.int32)
     if kind == DENSE or not EXPERTS:
         dense_stage(entry, pid, num_programs, M, BLOCK_M, BLOCK_N, BLOCK_K, DTYPE, IEEE, MAX_IN_SPLITS, FP8, SBN, SBK,
                     SUB, DENSE_EXACT, ASM and DENSE_EXACT)
@@ -335,7 +350,7 @@ def chain_kernel(
                 prefetch_share(entry + FIELDS, pid, num_programs, M, BLOCK_N, BLOCK_K, DTYPE, LINE, BLOCK_E, K_PAD,
                                HAS_FP8)
         if HAS_FP8:  # (a chain with FP8 weights has FP8 experts: full precision is only dense there, the routers)
-            if tl.load(entry + 13) != 0:
+            if tl.load(entry + F_SCALES) != 0:
                 run_stage(entry, pid, num_programs, M, BLOCK_M, BLOCK_N, BLOCK_K, DTYPE, IEEE, MAX_IN_SPLITS, BLOCK_E,
                           K_PAD, True, SBN, SBK, SUB, DENSE_EXACT, EXPERT_EXACT, ASM, True)
             else:

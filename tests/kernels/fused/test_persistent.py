@@ -204,3 +204,14 @@ def test_fp8_dense_stages_read_their_weights_as_linear_partials_does(device, dty
             assert torch.equal(got, want), f"stage {stage}: max diff {(got - want).abs().max():.3g}"
         else:
             torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-5)
+
+
+def test_the_table_fields_are_the_kernels():
+    """The host names a stage's fields (persistent.FIELDS) where the kernel reads them (F_*)."""
+    import kernels.fused.persistent_kernels as persistent_kernels
+    from kernels.fused.persistent import FIELDS
+
+    offsets = {name[2:].lower(): value.value for name, value in vars(persistent_kernels).items()
+               if name.startswith("F_")}
+    assert offsets == {name: index for index, name in enumerate(FIELDS)}
+    assert persistent_kernels.FIELDS.value == len(FIELDS)
