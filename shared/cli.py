@@ -69,7 +69,13 @@ def _add_service(subcommands, name: str) -> None:
 
 def _run_service(name: str, args: argparse.Namespace) -> int:
     import asyncio
+    import signal
 
+    # Until the service takes SIGINT over (to drain), Ctrl-C ends the start-up at once: imports,
+    # loading and binding hold nothing to save, while a KeyboardInterrupt raised inside an import
+    # can leave a half-imported module whose next use fails another way (numpy's, say: a
+    # RecursionError and its traceback instead of one line).
+    signal.signal(signal.SIGINT, functools.partial(_interrupted_while_starting, name))
     settings = importlib.import_module(f"{name}_service.settings")
     server = importlib.import_module(f"{name}_service.server")
     try:
@@ -85,6 +91,11 @@ def _run_service(name: str, args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _interrupted_while_starting(name: str, signum: int, frame: object) -> None:
+    print(f"tandem {name}: interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 # --- tandem demo ------------------------------------------------------------------------

@@ -79,11 +79,12 @@ def _kernels():
     return chain_kernel
 
 
-def _entry(weight: Weight, kind: int, *, out: Tensor, source: Tensor, splits: int = 1, k_per_split: int | None = None,
-           **fields: int) -> list[int]:
-    """A stage's table entry, by FIELDS (unnamed fields 0; a weight in full precision has no scales)."""
-    named = dict(weight=_rows(weight).data_ptr(), out=out.data_ptr(), **{"in": source.data_ptr()}, kind=kind,
-                 splits=splits, k_per_split=fields["num_in"] if k_per_split is None else k_per_split, **fields)
+def _entry(weight: Weight, kind: int, *, out: Tensor, source: Tensor, **fields: int) -> list[int]:
+    """A stage's table entry, by FIELDS (unnamed fields 0; one split of every column unless named;
+    a weight in full precision has no scales)."""
+    named = dict(weight=_rows(weight).data_ptr(), out=out.data_ptr(), kind=kind, splits=1,
+                 k_per_split=fields["num_in"], **{"in": source.data_ptr()})
+    named.update(fields)
     if isinstance(weight, Fp8Weight):
         scale = weight.scale
         named.update(scales=scale.data_ptr(), scale_row_stride=scale.stride(-2),
