@@ -190,6 +190,15 @@ def main() -> None:
                     log(f"{name}, rows {rows}, {way}: max difference from the one-program run "
                         f"{float((out - check).abs().max() / check.abs().max()):.3g} (relative to its largest value)")
                 ways[way] = lambda plan=plan: plan.run(x)
+            for way in [w for w in ways if w != "today"]:  # each way captured once first: one that fails is reported
+                try:
+                    graph_time(ways[way], calls=1, repeats=1)
+                except Exception as error:  # (a cooperative launch the driver will not capture, say)
+                    log(f"{name}, rows {rows}, {way}: capture failed: {type(error).__name__}: {error}")
+                    print(f"| {name} | {rows} | {way} | capture failed: {type(error).__name__} (--no-cooperative?) "
+                          f"| | | |")
+                    del ways[way]
+                    torch.cuda.synchronize()
             times: dict[str, list[float]] = {way: [] for way in ways}
             for block in range(args.blocks):
                 order = list(ways) if block % 2 == 0 else list(reversed(ways))
