@@ -370,20 +370,22 @@ def main(argv: list[str] | None = None) -> int:
     # gRPC's C core logs routine connection events (a peer's GOAWAY) at INFO: errors only,
     # unless the operator asks (before any handler imports grpc).
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    handler = getattr(args, "handler", None)
-    if handler is None:
-        parser.print_help(sys.stderr)
-        return 2
+    name = "tandem"
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        handler = getattr(args, "handler", None)
+        if handler is None:
+            parser.print_help(sys.stderr)
+            return 2
+        name = f"tandem {args.command}"
         return handler(args)
     except Exception as error:
         if not _interrupted(error):
             raise
-    except KeyboardInterrupt:  # Ctrl-C before a service took over SIGINT (imports, loading, binding)
+    except KeyboardInterrupt:  # Ctrl-C while the command line is read, or in a command that does not catch it
         pass
-    print(f"tandem {args.command}: interrupted", file=sys.stderr)
+    print(f"{name}: interrupted", file=sys.stderr)
     return 130
 
 

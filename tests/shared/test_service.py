@@ -174,3 +174,14 @@ def test_ctrl_c_wrapped_by_an_import_still_reads_as_an_interrupt(monkeypatch, ca
     monkeypatch.setattr(cli, "_run_service", plain_failure)
     with pytest.raises(RuntimeError, match="not an interrupt"):
         cli.main(["verifier", "--port", "0"])
+
+
+def test_ctrl_c_while_the_command_line_is_read_is_one_line_too(monkeypatch, capsys):
+    from shared import cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["verifier"]) == 130
+    assert capsys.readouterr().err == "tandem: interrupted\n"
