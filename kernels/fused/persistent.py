@@ -35,7 +35,7 @@ from torch import Tensor
 import kernels.fused.linear as linear_module
 from kernels.fused import cdiv, interpreting, next_power_of_2, tl_dtype, use_triton
 from kernels.fused.fp8 import Fp8Weight
-from kernels.fused.linear import BLOCK_M, Weight, dense, rowwise_linear
+from kernels.fused.linear import BLOCK_M, Weight, dense, pipeline_stages, rowwise_linear
 from kernels.routing import route_topk
 
 # A stage's entry in the table the kernel walks: its fields in persistent_kernels' order (F_*).
@@ -168,8 +168,6 @@ class ChainPlan:
         # cooperative: the driver refuses a grid that cannot be resident at once (else a barrier
         # would hang); off, residency rests on the grid fitting the GPU with nothing else running.
         self.cooperative = cooperative
-        dense_splits = [s.splits for s in stages if isinstance(s, Dense)]
-        self.max_in_splits = max([1, *dense_splits])
         if tile is None:
             tile = DEFAULT_TILE
         if len(tile) != 4 or min(tile) < 1 or tile[1] % 16 or tile[0] % 16:
@@ -220,6 +218,7 @@ class ChainPlan:
                 source, source_splits = out, 1
             self.outputs.append(source)
         self.table = torch.tensor(table, dtype=torch.int64, device=device)  # [kernel stages, len(FIELDS)]
+        self.max_in_splits = max(entry[FIELDS.index("in_splits")] for entry in table)  # (the kernel unrolls them)
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
 
     def run(self, x: Tensor) -> Tensor:  # x [rows, K0] in the full-precision weights' dtype
@@ -233,6 +232,11 @@ class ChainPlan:
             return self.outputs[-1]
         self.counter.zero_()
         block_n, block_k, warps, num_stages = self.tile
+        # Pipeline stages refitted to shared memory (the bits do not depend on them): a K step buffers
+        # the input's float32 partials and, in the gate/up stage, two weight tiles.
+        weight_bytes = max(1 if isinstance(w, Fp8Weight) else x.element_size()
+                           for stage in self.stages for w in _weights(stage))
+        num_stages = pipeline_stages(num_stages, (self.max_in_splits * BLOCK_M * 4 + 2 * block_n * weight_bytes) * block_k)
         options = {"launch_cooperative_grid": True} if self.cooperative and not interpreting() else {}
         _kernels()[(self.programs,)](
             self.table, self.counter, self.table.shape[0], self.rows,

@@ -78,6 +78,7 @@ CASES = {
     "e4m3 bit moves": ("kernels.fused.fp8_kernels", "exact_bf16_kernel", {"q_ptr": "*fp8e4nv"}, dict(BLOCK=1024), {}),
 }
 FLOATS = {"eps", "sm_scale", "floor", "q_scale", "qk_eps"}  # scalar arguments of type float
+H200_SHARED_MEMORY = 232448  # bytes a block may take (227 KiB): more, and the launch fails
 
 
 def compile_all() -> dict[str, dict]:
@@ -108,7 +109,8 @@ def compile_all() -> dict[str, dict]:
                 report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", path + ".o"],
                                         capture_output=True, text=True, check=True).stderr
             spills = re.search(r"(\d+) bytes spill stores", report)
-            results[case] = {"ptx": ptx, "spill_stores": int(spills.group(1)) if spills else 0}
+            results[case] = {"ptx": ptx, "spill_stores": int(spills.group(1)) if spills else 0,
+                             "shared": compiled.metadata.shared}
         except Exception as error:  # (reported per case by the tests)
             results[case] = {"error": f"{type(error).__name__}: {error}"}
     return results
@@ -140,6 +142,12 @@ def test_the_persistent_chain_compiles_with_its_barrier_and_prefetch(compiled, p
     assert ("prmt.b32" in ptx) == bool(fp8)  # the experts' FP8 tiles by bit moves
     # one kernel holds every stage's code: a tile that leaves it too few registers spills in every loop
     assert compiled[case]["spill_stores"] < 1024, compiled[case]["spill_stores"]
+    assert compiled[case]["shared"] <= H200_SHARED_MEMORY
+
+
+def test_every_kernel_fits_the_h200s_shared_memory(compiled):
+    over = {case: result["shared"] for case, result in compiled.items() if result.get("shared", 0) > H200_SHARED_MEMORY}
+    assert not over, over
 
 
 @pytest.mark.parametrize("way", ["bf16", "fp8 dequantised", "fp8 exact"])
