@@ -140,7 +140,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,5")
     parser.add_argument("--layers", type=int, default=8, help="layers of the attention, moe and layer chains")
     parser.add_argument("--chains", default="attention,moe,layer,tiny")
-    parser.add_argument("--programs-per-sm", default="1")
+    parser.add_argument("--programs-per-sm", default="1",
+                        help="programs per multiprocessor, e.g. 0.25,0.5,1 (the barrier's cost by how many arrive)")
     parser.add_argument("--tiles", default="64,128,8,3;32,128,4,3",
                         help="the chain's tiles to compare: BLOCK_N,BLOCK_K,warps,stages separated by ;")
     parser.add_argument("--fp8", action="store_true",
@@ -156,7 +157,7 @@ def main() -> None:
     log("measuring the copy bandwidth ...")
     bandwidth = copy_bandwidth()  # bytes/s, read + write counted
     log(f"copy: {bandwidth / 1e12:.2f} TB/s")
-    per_sm = [int(v) for v in args.programs_per_sm.split(",")]
+    per_sm = [float(v) for v in args.programs_per_sm.split(",")]
     tiles = [tuple(int(v) for v in tile.split(",")) for tile in args.tiles.split(";")]
     rows_list = [int(v) for v in args.rows.split(",")]
     print(f"# persistent_probe, {datetime.date.today()}, {torch.cuda.get_device_name()}, "
@@ -173,10 +174,11 @@ def main() -> None:
             check = one.run(x).clone()
             weight_bytes = bytes_read(stages, one)
             ways = {"today": today_ops(stages, x)}
-            for programs, tile, prefetch in itertools.product(per_sm, tiles, PREFETCH_WAYS):
-                way = f"persistent {programs}/SM, tile {','.join(map(str, tile))}, prefetch {prefetch}"
+            for per, tile, prefetch in itertools.product(per_sm, tiles, PREFETCH_WAYS):
+                programs = max(1, round(per * sms))
+                way = f"persistent {programs} programs, tile {','.join(map(str, tile))}, prefetch {prefetch}"
                 try:
-                    plan = ChainPlan(stages, rows, programs=programs * sms, prefetch=prefetch, tile=tile,
+                    plan = ChainPlan(stages, rows, programs=programs, prefetch=prefetch, tile=tile,
                                      cooperative=not args.no_cooperative)
                     out = plan.run(x)
                     torch.cuda.synchronize()
