@@ -186,9 +186,9 @@ def main() -> None:
                     log(f"{name}, rows {rows}, {way}: {type(error).__name__}: {error}")
                     print(f"| {name} | {rows} | {way} | failed: {type(error).__name__} | | | |")
                     continue
-                if tile == one.tile and not torch.equal(out, check):
+                if plan.tile[:3] == one.tile[:3] and not torch.equal(out, check):
                     sys.exit(f"{name}, rows {rows}, {way}: the chain's bits changed with the programs or prefetch")
-                if tile != one.tile:  # another K order, the same products: rounding apart, compounded over the stages
+                if plan.tile[:3] != one.tile[:3]:  # another order of sums: rounding apart, compounded over the stages
                     log(f"{name}, rows {rows}, {way}: max difference from the one-program run "
                         f"{float((out - check).abs().max() / check.abs().max()):.3g} (relative to its largest value)")
                 ways[way] = lambda plan=plan: plan.run(x)

@@ -219,6 +219,12 @@ class ChainPlan:
             self.outputs.append(source)
         self.table = torch.tensor(table, dtype=torch.int64, device=device)  # [kernel stages, len(FIELDS)]
         self.max_in_splits = max(entry[FIELDS.index("in_splits")] for entry in table)  # (the kernel unrolls them)
+        # Pipeline stages refitted to shared memory (the bits do not depend on them): a K step buffers
+        # the input's float32 partials and, in the gate/up stage, two weight tiles.
+        weight_bytes = max(1 if isinstance(w, Fp8Weight) else w.element_size() for s in stages for w in _weights(s))
+        block_n, block_k, warps, num_stages = self.tile
+        self.tile = (block_n, block_k, warps, pipeline_stages(
+            num_stages, (self.max_in_splits * BLOCK_M * 4 + 2 * block_n * weight_bytes) * block_k))
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
 
     def run(self, x: Tensor) -> Tensor:  # x [rows, K0] in the full-precision weights' dtype
@@ -232,11 +238,6 @@ class ChainPlan:
             return self.outputs[-1]
         self.counter.zero_()
         block_n, block_k, warps, num_stages = self.tile
-        # Pipeline stages refitted to shared memory (the bits do not depend on them): a K step buffers
-        # the input's float32 partials and, in the gate/up stage, two weight tiles.
-        weight_bytes = max(1 if isinstance(w, Fp8Weight) else x.element_size()
-                           for stage in self.stages for w in _weights(stage))
-        num_stages = pipeline_stages(num_stages, (self.max_in_splits * BLOCK_M * 4 + 2 * block_n * weight_bytes) * block_k)
         options = {"launch_cooperative_grid": True} if self.cooperative and not interpreting() else {}
         _kernels()[(self.programs,)](
             self.table, self.counter, self.table.shape[0], self.rows,
