@@ -27,12 +27,19 @@ CASES = {
              MAX_IN_SPLITS=4, BLOCK_E=128, K_PAD=8, HAS_FP8=fp8, SBN=128, SBK=128, SUB=128, DENSE_EXACT=False,
              EXPERT_EXACT=True, ASM=True), dict(num_warps=8, num_stages=3, launch_cooperative_grid=True))
        for p in (0, 1, 2) for fp8 in (False, True)},
+    # the projections at the tiles the service launches (kernels.fused.linear: linear_config, MEASURED,
+    # weight_config for FP8; o_proj in its K splits)
     **{f"linear, {way}": (
         "kernels.fused.linear_kernels", "linear_kernel",
-        {"x_ptr": "*bf16", "w_ptr": "*bf16" if way == "bf16" else "*fp8e4nv", "y_ptr": "*fp32", "s_ptr": "*fp32"},
-        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, IEEE=False, SPLITS=4, PDL=True, FP8=way != "bf16", SBN=128, SBK=128,
-             SUB=128, EXACT=way == "fp8 exact", ASM=way == "fp8 exact"), dict(num_stages=4))
-        for way in ("bf16", "fp8 dequantised", "fp8 exact")},
+        {"x_ptr": "*bf16", "w_ptr": "*bf16" if way.startswith("bf16") else "*fp8e4nv",
+         "y_ptr": "*fp32" if splits > 1 else "*bf16", "s_ptr": "*fp32"},
+        dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=False, SPLITS=splits, PDL=True,
+             FP8=not way.startswith("bf16"), SBN=128, SBK=128, SUB=min(block_k, 128), EXACT=way == "fp8 exact",
+             ASM=way == "fp8 exact"), dict(num_warps=warps, num_stages=stages))
+        for way, (block_n, block_k, warps, stages), splits in (
+            ("bf16", (64, 256, 4, 4), 1), ("bf16, split", (64, 256, 4, 4), 4), ("bf16, measured 128 x 256", (128, 256, 4, 3), 1),
+            ("bf16, measured 128 x 128", (128, 128, 8, 4), 1), ("fp8 dequantised", (32, 512, 4, 4), 1),
+            ("fp8 dequantised, split", (32, 512, 4, 4), 4), ("fp8 exact", (32, 128, 4, 4), 1))},
     **{f"{name}, {way}": (
         "kernels.fused.moe_kernels", name,
         {"ids_ptr": "*i64", "sorted_ptr": "*i32", "tile_len_ptr": "*i32", "w_ptr": "*bf16" if way == "bf16" else "*fp8e4nv",
@@ -63,6 +70,12 @@ CASES = {
          "other_mult_ptr": "*fp32", "draft_mult_ptr": "*fp32", "live_ptr": "*i32"},
         dict(TOP_K=8, K_PAD=8, BLOCK_E=256, NORMALIZE=True, MOCE=way == "moce", PARTIALS=4, ROUND_TO="bfloat16",
              HAS_LIVE=True, PDL=True, SHARED=True, OUT_K=9, MAX_WITH_INDEX=True), {}) for way in ("plain", "moce")},
+    "router top-k, 512 experts": (
+        "kernels.fused.router", "_kernels()",
+        {"logits_ptr": "*fp32", "ids_ptr": "*i64", "weights_ptr": "*fp32", "resident_ptr": "*i8", "draft_ptr": "*i8",
+         "other_mult_ptr": "*fp32", "draft_mult_ptr": "*fp32", "live_ptr": "*i32"},
+        dict(TOP_K=10, K_PAD=16, BLOCK_E=512, NORMALIZE=True, MOCE=False, PARTIALS=8, ROUND_TO="bfloat16",
+             HAS_LIVE=True, PDL=True, SHARED=True, OUT_K=11, MAX_WITH_INDEX=True), dict(num_warps=4)),
     "route table": ("kernels.fused.moe_kernels", "route_table_kernel", {"ids_ptr": "*i64", "sorted_ptr": "*i32",
                                                                          "tile_len_ptr": "*i32"},
                     dict(R_PAD=128, CHUNK=16, BLOCK_M=16, PDL=True), {}),
@@ -150,7 +163,8 @@ def test_every_kernel_fits_the_h200s_shared_memory(compiled):
     assert not over, over
 
 
-@pytest.mark.parametrize("way", ["bf16", "fp8 dequantised", "fp8 exact"])
+@pytest.mark.parametrize("way", ["bf16", "bf16, split", "bf16, measured 128 x 256", "bf16, measured 128 x 128",
+                                 "fp8 dequantised", "fp8 dequantised, split", "fp8 exact"])
 def test_the_projection_kernel_compiles_in_every_way(compiled, way):
     ptx = ptx_of(compiled, f"linear, {way}")
     assert ("prmt.b32" in ptx) == (way == "fp8 exact")  # the e4m3 bit moves (fp8_kernels.e4m3_as_bf16)
