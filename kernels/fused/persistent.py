@@ -174,8 +174,11 @@ class ChainPlan:
             raise ValueError(f"tile = {tile}: (BLOCK_N, BLOCK_K, warps, stages), blocks multiples of 16")
         self.tile = tile
         block_k = tile[1]
-        fp8 = [w for stage in stages for w in _weights(stage) if isinstance(w, Fp8Weight)]
+        weights = [w for stage in stages for w in _weights(stage)]
+        fp8 = [w for w in weights if isinstance(w, Fp8Weight)]
         self.block = fp8[0].block if fp8 else None  # the FP8 weights' (rows, columns) blocks
+        # the activations' dtype: the full-precision weights' (None: every weight FP8, any will do)
+        self.dtype = next((w.dtype for w in weights if not isinstance(w, Fp8Weight)), None)
         exact = any(isinstance(w, Fp8Weight) and (linear_module.EXPERT_FP8_EXACT if isinstance(stage, Experts)
                                                   else linear_module.LINEAR_FP8_EXACT)
                     for stage in stages for w in _weights(stage))
@@ -228,10 +231,9 @@ class ChainPlan:
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
 
     def run(self, x: Tensor) -> Tensor:  # x [rows, K0] in the full-precision weights' dtype
-        full = [w for stage in self.stages for w in _weights(stage) if not isinstance(w, Fp8Weight)]
-        if tuple(x.shape) != tuple(self.input.shape[1:]) or (full and x.dtype != full[0].dtype):
+        if tuple(x.shape) != tuple(self.input.shape[1:]) or self.dtype not in (None, x.dtype):
             raise ValueError(f"x: {tuple(x.shape)} {x.dtype}, the plan takes {tuple(self.input.shape[1:])} "
-                             f"{full[0].dtype if full else ''}")
+                             f"{self.dtype or ''}")
         self.input[0].copy_(x)
         if not use_triton(x):
             self._reference(x.dtype)
@@ -246,7 +248,7 @@ class ChainPlan:
             BLOCK_E=self.block_e, K_PAD=self.k_pad, HAS_FP8=self.block is not None, SBN=(self.block or (1, 1))[0],
             SBK=(self.block or (1, 1))[1], SUB=min(block_k, (self.block or (1, 1))[1]),
             DENSE_EXACT=linear_module.LINEAR_FP8_EXACT, EXPERT_EXACT=linear_module.EXPERT_FP8_EXACT,
-            ASM=linear_module.FP8_ASM and x.is_cuda and x.dtype == torch.bfloat16,
+            ASM=linear_module.fp8_way(True, x)["ASM"],  # (where the bit moves apply; each way ands its EXACT)
             num_warps=warps, num_stages=num_stages, **options,
         )
         return self.outputs[-1]
