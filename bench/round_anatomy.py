@@ -21,7 +21,7 @@ device's work it waits for, the verdict, the commit), steps per second, rounds p
 the share of the wall time it spent in them ("busy": near 1, the device sets the pace).
 
 Each prompt runs speculative and plain (`speculation` off) back to back, alternating the
-order, `--concurrency` requests at a time; greedy; medians over the rounds after each
+order, `--concurrency` requests at a time; greedy (or sampled: --temperature); medians over the rounds after each
 request's first. The timers cost a few µs a round themselves.
 
     python bench/round_anatomy.py [--device cuda] [--prompts 4] [--max-new-tokens 128]
@@ -211,7 +211,8 @@ async def main_async(args) -> None:
 
         def config(arm: str, tokens: int | None) -> GenerationConfig:
             return GenerationConfig(max_new_tokens=tokens or args.max_new_tokens, speculation=arm == "speculative",
-                                    max_draft_tokens=args.max_draft_tokens)
+                                    max_draft_tokens=args.max_draft_tokens, temperature=args.temperature,
+                                    top_p=0.95 if args.temperature > 0 else 1.0, seed=7)
 
         if args.alpha is not None:  # the replay drafter proposes the verifier's own continuations
             log("recording the references ...")
@@ -298,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="1", help="requests at a time (each arm), comma separated levels")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-draft-tokens", type=int, default=4)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled (top-p 0.95, seed 7)")
     parser.add_argument("--planner", default="adaptive", choices=("adaptive", "mtp", "suffix"))
     parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     args = parser.parse_args(argv)

@@ -8,7 +8,7 @@ or memory that every later request pays for.
 from __future__ import annotations
 
 from shared.model import ModelConfig
-from shared.protocol import MAX_ID_LENGTH, drafter_pb2
+from shared.protocol import MAX_ID_LENGTH, RECORD_PROMPT_END, drafter_pb2
 
 
 def check_open(message: drafter_pb2.DraftOpen, config: ModelConfig) -> None:
@@ -51,6 +51,19 @@ def check_commit(message: drafter_pb2.DraftCommit, *, max_drafts: int, committed
             raise ValueError(f"commit.{name} {value!r} must be a duration in [0, 3600000) ms")
     if message.HasField("hidden"):
         _check_hidden(message.hidden, emitted, config.hidden_size, "commit.hidden")
+
+
+def check_record(message: drafter_pb2.RecordRequest, config: ModelConfig) -> None:
+    """Raise ValueError naming the bad field of a record (a finished request's output)."""
+    if len(message.session_id) > MAX_ID_LENGTH:
+        raise ValueError(f"record.session_id has {len(message.session_id)} characters; at most {MAX_ID_LENGTH}")
+    if len(message.prompt_end_ids) > RECORD_PROMPT_END:
+        raise ValueError(f"record.prompt_end_ids has {len(message.prompt_end_ids)} tokens; at most {RECORD_PROMPT_END}")
+    if len(message.output_ids) > config.max_position_embeddings:
+        raise ValueError(f"record.output_ids has {len(message.output_ids)} tokens; at most "
+                         f"{config.max_position_embeddings}")
+    _check_ids(message.prompt_end_ids, config.vocab_size, "record.prompt_end_ids")
+    _check_ids(message.output_ids, config.vocab_size, "record.output_ids")
 
 
 def _check_ids(ids, vocab_size: int, field: str) -> None:

@@ -1,9 +1,13 @@
-"""The drafter gRPC service: one Draft stream per request.
+"""The drafter gRPC service: one Draft stream per request, and a Record per finished request.
 
 Up: open (full context + hidden rows), then one commit per round. Down: one chain per
 open/commit, for the next round (none when the chain drafted ahead was right), and the chain
 drafted ahead. Model work runs on the drafter's model worker; everything else on the event
 loop, so a round drafted by suffix lookup costs no thread hop (drafter_service.drafter).
+
+The index of outputs (the global suffix index) learns a request's output from its Record —
+every token it committed, whether its rounds drafted or not — not from its stream, which
+hears only the rounds that drafted (DESIGN §9).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from opentelemetry.trace import Status, StatusCode
 from drafter_service.batcher import MtpBatcher
 from drafter_service.drafter import Drafter
 from drafter_service.load import WorkerLoad
-from drafter_service.messages import check_commit, check_open
+from drafter_service.messages import check_commit, check_open, check_record
 from drafter_service.session import DraftSession, SessionStore
 from drafter_service.settings import DrafterSettings
 from shared import security, telemetry
@@ -33,6 +37,7 @@ from shared.worker import ModelWorker
 
 log = structlog.get_logger("drafter")
 DRAFT_METHOD = "/tandem.v1.Drafter/Draft"
+RECORD_METHOD = "/tandem.v1.Drafter/Record"
 
 
 class DrafterService(drafter_pb2_grpc.DrafterServicer):
@@ -212,11 +217,35 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
             if session is not None:
                 self.sessions.remove(session)
                 if self.drafter is not None:
-                    self._add_output(session.tokens, session.opened_with)
                     # On the worker, behind any job of this session already submitted there (a
                     # cancelled caller's work still pending in the batcher never runs).
                     self.worker.submit(self.drafter.close, session)
             structlog.contextvars.unbind_contextvars("request_id")
+
+    async def Record(self, request: drafter_pb2.RecordRequest,
+                     context: grpc.aio.ServicerContext) -> drafter_pb2.RecordReply:
+        """A finished request's output joins the index of outputs (also while draining: it is a
+        few tokens on the loop, and the verifier's output is real whatever this replica does next)."""
+        if self.drafter is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the drafter model is still loading")
+        try:
+            check_record(request, self.model.config)
+        except ValueError as error:
+            refusal = str(error)
+        else:
+            refusal = None
+        if refusal is not None:
+            del request  # (not kept alive by the abort's traceback)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, refusal)
+        parent = telemetry.extract_context(request.trace_context) if request.trace_context else None
+        with telemetry.tracer("tandem.drafter").start_as_current_span(
+                "record", context=parent, attributes={"tandem.request_id": request.session_id,
+                                                      "tandem.output_tokens": len(request.output_ids)}):
+            if request.output_ids:
+                lead = list(request.prompt_end_ids)
+                self._add_output(lead + list(request.output_ids), len(lead))
+        self.metrics.records.inc()
+        return drafter_pb2.RecordReply(protocol_version=PROTOCOL_VERSION)
 
     def _trace(self, up: drafter_pb2.DraftUp, kind: str, received_ns: int, session: DraftSession | None,
                chain: drafter_pb2.DraftChain | None, refusal: str | None = None, shed: bool = False) -> None:
@@ -285,7 +314,8 @@ class DrafterServer(ServiceServer):
     def __init__(self, settings: DrafterSettings, *, model=None) -> None:
         interceptors = []
         if settings.auth_token:
-            interceptors.append(security.BearerTokenInterceptor(settings.auth_token, protected_methods=(DRAFT_METHOD,)))
+            interceptors.append(security.BearerTokenInterceptor(settings.auth_token,
+                                                                protected_methods=(DRAFT_METHOD, RECORD_METHOD)))
         super().__init__(settings, interceptors=interceptors)
         self.service = DrafterService(settings, model=model)
 

@@ -44,6 +44,10 @@ class VerifierMetrics:
                               ["kind"], registry=r)
         self.detaches = Counter("tandem_verifier_drafter_detaches",
                                 "Times a request stopped asking its drafter because speculation did not pay", registry=r)
+        self.records = Counter("tandem_verifier_drafter_records",
+                               "Finished requests' outputs sent to the drafter's index of outputs: recorded, failed (the "
+                               "drafter refused or was unreachable) or dropped (too many in flight)", ["outcome"],
+                               registry=r)
         self.ahead = Counter("tandem_verifier_ahead_chains",
                              "Chains drafted ahead of a commit: hit (used) or miss (dropped)", ["outcome"], registry=r)
         self.drafter_reachable = Gauge(
@@ -96,6 +100,8 @@ class DrafterMetrics:
         self.global_index_evictions = Counter("tandem_drafter_global_index_evictions",
                                               "Outputs evicted, whole, from the cross-session suffix index to stay "
                                               "within --global-index-mb (the oldest first)", registry=r)
+        self.records = Counter("tandem_drafter_records", "Finished requests' outputs recorded by verifiers (Record)",
+                               registry=r)
 
     def report_global_index(self, index) -> None:
         """The cross-session index's gauges, and its evictions since the last report."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 PROTOCOL_VERSION = 1
 MAX_ID_LENGTH = 128  # characters of a request id (the drafter's session id)
+RECORD_PROMPT_END = 64  # a RecordRequest's prompt tokens: its last ones (the drafter's longest context is shorter)
 
 try:
     from tandem.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc

@@ -43,6 +43,7 @@ from verifier_service.lane import Lane
 from verifier_service.loop import BatchSettings, EngineLoop, RoundsExhausted
 from verifier_service.prefill import PrefillBatcher
 from verifier_service.ranks import Ranks, engine_options, load_share, rank_threads
+from verifier_service.records import Recorder, record_request
 from verifier_service.request_rounds import RequestRounds, Running, trace_context
 from verifier_service.rounds import Session
 from verifier_service.requests import RequestError, RequestSpec, parse_request
@@ -78,10 +79,13 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.audit = HonestyAudit()  # the drafter address's honesty in probabilistic mode
         self.governor_settings = GovernorSettings(min_hold=settings.governor_hold,
                                                   probe_share=settings.governor_probe_share)
-        self.ledgers = Ledgers(self.governor_settings)  # what speculation realises lately, all requests, per load
+        self.ledgers = Ledgers(self.governor_settings)  # what speculation realises lately, all requests, per load and kind
         self.metrics = VerifierMetrics()
         self.channel = drafter_channel(settings) if settings.drafter else None
         self.drafter = drafter_pb2_grpc.DrafterStub(self.channel) if self.channel else None
+        # every finished request that may draft teaches the drafter's index of outputs its output
+        self.recorder = Recorder(self.drafter, security.bearer_metadata(settings.drafter_token), self.metrics) \
+            if self.drafter is not None else None
         self.metrics.queued.set_function(lambda: self.admission.queued)
         self.metrics.kv_blocks.set_function(lambda: self.admission.limits.kv_blocks)
         self.metrics.kv_blocks_held.set_function(lambda: self.admission.blocks_held)
@@ -255,7 +259,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     link = DrafterLink(self.drafter, self.deadlines, security.bearer_metadata(self.settings.drafter_token),
                                        self.drafter_health)
                 governor = Governor(self.governor_settings, self.ledgers, drafting=link is not None,
-                                    load=self.round_load()) if self.settings.governor else None
+                                    load=self.round_load(), sampled=not spec.sampling.greedy) \
+                    if self.settings.governor else None
                 if link is not None and (governor is None or governor.next_speculates):  # else at its first probe
                     await link.open(open_message(session, 0, self.settings.draft_ahead), trace_context())
                 completion = Completion(spec.max_new_tokens, spec.eos_token_ids, spec.stop_sequences, self.tokenizer)
@@ -320,6 +325,11 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     self.metrics.faults.labels(kind).inc(count)
                 for outcome, count in link.ahead.items():
                     self.metrics.ahead.labels(outcome).inc(count)
+                if opened is not None and self.recorder is not None:  # (its rounds drafted or not)
+                    with telemetry.use_span(span):  # (the drafter's record span joins the request's trace)
+                        carrier = trace_context()
+                    self.recorder.record(record_request(spec.request_id, spec.prompt_ids,
+                                                        opened.token_ids[len(spec.prompt_ids):], carrier))
                 await link.close()
             structlog.contextvars.unbind_contextvars("request_id")
 
@@ -407,6 +417,8 @@ class VerifierServer(ServiceServer):
     async def close(self) -> None:
         if self.service.prefiller is not None:
             await self.service.prefiller.close()
+        if self.service.recorder is not None:
+            await self.service.recorder.drain()
         if self.service.channel is not None:
             await self.service.channel.close()
         self.service.worker.shutdown()

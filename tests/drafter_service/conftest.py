@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 import pytest
 import torch
@@ -59,6 +61,26 @@ async def pair():
     p = Pair()
     yield p
     await p.stop()
+
+
+@contextlib.asynccontextmanager
+async def serve_drafter(model, planner="adaptive", **settings):
+    """A drafter (draft-ahead off) on port 0 and a channel to it: (server, channel)."""
+    server = DrafterServer(DrafterSettings(port=0, planner=planner, draft_ahead=False, **settings), model=model)
+    port = await server.start()
+    await server.wait_loaded()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield server, channel
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+@pytest.fixture(name="serve_drafter", scope="session")
+def serve_drafter_fixture():
+    """serve_drafter(model, planner, **settings): async context manager → (server, channel)."""
+    return serve_drafter
 
 
 @pytest.fixture

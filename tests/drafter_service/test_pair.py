@@ -74,6 +74,40 @@ async def test_suffix_lookup_accepts_a_repeated_passage(pair, demo_model):
         service.drafter.global_index)
 
 
+async def test_a_request_decoded_plainly_teaches_the_drafter_its_output(pair, demo_model):
+    """The server learnt that speculation does not pay, so a request decodes plainly and its
+    drafter hears none of its rounds; its record still brings the output into the index of
+    outputs, so when speculation pays again the same request (sampled, same seed: exact mode
+    emits the same tokens) drafts it from there: suffix chains accepted whole. Before records, a
+    plain request taught the drafter nothing and its repeats drafted no better (docs/
+    PERFORMANCE.md, session 29)."""
+    from verifier_service.governor import Load
+
+    tokenizer = load_tokenizer(resolve_model(None))
+    stub = await pair.start(demo_model, tokenizer=tokenizer, governor=True, drafter_settings={"planner": "suffix"})
+    ledger = pair.verifier.service.ledgers[Load.ALONE, True]
+    for _ in range(64):  # it does not pay: 30 ms a token speculating against 3 ms plain
+        ledger.speculative.add(0.030, 1)
+        ledger.plain.add(0.003, 1)
+    prompt = [0] + tokenizer.encode("def parse_config(path):\n").ids
+    first, final, _ = await generate(stub, request(prompt, 48, temperature=0.8, seed=5, max_draft_tokens=4))
+    assert final.stats.speculative_rounds == 0
+    service = pair.drafter.service
+    for _ in range(200):  # (the record arrives after the request's end)
+        if service.drafter.global_index.requests:
+            break
+        await asyncio.sleep(0.01)
+    assert service.drafter.global_index.requests == 1
+    ledger.speculative.clear()  # now it pays: 1 ms a token
+    for _ in range(64):
+        ledger.speculative.add(0.003, 3)
+    again, final, rounds = await generate(stub, request(prompt, 48, temperature=0.8, seed=5, max_draft_tokens=4))
+    assert again == first
+    assert final.stats.speculative_rounds == final.stats.rounds  # (judged after 8 rounds: it pays)
+    assert dict(final.stats.acceptance_by_source)["SUFFIX"] > 0.9
+    assert final.stats.rounds <= 48 // 4  # 4 drafts + 1 accepted a round, bar the last rounds
+
+
 async def test_mtp_accepts_on_held_out_code(pair, demo_model):
     tokenizer = load_tokenizer(resolve_model(None))
     # MTP drafts only: on code the suffix proposer would draft many of these rounds itself

@@ -1,34 +1,13 @@
 """The thin hop (issue 13): a round drafted by suffix lookup never leaves the event loop; model
 work (an open's catch-up, MTP drafts, deferred MTP rows) runs on the model worker."""
 
-import asyncio
-import contextlib
-
-import grpc
 import pytest
 
-import drafter_service.drafter as drafter_module
 from drafter_service.proposers.global_index import GlobalIndex
-from drafter_service.proposers.suffix import MAX_MATCH, SuffixIndex
-from drafter_service.server import DrafterServer
-from drafter_service.settings import DrafterSettings
+from drafter_service.proposers.suffix import SuffixIndex
 from shared.protocol import common_pb2, drafter_pb2_grpc
 
 REPEATING = [7, 8, 9, 10, 11] * 6  # a prompt whose suffix lookups find continuations
-
-
-@contextlib.asynccontextmanager
-async def serve(model, planner):
-    """A drafter (draft-ahead off) on port 0 and a channel to it."""
-    server = DrafterServer(DrafterSettings(port=0, planner=planner, draft_ahead=False), model=model)
-    port = await server.start()
-    await server.wait_loaded()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    try:
-        yield server, channel
-    finally:
-        await channel.close()
-        await server.stop(0)
 
 
 @pytest.fixture
@@ -51,8 +30,8 @@ def rounds(open_up, commit_up):
     return rounds
 
 
-async def test_suffix_rounds_run_no_worker_job(tiny_mtp_model, worker_jobs, rounds):
-    async with serve(tiny_mtp_model, "suffix") as (_, channel):
+async def test_suffix_rounds_run_no_worker_job(tiny_mtp_model, worker_jobs, rounds, serve_drafter):
+    async with serve_drafter(tiny_mtp_model, "suffix") as (_, channel):
         chains, _ = await rounds(channel, tiny_mtp_model, 6)
     assert sum(c.source == common_pb2.DRAFT_SOURCE_SUFFIX for c in chains) >= 5  # the rounds drafted
     # at load, the model thread's CPU threads and device (shared/threads.py); one job for the open (its MTP
@@ -62,8 +41,8 @@ async def test_suffix_rounds_run_no_worker_job(tiny_mtp_model, worker_jobs, roun
     assert worker_jobs[:3] == ["use_threads", "use_device", "open"] and set(worker_jobs[3:]) <= {"mtp_batch"}, worker_jobs
 
 
-async def test_mtp_chains_draft_on_the_worker(tiny_mtp_model, worker_jobs, rounds):
-    async with serve(tiny_mtp_model, "mtp") as (_, channel):
+async def test_mtp_chains_draft_on_the_worker(tiny_mtp_model, worker_jobs, rounds, serve_drafter):
+    async with serve_drafter(tiny_mtp_model, "mtp") as (_, channel):
         chains, _ = await rounds(channel, tiny_mtp_model, 4)
     assert all(c.source == common_pb2.DRAFT_SOURCE_MTP and c.costs.draft_ms > 0 for c in chains)
     assert worker_jobs.count("mtp_batch") == len(chains)  # the batcher's jobs (one stream: one chain each)
@@ -78,22 +57,3 @@ def test_the_global_index_counted_in_steps_equals_counted_at_once():
     index = SuffixIndex()
     index.extend([0, 3, 1, 4, 1, 5])
     assert in_steps.lookup(index, 4) == at_once.lookup(index, 4) is not None
-
-
-async def test_a_long_output_joins_the_global_index_in_steps(tiny_mtp_model, monkeypatch, rounds):
-    monkeypatch.setattr(drafter_module, "LOOP_COUNT", 2)  # so the output takes several steps
-    async with serve(tiny_mtp_model, "suffix") as (server, channel):
-        _, emitted = await rounds(channel, tiny_mtp_model, 7)
-        index = server.service.drafter.global_index
-        for _ in range(200):  # the stream ends on the server after the client's last read
-            if len(index) and not server.service._background:
-                break
-            await asyncio.sleep(0.01)
-        expected = GlobalIndex(1 << 20)
-        lead = min(len(REPEATING), MAX_MATCH)  # (the prompt's last tokens count as contexts)
-        expected.add(REPEATING[len(REPEATING) - lead:] + emitted, lead)
-        assert len(index) == len(expected) > 0
-        registry = server.service.metrics.registry
-        assert registry.get_sample_value("tandem_drafter_global_index_bytes") == index.nbytes > 0
-        assert registry.get_sample_value("tandem_drafter_global_index_requests") == index.requests == 1
-        assert registry.get_sample_value("tandem_drafter_global_index_evictions_total") == 0

@@ -76,6 +76,10 @@ async def test_one_trace_from_client_to_drafter(spans, tiny_mtp_model):
     # each proposal hangs under a verifier span of the same trace (open: Generate; commits: rounds)
     verifier_span_ids = {s.context.span_id for s in by_name["round"]} | {generate.context.span_id}
     assert all(p.parent.span_id in verifier_span_ids for p in proposals)
+    # the request's record (its output for the drafter's index), sent after its end, joins it too
+    (record,) = by_name["record"]
+    assert record.parent.span_id == generate.context.span_id
+    assert record.attributes["tandem.request_id"] == "trace-me" and record.attributes["tandem.output_tokens"] >= 12
 
 
 def test_tracing_off_installs_nothing():

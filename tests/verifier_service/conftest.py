@@ -52,6 +52,11 @@ class ScriptedDrafter(drafter_pb2_grpc.DrafterServicer):
         self.propose = propose
         self.delay_s = delay_s
         self.sessions: list[DrafterState] = []
+        self.records: list[drafter_pb2.RecordRequest] = []  # (Record: finished requests' outputs)
+
+    async def Record(self, request, context):
+        self.records.append(request)
+        return drafter_pb2.RecordReply(protocol_version=PROTOCOL_VERSION)
 
     async def Draft(self, request_iterator, context):
         state = None

@@ -19,7 +19,7 @@ async def test_a_slow_drafter_is_detached_then_resumed_and_tokens_stay_the_same(
     req = request(PROMPT, 60, temperature=0.0, seed=0)
     req.speculation.disable = True
     plain, _, _ = await generate(stub, req)  # also teaches the server the plain cost
-    servers.verifier.service.ledgers[Load.ALONE].credit_s = 100.0  # a probe budget for many probes (it is earned slowly)
+    servers.verifier.service.ledgers[Load.ALONE, False].credit_s = 100.0  # a probe budget for many probes (it is earned slowly)
     req.speculation.disable = False
     tokens, final, rounds = await generate(stub, req)
     assert tokens == plain
@@ -55,7 +55,7 @@ async def test_a_server_that_learnt_speculation_does_not_pay_opens_the_drafter_a
     stub = await servers.start(tiny_model, drafter=drafter, governor=True, governor_hold=4, max_draft_tokens=2)
     for _ in range(6):  # 3 measured speculative rounds each: the server's verdict needs 16
         await generate(stub, request(PROMPT, 60, temperature=0.0, seed=0))
-    ledger = servers.verifier.service.ledgers[Load.ALONE]  # (each request runs alone)
+    ledger = servers.verifier.service.ledgers[Load.ALONE, False]  # (each request runs alone)
     assert ledger.pays() is False
     ledger.credit_s = 100.0
     opened_before = len(drafter.sessions)
@@ -75,7 +75,7 @@ async def test_a_request_alone_is_judged_by_what_requests_alone_measured(servers
     ledgers = servers.verifier.service.ledgers
 
     def learnt_it_does_not_pay(load: Load) -> None:
-        ledger = ledgers[load]
+        ledger = ledgers[load, False]
         ledger.speculative.clear()
         ledger.plain.clear()
         for _ in range(64):  # (a full window: 30 ms a token speculating against 3 ms plain)

@@ -1,8 +1,9 @@
 """The server's side of the governor (verifier_service.governor, DESIGN §9): what rounds of
 each kind realised lately over all requests (the prior of a request that has not measured a
 kind, and the server's verdict), the explorers' places, the plain cost's rechecks and the probe
-budget — one ledger per load (a request alone, or beside others holding a session): costs compare
-only under the same load."""
+budget — one ledger per load (a request alone, or beside others holding a session) and way of
+decoding (greedy or sampled): costs compare only under the same load, and acceptance only
+between requests that decode alike."""
 
 from __future__ import annotations
 
@@ -159,10 +160,14 @@ class Load(Enum):
 
 
 class Ledgers:
-    """The server's ledgers, one per load: costs measured under one load say nothing of another."""
+    """The server's ledgers, one per load and way of decoding: costs measured under one load say
+    nothing of another, and a sampled request's drafts are accepted far less often than a greedy
+    one's (where speculation paid greedy requests and cost sampled ones, one verdict for both
+    kept the greedy ones plain: docs/PERFORMANCE.md, session 29)."""
 
     def __init__(self, settings: GovernorSettings) -> None:
-        self._by_load = {load: Ledger(settings) for load in Load}
+        self._by_kind = {(load, sampled): Ledger(settings) for load in Load for sampled in (False, True)}
 
-    def __getitem__(self, load: Load) -> Ledger:
-        return self._by_load[load]
+    def __getitem__(self, key: tuple[Load, bool]) -> Ledger:
+        """The ledger of (load, sampled)."""
+        return self._by_kind[key]

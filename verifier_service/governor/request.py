@@ -48,7 +48,10 @@ are compared with plain ones:
   keeps deciding for its own, and judges (without the streak, each flip restarted it, its
   phases never ended and its explorers speculated on for ever: caught by a test). A verdict
   learnt by 8 requests together (where a batch's extra rows cost every lane) does not keep a
-  request alone from speculating, nor the reverse.
+  request alone from speculating, nor the reverse;
+- acceptance compares only between requests that decode alike: greedy and sampled requests
+  keep ledgers apart (`Ledgers[load, sampled]`), so sampled requests whose drafts are rarely
+  accepted do not start greedy ones plain (nor the reverse).
 
 Estimates: seconds per committed token over the last `window` rounds of a kind, the
 request's own, else the server's (fed by every request, the plain rounds of requests
@@ -70,9 +73,10 @@ class Governor:
     the tokens it committed (its cost is closed by the next `begin`)."""
 
     def __init__(self, settings: GovernorSettings, ledgers: Ledgers, drafting: bool = True,
-                 load: Load = Load.ALONE) -> None:
+                 load: Load = Load.ALONE, sampled: bool = False) -> None:
         self.settings = settings
         self.ledgers = ledgers
+        self.sampled = sampled  # (its ledgers are the sampled requests')
         self.drafting = drafting  # False: the request never drafts; its plain rounds still teach the ledger
         self.speculative = CostWindow(settings.window)
         self.plain = CostWindow(settings.window)
@@ -96,7 +100,7 @@ class Governor:
     def _start(self, load: Load) -> None:
         """Decide as a new request under `load` does: the server's verdict for that load, else
         explore (or wait for the verdict where every explorer's place is taken)."""
-        self.load, self.ledger = load, self.ledgers[load]  # (the ledger its estimates and decisions use)
+        self.load, self.ledger = load, self.ledgers[load, self.sampled]  # (the ledger its estimates and decisions use)
         self.exploring = self.awaiting = False
         verdict = self.ledger.pays() if self.drafting else False
         if verdict is None:
@@ -164,7 +168,7 @@ class Governor:
     def _record(self, seconds: float, tokens: int) -> None:
         """Close the last round: the budget and the cost estimates of the load it began under
         (the request's own estimates: where that is the load it decides for)."""
-        ledger = self.ledgers[self.round_load]
+        ledger = self.ledgers[self.round_load, self.sampled]
         if not self.round_speculated:
             if self.drafting:  # (the budget is a share of what requests that may speculate decode plainly)
                 ledger.earn(seconds)

@@ -17,12 +17,12 @@ def test_a_verdict_learnt_under_one_load_does_not_decide_for_the_other():
     pays — and the verdict it learns must not send the next batch speculating."""
     ledgers = Ledgers(SETTINGS)
     round_robin([Governor(SETTINGS, ledgers, load=Load.SHARED) for _ in range(8)], 40, slow_drafter, load=Load.SHARED)
-    assert ledgers[Load.SHARED].pays() is False and ledgers[ALONE].pays() is None
+    assert ledgers[Load.SHARED, False].pays() is False and ledgers[ALONE, False].pays() is None
     alone = Governor(SETTINGS, ledgers)  # no verdict alone: it explores
     assert alone.next_speculates and alone.exploring
     kinds = run(alone, 30, fast_drafter)
     assert kinds[:5] == [True] * 5 and alone.detaches == 0 and sum(kinds) >= 30 - 5 - 1
-    assert ledgers[ALONE].pays() is True and ledgers[Load.SHARED].pays() is False
+    assert ledgers[ALONE, False].pays() is True and ledgers[Load.SHARED, False].pays() is False
     assert Governor(SETTINGS, ledgers).next_speculates  # the next request alone speculates at once
     assert not Governor(SETTINGS, ledgers, load=Load.SHARED).next_speculates  # one in a batch does not
 
@@ -35,7 +35,7 @@ def test_a_request_whose_load_changes_starts_over_under_the_new_one():
     round_robin([Governor(SETTINGS, ledgers, load=Load.SHARED) for _ in range(2)], 40, slow_drafter,
                 load=Load.SHARED)  # under load speculation does not pay
     run(Governor(SETTINGS, ledgers), 30, fast_drafter)  # alone it does
-    assert ledgers[Load.SHARED].pays() is False and ledgers[ALONE].pays() is True
+    assert ledgers[Load.SHARED, False].pays() is False and ledgers[ALONE, False].pays() is True
     governor = Governor(SETTINGS, ledgers)
     clock = [0.0]
     run(governor, 1, fast_drafter, clock)
@@ -57,11 +57,11 @@ def test_a_round_counts_under_the_load_it_began_with():
     governor = Governor(SETTINGS, ledgers, drafting=False)  # (plain rounds only: every one would count)
     clock = [0.0]
     run(governor, 4, slow_drafter, clock)  # 2 closed and counted: the first round of a phase is not, the 4th is open
-    assert len(ledgers[ALONE].plain) == 2
+    assert len(ledgers[ALONE, False].plain) == 2
     run(governor, 4, slow_drafter, clock, load=Load.SHARED)  # the 4th alone round (ended shared) counts alone
-    assert len(ledgers[ALONE].plain) == 3 and len(ledgers[Load.SHARED].plain) == 3
+    assert len(ledgers[ALONE, False].plain) == 3 and len(ledgers[Load.SHARED, False].plain) == 3
     run(governor, 1, slow_drafter, clock)
-    assert len(ledgers[Load.SHARED].plain) == 4 and len(ledgers[ALONE].plain) == 3
+    assert len(ledgers[Load.SHARED, False].plain) == 4 and len(ledgers[ALONE, False].plain) == 3
 
 
 
@@ -79,5 +79,5 @@ def test_a_drafter_that_never_pays_is_left_even_when_the_load_changes_all_the_ti
         load = Load.SHARED if (n // every) % 2 else ALONE
         for governor, clock in zip(governors, clocks):
             kinds.extend(run(governor, 1, slow_drafter, clock, load))
-    assert ledgers[ALONE].pays() is False and ledgers[Load.SHARED].pays() is False
+    assert ledgers[ALONE, False].pays() is False and ledgers[Load.SHARED, False].pays() is False
     assert sum(kinds[200:]) <= 0.1 * len(kinds[200:]), sum(kinds[200:])  # (probes aside)

@@ -37,7 +37,7 @@ def test_the_budget_is_the_server_s_a_probe_spends_it_for_every_request():
     clocks = [0.0], [0.0]
     run(first, 20, slow_drafter, clocks[0])
     run(second, 20, slow_drafter, clocks[1])
-    ledgers[ALONE].credit_s = 0.126  # one probe's worth (5 x 25 ms)
+    ledgers[ALONE, False].credit_s = 0.126  # one probe's worth (5 x 25 ms)
     run(first, 10, slow_drafter, clocks[0])
     run(second, 10, slow_drafter, clocks[1])
     assert first.probes + second.probes == 1
@@ -79,7 +79,7 @@ def test_a_drafter_that_pays_the_request_but_not_its_batch_is_detached():
 def test_a_known_plain_cost_skips_the_calibration():
     ledgers = Ledgers(SETTINGS)
     run(Governor(SETTINGS, ledgers, drafting=False), 10, slow_drafter)  # a request without drafts
-    assert len(ledgers[ALONE].plain) == 8 and len(ledgers[ALONE].speculative) == 0  # (its first round is not measured)
+    assert len(ledgers[ALONE, False].plain) == 8 and len(ledgers[ALONE, False].speculative) == 0  # (its first round is not measured)
     governor = Governor(SETTINGS, ledgers)
     kinds = run(governor, 10, slow_drafter)
     assert runs(kinds) == [(True, 5), (False, 5)]  # detached at the first judgement (no budget to probe yet)
@@ -108,17 +108,17 @@ def test_a_new_request_starts_plain_when_the_server_says_speculation_does_not_pa
     ledgers = Ledgers(SETTINGS)
     for _ in range(3):
         run(Governor(SETTINGS, ledgers), 40, slow_drafter)
-    assert ledgers[ALONE].pays() is False
+    assert ledgers[ALONE, False].pays() is False
     governor = Governor(SETTINGS, ledgers)
     assert not governor.next_speculates
-    ledgers[ALONE].credit_s = 10.0  # plenty: it probes after its hold, then detaches again
+    ledgers[ALONE, False].credit_s = 10.0  # plenty: it probes after its hold, then detaches again
     kinds = run(governor, 10, slow_drafter)
     assert runs(kinds) == [(False, 4), (True, 5), (False, 1)]
     # a server where it pays starts speculating at once
     paying = Ledgers(SETTINGS)
     for _ in range(3):
         run(Governor(SETTINGS, paying), 40, fast_drafter)
-    assert paying[ALONE].pays() is True and Governor(SETTINGS, paying).next_speculates
+    assert paying[ALONE, False].pays() is True and Governor(SETTINGS, paying).next_speculates
 
 
 def test_a_probe_that_pays_reattaches_and_is_refunded():
@@ -152,7 +152,7 @@ def test_bad_settings_are_refused(kwargs):
 def test_requests_that_never_draft_do_not_fund_probes_and_openings_count_in_a_probe_s_cost():
     ledgers = Ledgers(SETTINGS)
     run(Governor(SETTINGS, ledgers, drafting=False), 50, slow_drafter)
-    assert ledgers[ALONE].credit_s == 0.0 and len(ledgers[ALONE].plain) == 8
+    assert ledgers[ALONE, False].credit_s == 0.0 and len(ledgers[ALONE, False].plain) == 8
     governor = Governor(SETTINGS, ledgers)
     first = [True]
 
@@ -164,7 +164,7 @@ def test_requests_that_never_draft_do_not_fund_probes_and_openings_count_in_a_pr
 
     run(governor, 10, cost)
     assert governor.detaches == 1
-    assert ledgers[ALONE].opening_excess_s == pytest.approx(0.25 * 0.095)  # one opening seen, EMA 0.25
+    assert ledgers[ALONE, False].opening_excess_s == pytest.approx(0.25 * 0.095)  # one opening seen, EMA 0.25
     # (judge_rounds - 1) rounds of 25 ms, plus the opening
     assert governor._expected_probe_loss() == pytest.approx(4 * 0.025 + 0.25 * 0.095)
 
@@ -239,9 +239,9 @@ def test_the_server_s_verdict_follows_the_same_noise_rule():
         settings = GovernorSettings()
         ledgers = Ledgers(settings)
         for _ in range(64):
-            ledgers[ALONE].speculative.add(0.0061, chain_tokens(rng))
-            ledgers[ALONE].plain.add(0.0033, 1)
-        assert ledgers[ALONE].pays() is True, seed
+            ledgers[ALONE, False].speculative.add(0.0061, chain_tokens(rng))
+            ledgers[ALONE, False].plain.add(0.0033, 1)
+        assert ledgers[ALONE, False].pays() is True, seed
 
 
 @pytest.mark.parametrize("paying", [False, True])
@@ -255,14 +255,14 @@ def test_requests_arriving_together_send_two_explorers_and_the_rest_follow_the_v
     kinds = round_robin(governors, 40, fast_drafter if paying else slow_drafter)
     waiting = kinds[2:]
     if paying:
-        assert ledgers[ALONE].pays() is True
+        assert ledgers[ALONE, False].pays() is True
         assert all(seen.index(True) <= 2 * SETTINGS.verdict_rounds for seen in waiting)
         assert all(all(seen[2 * SETTINGS.verdict_rounds:]) for seen in waiting)  # and they stay
     else:
-        assert ledgers[ALONE].pays() is False
+        assert ledgers[ALONE, False].pays() is False
         assert not any(any(seen) for seen in waiting)  # (the budget holds no probe yet)
         assert sum(g.detaches for g in governors) == 2
-    assert ledgers[ALONE].explorers == 0  # both explorers judged: their places are free again
+    assert ledgers[ALONE, False].explorers == 0  # both explorers judged: their places are free again
 
 
 def test_an_explorer_that_ends_before_judging_gives_its_place_back():
@@ -273,9 +273,9 @@ def test_an_explorer_that_ends_before_judging_gives_its_place_back():
     run(first, 2, slow_drafter)
     first.close()  # the request ended (or was cancelled) before its judgement
     first.close()  # (twice is once)
-    assert ledgers[ALONE].explorers == 1
+    assert ledgers[ALONE, False].explorers == 1
     assert Governor(SETTINGS, ledgers).next_speculates
-    assert ledgers[ALONE].explorers == 2
+    assert ledgers[ALONE, False].explorers == 2
     # a waiting request takes a place freed while it waits, at its next look
     second.close()
     kinds = run(third, SETTINGS.verdict_rounds + 1, slow_drafter)
@@ -367,11 +367,11 @@ def test_one_request_rechecks_at_a_time_and_an_ended_one_gives_the_place_back():
     # 5 speculative rounds, a 5-round calibration, then speculation: past 10 speculative rounds
     # without a plain one (its 13th measured) its next judgement (its 25th round) takes the recheck
     run(first, 25, fast_drafter)
-    assert first.rechecking and ledgers[ALONE].rechecking and not first.next_speculates
-    assert not ledgers[ALONE].plain.rounds  # (the stale window dropped: the recheck's rounds replace it)
+    assert first.rechecking and ledgers[ALONE, False].rechecking and not first.next_speculates
+    assert not ledgers[ALONE, False].plain.rounds  # (the stale window dropped: the recheck's rounds replace it)
     run(second, 40, fast_drafter)
     assert not second.rechecking  # the place was taken
     first.close()  # the request ended mid-recheck
-    assert not ledgers[ALONE].rechecking and ledgers[ALONE].since_plain == 0
-    ledgers[ALONE].since_plain = settings.recheck_rounds
-    assert ledgers[ALONE].take_recheck()
+    assert not ledgers[ALONE, False].rechecking and ledgers[ALONE, False].since_plain == 0
+    ledgers[ALONE, False].since_plain = settings.recheck_rounds
+    assert ledgers[ALONE, False].take_recheck()
