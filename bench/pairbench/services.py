@@ -100,9 +100,11 @@ class Children:
 class Tap:
     """A pass-through proxy of Drafter.Draft that keeps every message's raw bytes; delay_s: each
     message from the drafter reaches the verifier that much later (a far drafter: another host
-    or region), in order."""
+    or region), in order. Drafter.Record (a finished request's output) passes through too, its
+    reply as late."""
 
     METHOD = "/tandem.v1.Drafter/Draft"
+    RECORD_METHOD = "/tandem.v1.Drafter/Record"
 
     def __init__(self, target: str, *, delay_s: float = 0.0) -> None:
         self.target = target
@@ -114,8 +116,10 @@ class Tap:
     async def start(self, port: int) -> None:
         self.channel = grpc.aio.insecure_channel(self.target, options=CHANNEL_OPTIONS)
         self.forward = self.channel.stream_stream(self.METHOD)  # no (de)serializers: raw bytes
+        self.forward_record = self.channel.unary_unary(self.RECORD_METHOD)
         handler = grpc.method_handlers_generic_handler(
-            "tandem.v1.Drafter", {"Draft": grpc.stream_stream_rpc_method_handler(self._draft)})
+            "tandem.v1.Drafter", {"Draft": grpc.stream_stream_rpc_method_handler(self._draft),
+                                  "Record": grpc.unary_unary_rpc_method_handler(self._record)})
         self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
         self.server.add_generic_rpc_handlers((handler,))
         if self.server.add_insecure_port(f"127.0.0.1:{port}") == 0:
@@ -159,6 +163,11 @@ class Tap:
         finally:
             reader.cancel()
             call.cancel()
+
+    async def _record(self, raw: bytes, context) -> bytes:
+        reply = await self.forward_record(raw)
+        await asyncio.sleep(self.delay_s)
+        return reply
 
     async def stop(self) -> None:
         server, channel, self.server, self.channel = self.server, self.channel, None, None
