@@ -146,9 +146,11 @@ async def main_async(args) -> None:
         ratios = [r["ratio"] for r in rows if r["tree"] == pair.name]
         print(f"{pair.name}: median together / one {statistics.median(ratios):.2f} over {len(ratios)} blocks")
     if len(pairs) == 2:
-        paired = [mine["together"] / base["together"] for base, mine in
-                  zip([r for r in rows if r["tree"] == "baseline"], [r for r in rows if r["tree"] == "this-tree"])]
-        print(f"this tree / baseline, together tokens/s: median of paired ratios {statistics.median(paired):.2f}")
+        blocks = list(zip([r for r in rows if r["tree"] == "baseline"], [r for r in rows if r["tree"] == "this-tree"]))
+        for key, what in (("one", "one request"), ("together", "together")):
+            paired = [mine[key] / base[key] for base, mine in blocks]
+            print(f"this tree / baseline, {what} tokens/s: median of paired ratios {statistics.median(paired):.2f} "
+                  f"({min(paired):.2f}-{max(paired):.2f})")
 
 
 def main() -> None:
