@@ -15,7 +15,7 @@ so from the second pass the drafter may have seen every output), then stops the 
 Arms alternate order from pair to pair; one pair runs at a time (the machine's cores are
 the services'). Reported per arm: the median over pairs of tokens/s (each pair's tokens over
 its requests' summed walls) for all requests, the greedy ones and the sampled ones, and per
-pass; per request, the share of rounds that waited for a chain and the tokens those rounds
+pass; the first arm against each other, the median of the pairs' ratios; per request, the share of rounds that waited for a chain and the tokens those rounds
 committed (stderr).
 
     python bench/fresh_sequence.py [--pairs 3] [--requests 40] [--passes 1] [--max-new-tokens 64]
@@ -118,6 +118,13 @@ async def main_async(args) -> None:
               f"| {statistics.median(rate(r['sampled']) for r in runs):.1f} | {by_pass} | "
               + ", ".join(f"{a:.0f}" for a in alls) + " |")
     print("\n(medians over the pairs)")
+    first = args.arms[0]
+    for arm in args.arms[1:]:  # (pair i of each arm ran back to back, in alternating order)
+        paired = [rate([a["greedy"][0] + a["sampled"][0], a["greedy"][1] + a["sampled"][1]])
+                  / rate([b["greedy"][0] + b["sampled"][0], b["greedy"][1] + b["sampled"][1]])
+                  for a, b in zip(results[first], results[arm])]
+        print(f"{first} / {arm}, all requests' tokens/s: median of paired ratios {statistics.median(paired):.2f} "
+              f"({min(paired):.2f}-{max(paired):.2f})")
 
 
 def main() -> None:
