@@ -325,11 +325,11 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     self.metrics.faults.labels(kind).inc(count)
                 for outcome, count in link.ahead.items():
                     self.metrics.ahead.labels(outcome).inc(count)
-                if opened is not None and self.recorder is not None:  # (its rounds drafted or not)
+                output = opened.token_ids[len(spec.prompt_ids):] if opened is not None else []
+                if output and self.recorder is not None:  # (its rounds drafted or not)
                     with telemetry.use_span(span):  # (the drafter's record span joins the request's trace)
                         carrier = trace_context()
-                    self.recorder.record(record_request(spec.request_id, spec.prompt_ids,
-                                                        opened.token_ids[len(spec.prompt_ids):], carrier))
+                    self.recorder.record(record_request(spec.request_id, spec.prompt_ids, output, carrier))
                 await link.close()
             structlog.contextvars.unbind_contextvars("request_id")
 
