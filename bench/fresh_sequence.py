@@ -87,6 +87,11 @@ def rate(bucket: list) -> float:
     return bucket[0] / bucket[1] if bucket[1] else 0.0
 
 
+def overall(run: dict) -> float:
+    """A pair's tokens/s over all its requests."""
+    return rate([run["greedy"][0] + run["sampled"][0], run["greedy"][1] + run["sampled"][1]])
+
+
 async def main_async(args) -> None:
     from shared.model.registry import resolve_model
 
@@ -98,8 +103,7 @@ async def main_async(args) -> None:
             log(f"pair {index + 1}/{args.pairs}, {arm} ...")
             out = await run_pair(arm, index, args, model_dir, prompts)
             results[arm].append(out)
-            everything = [out["greedy"][0] + out["sampled"][0], out["greedy"][1] + out["sampled"][1]]
-            log(f"pair {index + 1} {arm}: {rate(everything):.1f} tokens/s (greedy {rate(out['greedy']):.1f}, sampled "
+            log(f"pair {index + 1} {arm}: {overall(out):.1f} tokens/s (greedy {rate(out['greedy']):.1f}, sampled "
                 f"{rate(out['sampled']):.1f}; by pass {' '.join(f'{rate(p):.0f}' for p in out['passes'])}); per "
                 "request, rounds that waited for a chain / tokens such a round committed: "
                 + " ".join(f"{share:.0%}/{tokens:.1f}" for share, tokens in out["requests"]))
@@ -112,7 +116,7 @@ async def main_async(args) -> None:
     print("| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in range(args.passes)) + " | --- |")
     for arm in args.arms:
         runs = results[arm]
-        alls = [rate([r["greedy"][0] + r["sampled"][0], r["greedy"][1] + r["sampled"][1]]) for r in runs]
+        alls = [overall(r) for r in runs]
         by_pass = " | ".join(f"{statistics.median(rate(r['passes'][p]) for r in runs):.1f}" for p in range(args.passes))
         print(f"| {arm} | {statistics.median(alls):.1f} | {statistics.median(rate(r['greedy']) for r in runs):.1f} "
               f"| {statistics.median(rate(r['sampled']) for r in runs):.1f} | {by_pass} | "
@@ -120,9 +124,7 @@ async def main_async(args) -> None:
     print("\n(medians over the pairs)")
     first = args.arms[0]
     for arm in args.arms[1:]:  # (pair i of each arm ran back to back, in alternating order)
-        paired = [rate([a["greedy"][0] + a["sampled"][0], a["greedy"][1] + a["sampled"][1]])
-                  / rate([b["greedy"][0] + b["sampled"][0], b["greedy"][1] + b["sampled"][1]])
-                  for a, b in zip(results[first], results[arm])]
+        paired = [overall(a) / overall(b) for a, b in zip(results[first], results[arm]) if overall(b)]
         print(f"{first} / {arm}, all requests' tokens/s: median of paired ratios {statistics.median(paired):.2f} "
               f"({min(paired):.2f}-{max(paired):.2f})")
 
