@@ -98,9 +98,11 @@ async def test_a_request_decoded_plainly_teaches_the_drafter_its_output(pair, de
             break
         await asyncio.sleep(0.01)
     assert service.drafter.global_index.requests == 1
-    ledger.speculative.clear()  # now it pays: 1 ms a token
+    ledger.speculative.clear()  # now it pays, by a margin no machine's timing undoes (1 ms a token against 50)
+    ledger.plain.clear()
     for _ in range(64):
         ledger.speculative.add(0.003, 3)
+        ledger.plain.add(0.050, 1)
     again, final, rounds = await generate(stub, request(prompt, 48, temperature=0.8, seed=5, max_draft_tokens=4))
     assert again == first
     assert final.stats.speculative_rounds == final.stats.rounds  # (judged after 8 rounds: it pays)
