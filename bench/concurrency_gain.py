@@ -29,8 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pairbench import REPO  # noqa: E402  (puts the repository and protocol modules on sys.path)
-from pairbench.common import free_port, log  # noqa: E402
-from pairbench.services import Children  # noqa: E402
+from pairbench.common import log  # noqa: E402
+from pairbench.services import Children, ServicePair  # noqa: E402
 from pairbench.setups import code_prompts  # noqa: E402
 
 
@@ -42,24 +42,8 @@ def config(index: int, max_new_tokens: int, tag: str):
                             top_p=0.95 if sampled else 1.0, seed=index, request_id=f"{tag}-r{index}")
 
 
-class Pair:
-    """The drafter and verifier of one tree, default flags."""
-
-    def __init__(self, name: str, children: Children, model_dir: Path, device: str, tree: Path | None,
-                 verifier_args: list[str]) -> None:
-        self.name, self.children, self.tree = name, children, tree
-        self.d_port, self.v_port = free_port(), free_port()
-        common = ["--model", str(model_dir), "--device", device]
-        children.start(f"{name}-drafter", [sys.executable, "-m", "shared.cli", "drafter", *common,
-                                           "--port", str(self.d_port)], tree=tree)
-        children.start(f"{name}-verifier", [sys.executable, "-m", "shared.cli", "verifier", *common,
-                                            "--port", str(self.v_port), "--drafter", f"127.0.0.1:{self.d_port}",
-                                            *verifier_args],
-                       tree=tree)
-
-    async def ready(self) -> None:
-        await asyncio.gather(self.children.wait_serving(f"{self.name}-drafter", f"127.0.0.1:{self.d_port}", 600),
-                             self.children.wait_serving(f"{self.name}-verifier", f"127.0.0.1:{self.v_port}", 600))
+class Pair(ServicePair):
+    """The drafter and verifier of one tree, default flags; a phase of requests through them."""
 
     async def phase(self, prompts: list[list[int]], together: bool, max_new_tokens: int, tag: str) -> dict:
         """(tokens per request, summed request walls, phase wall)."""

@@ -37,8 +37,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pairbench import REPO  # noqa: E402,F401  (puts the repository and protocol modules on sys.path)
-from pairbench.common import free_port, log  # noqa: E402
-from pairbench.services import Children  # noqa: E402
+from pairbench.common import log  # noqa: E402
+from pairbench.services import Children, ServicePair  # noqa: E402
 from pairbench.setups import code_prompts  # noqa: E402
 
 ARMS = ("default", "always", "plain", "baseline")
@@ -49,19 +49,13 @@ async def run_pair(arm: str, index: int, args, model_dir: Path, prompts: list[li
     from shared.client import AsyncVerifierClient, GenerationConfig
 
     children = Children(Path(tempfile.mkdtemp(prefix="fresh-sequence-")))
-    tree = Path(args.baseline_tree) if arm == "baseline" else None
-    d_port, v_port = free_port(), free_port()
-    common = ["--model", str(model_dir), "--device", args.device]
-    children.start(f"{arm}{index}-drafter", [sys.executable, "-m", "shared.cli", "drafter", *common,
-                                             "--port", str(d_port)], tree=tree)
-    children.start(f"{arm}{index}-verifier", [sys.executable, "-m", "shared.cli", "verifier", *common, "--port",
-                                              str(v_port), "--drafter", f"127.0.0.1:{d_port}",
-                                              *(["--no-governor"] if arm == "always" else [])], tree=tree)
+    pair = ServicePair(f"{arm}{index}", children, model_dir, args.device,
+                       Path(args.baseline_tree) if arm == "baseline" else None,
+                       ["--no-governor"] if arm == "always" else [])
     out = {"greedy": [0, 0.0], "sampled": [0, 0.0], "passes": [[0, 0.0] for _ in range(args.passes)], "requests": []}
     try:
-        await asyncio.gather(children.wait_serving(f"{arm}{index}-drafter", f"127.0.0.1:{d_port}", 600),
-                             children.wait_serving(f"{arm}{index}-verifier", f"127.0.0.1:{v_port}", 600))
-        async with AsyncVerifierClient(f"127.0.0.1:{v_port}", timeout=600) as client:
+        await pair.ready()
+        async with AsyncVerifierClient(f"127.0.0.1:{pair.v_port}", timeout=600) as client:
             for n in range(args.requests * args.passes):
                 i = n % args.requests
                 sampled = i % 2 == 1

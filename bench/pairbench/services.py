@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from . import EXTRA_PATHS, REPO
-from .common import CHANNEL_OPTIONS, ServiceError, log
+from .common import CHANNEL_OPTIONS, ServiceError, free_port, log
 
 # --- child processes --------------------------------------------------------------------
 
@@ -95,6 +96,26 @@ class Children:
 
 
 # --- the byte-counting tap (real drafter) -------------------------------------------------
+
+
+class ServicePair:
+    """A drafter and a verifier of one tree (another checkout's, or this one's: None) started as
+    children, default flags plus `verifier_args`; `ready()` waits until both serve."""
+
+    def __init__(self, name: str, children: Children, model_dir: Path, device: str, tree: Path | None,
+                 verifier_args: list[str]) -> None:
+        self.name, self.children, self.tree = name, children, tree
+        self.d_port, self.v_port = free_port(), free_port()
+        common = ["--model", str(model_dir), "--device", device]
+        children.start(f"{name}-drafter", [sys.executable, "-m", "shared.cli", "drafter", *common,
+                                           "--port", str(self.d_port)], tree=tree)
+        children.start(f"{name}-verifier", [sys.executable, "-m", "shared.cli", "verifier", *common,
+                                            "--port", str(self.v_port), "--drafter", f"127.0.0.1:{self.d_port}",
+                                            *verifier_args], tree=tree)
+
+    async def ready(self) -> None:
+        await asyncio.gather(self.children.wait_serving(f"{self.name}-drafter", f"127.0.0.1:{self.d_port}", 600),
+                             self.children.wait_serving(f"{self.name}-verifier", f"127.0.0.1:{self.v_port}", 600))
 
 
 class Tap:
