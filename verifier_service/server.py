@@ -326,7 +326,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 for outcome, count in link.ahead.items():
                     self.metrics.ahead.labels(outcome).inc(count)
                 output = opened.token_ids[len(spec.prompt_ids):] if opened is not None else []
-                if output and self.recorder is not None:  # (its rounds drafted or not)
+                if output:  # (its rounds drafted or not; a link means a drafter, hence a recorder)
                     with telemetry.use_span(span):  # (the drafter's record span joins the request's trace)
                         carrier = trace_context()
                     self.recorder.record(record_request(spec.request_id, spec.prompt_ids, output, carrier))
