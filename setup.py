@@ -1,7 +1,7 @@
 """Build hooks: generate the protobuf/gRPC Python modules from protos/ at build time, and
 compile the suffix indexes' native part (drafter_service/proposers/_context_table.c: the global
 index's table; _suffix_walk.c: the proposal walk over either index; _request_counts.c: a
-request's own counting).
+request's own counting) and the CPU's row-invariant step kernels (kernels/fused/_cpu_rows.c).
 
 The generated `*_pb2.py`, `*_pb2.pyi` and `*_pb2_grpc.py` files and the compiled extension
 are git-ignored; both a regular install and an editable install (`pip install -e .`) build
@@ -51,4 +51,9 @@ CONTEXT_TABLE = Extension("drafter_service.proposers._context_table",
                           depends=["drafter_service/proposers/_context_table.h"], libraries=["m"],
                           extra_compile_args=["-std=gnu11"])
 
-setup(cmdclass={"build_py": BuildPyWithProtos}, ext_modules=[CONTEXT_TABLE])
+# The CPU's row-invariant attention and experts (kernels/fused/cpu_rows.py); likewise C99, no dependency.
+# (-Wno-psabi: its 32-byte vector type is passed between inlined functions only.)
+CPU_ROWS = Extension("kernels.fused._cpu_rows", sources=["kernels/fused/_cpu_rows.c"], libraries=["m"],
+                     extra_compile_args=["-std=gnu11", "-Wno-psabi"])
+
+setup(cmdclass={"build_py": BuildPyWithProtos}, ext_modules=[CONTEXT_TABLE, CPU_ROWS])

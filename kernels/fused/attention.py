@@ -24,7 +24,7 @@ import math
 import torch
 from torch import Tensor
 
-from kernels.fused import cdiv, early_reads, launch_options, next_power_of_2, use_triton
+from kernels.fused import cdiv, cpu_rows, early_reads, launch_options, next_power_of_2, use_triton
 
 MIN_BLOCK_M = 16  # query rows × heads per program: a multiple of the GQA group (tl.dot needs >= 16)
 MERGE_SLICE = 32  # head-dim columns per merge program
@@ -65,10 +65,16 @@ def attention_reference(
         scores = torch.matmul(heads, keys.permute(1, 2, 0)) * scale  # [Hkv, group, L]
         mixed = torch.matmul(torch.softmax(scores, dim=-1), values.transpose(0, 1))  # [Hkv, group, D]
         out[i] = mixed.view(num_heads, head_dim).to(q.dtype)
-    if gate is not None:  # as GatedAttention: on [T, Hq * D] rows (CPU ops' bits follow the layout)
-        rows = _gate_heads(gate, q).reshape(num_rows, num_heads * head_dim)
-        out = (out.view(num_rows, -1) * torch.sigmoid(rows)).to(q.dtype).view(num_rows, num_heads, head_dim)
-    return out
+    return _gated(out, gate, q)
+
+
+def _gated(out: Tensor, gate: Tensor | None, q: Tensor) -> Tensor:
+    """out [T, Hq, D] times sigmoid(gate) as GatedAttention: on [T, Hq * D] rows (CPU ops' bits follow the layout)."""
+    if gate is None:
+        return out
+    num_rows, num_heads, head_dim = q.shape
+    rows = _gate_heads(gate, q).reshape(num_rows, num_heads * head_dim)
+    return (out.view(num_rows, -1) * torch.sigmoid(rows)).to(q.dtype).view(num_rows, num_heads, head_dim)
 
 
 def _gate_heads(gate: Tensor, q: Tensor) -> Tensor:
@@ -120,7 +126,10 @@ def decode_attention(
     """Attention output [T, Hq, D]; the keys/values of this window must already be in the cache.
     With a gate, the merge multiplies it by sigmoid(gate) (GatedAttention's rounding)."""
     if not use_triton(q):
-        return attention_reference(q, cache_keys, cache_values, block_tables, positions, slots, gate)
+        out = cpu_rows.attention(q, cache_keys, cache_values, block_tables, positions, slots)
+        if out is None:
+            return attention_reference(q, cache_keys, cache_values, block_tables, positions, slots, gate)
+        return _gated(out, gate, q)
     num_rows, num_heads, head_dim = q.shape
     num_kv = cache_keys.shape[2]
     if cache_keys.stride() != cache_values.stride() or cache_keys.stride(2) != head_dim or cache_keys.stride(3) != 1:

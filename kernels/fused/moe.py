@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.fused import cdiv, early_reads, launch_options, next_power_of_2, use_triton
+from kernels.fused import cdiv, cpu_rows, early_reads, launch_options, next_power_of_2, use_triton
 from kernels.fused.fp8 import Fp8Weight
 from kernels.fused import linear as linear_module
 from kernels.fused.linear import Weight, dense, pipeline_stages, rowwise_linear
@@ -138,7 +138,8 @@ def fused_experts(
     if fp8 != isinstance(down, Fp8Weight):
         raise ValueError("fused_experts: gate_up and down must both be FP8 or neither")
     if not use_triton(x):
-        return experts_reference(x, expert_ids, gate_up, down)
+        out = cpu_rows.experts(x, expert_ids, gate_up, down)
+        return experts_reference(x, expert_ids, gate_up, down) if out is None else out
     num_tokens, top_k = expert_ids.shape
     hidden = x.shape[1]
     inter = down.shape[2]

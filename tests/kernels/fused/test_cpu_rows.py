@@ -1,14 +1,17 @@
-"""The torch references the CPU runs whole batches through (DESIGN §11): a row's bits are its
-one-row step's, whatever other rows share the call and wherever the row sits in it."""
+"""What the CPU runs whole batches through (DESIGN §11) — the torch references and the native
+kernels that replace them in the step: a row's bits are its one-row step's, whatever other rows
+share the call and wherever the row sits in it."""
 
 import math
 
 import pytest
 import torch
 
+from kernels.fused import cpu_rows
 from kernels.fused import linear as linear_module
 from kernels.fused.attention import attention_reference
 from kernels.fused.linear import rowwise_linear
+from kernels.fused.moe import experts_reference
 
 
 @pytest.mark.parametrize("num_out", [70, linear_module.WIDE_OUTPUTS, linear_module.WIDE_OUTPUTS + 30])
@@ -61,3 +64,121 @@ def test_attention_reference_rows_are_their_one_row_bits_and_exact(gated):
         if gate is not None:
             expected = expected * torch.sigmoid(gate[i].double().view(num_heads, head_dim))
         torch.testing.assert_close(out[i].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+# --- the native kernels (kernels/fused/_cpu_rows.c) the CPU step runs instead of the references
+
+
+def test_the_native_kernels_are_built():
+    # scripts/test installs the package (pip install -e .), which compiles them; without them
+    # the CPU step would silently take the (slower) references and the tests below compare nothing.
+    assert cpu_rows.available()
+
+
+def paged_cache(g, dtype, *, num_slots=3, blocks_per_slot=6, block_size=16, num_kv=2, head_dim=16):
+    tables = contiguous_tables(num_slots, blocks_per_slot)[:, torch.randperm(blocks_per_slot, generator=g)]
+    keys = torch.randn(num_slots * blocks_per_slot, block_size, num_kv, head_dim, generator=g).to(dtype)
+    values = torch.randn(num_slots * blocks_per_slot, block_size, num_kv, head_dim, generator=g).to(dtype)
+    return keys, values, tables
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 20])  # 20: a sum with a tail past the eight lanes
+def test_native_attention_rows_are_their_one_row_bits_and_the_reference(dtype, head_dim):
+    g = torch.Generator().manual_seed(5)
+    keys, values, tables = paged_cache(g, dtype, head_dim=head_dim)
+    positions = torch.tensor([0, 15, 16, 40, 41, 42, 95])  # block edges, a window's consecutive rows
+    slots = torch.tensor([1, 0, 2, 2, 2, 2, 0])
+    q = torch.randn(len(positions), 8, head_dim, generator=g).to(dtype)
+    out = cpu_rows.attention(q, keys, values, tables, positions, slots)
+    assert out.dtype == dtype and out.shape == q.shape
+    reference = attention_reference(q, keys, values, tables, positions, slots)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2  # (bf16: one rounding of the output apart at most)
+    torch.testing.assert_close(out.float(), reference.float(), rtol=atol, atol=atol)
+    for i in range(len(positions)):
+        alone = cpu_rows.attention(q[i : i + 1], keys, values, tables, positions[i : i + 1], slots[i : i + 1])
+        assert torch.equal(alone[0], out[i]), f"row {i}"
+    # the rows in another order, among a stranger: the same bits
+    order = torch.randperm(len(positions), generator=g)
+    mixed = cpu_rows.attention(torch.cat([q[order], q[:1]]), keys, values, tables,
+                               torch.cat([positions[order], torch.tensor([90])]),
+                               torch.cat([slots[order], torch.tensor([1])]))
+    assert torch.equal(mixed[:-1], out[order])
+
+
+def test_decode_attention_on_the_cpu_takes_the_native_kernel_and_applies_the_gate(monkeypatch):
+    from kernels.fused.attention import decode_attention
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as a service runs: no interpreter
+    g = torch.Generator().manual_seed(6)
+    keys, values, tables = paged_cache(g, torch.float32)
+    positions, slots = torch.tensor([3, 50, 51]), torch.tensor([0, 2, 2])
+    q = torch.randn(3, 8, 16, generator=g)
+    gate = torch.randn(3, 8 * 16, generator=g)
+    seq_starts, seq_slots = torch.tensor([0, 1, 3], dtype=torch.int32), torch.tensor([0, 2])
+    out = decode_attention(q, keys, values, tables, positions, slots, seq_starts, seq_slots, 2, None, gate=gate)
+    native = cpu_rows.attention(q, keys, values, tables, positions, slots)
+    assert torch.equal(out, (native.view(3, -1) * torch.sigmoid(gate)).view(3, 8, 16))
+    reference = attention_reference(q, keys, values, tables, positions, slots, gate)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_native_attention_refuses_what_it_does_not_read_and_positions_outside_the_tables():
+    g = torch.Generator().manual_seed(7)
+    keys, values, tables = paged_cache(g, torch.float32)
+    q = torch.randn(1, 8, 16, generator=g)
+    # another dtype, a non-contiguous cache: not applicable (the caller takes the reference)
+    assert cpu_rows.attention(q.double(), keys.double(), values.double(), tables, torch.tensor([3]), torch.tensor([0])) is None
+    strided = keys.transpose(2, 3).contiguous().transpose(2, 3)
+    assert cpu_rows.attention(q, strided, values, tables, torch.tensor([3]), torch.tensor([0])) is None
+    with pytest.raises(ValueError, match="outside the block tables"):
+        cpu_rows.attention(q, keys, values, tables, torch.tensor([6 * 16]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="outside the block tables"):
+        cpu_rows.attention(q, keys, values, tables, torch.tensor([3]), torch.tensor([3]))
+
+
+def expert_weights(g, dtype, num_experts=6, hidden=40, inter=24):  # sizes with a tail past the eight lanes
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype)
+    down = (torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5).to(dtype)
+    return gate_up, down
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_experts_routes_are_their_one_row_bits_and_the_reference(dtype):
+    g = torch.Generator().manual_seed(8)
+    gate_up, down = expert_weights(g, dtype)
+    x = torch.randn(7, 40, generator=g).to(dtype)
+    ids = torch.tensor([[0, 3], [3, 0], [5, -1], [3, 1], [2, 4], [0, 5], [1, 1]])  # shared experts, a dropped route
+    out = cpu_rows.experts(x, ids, gate_up, down)
+    assert out.dtype == torch.float32 and out.shape == (14, 40)
+    assert torch.equal(out[5], torch.zeros(40))  # route (2, rank 1) dropped
+    reference = experts_reference(x, ids, gate_up, down)
+    # bf16: both round the products and the activation to bf16; a rounding apart flips a bf16 ulp
+    atol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out, reference, rtol=atol, atol=atol)
+    for t in range(len(ids)):
+        alone = cpu_rows.experts(x[t : t + 1], ids[t : t + 1], gate_up, down)
+        assert torch.equal(alone, out[2 * t : 2 * t + 2]), f"token {t}"
+
+
+def test_native_experts_leave_fp8_weights_to_the_reference_and_refuse_unknown_experts():
+    from kernels.fused.fp8 import quantize
+
+    g = torch.Generator().manual_seed(9)
+    gate_up, down = expert_weights(g, torch.float32, hidden=128, inter=128)
+    x = torch.randn(2, 128, generator=g)
+    ids = torch.tensor([[0, 1], [2, 3]])
+    assert cpu_rows.experts(x, ids, quantize(gate_up, (128, 128)), quantize(down, (128, 128))) is None
+    with pytest.raises(ValueError, match="expert id"):
+        cpu_rows.experts(x, torch.tensor([[0, 6]]), gate_up, down)
+
+
+def test_fused_experts_on_the_cpu_takes_the_native_kernel(monkeypatch):
+    from kernels.fused.moe import fused_experts
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(10)
+    gate_up, down = expert_weights(g, torch.float32)
+    x = torch.randn(3, 40, generator=g)
+    ids = torch.tensor([[0, 1], [1, 2], [4, 0]])
+    assert torch.equal(fused_experts(x, ids, gate_up, down), cpu_rows.experts(x, ids, gate_up, down))

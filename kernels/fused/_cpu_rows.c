@@ -1,0 +1,314 @@
+/* Row-invariant CPU kernels for the decode/verify step (kernels/fused/cpu_rows.py wraps them).
+
+Each row (attention) or route (experts) is computed by the same loop whatever else is in the
+call: nothing is shared between rows, and every sum runs in a fixed order (eight lanes, then a
+fixed tree), so a row's bits are its one-row step's in any window or batch (DESIGN §11). One
+call replaces the torch reference's per-row loop of small ops, whose dispatch dominated a CPU
+step.
+
+Arguments are raw addresses and sizes: the Python wrapper checks devices, dtypes, shapes and
+contiguity before calling. Element types: 0 = float32, 1 = bfloat16. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { F32 = 0, BF16 = 1 };
+#define LANES 8
+
+/* The loops are compiled twice on x86-64 (GCC), for AVX2 + FMA and for the baseline, and the
+   loader picks one for the machine: every row of a process takes the same one. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define MACHINE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define MACHINE_CLONES
+#endif
+/* (the helpers inline into each clone, so they are compiled for its machine too) */
+#define HELPER static inline __attribute__((always_inline))
+
+HELPER float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Round to bfloat16 (to nearest, ties to even) and back, as torch's .to(torch.bfloat16). */
+HELPER float round_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7f800000u) == 0x7f800000u) {  /* inf or nan: keep (quiet a nan) */
+        if (bits & 0x007fffffu) bits |= 0x00400000u;
+        bits &= 0xffff0000u;
+    } else {
+        bits += 0x7fffu + ((bits >> 16) & 1u);
+        bits &= 0xffff0000u;
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* n values of type `type` at p (offset i elements) into dst as float32. */
+HELPER void load_row(float *dst, const void *p, Py_ssize_t i, Py_ssize_t n, int type) {
+    if (type == F32) {
+        memcpy(dst, (const float *)p + i, (size_t)n * 4);
+    } else {
+        const uint16_t *h = (const uint16_t *)p + i;
+        for (Py_ssize_t j = 0; j < n; j++) dst[j] = bf16_to_f32(h[j]);
+    }
+}
+
+/* The sum of a[j] * b[j], j < n, as every kernel here takes it: eight lanes (lane j % 8), then
+   ((0+4) + (1+5)) + ((2+6) + (3+7)). GCC's vector type keeps the lanes explicit on any target. */
+typedef float lanes __attribute__((vector_size(4 * LANES)));
+
+HELPER lanes load_lanes(const float *p) {
+    lanes v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+HELPER float lanes_total(lanes a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
+
+/* out[i] = sum_j x[j] * w[i * stride + j] for i < count, each in lanes_total's order; four rows
+   at a time (independent sums, so the core overlaps them: one row's chain is latency-bound). */
+HELPER void dots(const float *restrict x, const float *restrict w, Py_ssize_t stride, Py_ssize_t n,
+                 Py_ssize_t count, float *restrict out) {
+    Py_ssize_t i = 0;
+    for (; i + 4 <= count; i += 4) {
+        const float *w0 = w + i * stride, *w1 = w0 + stride, *w2 = w1 + stride, *w3 = w2 + stride;
+        lanes a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        Py_ssize_t j = 0;
+        for (; j + LANES <= n; j += LANES) {
+            const lanes xv = load_lanes(x + j);
+            a0 += xv * load_lanes(w0 + j);
+            a1 += xv * load_lanes(w1 + j);
+            a2 += xv * load_lanes(w2 + j);
+            a3 += xv * load_lanes(w3 + j);
+        }
+        for (; j < n; j++) {
+            a0[j % LANES] += x[j] * w0[j];
+            a1[j % LANES] += x[j] * w1[j];
+            a2[j % LANES] += x[j] * w2[j];
+            a3[j % LANES] += x[j] * w3[j];
+        }
+        out[i] = lanes_total(a0);
+        out[i + 1] = lanes_total(a1);
+        out[i + 2] = lanes_total(a2);
+        out[i + 3] = lanes_total(a3);
+    }
+    for (; i < count; i++) {
+        const float *w0 = w + i * stride;
+        lanes a0 = {0};
+        Py_ssize_t j = 0;
+        for (; j + LANES <= n; j += LANES) a0 += load_lanes(x + j) * load_lanes(w0 + j);
+        for (; j < n; j++) a0[j % LANES] += x[j] * w0[j];
+        out[i] = lanes_total(a0);
+    }
+}
+
+/* `count` rows of n values, `stride` apart, of `type` at p (offset i elements), as float32:
+   the rows themselves for float32 (no copy), else converted into buf (count * n floats). */
+HELPER const float *rows_f32(const void *p, Py_ssize_t i, Py_ssize_t stride, Py_ssize_t n, Py_ssize_t count,
+                                    int type, float *buf) {
+    if (type == F32) return (const float *)p + i;
+    for (Py_ssize_t r = 0; r < count; r++) load_row(buf + r * n, p, i + r * stride, n, type);
+    return buf;
+}
+
+/* attention(q, keys, values, tables, positions, slots, out, num_rows, num_heads, num_kv, head_dim,
+             block_size, max_blocks, type)
+   q [T, Hq, D] and the cache [blocks, block_size, Hkv, D] of `type`; tables [slots, max_blocks]
+   int32; positions, slots [T] int64; out [T, Hq, D] float32. Row t attends to positions
+   0..positions[t] of its slot's blocks (float32 softmax, scale 1/sqrt(D)), block by block in
+   position order. */
+struct attention_call {
+    const void *q, *keys, *values;
+    const int32_t *tables;
+    const int64_t *positions, *slots;
+    float *out;
+    Py_ssize_t num_rows, num_heads, num_kv, head_dim, block_size, max_blocks, max_length;
+    int type;
+};
+
+MACHINE_CLONES
+static void attention_rows(const struct attention_call *c, float *buf) {
+    const Py_ssize_t head_dim = c->head_dim, block_size = c->block_size;
+    const Py_ssize_t group = c->num_heads / c->num_kv, row_stride = c->num_kv * head_dim;  /* a position's, in a block */
+    const Py_ssize_t k_stride = c->type == F32 ? row_stride : head_dim;  /* rows_f32's rows */
+    const float scale = 1.0f / sqrtf((float)head_dim);
+    /* scores [L]; the query and the output row [D]; a block's keys or values as float32 [bs, D] */
+    float *scores = buf, *query = scores + c->max_length, *acc = query + head_dim, *block_rows = acc + head_dim;
+    for (Py_ssize_t t = 0; t < c->num_rows; t++) {
+        const Py_ssize_t length = c->positions[t] + 1;
+        const int32_t *table = c->tables + c->slots[t] * c->max_blocks;
+        for (Py_ssize_t head = 0; head < c->num_heads; head++) {
+            const Py_ssize_t h = head / group;
+            load_row(query, c->q, (t * c->num_heads + head) * head_dim, head_dim, c->type);
+            for (Py_ssize_t start = 0; start < length; start += block_size) {
+                const Py_ssize_t count = length - start < block_size ? length - start : block_size;
+                const Py_ssize_t at = (Py_ssize_t)table[start / block_size] * block_size * row_stride + h * head_dim;
+                const float *k = rows_f32(c->keys, at, row_stride, head_dim, count, c->type, block_rows);
+                dots(query, k, k_stride, head_dim, count, scores + start);
+            }
+            float top = -INFINITY;
+            for (Py_ssize_t j = 0; j < length; j++) {
+                scores[j] *= scale;
+                if (scores[j] > top) top = scores[j];
+            }
+            float total = 0.0f;
+            for (Py_ssize_t j = 0; j < length; j++) {
+                scores[j] = expf(scores[j] - top);
+                total += scores[j];
+            }
+            for (Py_ssize_t d = 0; d < head_dim; d++) acc[d] = 0.0f;
+            for (Py_ssize_t start = 0; start < length; start += block_size) {
+                const Py_ssize_t count = length - start < block_size ? length - start : block_size;
+                const Py_ssize_t at = (Py_ssize_t)table[start / block_size] * block_size * row_stride + h * head_dim;
+                const float *v = rows_f32(c->values, at, row_stride, head_dim, count, c->type, block_rows);
+                for (Py_ssize_t j = 0; j < count; j++) {
+                    const float p = scores[start + j] / total;
+                    const float *row = v + j * k_stride;
+                    for (Py_ssize_t d = 0; d < head_dim; d++) acc[d] += p * row[d];
+                }
+            }
+            memcpy(c->out + (t * c->num_heads + head) * head_dim, acc, sizeof(float) * (size_t)head_dim);
+        }
+    }
+}
+
+static PyObject *attention(PyObject *self, PyObject *args) {
+    unsigned long long q, keys, values, tables, positions, slots, out;
+    struct attention_call c;
+    if (!PyArg_ParseTuple(args, "KKKKKKKnnnnnni", &q, &keys, &values, &tables, &positions, &slots, &out, &c.num_rows,
+                          &c.num_heads, &c.num_kv, &c.head_dim, &c.block_size, &c.max_blocks, &c.type))
+        return NULL;
+    c.q = (const void *)(uintptr_t)q;
+    c.keys = (const void *)(uintptr_t)keys;
+    c.values = (const void *)(uintptr_t)values;
+    c.tables = (const int32_t *)(uintptr_t)tables;
+    c.positions = (const int64_t *)(uintptr_t)positions;
+    c.slots = (const int64_t *)(uintptr_t)slots;
+    c.out = (float *)(uintptr_t)out;
+    c.max_length = 0;
+    for (Py_ssize_t t = 0; t < c.num_rows; t++)
+        if (c.positions[t] + 1 > c.max_length) c.max_length = c.positions[t] + 1;
+    float *buf = malloc(sizeof(float) * (size_t)(c.max_length + 2 * c.head_dim + c.block_size * c.head_dim));
+    if (!buf) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    attention_rows(&c, buf);
+    Py_END_ALLOW_THREADS
+    free(buf);
+    Py_RETURN_NONE;
+}
+
+/* experts(x, ids, gate_up, down, out, num_tokens, top_k, num_experts, hidden, inter, type)
+   x [T, H], gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I] of `type`; ids [T, k]
+   int64 (-1: dropped, output zeros); out [T*k, H] float32, route r = t*k + rank:
+   down_e · (silu(gate_e · x_t) * (up_e · x_t)), with the torch reference's roundings to `type`
+   (the products' outputs and the activation). An expert's routes are taken together, a block
+   of its weight rows at a time (read once for all of them); each route's sums are its own. */
+#define ROW_BLOCK 16
+struct experts_call {
+    const void *x, *gate_up, *down;
+    const int64_t *ids;
+    float *out;
+    Py_ssize_t num_tokens, top_k, num_experts, hidden, inter;
+    int type;
+};
+
+/* buf: per route its input row [H], gate/up [2I], activation [I]; a block of weight rows.
+   order [routes], starts [E + 2]: the routes by expert. */
+MACHINE_CLONES
+static void expert_routes(const struct experts_call *c, float *buf, Py_ssize_t *order, Py_ssize_t *starts) {
+    const Py_ssize_t hidden = c->hidden, inter = c->inter, num_routes = c->num_tokens * c->top_k;
+    const int64_t *ids = c->ids;
+    float *inputs = buf, *gate_up_out = inputs + num_routes * hidden, *acts = gate_up_out + num_routes * 2 * inter;
+    float *weights = acts + num_routes * inter;
+    /* counting sort of the routes by expert (stable) */
+    for (Py_ssize_t e = 0; e <= c->num_experts + 1; e++) starts[e] = 0;
+    for (Py_ssize_t r = 0; r < num_routes; r++)
+        if (ids[r] >= 0) starts[ids[r] + 1]++;
+    for (Py_ssize_t e = 0; e < c->num_experts; e++) starts[e + 1] += starts[e];
+    for (Py_ssize_t r = 0; r < num_routes; r++) {
+        if (ids[r] < 0) {
+            memset(c->out + r * hidden, 0, sizeof(float) * (size_t)hidden);
+            continue;
+        }
+        order[starts[ids[r]]++] = r;
+        load_row(inputs + r * hidden, c->x, (r / c->top_k) * hidden, hidden, c->type);
+    }
+    for (Py_ssize_t e = c->num_experts; e > 0; e--) starts[e] = starts[e - 1];
+    starts[0] = 0;
+    for (Py_ssize_t e = 0; e < c->num_experts; e++) {
+        const Py_ssize_t first = starts[e], last = starts[e + 1];
+        if (first == last) continue;
+        for (Py_ssize_t n = 0; n < 2 * inter; n += ROW_BLOCK) {
+            const Py_ssize_t count = 2 * inter - n < ROW_BLOCK ? 2 * inter - n : ROW_BLOCK;
+            const float *w = rows_f32(c->gate_up, (e * 2 * inter + n) * hidden, hidden, hidden, count, c->type, weights);
+            for (Py_ssize_t i = first; i < last; i++)
+                dots(inputs + order[i] * hidden, w, hidden, hidden, count, gate_up_out + order[i] * 2 * inter + n);
+        }
+        for (Py_ssize_t i = first; i < last; i++) {
+            const float *g = gate_up_out + order[i] * 2 * inter, *u = g + inter;
+            float *a = acts + order[i] * inter;
+            for (Py_ssize_t j = 0; j < inter; j++) {
+                float gv = g[j], uv = u[j];
+                if (c->type == BF16) gv = round_bf16(gv), uv = round_bf16(uv);
+                a[j] = gv / (1.0f + expf(-gv)) * uv;
+                if (c->type == BF16) a[j] = round_bf16(a[j]);
+            }
+        }
+        for (Py_ssize_t n = 0; n < hidden; n += ROW_BLOCK) {
+            const Py_ssize_t count = hidden - n < ROW_BLOCK ? hidden - n : ROW_BLOCK;
+            const float *w = rows_f32(c->down, (e * hidden + n) * inter, inter, inter, count, c->type, weights);
+            for (Py_ssize_t i = first; i < last; i++) {
+                float *o = c->out + order[i] * hidden + n;
+                dots(acts + order[i] * inter, w, inter, inter, count, o);
+                if (c->type == BF16)
+                    for (Py_ssize_t j = 0; j < count; j++) o[j] = round_bf16(o[j]);
+            }
+        }
+    }
+}
+
+static PyObject *experts(PyObject *self, PyObject *args) {
+    unsigned long long x, ids, gate_up, down, out;
+    struct experts_call c;
+    if (!PyArg_ParseTuple(args, "KKKKKnnnnni", &x, &ids, &gate_up, &down, &out, &c.num_tokens, &c.top_k,
+                          &c.num_experts, &c.hidden, &c.inter, &c.type))
+        return NULL;
+    c.x = (const void *)(uintptr_t)x;
+    c.ids = (const int64_t *)(uintptr_t)ids;
+    c.gate_up = (const void *)(uintptr_t)gate_up;
+    c.down = (const void *)(uintptr_t)down;
+    c.out = (float *)(uintptr_t)out;
+    const Py_ssize_t num_routes = c.num_tokens * c.top_k, width = c.hidden > c.inter ? c.hidden : c.inter;
+    float *buf = malloc(sizeof(float) * (size_t)(num_routes * (c.hidden + 3 * c.inter) + ROW_BLOCK * width));
+    Py_ssize_t *order = malloc(sizeof(Py_ssize_t) * (size_t)(num_routes + 1));
+    Py_ssize_t *starts = malloc(sizeof(Py_ssize_t) * (size_t)(c.num_experts + 2));
+    if (buf && order && starts) {
+        Py_BEGIN_ALLOW_THREADS
+        expert_routes(&c, buf, order, starts);
+        Py_END_ALLOW_THREADS
+    }
+    const int ok = buf && order && starts;
+    free(buf);
+    free(order);
+    free(starts);
+    if (!ok) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"attention", attention, METH_VARARGS, "Paged decode attention, row by row (see kernels/fused/cpu_rows.py)."},
+    {"experts", experts, METH_VARARGS, "Routed experts' outputs, route by route (see kernels/fused/cpu_rows.py)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_rows", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__cpu_rows(void) { return PyModule_Create(&module); }
