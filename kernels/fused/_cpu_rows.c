@@ -303,9 +303,52 @@ static PyObject *experts(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* linear(x, weight, out, num_rows, num_out, num_in, x_stride, weight_stride, type)
+   x [M, K] (rows x_stride apart) and weight [N, K] (rows weight_stride apart) of `type`;
+   out [M, N] float32 = x @ weight^T, every output in lanes_total's order. A block of weight
+   rows at a time, for every row of x (the weight read once for all of them). */
+struct linear_call {
+    const void *x, *weight;
+    float *out;
+    Py_ssize_t num_rows, num_out, num_in, x_stride, weight_stride;
+    int type;
+};
+
+MACHINE_CLONES
+static void linear_rows(const struct linear_call *c, float *buf) {
+    const Py_ssize_t num_in = c->num_in;
+    float *inputs = buf, *weights = inputs + c->num_rows * num_in;  /* x as float32 [M, K]; a weight block */
+    for (Py_ssize_t m = 0; m < c->num_rows; m++) load_row(inputs + m * num_in, c->x, m * c->x_stride, num_in, c->type);
+    for (Py_ssize_t n = 0; n < c->num_out; n += ROW_BLOCK) {
+        const Py_ssize_t count = c->num_out - n < ROW_BLOCK ? c->num_out - n : ROW_BLOCK;
+        const float *w = rows_f32(c->weight, n * c->weight_stride, c->weight_stride, num_in, count, c->type, weights);
+        const Py_ssize_t stride = c->type == F32 ? c->weight_stride : num_in;
+        for (Py_ssize_t m = 0; m < c->num_rows; m++) dots(inputs + m * num_in, w, stride, num_in, count, c->out + m * c->num_out + n);
+    }
+}
+
+static PyObject *linear(PyObject *self, PyObject *args) {
+    unsigned long long x, weight, out;
+    struct linear_call c;
+    if (!PyArg_ParseTuple(args, "KKKnnnnni", &x, &weight, &out, &c.num_rows, &c.num_out, &c.num_in, &c.x_stride,
+                          &c.weight_stride, &c.type))
+        return NULL;
+    c.x = (const void *)(uintptr_t)x;
+    c.weight = (const void *)(uintptr_t)weight;
+    c.out = (float *)(uintptr_t)out;
+    float *buf = malloc(sizeof(float) * (size_t)((c.num_rows + ROW_BLOCK) * c.num_in));
+    if (!buf) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    linear_rows(&c, buf);
+    Py_END_ALLOW_THREADS
+    free(buf);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"attention", attention, METH_VARARGS, "Paged decode attention, row by row (see kernels/fused/cpu_rows.py)."},
     {"experts", experts, METH_VARARGS, "Routed experts' outputs, route by route (see kernels/fused/cpu_rows.py)."},
+    {"linear", linear, METH_VARARGS, "x @ weight^T, row by row (see kernels/fused/cpu_rows.py)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -100,3 +100,25 @@ def experts(
         native.experts(x.data_ptr(), ids.data_ptr(), gate_up.data_ptr(), down.data_ptr(), out.data_ptr(), num_tokens,
                        top_k, num_experts, hidden, inter, TYPES[x.dtype])
     return out
+
+
+def linear(
+    x: Tensor,  # [M, K]
+    weight: Tensor,  # [N, K]
+) -> Tensor | None:
+    """x @ weight^T [M, N] in x's dtype (each output summed in float32, rounded once), as
+    rowwise_linear computes it, or None where the kernel does not apply. x's and the weight's
+    rows may be strided (a K range of a wider tensor: linear_partials' splits)."""
+    native = _native()
+    if native is None or not isinstance(weight, Tensor) or x.dtype not in TYPES or weight.dtype != x.dtype:
+        return None
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.device.type != "cpu":
+        return None
+    if weight.device.type != "cpu" or x.stride(1) != 1 or weight.stride(1) != 1:
+        return None
+    (num_rows, num_in), num_out = x.shape, weight.shape[0]
+    out = torch.empty((num_rows, num_out), dtype=torch.float32)
+    if num_rows and num_out:
+        native.linear(x.data_ptr(), weight.data_ptr(), out.data_ptr(), num_rows, num_out, num_in, x.stride(0),
+                      weight.stride(0), TYPES[x.dtype])
+    return out.to(x.dtype)

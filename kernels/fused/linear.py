@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.fused import cdiv, launch_options, next_power_of_2, use_triton
+from kernels.fused import cdiv, cpu_rows, launch_options, next_power_of_2, use_triton
 from kernels.fused.fp8 import Fp8Weight
 
 Weight = Tensor | Fp8Weight  # [N, K]: full precision, or block-scaled FP8 (kernels.fused.fp8)
@@ -149,10 +149,17 @@ def linear(
 
 
 def rowwise_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """x [M, K] @ weight[N, K]^T → [M, N] by torch ops, each row's bits independent of M and of
-    the other rows: every row runs the same fixed-shape product whatever M is, where F.linear
-    picks its kernel by M. The CPU's reference of `linear`, so windows and batches run as one
-    forward there with their rows' one-row bits. How, by the weight's shape only (so a weight's
+    """x [M, K] @ weight[N, K]^T → [M, N], each row's bits independent of M and of the other
+    rows: the CPU's `linear`, so windows and batches run as one forward there with their rows'
+    one-row bits. The native kernel (kernels.fused.cpu_rows: every output by one loop, the
+    weight read once for all rows) where it applies, else torch_rowwise_linear."""
+    out = cpu_rows.linear(x, weight)
+    return torch_rowwise_linear(x, weight) if out is None else out
+
+
+def torch_rowwise_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """rowwise_linear by torch ops: every row runs the same fixed-shape product whatever M is,
+    where F.linear picks its kernel by M. How, by the weight's shape only (so a weight's
     rows always take the same way):
     - narrow weights: one [1, K] × [K, N] product per row, in one batched matmul;
     - wide ones (the lm_head): [TILE_ROWS, K] tiles, zero-padded, one matmul each — a product

@@ -10,24 +10,41 @@ import torch
 from kernels.fused import cpu_rows
 from kernels.fused import linear as linear_module
 from kernels.fused.attention import attention_reference
-from kernels.fused.linear import rowwise_linear
+from kernels.fused.linear import rowwise_linear, torch_rowwise_linear
 from kernels.fused.moe import experts_reference
 
 
+@pytest.mark.parametrize("product", [rowwise_linear, torch_rowwise_linear], ids=["native", "torch"])
 @pytest.mark.parametrize("num_out", [70, linear_module.WIDE_OUTPUTS, linear_module.WIDE_OUTPUTS + 30])
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 8, 9])
-def test_rowwise_linear_rows_are_their_one_row_bits(num_out, num_rows):
+def test_rowwise_linear_rows_are_their_one_row_bits(product, num_out, num_rows):
     g = torch.Generator().manual_seed(num_out * 10 + num_rows)
-    x = torch.randn(num_rows, 200, generator=g)
-    w = torch.randn(num_out, 200, generator=g)
-    out = rowwise_linear(x, w)
+    x = torch.randn(num_rows, 203, generator=g)  # (203: a sum with a tail past the native kernel's eight lanes)
+    w = torch.randn(num_out, 203, generator=g)
+    out = product(x, w)
     assert out.shape == (num_rows, num_out)
     torch.testing.assert_close(out.double(), x.double() @ w.double().T, rtol=1e-4, atol=1e-4)
     for i in range(num_rows):
-        assert torch.equal(rowwise_linear(x[i : i + 1], w)[0], out[i]), f"row {i} of {num_rows}"
+        assert torch.equal(product(x[i : i + 1], w)[0], out[i]), f"row {i} of {num_rows}"
     # the same row among other rows, at another place (a tile's other row differs)
-    shuffled = torch.cat([torch.randn(1, 200, generator=g), x.flip(0)])
-    assert torch.equal(rowwise_linear(shuffled, w)[1:].flip(0), out)
+    shuffled = torch.cat([torch.randn(1, 203, generator=g), x.flip(0)])
+    assert torch.equal(product(shuffled, w)[1:].flip(0), out)
+
+
+def test_rowwise_linear_takes_the_native_kernel_with_strided_rows_and_in_bfloat16():
+    g = torch.Generator().manual_seed(11)
+    wide_x, wide_w = torch.randn(5, 96, generator=g), torch.randn(40, 96, generator=g)
+    x, w = wide_x[:, 32:64], wide_w[:, 32:64]  # a K range, as linear_partials' splits take it
+    assert torch.equal(rowwise_linear(x, w), cpu_rows.linear(x.contiguous(), w.contiguous()))
+    torch.testing.assert_close(rowwise_linear(x, w), torch_rowwise_linear(x, w), rtol=1e-5, atol=1e-5)
+    xb, wb = wide_x.bfloat16(), wide_w.bfloat16()
+    out = rowwise_linear(xb, wb)
+    assert out.dtype == torch.bfloat16
+    for i in range(5):
+        assert torch.equal(rowwise_linear(xb[i : i + 1], wb)[0], out[i])
+    # one rounding to bf16 of a float32 sum: at most an ulp from torch's
+    torch.testing.assert_close(out.float(), torch_rowwise_linear(xb, wb).float(), rtol=1e-2, atol=1e-2)
+    assert cpu_rows.linear(x.double(), w.double()) is None  # (not a dtype it reads: torch's way)
 
 
 def test_rowwise_linear_of_no_rows():
