@@ -19,8 +19,8 @@ ARG TORCH_SPEC=torch
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
-# gcc compiles the global suffix index's native table at `pip install .` (setup.py); the
-# runtime stage needs only the compiled module (libc).
+# gcc compiles the native modules at `pip install .` (setup.py: the global suffix index's table,
+# the CPU step's kernels); the runtime stage needs only the compiled modules (libc).
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
