@@ -11,6 +11,7 @@ port closes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import time
 from collections.abc import Callable
@@ -140,8 +141,19 @@ class ServiceServer:
             await asyncio.sleep(0.05)
         await self.server.stop(max(0.0, deadline - time.monotonic()))
         await self.close()
+        await self._end_loading()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
+
+    async def _end_loading(self) -> None:
+        """A stop while the model loads ends the load: its failure once close() has taken the
+        workers away is the stop's doing, not an error to report (nor one left unretrieved)."""
+        if self.loaded is None:
+            return
+        if not self.loaded.done():
+            self.loaded.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self.loaded
 
 
 async def run_until_signalled(make_server: Callable[[], ServiceServer], service: str) -> None:

@@ -102,6 +102,43 @@ async def test_clients_reconnect_after_the_maximum_connection_age(age_s):
         await server.stop(0)
 
 
+class LoadsUntilClosed(PeerEcho):
+    """A service whose load waits until close() takes its workers away, then fails (as a
+    verifier's load fails with LoopClosed when it is stopped mid-load)."""
+
+    def __init__(self, settings) -> None:
+        super().__init__(settings)
+        self.closed = asyncio.Event()
+
+    async def load(self) -> None:
+        await self.closed.wait()
+        raise RuntimeError("the workers are gone")
+
+    async def close(self) -> None:
+        self.closed.set()
+        await asyncio.sleep(0)  # (the load runs on and fails before the stop goes on)
+
+
+async def test_a_stop_while_loading_ends_the_load_without_an_unretrieved_error():
+    import gc
+
+    reported = []
+    loop = asyncio.get_running_loop()
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: reported.append(context.get("message", "")))
+    try:
+        server = LoadsUntilClosed(VerifierSettings(port=0))
+        await server.start()
+        await server.stop(0)
+        assert server.loaded.done()
+        del server
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert not [message for message in reported if "never retrieved" in message], reported
+
+
 def test_the_connection_age_is_validated():
     with pytest.raises(ValueError, match="max_connection_age_s"):
         VerifierSettings(max_connection_age_s=-1)
