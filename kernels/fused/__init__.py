@@ -13,6 +13,7 @@ window or batch (DESIGN §11).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -24,15 +25,17 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.cache
 def triton_available() -> bool:
+    # (cached: every op asks, and a module search is not free on the CPU path)
     return importlib.util.find_spec("triton") is not None
 
 
 def use_triton(x: torch.Tensor) -> bool:
     """Whether an op on `x` runs its Triton kernel (else the torch reference)."""
-    if not triton_available():
-        return False
-    return x.is_cuda or (x.device.type == "cpu" and interpreting())
+    if x.is_cuda:
+        return triton_available()
+    return x.device.type == "cpu" and interpreting() and triton_available()
 
 
 def next_power_of_2(n: int) -> int:

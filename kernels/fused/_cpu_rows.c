@@ -345,10 +345,255 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* partials(x, weight, out, num_rows, num_out, num_in, x_stride, weight_stride, splits, step, type):
+   out [M, splits, N] float32, partial s = x[:, s*step : (s+1)*step] @ weight[:, same]^T (empty past
+   K: zeros), each sum in lanes_total's order — linear_partials' split-K products. */
+MACHINE_CLONES
+static void partial_rows(const struct linear_call *c, Py_ssize_t splits, Py_ssize_t step, float *buf) {
+    const Py_ssize_t num_in = c->num_in;
+    float *inputs = buf, *weights = inputs + c->num_rows * num_in;
+    for (Py_ssize_t m = 0; m < c->num_rows; m++) load_row(inputs + m * num_in, c->x, m * c->x_stride, num_in, c->type);
+    for (Py_ssize_t sp = 0; sp < splits; sp++) {
+        const Py_ssize_t first = sp * step < num_in ? sp * step : num_in;
+        const Py_ssize_t width = (first + step < num_in ? first + step : num_in) - first;
+        for (Py_ssize_t n = 0; n < c->num_out; n += ROW_BLOCK) {
+            const Py_ssize_t count = c->num_out - n < ROW_BLOCK ? c->num_out - n : ROW_BLOCK;
+            const float *w;
+            Py_ssize_t stride;
+            if (c->type == F32) {
+                w = (const float *)c->weight + n * c->weight_stride + first;
+                stride = c->weight_stride;
+            } else {
+                for (Py_ssize_t r = 0; r < count; r++)
+                    load_row(weights + r * width, c->weight, (n + r) * c->weight_stride + first, width, c->type);
+                w = weights;
+                stride = width;
+            }
+            for (Py_ssize_t m = 0; m < c->num_rows; m++)
+                dots(inputs + m * num_in + first, w, stride, width, count, c->out + (m * splits + sp) * c->num_out + n);
+        }
+    }
+}
+
+static PyObject *partials(PyObject *self, PyObject *args) {
+    unsigned long long x, weight, out;
+    struct linear_call c;
+    Py_ssize_t splits, step;
+    if (!PyArg_ParseTuple(args, "KKKnnnnnnni", &x, &weight, &out, &c.num_rows, &c.num_out, &c.num_in, &c.x_stride,
+                          &c.weight_stride, &splits, &step, &c.type))
+        return NULL;
+    c.x = (const void *)(uintptr_t)x;
+    c.weight = (const void *)(uintptr_t)weight;
+    c.out = (float *)(uintptr_t)out;
+    float *buf = malloc(sizeof(float) * (size_t)((c.num_rows + ROW_BLOCK) * c.num_in));
+    if (!buf) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    partial_rows(&c, splits, step, buf);
+    Py_END_ALLOW_THREADS
+    free(buf);
+    Py_RETURN_NONE;
+}
+
+/* The rows' RMS norm as add_rmsnorm_reference takes it: y = float32 h, y * rsqrt(mean(y^2) + eps),
+   then weight * y in the dtype (centred: y * (1 + weight) in float32, rounded once). */
+HELPER void rms_norm(const float *h, const void *weight, Py_ssize_t n, float eps, int centred, int type,
+                     float *w_row, float *out) {
+    lanes acc = {0};
+    Py_ssize_t j = 0;
+    for (; j + LANES <= n; j += LANES) {
+        const lanes v = load_lanes(h + j);
+        acc += v * v;
+    }
+    for (; j < n; j++) acc[j % LANES] += h[j] * h[j];
+    const float scale = 1.0f / sqrtf(lanes_total(acc) / (float)n + eps);
+    load_row(w_row, weight, 0, n, type);
+    for (j = 0; j < n; j++) {
+        float y = h[j] * scale;
+        if (centred) {
+            y = y * (1.0f + w_row[j]);
+            out[j] = type == BF16 ? round_bf16(y) : y;
+        } else {
+            if (type == BF16) y = round_bf16(y);
+            out[j] = type == BF16 ? round_bf16(w_row[j] * y) : w_row[j] * y;
+        }
+    }
+}
+
+HELPER void store_row(void *p, Py_ssize_t i, const float *src, Py_ssize_t n, int type) {
+    if (type == F32) {
+        memcpy((float *)p + i, src, (size_t)n * 4);
+    } else {
+        uint16_t *h = (uint16_t *)p + i;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            const float r = round_bf16(src[j]);
+            uint32_t bits;
+            memcpy(&bits, &r, 4);
+            h[j] = (uint16_t)(bits >> 16);
+        }
+    }
+}
+
+/* add_norm(x, kind, residual, weight, normed, new_residual, route_weights, num_rows, hidden, terms, eps,
+            centred, type): new_residual = residual + x' (x' alone without a residual), normed = its
+   RMS norm, where x' is by kind: 0 x [T, H] of `type`; 1 split-K partials [T, terms, H] float32
+   summed in split order; 2 routes' outputs [T*terms, H] float32 weighted by route_weights
+   [T, terms] float32 and summed in rank order — each rounded to `type` before the add, as the
+   references round them. */
+struct norm_call {
+    const void *x, *residual, *weight;
+    const float *route_weights;
+    void *normed, *new_residual;
+    Py_ssize_t num_rows, hidden, terms;
+    float eps;
+    int kind, centred, type;
+};
+
+MACHINE_CLONES
+static void add_norm_rows(const struct norm_call *c, float *buf) {
+    const Py_ssize_t n = c->hidden;
+    float *h = buf, *r = h + n, *w_row = r + n, *out = w_row + n;
+    for (Py_ssize_t t = 0; t < c->num_rows; t++) {
+        if (c->kind == 0) {
+            load_row(h, c->x, t * n, n, c->type);
+        } else {
+            const float *x = (const float *)c->x;
+            for (Py_ssize_t j = 0; j < n; j++) h[j] = 0.0f;
+            for (Py_ssize_t k = 0; k < c->terms; k++) {
+                const float *term = x + (t * c->terms + k) * n;
+                if (c->kind == 1) {
+                    for (Py_ssize_t j = 0; j < n; j++) h[j] = k ? h[j] + term[j] : term[j];
+                } else {
+                    const float w = c->route_weights[t * c->terms + k];
+                    for (Py_ssize_t j = 0; j < n; j++) h[j] = k ? h[j] + term[j] * w : term[j] * w;
+                }
+            }
+            if (c->type == BF16)
+                for (Py_ssize_t j = 0; j < n; j++) h[j] = round_bf16(h[j]);
+        }
+        if (c->residual) {
+            load_row(r, c->residual, t * n, n, c->type);
+            for (Py_ssize_t j = 0; j < n; j++) h[j] = c->type == BF16 ? round_bf16(r[j] + h[j]) : r[j] + h[j];
+        }
+        rms_norm(h, c->weight, n, c->eps, c->centred, c->type, w_row, out);
+        store_row(c->normed, t * n, out, n, c->type);
+        if (c->new_residual) store_row(c->new_residual, t * n, h, n, c->type);
+    }
+}
+
+static PyObject *add_norm(PyObject *self, PyObject *args) {
+    unsigned long long x, residual, weight, normed, new_residual, route_weights;
+    struct norm_call c;
+    if (!PyArg_ParseTuple(args, "KiKKKKKnnnfii", &x, &c.kind, &residual, &weight, &normed, &new_residual,
+                          &route_weights, &c.num_rows, &c.hidden, &c.terms, &c.eps, &c.centred, &c.type))
+        return NULL;
+    c.x = (const void *)(uintptr_t)x;
+    c.residual = (const void *)(uintptr_t)residual;
+    c.weight = (const void *)(uintptr_t)weight;
+    c.normed = (void *)(uintptr_t)normed;
+    c.new_residual = (void *)(uintptr_t)new_residual;
+    c.route_weights = (const float *)(uintptr_t)route_weights;
+    float *buf = malloc(sizeof(float) * (size_t)(4 * c.hidden));
+    if (!buf) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    add_norm_rows(&c, buf);
+    Py_END_ALLOW_THREADS
+    free(buf);
+    Py_RETURN_NONE;
+}
+
+/* qk_rope(qkv, qkv_stride, q_out, keys, values, tables, positions, slots, q_norm, k_norm, cos, sin,
+           num_rows, num_heads, num_kv, head_dim, q_head_stride, rot, block_size, max_blocks, eps,
+           centred, type): per row, q's and k's heads RMS-normed (rms_norm) and their first `rot`
+   dims rotated (x*c + rotate_half(x)*s, each product and the sum rounded to `type`; c, s the
+   float32 tables' row at the position, rounded to `type`); q to q_out [T, Hq, D], k and v (as
+   they are) to the cache at (slot, position). qkv's columns: query head h at h * q_head_stride,
+   then the key heads, then the value heads (D each). */
+struct rope_call {
+    const void *qkv, *q_norm, *k_norm;
+    void *q_out, *keys, *values;
+    const int32_t *tables;
+    const int64_t *positions, *slots;
+    const float *cos, *sin;
+    Py_ssize_t num_rows, qkv_stride, num_heads, num_kv, head_dim, q_head_stride, rot, block_size, max_blocks;
+    float eps;
+    int centred, type;
+};
+
+MACHINE_CLONES
+static void qk_rope_rows(const struct rope_call *c, float *buf) {
+    const Py_ssize_t d = c->head_dim, half = c->rot / 2;
+    float *x = buf, *normed = x + d, *w_row = normed + d, *out = w_row + d;
+    for (Py_ssize_t t = 0; t < c->num_rows; t++) {
+        const Py_ssize_t p = c->positions[t];
+        const Py_ssize_t kv_row = ((Py_ssize_t)c->tables[c->slots[t] * c->max_blocks + p / c->block_size] * c->block_size
+                                   + p % c->block_size) * c->num_kv * d;
+        const float *cos = c->cos + p * c->rot, *sin = c->sin + p * c->rot;
+        for (Py_ssize_t head = 0; head < c->num_heads + 2 * c->num_kv; head++) {
+            const int is_q = head < c->num_heads, is_k = !is_q && head < c->num_heads + c->num_kv;
+            const Py_ssize_t column = is_q ? head * c->q_head_stride : c->num_heads * c->q_head_stride + (head - c->num_heads) * d;
+            load_row(x, c->qkv, t * c->qkv_stride + column, d, c->type);
+            if (!is_q && !is_k) {
+                store_row(c->values, kv_row + (head - c->num_heads - c->num_kv) * d, x, d, c->type);
+                continue;
+            }
+            rms_norm(x, is_q ? c->q_norm : c->k_norm, d, c->eps, c->centred, c->type, w_row, normed);
+            for (Py_ssize_t j = 0; j < d; j++) {
+                if (j >= c->rot) {
+                    out[j] = normed[j];
+                    continue;
+                }
+                float cv = cos[j], sv = sin[j];
+                const float partner = j < half ? -normed[j + half] : normed[j - half];
+                if (c->type == BF16) {
+                    cv = round_bf16(cv), sv = round_bf16(sv);
+                    out[j] = round_bf16(round_bf16(normed[j] * cv) + round_bf16(partner * sv));
+                } else {
+                    out[j] = normed[j] * cv + partner * sv;
+                }
+            }
+            if (is_q)
+                store_row(c->q_out, (t * c->num_heads + head) * d, out, d, c->type);
+            else
+                store_row(c->keys, kv_row + (head - c->num_heads) * d, out, d, c->type);
+        }
+    }
+}
+
+static PyObject *qk_rope(PyObject *self, PyObject *args) {
+    unsigned long long qkv, q_out, keys, values, tables, positions, slots, q_norm, k_norm, cos, sin;
+    struct rope_call c;
+    if (!PyArg_ParseTuple(args, "KnKKKKKKKKKKnnnnnnnnfii", &qkv, &c.qkv_stride, &q_out, &keys, &values, &tables,
+                          &positions, &slots, &q_norm, &k_norm, &cos, &sin, &c.num_rows, &c.num_heads, &c.num_kv,
+                          &c.head_dim, &c.q_head_stride, &c.rot, &c.block_size, &c.max_blocks, &c.eps, &c.centred,
+                          &c.type))
+        return NULL;
+    c.qkv = (const void *)(uintptr_t)qkv;
+    c.q_out = (void *)(uintptr_t)q_out;
+    c.keys = (void *)(uintptr_t)keys;
+    c.values = (void *)(uintptr_t)values;
+    c.tables = (const int32_t *)(uintptr_t)tables;
+    c.positions = (const int64_t *)(uintptr_t)positions;
+    c.slots = (const int64_t *)(uintptr_t)slots;
+    c.q_norm = (const void *)(uintptr_t)q_norm;
+    c.k_norm = (const void *)(uintptr_t)k_norm;
+    c.cos = (const float *)(uintptr_t)cos;
+    c.sin = (const float *)(uintptr_t)sin;
+    float *buf = malloc(sizeof(float) * (size_t)(4 * c.head_dim));
+    if (!buf) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    qk_rope_rows(&c, buf);
+    Py_END_ALLOW_THREADS
+    free(buf);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"attention", attention, METH_VARARGS, "Paged decode attention, row by row (see kernels/fused/cpu_rows.py)."},
     {"experts", experts, METH_VARARGS, "Routed experts' outputs, route by route (see kernels/fused/cpu_rows.py)."},
     {"linear", linear, METH_VARARGS, "x @ weight^T, row by row (see kernels/fused/cpu_rows.py)."},
+    {"partials", partials, METH_VARARGS, "Split-K partial products, row by row (see kernels/fused/cpu_rows.py)."},
+    {"add_norm", add_norm, METH_VARARGS, "Residual add and RMS norm, row by row (see kernels/fused/cpu_rows.py)."},
+    {"qk_rope", qk_rope, METH_VARARGS, "q/k norms, RoPE and the KV write, row by row (see kernels/fused/cpu_rows.py)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,15 +1,18 @@
-"""The CPU's decode/verify attention and routed experts in one native call each (DESIGN §11).
+"""The CPU's decode/verify step in native calls, one per op for all rows (DESIGN §11): attention,
+the routed experts, the products (whole and split-K), the residual add + RMS norm (after
+partials or the experts' combine), q/k norms + RoPE + the KV write.
 
 On the CPU a window or a batch runs as one forward whose rows must keep their one-row bits.
-The torch references (`attention_reference`, `experts_reference`) get that by running each
-row (or each expert's routes) as its own small ops, and at the embedded model's sizes the
-ops' dispatch, not their arithmetic, set the step's pace. The C kernels here
-(`_cpu_rows.c`, compiled at install) compute the same functions in one call for all rows:
-every row or route by the same loop, nothing shared between rows, every sum in a fixed order,
-so a row's bits do not depend on the call's other rows. They are not the references' bits
-(BLAS orders its sums its own way): the references stay the definition the tests compare
-them with, and the path wherever these do not apply (FP8 weights, a dtype other than float32
-or bfloat16, a layout they do not read) or the extension was not built.
+The torch references (`attention_reference`, `experts_reference`, `torch_rowwise_linear`, ...)
+get that by running each row (or each expert's routes) as its own small ops, and at the
+embedded model's sizes the ops' dispatch, not their arithmetic, set the step's pace. The C
+kernels here (`_cpu_rows.c`, compiled at install) compute the same functions in one call for
+all rows: every row or route by the same loop, nothing shared between rows, every sum in a
+fixed order, each rounding to the dtype where the reference rounds, so a row's bits do not
+depend on the call's other rows. They are not the references' bits (BLAS and torch order their
+sums their own way): the references stay the definition the tests compare them with, and the
+path wherever these do not apply (FP8 weights, a dtype other than float32 or bfloat16, a
+layout they do not read) or the extension was not built. Each function returns None then.
 """
 
 from __future__ import annotations
@@ -122,3 +125,115 @@ def linear(
         native.linear(x.data_ptr(), weight.data_ptr(), out.data_ptr(), num_rows, num_out, num_in, x.stride(0),
                       weight.stride(0), TYPES[x.dtype])
     return out.to(x.dtype)
+
+
+def partials(
+    x: Tensor,  # [M, K]
+    weight: Tensor,  # [N, K]
+    splits: int,
+    step: int,  # K columns a split (the last ones may be shorter or empty)
+) -> Tensor | None:
+    """linear_partials' split-K products [M, splits, N] float32 (partial s over K columns
+    s·step ...), or None where the kernel does not apply."""
+    native = _native()
+    if native is None or not isinstance(weight, Tensor) or x.dtype not in TYPES or weight.dtype != x.dtype:
+        return None
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.stride(1) != 1 or weight.stride(1) != 1:
+        return None
+    if x.device.type != "cpu" or weight.device.type != "cpu" or splits < 1 or step < 1:
+        return None
+    (num_rows, num_in), num_out = x.shape, weight.shape[0]
+    out = torch.empty((num_rows, splits, num_out), dtype=torch.float32)
+    if num_rows and num_out:
+        native.partials(x.data_ptr(), weight.data_ptr(), out.data_ptr(), num_rows, num_out, num_in, x.stride(0),
+                        weight.stride(0), splits, step, TYPES[x.dtype])
+    return out
+
+
+def add_rmsnorm(
+    x: Tensor,  # [T, H] in residual's dtype, split-K partials [T, S, H] float32, or routes' outputs [T*k, H] float32
+    residual: Tensor | None,  # [T, H]
+    weight: Tensor,  # [H]
+    eps: float,
+    centred: bool = False,
+    route_weights: Tensor | None = None,  # [T, k] float32: x holds routes' outputs, weighted and summed in rank order
+) -> tuple[Tensor, Tensor] | None:
+    """(normed, new_residual) as add_rmsnorm_reference after add_rmsnorm's sum of partials or
+    combine_reference's weighted sum of routes, or None where the kernel does not apply."""
+    native = _native()
+    dtype = x.dtype if residual is None else residual.dtype
+    if native is None or dtype not in TYPES or weight.dtype != dtype or weight.dim() != 1:
+        return None
+    tensors = [x, weight] + ([] if residual is None else [residual]) + ([] if route_weights is None else [route_weights])
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return None
+    hidden = weight.shape[0]
+    if route_weights is not None:
+        num_rows, terms = route_weights.shape
+        kind = 2
+        if (residual is None or x.dtype != torch.float32 or route_weights.dtype != torch.float32
+                or x.shape != (num_rows * terms, hidden)):
+            return None
+    elif x.dim() == 3:
+        num_rows, terms, kind = x.shape[0], x.shape[1], 1
+        if residual is None or x.dtype != torch.float32 or x.shape[2] != hidden:
+            return None
+    else:
+        num_rows, terms, kind = x.shape[0], 1, 0
+        if x.dtype != dtype or x.dim() != 2 or x.shape[1] != hidden:
+            return None
+    if residual is not None and residual.shape != (num_rows, hidden):
+        return None
+    normed = torch.empty((num_rows, hidden), dtype=dtype)
+    # (no residual: x itself is the new residual, as the reference returns it)
+    new_residual = x if residual is None else torch.empty((num_rows, hidden), dtype=dtype)
+    if num_rows:
+        native.add_norm(x.data_ptr(), kind, 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
+                        normed.data_ptr(), 0 if residual is None else new_residual.data_ptr(),
+                        0 if route_weights is None else route_weights.data_ptr(), num_rows, hidden, terms, eps,
+                        int(centred), TYPES[dtype])
+    return normed, new_residual
+
+
+def qk_norm_rope_store(
+    qkv: Tensor,  # [T, >= (Hq + 2*Hkv) * D] (row stride free, columns contiguous)
+    q_norm: Tensor,  # [D]
+    k_norm: Tensor,  # [D]
+    cos: Tensor,  # [max_positions, rot] float32
+    sin: Tensor,
+    positions: Tensor,  # [T]
+    slots: Tensor,  # [T]
+    cache_keys: Tensor,  # [num_blocks, block_size, Hkv, D]
+    cache_values: Tensor,
+    block_tables: Tensor,  # [num_slots, max_blocks] int32
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    centred: bool,
+    rot: int,
+    q_head_stride: int,
+) -> Tensor | None:
+    """norm.qk_norm_rope_store's q [T, Hq, D] (k and v written to the cache), or None where the
+    kernel does not apply. The caller has checked the shapes and the rotary width."""
+    native = _native()
+    dtype = qkv.dtype
+    if native is None or dtype not in TYPES or qkv.dim() != 2 or qkv.stride(1) != 1:
+        return None
+    if not (_plain(q_norm, k_norm, cache_keys, cache_values, dtype=dtype) and _plain(cos, sin, dtype=torch.float32)
+            and _plain(block_tables, dtype=torch.int32)) or qkv.device.type != "cpu":
+        return None
+    num_rows = qkv.shape[0]
+    head_dim = q_norm.shape[0]
+    block_size = cache_keys.shape[1]
+    positions = positions.to(torch.int64).contiguous()  # [T]
+    slots = slots.to(torch.int64).contiguous()  # [T]
+    if num_rows and (int(positions.min()) < 0 or int(positions.max()) >= min(cos.shape[0], block_tables.shape[1] * block_size)
+                     or int(slots.min()) < 0 or int(slots.max()) >= block_tables.shape[0]):
+        raise ValueError("qk_norm_rope_store: a row's position or slot is outside the block tables or the rotary table")
+    q = torch.empty((num_rows, num_heads, head_dim), dtype=dtype)
+    if num_rows:
+        native.qk_rope(qkv.data_ptr(), qkv.stride(0), q.data_ptr(), cache_keys.data_ptr(), cache_values.data_ptr(),
+                       block_tables.data_ptr(), positions.data_ptr(), slots.data_ptr(), q_norm.data_ptr(),
+                       k_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim,
+                       q_head_stride, rot, block_size, block_tables.shape[1], eps, int(centred), TYPES[dtype])
+    return q

@@ -219,6 +219,10 @@ def linear_partials(
     num_rows, num_in = x.shape
     if not use_triton(x) or num_rows > MAX_FUSED_ROWS:
         step = _k_per_split(weight, x.dtype, splits)
+        if num_rows <= MAX_FUSED_ROWS:
+            out = cpu_rows.partials(x, weight, splits, step)
+            if out is not None:
+                return out
         product = F.linear if num_rows > MAX_FUSED_ROWS else rowwise_linear
         full = dense(weight, x.dtype)
         return torch.stack([product(x[:, s * step : (s + 1) * step].float(), full[:, s * step : (s + 1) * step].float())

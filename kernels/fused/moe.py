@@ -223,7 +223,8 @@ def combine_add_rmsnorm(
     if not use_triton(residual):
         if route_rows is not None:
             route_out = route_out[route_rows]
-        return combine_reference(route_out.float(), weights, residual, norm_weight, eps, centred)
+        done = cpu_rows.add_rmsnorm(route_out.float(), residual, norm_weight, eps, centred, route_weights=weights)
+        return combine_reference(route_out.float(), weights, residual, norm_weight, eps, centred) if done is None else done
     num_tokens, top_k = weights.shape
     hidden = residual.shape[1]
     normed = torch.empty_like(residual)

@@ -19,7 +19,7 @@ import functools
 import torch
 from torch import Tensor
 
-from kernels.fused import early_reads, launch_options, next_power_of_2, paged_rows, use_triton
+from kernels.fused import cpu_rows, early_reads, launch_options, next_power_of_2, paged_rows, use_triton
 
 NORM_WARPS = 8  # add_rmsnorm's per row (doubled past 4,096 columns; H200: 8 beat 4 by ~1-2% of the step)
 QK_ROPE_WARPS = 1  # per (row, head)
@@ -227,6 +227,9 @@ def add_rmsnorm(
     if partials and residual is None:
         raise ValueError("add_rmsnorm: split-K partials need a residual (it gives the dtype)")
     if not use_triton(x):
+        done = cpu_rows.add_rmsnorm(x, residual, weight, eps, centred)
+        if done is not None:
+            return done
         if partials:
             summed = x[:, 0]
             for s in range(1, partials):
@@ -277,6 +280,10 @@ def qk_norm_rope_store(
     q_stride = head_dim if q_head_stride is None else q_head_stride
     _qkv_columns(qkv, num_heads, num_kv_heads, head_dim, q_head_stride)  # (checks the width)
     if not use_triton(qkv):
+        q = cpu_rows.qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, positions, slots, cache_keys, cache_values,
+                                        block_tables, num_heads, num_kv_heads, eps, centred, rot, q_stride)
+        if q is not None:
+            return q
         q, k, v = qk_norm_rope_reference(qkv, q_norm, k_norm, cos, sin, positions, num_heads, num_kv_heads, eps,
                                          centred, rotary_dim, q_head_stride)
         blocks, offsets = paged_rows(block_tables, slots, positions, block_size)

@@ -199,3 +199,94 @@ def test_fused_experts_on_the_cpu_takes_the_native_kernel(monkeypatch):
     x = torch.randn(3, 40, generator=g)
     ids = torch.tensor([[0, 1], [1, 2], [4, 0]])
     assert torch.equal(fused_experts(x, ids, gate_up, down), cpu_rows.experts(x, ids, gate_up, down))
+
+
+def test_native_partials_are_linear_partials_torch_way_and_row_invariant():
+    g = torch.Generator().manual_seed(12)
+    x, w = torch.randn(6, 100, generator=g), torch.randn(24, 100, generator=g)
+    for splits, step in [(1, 100), (2, 50), (4, 32), (3, 64)]:  # (4, 32): a short last split; (3, 64): an empty one
+        out = cpu_rows.partials(x, w, splits, step)
+        assert out.shape == (6, splits, 24) and out.dtype == torch.float32
+        expected = torch.stack([torch_rowwise_linear(x[:, s * step : (s + 1) * step], w[:, s * step : (s + 1) * step])
+                                for s in range(splits)], dim=1)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        for i in range(6):
+            assert torch.equal(cpu_rows.partials(x[i : i + 1], w, splits, step)[0], out[i])
+    xb, wb = x.bfloat16(), w.bfloat16()  # (bf16 inputs, float32 sums: the reference's .float() products)
+    torch.testing.assert_close(cpu_rows.partials(xb, wb, 2, 50),
+                               torch.stack([xb[:, :50].float() @ wb[:, :50].float().T,
+                                            xb[:, 50:].float() @ wb[:, 50:].float().T], dim=1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("centred", [False, True])
+def test_native_add_rmsnorm_in_its_three_kinds_is_the_references_and_row_invariant(dtype, centred):
+    from kernels.fused.moe import combine_reference
+    from kernels.fused.norm import add_rmsnorm_reference
+
+    g = torch.Generator().manual_seed(13)
+    rows, hidden, k = 5, 44, 3
+    residual = torch.randn(rows, hidden, generator=g).to(dtype)
+    weight = (1 + torch.randn(hidden, generator=g) / 4).to(dtype)
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    partials = torch.randn(rows, 3, hidden, generator=g)
+    routes, route_weights = torch.randn(rows * k, hidden, generator=g), torch.rand(rows, k, generator=g)
+    summed = (partials[:, 0] + partials[:, 1] + partials[:, 2]).to(dtype)
+    cases = {  # kind: (native arguments, the reference's (normed, new residual))
+        "plain": ((x, residual), add_rmsnorm_reference(x, residual, weight, 1e-6, centred)),
+        "no residual": ((x, None), add_rmsnorm_reference(x, None, weight, 1e-6, centred)),
+        "partials": ((partials, residual), add_rmsnorm_reference(summed, residual, weight, 1e-6, centred)),
+        "routes": ((routes, residual), combine_reference(routes, route_weights, residual, weight, 1e-6, centred)),
+    }
+    # bf16: our sum of squares and the reference's round differently: a bf16 ulp at most
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    for kind, ((a, r), (want_normed, want_residual)) in cases.items():
+        extra = {"route_weights": route_weights} if kind == "routes" else {}
+        normed, new_residual = cpu_rows.add_rmsnorm(a, r, weight, 1e-6, centred, **extra)
+        assert normed.dtype == dtype and new_residual.dtype == dtype, kind
+        torch.testing.assert_close(normed.float(), want_normed.float(), rtol=tol, atol=tol, msg=kind)
+        torch.testing.assert_close(new_residual.float(), want_residual.float(), rtol=tol, atol=tol, msg=kind)
+        if r is None:
+            assert new_residual is a
+        for i in range(rows):
+            one = (a[i * k : i * k + k] if kind == "routes" else a[i : i + 1]), (None if r is None else r[i : i + 1])
+            extra_one = {"route_weights": route_weights[i : i + 1]} if kind == "routes" else {}
+            alone = cpu_rows.add_rmsnorm(*one, weight, 1e-6, centred, **extra_one)
+            assert torch.equal(alone[0][0], normed[i]) and torch.equal(alone[1][0], new_residual[i]), (kind, i)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["qwen3", "hybrid"])  # hybrid: centred norms, a partial rotary width, q/gate interleaved
+def test_native_qk_norm_rope_store_is_the_reference_and_row_invariant(dtype, layout):
+    from kernels.fused.norm import qk_norm_rope_reference
+
+    g = torch.Generator().manual_seed(14)
+    heads, kv_heads, head_dim, block_size = 4, 2, 16, 8
+    centred, rot, q_stride = (True, 8, 2 * head_dim) if layout == "hybrid" else (False, head_dim, head_dim)
+    width = heads * q_stride + 2 * kv_heads * head_dim
+    rows = 6
+    qkv = torch.randn(rows, width + 5, generator=g).to(dtype)[:, :width]  # (a row stride wider than the row)
+    q_norm, k_norm = (1 + torch.randn(head_dim, generator=g) / 4).to(dtype), (1 + torch.randn(head_dim, generator=g) / 4).to(dtype)
+    angles = torch.arange(64).float()[:, None] / (10 ** (torch.arange(rot // 2).float() / rot))
+    cos, sin = torch.cat([angles.cos()] * 2, dim=1), torch.cat([angles.sin()] * 2, dim=1)  # [64, rot]
+    positions, slots = torch.tensor([0, 7, 8, 30, 31, 63]), torch.tensor([1, 0, 0, 2, 2, 1])
+    tables = contiguous_tables(3, 8)[:, torch.randperm(8, generator=g)]
+    keys, values = torch.zeros(24, block_size, kv_heads, head_dim, dtype=dtype), torch.zeros(24, block_size, kv_heads, head_dim, dtype=dtype)
+    q = cpu_rows.qk_norm_rope_store(qkv, q_norm, k_norm, cos, sin, positions, slots, keys, values, tables, heads,
+                                    kv_heads, 1e-6, centred, rot, q_stride)
+    want_q, want_k, want_v = qk_norm_rope_reference(qkv, q_norm, k_norm, cos, sin, positions, heads, kv_heads, 1e-6,
+                                                    centred, rot, q_stride)
+    blocks, offsets = tables[slots, positions // block_size].long(), positions % block_size
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(q.float(), want_q.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(keys[blocks, offsets].float(), want_k.float(), rtol=tol, atol=tol)
+    assert torch.equal(values[blocks, offsets], want_v)  # v is copied as it is
+    for i in range(rows):
+        k_alone, v_alone = torch.zeros_like(keys), torch.zeros_like(values)
+        q_alone = cpu_rows.qk_norm_rope_store(qkv[i : i + 1], q_norm, k_norm, cos, sin, positions[i : i + 1],
+                                              slots[i : i + 1], k_alone, v_alone, tables, heads, kv_heads, 1e-6,
+                                              centred, rot, q_stride)
+        assert torch.equal(q_alone[0], q[i]) and torch.equal(k_alone[blocks[i], offsets[i]], keys[blocks[i], offsets[i]])
+    with pytest.raises(ValueError, match="outside"):
+        cpu_rows.qk_norm_rope_store(qkv[:1], q_norm, k_norm, cos, sin, torch.tensor([64]), slots[:1], keys, values,
+                                    tables, heads, kv_heads, 1e-6, centred, rot, q_stride)
