@@ -125,6 +125,20 @@ HELPER const float *rows_f32(const void *p, Py_ssize_t i, Py_ssize_t stride, Py_
    int32; positions, slots [T] int64; out [T, Hq, D] float32. Row t attends to positions
    0..positions[t] of its slot's blocks (float32 softmax, scale 1/sqrt(D)), block by block in
    position order. */
+/* Each entry point fills its call's struct, then runs its kernel on a scratch buffer of `floats`
+   floats with the GIL released. */
+typedef void (*row_kernel)(const void *call, float *buf);
+
+static PyObject *run_released(row_kernel kernel, const void *call, size_t floats) {
+    float *buf = malloc(sizeof(float) * floats);
+    if (!buf) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    kernel(call, buf);
+    Py_END_ALLOW_THREADS
+    free(buf);
+    Py_RETURN_NONE;
+}
+
 struct attention_call {
     const void *q, *keys, *values;
     const int32_t *tables;
@@ -135,7 +149,8 @@ struct attention_call {
 };
 
 MACHINE_CLONES
-static void attention_rows(const struct attention_call *c, float *buf) {
+static void attention_rows(const void *call, float *buf) {
+    const struct attention_call *c = call;
     const Py_ssize_t head_dim = c->head_dim, block_size = c->block_size;
     const Py_ssize_t group = c->num_heads / c->num_kv, row_stride = c->num_kv * head_dim;  /* a position's, in a block */
     const Py_ssize_t k_stride = c->type == F32 ? row_stride : head_dim;  /* rows_f32's rows */
@@ -196,13 +211,7 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     c.max_length = 0;
     for (Py_ssize_t t = 0; t < c.num_rows; t++)
         if (c.positions[t] + 1 > c.max_length) c.max_length = c.positions[t] + 1;
-    float *buf = malloc(sizeof(float) * (size_t)(c.max_length + 2 * c.head_dim + c.block_size * c.head_dim));
-    if (!buf) return PyErr_NoMemory();
-    Py_BEGIN_ALLOW_THREADS
-    attention_rows(&c, buf);
-    Py_END_ALLOW_THREADS
-    free(buf);
-    Py_RETURN_NONE;
+    return run_released(attention_rows, &c, (size_t)(c.max_length + 2 * c.head_dim + c.block_size * c.head_dim));
 }
 
 /* experts(x, ids, gate_up, down, out, num_tokens, top_k, num_experts, hidden, inter, type)
@@ -220,14 +229,23 @@ struct experts_call {
     int type;
 };
 
-/* buf: per route its input row [H], gate/up [2I], activation [I]; a block of weight rows.
-   order [routes], starts [E + 2]: the routes by expert. */
+/* buf: per route its input row [H], gate/up [2I], activation [I]; a block of weight rows (these
+   experts_floats floats, an even count); then the routes by expert: order [routes + 1] and
+   starts [E + 2] (Py_ssize_t). */
+static size_t experts_floats(const struct experts_call *c) {
+    const Py_ssize_t routes = c->num_tokens * c->top_k, width = c->hidden > c->inter ? c->hidden : c->inter;
+    const size_t floats = (size_t)(routes * (c->hidden + 3 * c->inter) + ROW_BLOCK * width);
+    return floats + floats % 2;  /* (the index arrays after it stay 8-byte aligned) */
+}
+
 MACHINE_CLONES
-static void expert_routes(const struct experts_call *c, float *buf, Py_ssize_t *order, Py_ssize_t *starts) {
+static void expert_routes(const void *call, float *buf) {
+    const struct experts_call *c = call;
     const Py_ssize_t hidden = c->hidden, inter = c->inter, num_routes = c->num_tokens * c->top_k;
     const int64_t *ids = c->ids;
     float *inputs = buf, *gate_up_out = inputs + num_routes * hidden, *acts = gate_up_out + num_routes * 2 * inter;
     float *weights = acts + num_routes * inter;
+    Py_ssize_t *order = (Py_ssize_t *)(buf + experts_floats(c)), *starts = order + num_routes + 1;
     /* counting sort of the routes by expert (stable) */
     for (Py_ssize_t e = 0; e <= c->num_experts + 1; e++) starts[e] = 0;
     for (Py_ssize_t r = 0; r < num_routes; r++)
@@ -286,21 +304,8 @@ static PyObject *experts(PyObject *self, PyObject *args) {
     c.gate_up = (const void *)(uintptr_t)gate_up;
     c.down = (const void *)(uintptr_t)down;
     c.out = (float *)(uintptr_t)out;
-    const Py_ssize_t num_routes = c.num_tokens * c.top_k, width = c.hidden > c.inter ? c.hidden : c.inter;
-    float *buf = malloc(sizeof(float) * (size_t)(num_routes * (c.hidden + 3 * c.inter) + ROW_BLOCK * width));
-    Py_ssize_t *order = malloc(sizeof(Py_ssize_t) * (size_t)(num_routes + 1));
-    Py_ssize_t *starts = malloc(sizeof(Py_ssize_t) * (size_t)(c.num_experts + 2));
-    if (buf && order && starts) {
-        Py_BEGIN_ALLOW_THREADS
-        expert_routes(&c, buf, order, starts);
-        Py_END_ALLOW_THREADS
-    }
-    const int ok = buf && order && starts;
-    free(buf);
-    free(order);
-    free(starts);
-    if (!ok) return PyErr_NoMemory();
-    Py_RETURN_NONE;
+    const size_t index_floats = 2 * (size_t)(c.num_tokens * c.top_k + 1 + c.num_experts + 2);  /* Py_ssize_t: 2 floats */
+    return run_released(expert_routes, &c, experts_floats(&c) + index_floats);
 }
 
 /* linear(x, weight, out, num_rows, num_out, num_in, x_stride, weight_stride, type)
@@ -311,11 +316,13 @@ struct linear_call {
     const void *x, *weight;
     float *out;
     Py_ssize_t num_rows, num_out, num_in, x_stride, weight_stride;
+    Py_ssize_t splits, step;  /* (partials only) */
     int type;
 };
 
 MACHINE_CLONES
-static void linear_rows(const struct linear_call *c, float *buf) {
+static void linear_rows(const void *call, float *buf) {
+    const struct linear_call *c = call;
     const Py_ssize_t num_in = c->num_in;
     float *inputs = buf, *weights = inputs + c->num_rows * num_in;  /* x as float32 [M, K]; a weight block */
     for (Py_ssize_t m = 0; m < c->num_rows; m++) load_row(inputs + m * num_in, c->x, m * c->x_stride, num_in, c->type);
@@ -336,20 +343,16 @@ static PyObject *linear(PyObject *self, PyObject *args) {
     c.x = (const void *)(uintptr_t)x;
     c.weight = (const void *)(uintptr_t)weight;
     c.out = (float *)(uintptr_t)out;
-    float *buf = malloc(sizeof(float) * (size_t)((c.num_rows + ROW_BLOCK) * c.num_in));
-    if (!buf) return PyErr_NoMemory();
-    Py_BEGIN_ALLOW_THREADS
-    linear_rows(&c, buf);
-    Py_END_ALLOW_THREADS
-    free(buf);
-    Py_RETURN_NONE;
+    return run_released(linear_rows, &c, (size_t)((c.num_rows + ROW_BLOCK) * c.num_in));
 }
 
 /* partials(x, weight, out, num_rows, num_out, num_in, x_stride, weight_stride, splits, step, type):
    out [M, splits, N] float32, partial s = x[:, s*step : (s+1)*step] @ weight[:, same]^T (empty past
    K: zeros), each sum in lanes_total's order — linear_partials' split-K products. */
 MACHINE_CLONES
-static void partial_rows(const struct linear_call *c, Py_ssize_t splits, Py_ssize_t step, float *buf) {
+static void partial_rows(const void *call, float *buf) {
+    const struct linear_call *c = call;
+    const Py_ssize_t splits = c->splits, step = c->step;
     const Py_ssize_t num_in = c->num_in;
     float *inputs = buf, *weights = inputs + c->num_rows * num_in;
     for (Py_ssize_t m = 0; m < c->num_rows; m++) load_row(inputs + m * num_in, c->x, m * c->x_stride, num_in, c->type);
@@ -378,20 +381,13 @@ static void partial_rows(const struct linear_call *c, Py_ssize_t splits, Py_ssiz
 static PyObject *partials(PyObject *self, PyObject *args) {
     unsigned long long x, weight, out;
     struct linear_call c;
-    Py_ssize_t splits, step;
     if (!PyArg_ParseTuple(args, "KKKnnnnnnni", &x, &weight, &out, &c.num_rows, &c.num_out, &c.num_in, &c.x_stride,
-                          &c.weight_stride, &splits, &step, &c.type))
+                          &c.weight_stride, &c.splits, &c.step, &c.type))
         return NULL;
     c.x = (const void *)(uintptr_t)x;
     c.weight = (const void *)(uintptr_t)weight;
     c.out = (float *)(uintptr_t)out;
-    float *buf = malloc(sizeof(float) * (size_t)((c.num_rows + ROW_BLOCK) * c.num_in));
-    if (!buf) return PyErr_NoMemory();
-    Py_BEGIN_ALLOW_THREADS
-    partial_rows(&c, splits, step, buf);
-    Py_END_ALLOW_THREADS
-    free(buf);
-    Py_RETURN_NONE;
+    return run_released(partial_rows, &c, (size_t)((c.num_rows + ROW_BLOCK) * c.num_in));
 }
 
 /* The rows' RMS norm as add_rmsnorm_reference takes it: y = float32 h, y * rsqrt(mean(y^2) + eps),
@@ -449,7 +445,8 @@ struct norm_call {
 };
 
 MACHINE_CLONES
-static void add_norm_rows(const struct norm_call *c, float *buf) {
+static void add_norm_rows(const void *call, float *buf) {
+    const struct norm_call *c = call;
     const Py_ssize_t n = c->hidden;
     float *h = buf, *r = h + n, *w_row = r + n, *out = w_row + n;
     for (Py_ssize_t t = 0; t < c->num_rows; t++) {
@@ -492,13 +489,7 @@ static PyObject *add_norm(PyObject *self, PyObject *args) {
     c.normed = (void *)(uintptr_t)normed;
     c.new_residual = (void *)(uintptr_t)new_residual;
     c.route_weights = (const float *)(uintptr_t)route_weights;
-    float *buf = malloc(sizeof(float) * (size_t)(4 * c.hidden));
-    if (!buf) return PyErr_NoMemory();
-    Py_BEGIN_ALLOW_THREADS
-    add_norm_rows(&c, buf);
-    Py_END_ALLOW_THREADS
-    free(buf);
-    Py_RETURN_NONE;
+    return run_released(add_norm_rows, &c, (size_t)(4 * c.hidden));
 }
 
 /* qk_rope(qkv, qkv_stride, q_out, keys, values, tables, positions, slots, q_norm, k_norm, cos, sin,
@@ -520,7 +511,8 @@ struct rope_call {
 };
 
 MACHINE_CLONES
-static void qk_rope_rows(const struct rope_call *c, float *buf) {
+static void qk_rope_rows(const void *call, float *buf) {
+    const struct rope_call *c = call;
     const Py_ssize_t d = c->head_dim, half = c->rot / 2;
     float *x = buf, *normed = x + d, *w_row = normed + d, *out = w_row + d;
     for (Py_ssize_t t = 0; t < c->num_rows; t++) {
@@ -578,13 +570,7 @@ static PyObject *qk_rope(PyObject *self, PyObject *args) {
     c.k_norm = (const void *)(uintptr_t)k_norm;
     c.cos = (const float *)(uintptr_t)cos;
     c.sin = (const float *)(uintptr_t)sin;
-    float *buf = malloc(sizeof(float) * (size_t)(4 * c.head_dim));
-    if (!buf) return PyErr_NoMemory();
-    Py_BEGIN_ALLOW_THREADS
-    qk_rope_rows(&c, buf);
-    Py_END_ALLOW_THREADS
-    free(buf);
-    Py_RETURN_NONE;
+    return run_released(qk_rope_rows, &c, (size_t)(4 * c.head_dim));
 }
 
 static PyMethodDef methods[] = {
@@ -597,6 +583,6 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_rows", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_rows", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__cpu_rows(void) { return PyModule_Create(&module); }
