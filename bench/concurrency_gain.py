@@ -80,8 +80,8 @@ async def main_async(args) -> None:
     try:
         if args.baseline_tree:
             pairs.append(Pair("baseline", children, model_dir, args.device, Path(args.baseline_tree),
-                              args.baseline_verifier_arg))
-        pairs.append(Pair("this-tree", children, model_dir, args.device, None, args.verifier_arg))
+                              args.baseline_verifier_arg, args.baseline_drafter_arg))
+        pairs.append(Pair("this-tree", children, model_dir, args.device, None, args.verifier_arg, args.drafter_arg))
         log("starting services ...")
         for pair in pairs:
             await pair.ready()
@@ -117,7 +117,10 @@ async def main_async(args) -> None:
     print(f"\n### concurrency_gain: {datetime.date.today()}, {platform.node()}, device {args.device}, "
           f"model {model_dir.name}, {len(prompts)} requests (greedy and sampled alternating), "
           f"{args.max_new_tokens} new tokens, verifier flags: this tree {' '.join(args.verifier_arg) or 'defaults'}"
-          + (f", baseline {' '.join(args.baseline_verifier_arg) or 'defaults'}" if args.baseline_tree else "") + "\n")
+          + (f", baseline {' '.join(args.baseline_verifier_arg) or 'defaults'}" if args.baseline_tree else "")
+          + (f"; drafter flags: this tree {' '.join(args.drafter_arg) or 'defaults'}"
+             + (f", baseline {' '.join(args.baseline_drafter_arg) or 'defaults'}" if args.baseline_tree else "")
+             if args.drafter_arg or args.baseline_drafter_arg else "") + "\n")
     print("| tree | block | one request, tokens/s | together, tokens/s | together / one | together = alone | alone = block 1 "
           "| speculative rounds alone / together |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -148,6 +151,8 @@ def main() -> None:
     parser.add_argument("--baseline-tree", default=None, help="another checkout, measured alongside (may be this one)")
     parser.add_argument("--verifier-arg", action="append", default=[], help="a verifier flag for this tree (repeat)")
     parser.add_argument("--baseline-verifier-arg", action="append", default=[], help="a verifier flag for the baseline (repeat)")
+    parser.add_argument("--drafter-arg", action="append", default=[], help="a drafter flag for this tree (repeat)")
+    parser.add_argument("--baseline-drafter-arg", action="append", default=[], help="a drafter flag for the baseline (repeat)")
     args = parser.parse_args()
     if args.requests < 2 or args.blocks < 1 or args.max_new_tokens < 1:
         parser.error("--requests >= 2, --blocks >= 1 and --max-new-tokens >= 1")

@@ -100,15 +100,16 @@ class Children:
 
 class ServicePair:
     """A drafter and a verifier of one tree (another checkout's, or this one's: None) started as
-    children, default flags plus `verifier_args`; `ready()` waits until both serve."""
+    children, default flags plus `verifier_args` (and `drafter_args`); `ready()` waits until both
+    serve."""
 
     def __init__(self, name: str, children: Children, model_dir: Path, device: str, tree: Path | None,
-                 verifier_args: list[str]) -> None:
+                 verifier_args: list[str], drafter_args: list[str] = ()) -> None:
         self.name, self.children, self.tree = name, children, tree
         self.d_port, self.v_port = free_port(), free_port()
         common = ["--model", str(model_dir), "--device", device]
         children.start(f"{name}-drafter", [sys.executable, "-m", "shared.cli", "drafter", *common,
-                                           "--port", str(self.d_port)], tree=tree)
+                                           "--port", str(self.d_port), *drafter_args], tree=tree)
         children.start(f"{name}-verifier", [sys.executable, "-m", "shared.cli", "verifier", *common,
                                             "--port", str(self.v_port), "--drafter", f"127.0.0.1:{self.d_port}",
                                             *verifier_args], tree=tree)
