@@ -2,8 +2,9 @@
 
 Every op here has two implementations with one signature: a Triton kernel, used for CUDA
 tensors (or for CPU tensors when the Triton interpreter is on, which the CPU test suite
-uses to run the kernels' own code), and a plain-torch reference, used everywhere else. The
-reference is the CPU path and the definition the kernels are tested against.
+uses to run the kernels' own code), and a plain-torch reference, the definition the kernels
+are tested against. On the CPU the step's ops run native row-invariant kernels where those
+apply (`cpu_rows`: compiled C, each tested against its reference), the reference elsewhere.
 
 Batch invariance: each kernel's launch configuration depends only on the weight shapes
 (and, for attention, on the cache length), never on how many rows share a launch, and no
