@@ -308,50 +308,21 @@ static PyObject *experts(PyObject *self, PyObject *args) {
     return run_released(expert_routes, &c, experts_floats(&c) + index_floats);
 }
 
-/* linear(x, weight, out, num_rows, num_out, num_in, x_stride, weight_stride, type)
-   x [M, K] (rows x_stride apart) and weight [N, K] (rows weight_stride apart) of `type`;
-   out [M, N] float32 = x @ weight^T, every output in lanes_total's order. A block of weight
-   rows at a time, for every row of x (the weight read once for all of them). */
-struct linear_call {
+/* partials(x, weight, out, num_rows, num_out, num_in, x_stride, weight_stride, splits, step, type):
+   out [M, splits, N] float32, partial s = x[:, s*step : (s+1)*step] @ weight[:, same]^T (empty past
+   K: zeros), each sum in lanes_total's order — linear_partials' split-K products, and with one
+   split rowwise_linear's. A block of weight rows at a time, for every row of x (the weight read
+   once for all of them). */
+struct products_call {
     const void *x, *weight;
     float *out;
-    Py_ssize_t num_rows, num_out, num_in, x_stride, weight_stride;
-    Py_ssize_t splits, step;  /* (partials only) */
+    Py_ssize_t num_rows, num_out, num_in, x_stride, weight_stride, splits, step;
     int type;
 };
 
 MACHINE_CLONES
-static void linear_rows(const void *call, float *buf) {
-    const struct linear_call *c = call;
-    const Py_ssize_t num_in = c->num_in;
-    float *inputs = buf, *weights = inputs + c->num_rows * num_in;  /* x as float32 [M, K]; a weight block */
-    for (Py_ssize_t m = 0; m < c->num_rows; m++) load_row(inputs + m * num_in, c->x, m * c->x_stride, num_in, c->type);
-    for (Py_ssize_t n = 0; n < c->num_out; n += ROW_BLOCK) {
-        const Py_ssize_t count = c->num_out - n < ROW_BLOCK ? c->num_out - n : ROW_BLOCK;
-        const float *w = rows_f32(c->weight, n * c->weight_stride, c->weight_stride, num_in, count, c->type, weights);
-        const Py_ssize_t stride = c->type == F32 ? c->weight_stride : num_in;
-        for (Py_ssize_t m = 0; m < c->num_rows; m++) dots(inputs + m * num_in, w, stride, num_in, count, c->out + m * c->num_out + n);
-    }
-}
-
-static PyObject *linear(PyObject *self, PyObject *args) {
-    unsigned long long x, weight, out;
-    struct linear_call c;
-    if (!PyArg_ParseTuple(args, "KKKnnnnni", &x, &weight, &out, &c.num_rows, &c.num_out, &c.num_in, &c.x_stride,
-                          &c.weight_stride, &c.type))
-        return NULL;
-    c.x = (const void *)(uintptr_t)x;
-    c.weight = (const void *)(uintptr_t)weight;
-    c.out = (float *)(uintptr_t)out;
-    return run_released(linear_rows, &c, (size_t)((c.num_rows + ROW_BLOCK) * c.num_in));
-}
-
-/* partials(x, weight, out, num_rows, num_out, num_in, x_stride, weight_stride, splits, step, type):
-   out [M, splits, N] float32, partial s = x[:, s*step : (s+1)*step] @ weight[:, same]^T (empty past
-   K: zeros), each sum in lanes_total's order — linear_partials' split-K products. */
-MACHINE_CLONES
 static void partial_rows(const void *call, float *buf) {
-    const struct linear_call *c = call;
+    const struct products_call *c = call;
     const Py_ssize_t splits = c->splits, step = c->step;
     const Py_ssize_t num_in = c->num_in;
     float *inputs = buf, *weights = inputs + c->num_rows * num_in;
@@ -380,7 +351,7 @@ static void partial_rows(const void *call, float *buf) {
 
 static PyObject *partials(PyObject *self, PyObject *args) {
     unsigned long long x, weight, out;
-    struct linear_call c;
+    struct products_call c;
     if (!PyArg_ParseTuple(args, "KKKnnnnnnni", &x, &weight, &out, &c.num_rows, &c.num_out, &c.num_in, &c.x_stride,
                           &c.weight_stride, &c.splits, &c.step, &c.type))
         return NULL;
@@ -576,7 +547,6 @@ static PyObject *qk_rope(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"attention", attention, METH_VARARGS, "Paged decode attention, row by row (see kernels/fused/cpu_rows.py)."},
     {"experts", experts, METH_VARARGS, "Routed experts' outputs, route by route (see kernels/fused/cpu_rows.py)."},
-    {"linear", linear, METH_VARARGS, "x @ weight^T, row by row (see kernels/fused/cpu_rows.py)."},
     {"partials", partials, METH_VARARGS, "Split-K partial products, row by row (see kernels/fused/cpu_rows.py)."},
     {"add_norm", add_norm, METH_VARARGS, "Residual add and RMS norm, row by row (see kernels/fused/cpu_rows.py)."},
     {"qk_rope", qk_rope, METH_VARARGS, "q/k norms, RoPE and the KV write, row by row (see kernels/fused/cpu_rows.py)."},

@@ -43,6 +43,17 @@ def _plain(*tensors: Tensor, dtype: torch.dtype) -> bool:
     return all(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in tensors)
 
 
+def _rows(positions: Tensor, slots: Tensor, block_tables: Tensor, max_positions: int, op: str) -> tuple[Tensor, Tensor]:
+    """(positions, slots) as the kernels read them (int64, contiguous), checked against the
+    tables: the C code indexes with them unchecked."""
+    positions = positions.to(torch.int64).contiguous()  # [T]
+    slots = slots.to(torch.int64).contiguous()  # [T]
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= max_positions
+                              or int(slots.min()) < 0 or int(slots.max()) >= block_tables.shape[0]):
+        raise ValueError(f"{op}: a row's position or slot is outside the block tables (or the rotary table)")
+    return positions, slots
+
+
 def attention(
     q: Tensor,  # [T, Hq, D]
     cache_keys: Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -63,11 +74,7 @@ def attention(
     if cache_values.shape != cache_keys.shape or cache_dim != head_dim or num_heads % num_kv:
         return None
     q = q.contiguous()
-    positions = positions.to(torch.int64).contiguous()  # [T]
-    slots = slots.to(torch.int64).contiguous()  # [T]
-    if num_rows and (int(positions.min()) < 0 or int(positions.max()) >= block_tables.shape[1] * block_size
-                     or int(slots.min()) < 0 or int(slots.max()) >= block_tables.shape[0]):
-        raise ValueError("decode_attention: a row's position or slot is outside the block tables")
+    positions, slots = _rows(positions, slots, block_tables, block_tables.shape[1] * block_size, "decode_attention")
     out = torch.empty((num_rows, num_heads, head_dim), dtype=torch.float32)
     if num_rows:
         native.attention(q.data_ptr(), cache_keys.data_ptr(), cache_values.data_ptr(), block_tables.data_ptr(),
@@ -110,21 +117,10 @@ def linear(
     weight: Tensor,  # [N, K]
 ) -> Tensor | None:
     """x @ weight^T [M, N] in x's dtype (each output summed in float32, rounded once), as
-    rowwise_linear computes it, or None where the kernel does not apply. x's and the weight's
-    rows may be strided (a K range of a wider tensor: linear_partials' splits)."""
-    native = _native()
-    if native is None or not isinstance(weight, Tensor) or x.dtype not in TYPES or weight.dtype != x.dtype:
-        return None
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.device.type != "cpu":
-        return None
-    if weight.device.type != "cpu" or x.stride(1) != 1 or weight.stride(1) != 1:
-        return None
-    (num_rows, num_in), num_out = x.shape, weight.shape[0]
-    out = torch.empty((num_rows, num_out), dtype=torch.float32)
-    if num_rows and num_out:
-        native.linear(x.data_ptr(), weight.data_ptr(), out.data_ptr(), num_rows, num_out, num_in, x.stride(0),
-                      weight.stride(0), TYPES[x.dtype])
-    return out.to(x.dtype)
+    rowwise_linear computes it, or None where the kernel does not apply: the split-K kernel with
+    one split. x's and the weight's rows may be strided."""
+    out = partials(x, weight, 1, max(x.shape[-1], 1))
+    return None if out is None else out.view(x.shape[0], weight.shape[0]).to(x.dtype)
 
 
 def partials(
@@ -225,11 +221,8 @@ def qk_norm_rope_store(
     num_rows = qkv.shape[0]
     head_dim = q_norm.shape[0]
     block_size = cache_keys.shape[1]
-    positions = positions.to(torch.int64).contiguous()  # [T]
-    slots = slots.to(torch.int64).contiguous()  # [T]
-    if num_rows and (int(positions.min()) < 0 or int(positions.max()) >= min(cos.shape[0], block_tables.shape[1] * block_size)
-                     or int(slots.min()) < 0 or int(slots.max()) >= block_tables.shape[0]):
-        raise ValueError("qk_norm_rope_store: a row's position or slot is outside the block tables or the rotary table")
+    positions, slots = _rows(positions, slots, block_tables, min(cos.shape[0], block_tables.shape[1] * block_size),
+                             "qk_norm_rope_store")
     q = torch.empty((num_rows, num_heads, head_dim), dtype=dtype)
     if num_rows:
         native.qk_rope(qkv.data_ptr(), qkv.stride(0), q.data_ptr(), cache_keys.data_ptr(), cache_values.data_ptr(),
