@@ -1,0 +1,84 @@
+"""kernels.fused.persistent_cuda: the layer chain in one persistent CUDA kernel computes the torch
+reference's function (same routes, bf16 roundings apart), a row's bits are its one-row chain's,
+and neither the ring's slots nor relaunches (the counters' reset) nor a graph's replay change a
+bit. The kernel needs a Hopper GPU (bulk copies); the shape checks run anywhere."""
+
+import pytest
+import torch
+
+from kernels.fused.persistent_cuda import ChainLayer, LayerChain, reference
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="the chain's bulk copies and mbarriers need sm_90")
+
+
+def layers(device, num_layers=3, hidden=256, q_width=512, inter=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return (torch.randn(shape, generator=g) / shape[-1] ** 0.5).to(device, torch.bfloat16)
+
+    return [ChainLayer(w(q_width, hidden), w(hidden, q_width), w(128, hidden), w(128, 2 * inter, hidden),
+                       w(128, hidden, inter)) for _ in range(num_layers)]
+
+
+def test_shapes_are_checked():
+    good = layers("cpu", 1)[0]
+    with pytest.raises(ValueError, match=r"layers\[0\]\.o: shape"):
+        ChainLayer(good.qkv, good.o.T.contiguous(), good.router, good.gate_up, good.down).check(0)
+    with pytest.raises(ValueError, match=r"layers\[0\]\.router: must be contiguous bf16"):
+        ChainLayer(good.qkv, good.o, good.router.float(), good.gate_up, good.down).check(0)
+    odd = layers("cpu", 1, hidden=384)[0]
+    with pytest.raises(ValueError, match="widths H=384"):
+        odd.check(0)
+    with pytest.raises(ValueError, match="rows = 9"):
+        LayerChain([good], 9)
+    with pytest.raises(ValueError, match="layers: at least one"):
+        LayerChain([], 1)
+
+
+def test_reference_routes_ties_to_the_lower_expert():
+    layer = layers("cpu", 1)[0]
+    router = layer.router.clone()
+    router[7] = router[3]  # experts 3 and 7 tie for every input
+    tied = ChainLayer(layer.qkv, layer.o, router, layer.gate_up, layer.down)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    _, (ids,) = reference([tied], x)
+    rows_with_7 = [row for row in ids.tolist() if 7 in row]
+    assert rows_with_7  # (the seed gives some)
+    for row in rows_with_7:
+        assert 3 in row and row.index(3) < row.index(7)
+
+
+@needs_hopper
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_chain_matches_reference(rows):
+    chain_layers = layers("cuda")
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to("cuda", torch.bfloat16)
+    got = LayerChain(chain_layers, rows).run(x).float()
+    want, _ = reference(chain_layers, x)
+    assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max())
+
+
+@needs_hopper
+def test_rows_alone_slots_relaunch_and_graph_keep_the_bits():
+    chain_layers = layers("cuda", seed=2)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3)).to("cuda", torch.bfloat16)
+    chain = LayerChain(chain_layers, 5)
+    first = chain.run(x).clone()
+    assert torch.equal(chain.run(x), first)  # the counters were reset by the launch before
+    for r in range(5):
+        assert torch.equal(LayerChain(chain_layers, 1).run(x[r:r + 1])[0], first[r])
+    for slots in (1, 2):
+        assert torch.equal(LayerChain(chain_layers, 5, slots=slots).run(x), first)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        chain.run(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        chain.run(x)
+    chain.out.zero_()
+    graph.replay()
+    graph.replay()
+    assert torch.equal(chain.out, first)
