@@ -82,3 +82,47 @@ def test_rows_alone_slots_relaunch_and_graph_keep_the_bits():
     graph.replay()
     graph.replay()
     assert torch.equal(chain.out, first)
+
+
+@pytest.fixture(scope="module")
+def nvrtc_compile():
+    """compile_source(source, options) -> (ok, log) with the NVRTC of the test extra's nvidia-cuda-nvrtc-cu12
+    (no GPU needed); skipped only where that extra does not install it (not Linux x86-64)."""
+    import ctypes
+    import platform
+    from pathlib import Path
+
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        pytest.skip("nvidia-cuda-nvrtc-cu12 is installed on Linux x86-64 only")
+    import nvidia.cuda_nvrtc
+
+    lib = ctypes.CDLL(str(Path(nvidia.cuda_nvrtc.__path__[0]) / "lib" / "libnvrtc.so.12"))
+
+    def compile_source(source: str, options: list[str]) -> tuple[bool, str]:
+        program = ctypes.c_void_p()
+        assert lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), b"chain.cu", 0, None, None) == 0
+        encoded = [o.encode() for o in options]
+        result = lib.nvrtcCompileProgram(program, len(encoded), (ctypes.c_char_p * len(encoded))(*encoded))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(program, log)
+        lib.nvrtcDestroyProgram(ctypes.byref(program))
+        return result == 0, log.value.decode()
+
+    return compile_source
+
+
+def test_kernel_compiles_for_hopper_without_spills(nvrtc_compile):
+    import re
+
+    from kernels.fused.persistent_cuda import SOURCE, STATIC_SMEM, THREADS
+
+    ok, log = nvrtc_compile(SOURCE.read_text(), ["--gpu-architecture=sm_90a", "--ptxas-options=-v"])
+    assert ok, log
+    report = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert report and report.groups() == ("0", "0"), log
+    registers = int(re.search(r"Used (\d+) registers", log).group(1))
+    assert registers * THREADS <= 65536, f"{registers} registers a thread: one block no longer fits a multiprocessor"
+    static = int(re.search(r"(\d+) bytes smem", log).group(1))
+    assert static <= STATIC_SMEM, f"static shared memory {static} B exceeds the {STATIC_SMEM} B the host reserves"
