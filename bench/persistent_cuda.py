@@ -6,8 +6,12 @@ down [2048, 768], the combine and its norm; no attention), `--layers` layers of 
 weights (well past L2), run two ways on the same weights:
 - today: the service's kernels, captured in one CUDA graph (persistent_probe.today_ops);
 - cuda: kernels.fused.persistent_cuda.LayerChain — one persistent kernel, weights streamed into
-  shared memory by a producer warp with bulk copies, stage boundaries as counters — with
-  `--slots` ring slots (1: no weight prefetch across a boundary; the most that fit: the design).
+  shared memory by a producer warp with bulk copies, stage boundaries as counters — its products
+  on tensor cores (mma) with `--slots` ring slots (1: no weight prefetch across a boundary; the
+  most that fit: the design), on CUDA cores (fma), and streaming alone (every tile taken, no
+  products: what the ring and the stage boundaries cost without arithmetic).
+First, the ring alone (`stream_ring`, no stages): the grid streams 2 GiB in tiles of bulk copies
+of several sizes through several slots — the rate this design can reach at all.
 Also the `tiny` chain (H = Q = 256, I = 64): a layer's five stage boundaries with no bytes to
 speak of, i.e. what the counters and the stage starts cost.
 
@@ -38,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.fused_step import graph_time  # noqa: E402
 from bench.model_baseline import copy_bandwidth  # noqa: E402
 from bench.persistent_probe import chain, today_ops  # noqa: E402
-from kernels.fused.persistent_cuda import ChainLayer, LayerChain, reference, rms  # noqa: E402
+from kernels.fused.persistent_cuda import ChainLayer, LayerChain, reference, rms, stream_seconds  # noqa: E402
 
 
 def log(*parts: object) -> None:
@@ -65,24 +69,30 @@ def weight_bytes(layers: list[ChainLayer], routes: list[torch.Tensor]) -> int:
 
 
 def check(layers: list[ChainLayer], x: torch.Tensor, slots: list[int]) -> str:
-    """The CUDA chain against the reference and itself; exits on a failure; returns a summary."""
+    """The CUDA chain (both ways of its products) against the reference and itself; exits on a
+    failure; returns a summary."""
     rows = x.shape[0]
     two = layers[:2]
     want, routes = reference(two, x)
-    got = LayerChain(two, rows).run(x).float().clone()
-    torch.cuda.synchronize()
-    error = float((got - want).abs().max() / want.abs().max())
-    if not error < 0.05:
-        sys.exit(f"persistent_cuda: {rows} rows differ from the reference by {error:.3g} of the largest value")
-    for r in range(rows):
-        alone = LayerChain(two, 1).run(x[r:r + 1]).float()
-        if not torch.equal(alone[0], got[r]):
-            sys.exit(f"persistent_cuda: row {r} alone differs from the row among {rows} (row invariance)")
-    for s in slots:
-        other = LayerChain(two, rows, slots=s).run(x).float()
-        if not torch.equal(other, got):
-            sys.exit(f"persistent_cuda: {s} slots changed the bits")
-    return f"{rows} rows: reference difference {error:.2e} of the largest value; rows alone bit-equal; slots {slots} bit-equal"
+    summary = [f"{rows} rows:"]
+    for use_mma in (True, False):
+        way = "mma" if use_mma else "fma"
+        got = LayerChain(two, rows, use_mma=use_mma).run(x).float().clone()
+        torch.cuda.synchronize()
+        error = float((got - want).abs().max() / want.abs().max())
+        if not error < 0.05:
+            sys.exit(f"persistent_cuda: {way}, {rows} rows differ from the reference by {error:.3g} of the largest value")
+        for r in range(rows):
+            alone = LayerChain(two, 1, use_mma=use_mma).run(x[r:r + 1]).float()
+            if not torch.equal(alone[0], got[r]):
+                sys.exit(f"persistent_cuda: {way}, row {r} alone differs from the row among {rows} (row invariance)")
+        for s in slots:
+            other = LayerChain(two, rows, slots=s, use_mma=use_mma).run(x).float()
+            if not torch.equal(other, got):
+                sys.exit(f"persistent_cuda: {way}, {s} slots changed the bits")
+        summary.append(f"{way} reference difference {error:.2e} of the largest value, rows alone and slots {slots} "
+                       f"bit-equal;")
+    return " ".join(summary)
 
 
 def main() -> None:
@@ -102,6 +112,15 @@ def main() -> None:
     log(f"copy: {bandwidth / 1e12:.2f} TB/s")
     print(f"# persistent_cuda, {datetime.date.today()}, {torch.cuda.get_device_name()}, bf16, {args.layers} layers, "
           f"floor at the copy's {bandwidth / 1e12:.2f} TB/s; µs a layer, paired ratio today / way")
+    print("\n| the ring alone: copy bytes × copies a tile | slots | TB/s | of the copy's rate |")
+    print("| --- | ---: | ---: | ---: |")
+    for copy_bytes, copies in ((32768, 1), (16384, 2), (4096, 8), (1536, 16)):
+        for slots in (2, 4, 6):
+            seconds = stream_seconds(2 << 30, copy_bytes, copies, slots)
+            rate = (2 << 30) / seconds
+            print(f"| {copy_bytes} × {copies} | {slots} | {rate / 1e12:.2f} | {rate / bandwidth:.3f} |")
+    sys.stdout.flush()
+    print()
     print("| chain | rows | way | µs a layer | GB/s | of the floor | today / way (range) |")
     print("| --- | ---: | --- | ---: | ---: | ---: | --- |")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -122,9 +141,12 @@ def main() -> None:
                 today_out = ways["today"]().float()
             for s in slots:
                 plan = LayerChain(chain_of, rows, slots=s)
-                ways[f"cuda, {s} slots"] = lambda plan=plan: plan.run(x)
+                ways[f"cuda mma, {s} slots"] = lambda plan=plan: plan.run(x)
+            for label, plan in (("cuda fma", LayerChain(chain_of, rows)),
+                                ("cuda stream only", LayerChain(chain_of, rows, stream_only=True))):
+                ways[f"{label}, {plan.slots} slots"] = lambda plan=plan: plan.run(x)
             if name == "layer":
-                cuda_out = rms(ways[f"cuda, {slots[-1]} slots"]())
+                cuda_out = rms(ways[f"cuda mma, {slots[-1]} slots"]())
                 log(f"{name}, {rows} rows: cuda against today's kernels (other roundings), largest difference "
                     f"{float((cuda_out - today_out).abs().max() / today_out.abs().max()):.3g} of the largest value")
             times: dict[str, list[float]] = {way: [] for way in ways}
@@ -133,7 +155,7 @@ def main() -> None:
                     times[way].append(graph_time(ways[way], calls=1, repeats=args.reps) * 1e3)
                 log(f"{name}, {rows} rows: block {block + 1}/{args.blocks}")
             floor_us = nbytes / bandwidth * 1e6
-            base = "today" if "today" in times else f"cuda, {slots[-1]} slots"
+            base = "today" if "today" in times else f"cuda mma, {slots[-1]} slots"
             for way, samples in times.items():
                 us = statistics.median(samples)
                 ratios = [t / s for t, s in zip(times[base], samples)]

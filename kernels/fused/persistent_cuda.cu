@@ -21,7 +21,9 @@
 
 #define RMAX 8        // rows a launch takes at most
 #define CONSUMERS 256 // 8 warps
-#define SLOT_BYTES 32768
+#define PAD 8          // elements after each row in shared memory (bank groups for ldmatrix)
+#define KT_MAX 2048    // columns of a tile at most
+#define SLOT_BYTES (8 * (KT_MAX + PAD) * 2)  // 8 rows of KT_MAX, or 16 of at most KT_MAX / 2 - PAD
 #define MAX_SLOTS 8
 #define MAX_ROUTES (RMAX * 8)
 #define TOP_K 8
@@ -117,12 +119,14 @@ __device__ __forceinline__ void wait_stage(const unsigned* counter) {
     consumers_sync();
 }
 
+extern __shared__ __align__(128) unsigned char dynamic_smem[];  // the ring, then the stage input rows
+
 // The shared state of a block: the ring's barriers and the layer's routes.
 struct Shared {
     u64 full[MAX_SLOTS];
     u64 empty[MAX_SLOTS];
     u64 routes_ready;
-    float red[2][DOWN_ROWS * RMAX];   // a tile's per-(row, segment) sums, by tile parity
+    float red[2][8 * 2 * 8 * 8];      // a group's sums [warp slot][nb][r][n], by group parity
     int route_expert[MAX_ROUTES];     // [r * TOP_K + rank]
     float route_weight[MAX_ROUTES];
     int experts[MAX_ROUTES];          // the distinct experts the rows route to, ascending
@@ -130,8 +134,9 @@ struct Shared {
     int num_experts;
 };
 
-// Stage input into xbuf: `rows` rows of `width` bf16 from global, RMS-normed (unit weights,
-// eps 1e-6) and rounded to bf16 where `norm`. Warp r does row r, in one fixed order.
+// Stage input into xbuf (rows width + PAD apart): `rows` rows of `width` bf16 from global,
+// RMS-normed (unit weights, eps 1e-6) and rounded to bf16 where `norm`. Warp r does row r, in one
+// fixed order.
 __device__ void load_input(bf16_t* xbuf, const bf16_t* src, int rows, int width, bool norm) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (warp >= rows) return;
@@ -168,57 +173,123 @@ __device__ void load_input(bf16_t* xbuf, const bf16_t* src, int rows, int width,
                     w[e] = (unsigned)to_bf(bf(w[e] & 0xFFFFu) * scale) | ((unsigned)to_bf(bf(w[e] >> 16) * scale) << 16);
                 o = make_uint4(w[0], w[1], w[2], w[3]);
             }
-            *(uint4*)(xbuf + (size_t)warp * width + (size_t)(lane + 32 * q) * 8) = o;
+            *(uint4*)(xbuf + (size_t)warp * (width + PAD) + (size_t)(lane + 32 * q) * 8) = o;
         }
     }
 }
 
-// One tile's dot products: `num_rows` weight rows of `width` in shared memory, against the x
-// rows at xbuf + x_offset[r] (skipped where -1). A row splits into `segments` (8 warps share
-// the tile's rows); each (row, segment, r) sum goes to red[(row * segments + segment) * RMAX + r].
-__device__ __forceinline__ void tile_dot(const bf16_t* w, int num_rows, int width, const bf16_t* xbuf, const int* x_offset,
-                         int rows, float* red) {
+__device__ __forceinline__ void ldmatrix_x2(unsigned& r0, unsigned& r1, const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(smem(p)));
+}
+__device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a2, unsigned b0, unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+
+// A tile in shared memory: `blocks` groups of 8 weight rows, `width` columns, rows `stride`
+// elements apart (padded by PAD so that the 8 rows of an ldmatrix fall in 8 bank groups). The x
+// rows: xbuf + x[r] (r < RMAX; -1: a row that takes no part), `width` columns each, plus `col`.
+// acc: this thread's running sums, kept across a group's K tiles.
+//
+// Tensor cores (mma m16n8k16, float32 sums): the x rows are A's rows 0-7 (rows 8-15 zero), 8
+// weight rows are B's columns; warp w takes the K steps w, w + 8, ... C[r][n] depends on x row r
+// and weight row n alone, so a row's bits are its own.
+__device__ __forceinline__ void tile_mma(const bf16_t* w, int blocks, int width, int stride, const bf16_t* xbuf,
+                                         const int* x, int col, float (*acc)[4]) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int segments = num_rows >= 8 ? 1 : 8 / num_rows;
-    const int items = num_rows * segments, per_segment = width / 8 / segments;
-    for (int item = warp; item < items; item += 8) {
-        const int row = item / segments, segment = item % segments;
-        const uint4* wrow = (const uint4*)(w + (size_t)row * width) + segment * per_segment;
-        float acc[RMAX];
+    const int r = lane & 7, half = (lane >> 3) & 1;  // the row (x or weight) whose address this lane gives
+    int address_row = 0;
+    bool live = false;  // this lane's A fragments belong to x row lane / 4
 #pragma unroll
-        for (int r = 0; r < RMAX; r++) acc[r] = 0.f;
-        for (int c = lane; c < per_segment; c += 32) {
-            const uint4 wv = wrow[c];
-            const unsigned ww[4] = {wv.x, wv.y, wv.z, wv.w};
+    for (int q = 0; q < RMAX; q++) {
+        if (q == r && x[q] >= 0) address_row = x[q];
+        if (q == (lane >> 2)) live = x[q] >= 0;
+    }
+    const bf16_t* xr = xbuf + address_row + col;  // (a row not taking part reads row 0: zeroed below)
+    for (int step = warp; step < width / 16; step += 8) {
+        const int k = step * 16 + half * 8;
+        unsigned a0, a2;
+        ldmatrix_x2(a0, a2, xr + k);
+        if (!live) { a0 = 0u; a2 = 0u; }
 #pragma unroll
-            for (int r = 0; r < RMAX; r++) {
-                if (r < rows && x_offset[r] >= 0) {
-                    const uint4 xv = ((const uint4*)(xbuf + x_offset[r]))[segment * per_segment + c];
-                    const unsigned xx[4] = {xv.x, xv.y, xv.z, xv.w};
+        for (int nb = 0; nb < 2; nb++) {
+            if (nb < blocks) {
+                unsigned b0, b1;
+                ldmatrix_x2(b0, b1, w + (size_t)(nb * 8 + r) * stride + k);
+                mma_bf16(acc[nb], a0, a2, b0, b1);
+            }
+        }
+    }
+}
+
+// The same products on CUDA cores: warp w does weight rows w and w + 8; a lane's sums over its
+// columns, kept across a group's K tiles in acc[nb][..] (acc[i / 8][r % 4]... see tile_sums).
+__device__ __forceinline__ void tile_fma(const bf16_t* w, int blocks, int width, int stride, const bf16_t* xbuf,
+                                         const int* x, int col, float (*acc)[RMAX]) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        acc[r] = fmaf(bf(ww[e] & 0xFFFFu), bf(xx[e] & 0xFFFFu), acc[r]);
-                        acc[r] = fmaf(bf(ww[e] >> 16), bf(xx[e] >> 16), acc[r]);
+    for (int nb = 0; nb < 2; nb++) {
+        if (nb < blocks) {
+            const uint4* wrow = (const uint4*)(w + (size_t)(nb * 8 + warp) * stride);
+            for (int c = lane; c < width / 8; c += 32) {
+                const uint4 wv = wrow[c];
+                const unsigned ww[4] = {wv.x, wv.y, wv.z, wv.w};
+#pragma unroll
+                for (int r = 0; r < RMAX; r++) {
+                    if (x[r] >= 0) {
+                        const uint4 xv = ((const uint4*)(xbuf + x[r] + col))[c];
+                        const unsigned xx[4] = {xv.x, xv.y, xv.z, xv.w};
+                        float part = 0.f;
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            part = fmaf(bf(ww[e] & 0xFFFFu), bf(xx[e] & 0xFFFFu), part);
+                            part = fmaf(bf(ww[e] >> 16), bf(xx[e] >> 16), part);
+                        }
+                        acc[nb][r] += part;
                     }
                 }
             }
         }
+    }
+}
+
+// A group's sums into red[warp slot][nb][r][n] (mma: every warp's partial; fma: each weight
+// row's whole sum, in slot 0).
+__device__ __forceinline__ void tile_sums(bool use_mma, int blocks, float (*acc_mma)[4], float (*acc_fma)[RMAX],
+                                          float* red) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (use_mma) {
+        const int r = lane >> 2, n = 2 * (lane & 3);
 #pragma unroll
-        for (int r = 0; r < RMAX; r++) {
-            if (r < rows) {
-                float a = acc[r];
+        for (int nb = 0; nb < 2; nb++) {
+            if (nb < blocks) {
+                red[((warp * 2 + nb) * 8 + r) * 8 + n] = acc_mma[nb][0];
+                red[((warp * 2 + nb) * 8 + r) * 8 + n + 1] = acc_mma[nb][1];
+            }
+        }
+    } else {
 #pragma unroll
-                for (int m = 16; m; m >>= 1) a += __shfl_xor_sync(0xFFFFFFFFu, a, m);
-                if (lane == 0) red[item * RMAX + r] = a;
+        for (int nb = 0; nb < 2; nb++) {
+            if (nb < blocks) {
+#pragma unroll
+                for (int r = 0; r < RMAX; r++) {
+                    float a = acc_fma[nb][r];
+#pragma unroll
+                    for (int m = 16; m; m >>= 1) a += __shfl_xor_sync(0xFFFFFFFFu, a, m);
+                    if (lane == 0) red[((0 * 2 + nb) * 8 + r) * 8 + warp] = a;
+                }
             }
         }
     }
 }
 
-// The sum of a row's segments, in segment order.
-__device__ __forceinline__ float row_sum(const float* red, int row, int segments, int r) {
+// Weight row i (of the tile's 8 * blocks), x row r: the sum of the warp slots in slot order.
+__device__ __forceinline__ float tile_result(const float* red, bool use_mma, int i, int r) {
     float s = 0.f;
-    for (int g = 0; g < segments; g++) s += red[(row * segments + g) * RMAX + r];
+    const int slots = use_mma ? 8 : 1;
+    for (int w = 0; w < slots; w++) s += red[((w * 2 + i / 8) * 8 + r) * 8 + i % 8];
     return s;
 }
 
@@ -282,18 +353,16 @@ __device__ void make_routes(Shared& sh, const bf16_t* logits, int rows) {
     consumers_sync();
 }
 
-extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1)
-layer_chain(const u64* qkv, const u64* o, const u64* router, const u64* gate_up, const u64* down, const bf16_t* x,
-            bf16_t* qkv_out, bf16_t* o_out, bf16_t* logits, bf16_t* act, bf16_t* out, unsigned* counters,
-            int layers, int rows, int hidden, int q_width, int inter, int slots) {
-    const Chain c = {qkv, o, router, gate_up, down, x, qkv_out, o_out, logits, act, out, counters,
-                     layers, rows, hidden, q_width, inter, slots};
-    extern __shared__ __align__(128) unsigned char dynamic_smem[];
+// The chain, its products on tensor cores (use_mma) or CUDA cores. mode 0: the chain; 1: weights
+// streamed and every tile taken, no products (outputs zero).
+template <bool use_mma>
+__device__ __forceinline__ void chain_body(const Chain& c, int mode) {
     __shared__ Shared sh;
-    unsigned char* ring = dynamic_smem;                                  // [slots][SLOT_BYTES]
-    bf16_t* xbuf = (bf16_t*)(dynamic_smem + (size_t)c.slots * SLOT_BYTES);  // stage input rows
+    unsigned char* ring = dynamic_smem;                                     // [slots][SLOT_BYTES]
+    bf16_t* xbuf = (bf16_t*)(dynamic_smem + (size_t)c.slots * SLOT_BYTES);  // stage input rows, padded
     const int G = gridDim.x, b = blockIdx.x, R = c.rows, H = c.H, Q = c.Q, I = c.I;
-    const int gu_tiles_per_expert = I / GU_PAIRS, down_chunks = H / DOWN_ROWS;
+    const int gu_groups_per_expert = I / GU_PAIRS, down_chunks = H / DOWN_ROWS;
+    const int out_rows[3] = {Q, H, NUM_EXPERTS}, widths[3] = {H, Q, H};
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < c.slots; s++) { mbar_init(&sh.full[s], 1); mbar_init(&sh.empty[s], 1); }
@@ -302,98 +371,104 @@ layer_chain(const u64* qkv, const u64* o, const u64* router, const u64* gate_up,
     }
     __syncthreads();
 
-    if (threadIdx.x >= CONSUMERS) {  // the producer warp: one lane streams the block's tiles
+    if (threadIdx.x >= CONSUMERS) {  // the producer warp: one lane streams the block's tiles, row by row
         if (threadIdx.x != CONSUMERS) return;
         const u64 policy = evict_first();
         unsigned n = 0;  // tiles issued
-        auto slot_for = [&](unsigned bytes) -> int {
+        // a tile of `num_rows` rows of `kt` columns into the next slot: rows `stride` apart from
+        // `first`, from row `split` on from `second`
+        auto issue = [&](int num_rows, int kt, const bf16_t* first, const bf16_t* second, int split, size_t stride) {
             const int s = n % c.slots;
             const unsigned use = n / c.slots;
             if (use > 0) mbar_wait(&sh.empty[s], (use - 1) & 1);
-            mbar_expect(&sh.full[s], bytes);
+            mbar_expect(&sh.full[s], num_rows * kt * 2);
+            unsigned char* dst = ring + (size_t)s * SLOT_BYTES;
+            for (int i = 0; i < num_rows; i++) {
+                const bf16_t* row = i < split ? first + i * stride : second + (i - split) * stride;
+                bulk_load(dst + (size_t)i * (kt + PAD) * 2, row, kt * 2, &sh.full[s], policy);
+            }
             n++;
-            return s;
         };
         for (int L = 0; L < c.layers; L++) {
             const bf16_t* dense[3] = {(const bf16_t*)c.qkv[L], (const bf16_t*)c.o[L], (const bf16_t*)c.router[L]};
-            const int out_rows[3] = {Q, H, NUM_EXPERTS}, widths[3] = {H, Q, H};
             for (int st = 0; st < 3; st++) {
-                const int tile_rows = st == 2 ? 1 : SLOT_BYTES / (2 * widths[st]);
-                const unsigned bytes = tile_rows * widths[st] * 2;
-                for (int t = b; t < out_rows[st] / tile_rows; t += G) {
-                    const int s = slot_for(bytes);
-                    bulk_load(ring + (size_t)s * SLOT_BYTES, dense[st] + (size_t)t * tile_rows * widths[st], bytes,
-                              &sh.full[s], policy);
-                }
+                const int K = widths[st], kt = K < KT_MAX ? K : KT_MAX;
+                for (int g = b; g < out_rows[st] / 8; g += G)
+                    for (int t = 0; t < K / kt; t++)
+                        issue(8, kt, dense[st] + (size_t)g * 8 * K + t * kt, nullptr, 8, K);
             }
             mbar_wait(&sh.routes_ready, L & 1);
-            const int ne = sh.num_experts;
+            const int ne = sh.num_experts, kt = H < KT_MAX ? H : KT_MAX;
             const bf16_t* gu = (const bf16_t*)c.gate_up[L];
-            for (int t = b; t < ne * gu_tiles_per_expert; t += G) {
-                const int e = sh.experts[t / gu_tiles_per_expert], j = (t % gu_tiles_per_expert) * GU_PAIRS;
-                const unsigned half = GU_PAIRS * H * 2;
-                const int s = slot_for(2 * half);
-                unsigned char* dst = ring + (size_t)s * SLOT_BYTES;
-                bulk_load(dst, gu + ((size_t)e * 2 * I + j) * H, half, &sh.full[s], policy);
-                bulk_load(dst + half, gu + ((size_t)e * 2 * I + I + j) * H, half, &sh.full[s], policy);
+            for (int g = b; g < ne * gu_groups_per_expert; g += G) {
+                const int e = sh.experts[g / gu_groups_per_expert], j = (g % gu_groups_per_expert) * GU_PAIRS;
+                for (int t = 0; t < H / kt; t++)
+                    issue(8, kt, gu + ((size_t)e * 2 * I + j) * H + t * kt, gu + ((size_t)e * 2 * I + I + j) * H + t * kt,
+                          GU_PAIRS, H);
             }
             const bf16_t* dn = (const bf16_t*)c.down[L];
             for (int chunk = b; chunk < down_chunks; chunk += G)
                 for (int u = 0; u < ne; u++) {
-                    const unsigned bytes = DOWN_ROWS * I * 2;
-                    const int s = slot_for(bytes);
-                    bulk_load(ring + (size_t)s * SLOT_BYTES, dn + ((size_t)sh.experts[u] * H + chunk * DOWN_ROWS) * I,
-                              bytes, &sh.full[s], policy);
+                    const int e = sh.experts[u];
+                    issue(DOWN_ROWS, I, dn + ((size_t)e * H + chunk * DOWN_ROWS) * I, nullptr, DOWN_ROWS, I);
                 }
         }
         return;
     }
 
-    // The consumers.
+    // The consumers: per group of tiles (one group: the K tiles of the same output rows), the
+    // products into this thread's sums, the sums into red after the last, then the epilogue.
     const int tid = threadIdx.x;
-    unsigned n = 0;  // tiles consumed
-    int x_offset[RMAX];
-    auto take = [&](int& s, unsigned& parity_buf) {
-        s = n % c.slots;
-        mbar_wait(&sh.full[s], (n / c.slots) & 1);
-        parity_buf = n & 1;
-        n++;
+    unsigned n = 0, groups_done = 0;
+    int xr[RMAX];  // the x rows' offsets in xbuf (-1: not taking part)
+    float am[2][4], af[2][RMAX];
+    // One group: `tiles` K tiles of `num_rows` rows (8 or 16) and `kt` columns against the x rows
+    // xr (tile t from column t * kt). Returns red holding the group's sums (valid until the next group's).
+    auto run_group = [&](int num_rows, int kt, int tiles) -> const float* {
+        const int blocks = num_rows / 8;
+        float* red = sh.red[groups_done & 1];
+#pragma unroll
+        for (int nb = 0; nb < 2; nb++) {
+#pragma unroll
+            for (int v = 0; v < 4; v++) am[nb][v] = 0.f;
+#pragma unroll
+            for (int r = 0; r < RMAX; r++) af[nb][r] = 0.f;
+        }
+        for (int t = 0; t < tiles; t++) {
+            const int s = n % c.slots;
+            mbar_wait(&sh.full[s], (n / c.slots) & 1);
+            n++;
+            const bf16_t* w = (const bf16_t*)(ring + (size_t)s * SLOT_BYTES);
+            if (mode == 0) {
+                if (use_mma) tile_mma(w, blocks, kt, kt + PAD, xbuf, xr, t * kt, am);
+                else tile_fma(w, blocks, kt, kt + PAD, xbuf, xr, t * kt, af);
+                if (t == tiles - 1) tile_sums(use_mma, blocks, am, af, red);
+            }
+            consumers_sync();
+            if (tid == 0) mbar_arrive(&sh.empty[s]);
+        }
+        groups_done++;
+        return red;
     };
-    auto give_back = [&](int s) {
-        consumers_sync();
-        if (tid == 0) mbar_arrive(&sh.empty[s]);
+    auto result = [&](const float* red, int i, int r) -> float {
+        return mode == 0 ? tile_result(red, use_mma, i, r) : 0.f;
     };
     for (int L = 0; L < c.layers; L++) {
         unsigned* cnt = c.counters + L * STAGES;
-        // qkv
-        if (L > 0) wait_stage(cnt - STAGES + 4);
-        load_input(xbuf, L > 0 ? c.out : c.x, R, H, L > 0);
-        consumers_sync();
+        const bf16_t* dense_in[3] = {L > 0 ? c.out : c.x, c.qkv_out, c.o_out};
+        bf16_t* dense_out[3] = {c.qkv_out, c.o_out, c.logits};
+        for (int st = 0; st < 3; st++) {  // qkv, o, router
+            const int K = widths[st], N = out_rows[st], kt = K < KT_MAX ? K : KT_MAX;
+            if (st > 0 || L > 0) wait_stage(st > 0 ? cnt + st - 1 : cnt - STAGES + 4);
+            load_input(xbuf, dense_in[st], R, K, st == 2 || (st == 0 && L > 0));
+            consumers_sync();
 #pragma unroll
-        for (int r = 0; r < RMAX; r++) x_offset[r] = r * H;
-        const bf16_t* dense_out[3] = {c.qkv_out, c.o_out, c.logits};
-        const int out_rows[3] = {Q, H, NUM_EXPERTS}, widths[3] = {H, Q, H};
-        for (int st = 0; st < 3; st++) {
-            if (st > 0) {
-                wait_stage(cnt + st - 1);
-                load_input(xbuf, st == 1 ? c.qkv_out : c.o_out, R, widths[st], st == 2);
-                consumers_sync();
-#pragma unroll
-                for (int r = 0; r < RMAX; r++) x_offset[r] = r * widths[st];
-            }
-            const int tile_rows = st == 2 ? 1 : SLOT_BYTES / (2 * widths[st]);
-            const int segments = tile_rows >= 8 ? 1 : 8 / tile_rows;
-            for (int t = b; t < out_rows[st] / tile_rows; t += G) {
-                int s;
-                unsigned p;
-                take(s, p);
-                tile_dot((const bf16_t*)(ring + (size_t)s * SLOT_BYTES), tile_rows, widths[st], xbuf, x_offset, R,
-                         sh.red[p]);
-                give_back(s);
-                if (tid < tile_rows * R) {
+            for (int r = 0; r < RMAX; r++) xr[r] = r < R ? r * (K + PAD) : -1;
+            for (int g = b; g < N / 8; g += G) {
+                const float* red = run_group(8, kt, K / kt);
+                if (tid < 8 * R) {
                     const int i = tid / R, r = tid % R;
-                    ((bf16_t*)dense_out[st])[(size_t)r * out_rows[st] + t * tile_rows + i] =
-                        to_bf(row_sum(sh.red[p], i, segments, r));
+                    dense_out[st][(size_t)r * N + g * 8 + i] = to_bf(result(red, i, r));
                 }
             }
             arrive_stage(cnt + st);
@@ -402,45 +477,38 @@ layer_chain(const u64* qkv, const u64* o, const u64* router, const u64* gate_up,
         wait_stage(cnt + 2);
         make_routes(sh, c.logits, R);
         if (tid == 0) mbar_arrive(&sh.routes_ready);
-        const int ne = sh.num_experts;
-        for (int t = b; t < ne * gu_tiles_per_expert; t += G) {
-            const int u = t / gu_tiles_per_expert, j = (t % gu_tiles_per_expert) * GU_PAIRS;
-            int offsets[RMAX];
+        const int ne = sh.num_experts, kt = H < KT_MAX ? H : KT_MAX;
+        for (int g = b; g < ne * gu_groups_per_expert; g += G) {
+            const int u = g / gu_groups_per_expert, j = (g % gu_groups_per_expert) * GU_PAIRS;
 #pragma unroll
-            for (int r = 0; r < RMAX; r++) offsets[r] = r < R && sh.route_of[r][u] >= 0 ? r * H : -1;
-            int s;
-            unsigned p;
-            take(s, p);
-            tile_dot((const bf16_t*)(ring + (size_t)s * SLOT_BYTES), 2 * GU_PAIRS, H, xbuf, offsets, R, sh.red[p]);
-            give_back(s);
+            for (int r = 0; r < RMAX; r++) xr[r] = r < R && sh.route_of[r][u] >= 0 ? r * (H + PAD) : -1;
+            const float* red = run_group(8, kt, H / kt);
             if (tid < GU_PAIRS * R) {
                 const int i = tid / R, r = tid % R, route = sh.route_of[r][u];
                 if (route >= 0) {
-                    const float g = round_bf(sh.red[p][i * RMAX + r]), up = round_bf(sh.red[p][(i + GU_PAIRS) * RMAX + r]);
-                    c.act[(size_t)route * I + j + i] = to_bf(round_bf(g / (1.f + __expf(-g))) * up);
+                    const float gate = round_bf(result(red, i, r)), up = round_bf(result(red, i + GU_PAIRS, r));
+                    c.act[(size_t)route * I + j + i] = to_bf(round_bf(gate / (1.f + __expf(-gate))) * up);
                 }
             }
         }
         arrive_stage(cnt + 3);
         // down: every route's activations into xbuf, then each output chunk over the experts in order
         wait_stage(cnt + 3);
-        for (int q = tid; q < R * TOP_K * I / 8; q += CONSUMERS)
-            ((uint4*)xbuf)[q] = load_cg((const uint4*)c.act + q);
+        for (int q = tid; q < R * TOP_K * I / 8; q += CONSUMERS) {
+            const int route = q / (I / 8), col = q % (I / 8);
+            *(uint4*)(xbuf + (size_t)route * (I + PAD) + col * 8) = load_cg((const uint4*)c.act + q);
+        }
         consumers_sync();
         for (int chunk = b; chunk < down_chunks; chunk += G) {
             float acc = 0.f;  // thread (i, r): output row chunk * DOWN_ROWS + i of row r
             for (int u = 0; u < ne; u++) {
-                int offsets[RMAX];
 #pragma unroll
-                for (int r = 0; r < RMAX; r++) offsets[r] = r < R && sh.route_of[r][u] >= 0 ? sh.route_of[r][u] * I : -1;
-                int s;
-                unsigned p;
-                take(s, p);
-                tile_dot((const bf16_t*)(ring + (size_t)s * SLOT_BYTES), DOWN_ROWS, I, xbuf, offsets, R, sh.red[p]);
-                give_back(s);
+                for (int r = 0; r < RMAX; r++)
+                    xr[r] = r < R && sh.route_of[r][u] >= 0 ? sh.route_of[r][u] * (I + PAD) : -1;
+                const float* red = run_group(DOWN_ROWS, I, 1);
                 if (tid < DOWN_ROWS * R) {
                     const int i = tid / R, r = tid % R, route = sh.route_of[r][u];
-                    if (route >= 0) acc += sh.route_weight[route] * round_bf(sh.red[p][i * RMAX + r]);
+                    if (route >= 0) acc += sh.route_weight[route] * round_bf(result(red, i, r));
                 }
             }
             if (tid < DOWN_ROWS * R) {
@@ -459,4 +527,58 @@ layer_chain(const u64* qkv, const u64* o, const u64* router, const u64* gate_up,
             *done = 0;
         }
     }
+}
+
+#define CHAIN_PARAMS                                                                                             \
+    const u64 *qkv, const u64 *o, const u64 *router, const u64 *gate_up, const u64 *down, const bf16_t *x,         \
+        bf16_t *qkv_out, bf16_t *o_out, bf16_t *logits, bf16_t *act, bf16_t *out, unsigned *counters, int layers, \
+        int rows, int hidden, int q_width, int inter, int slots, int mode
+#define CHAIN_ARGS                                                                                          \
+    {qkv, o, router, gate_up, down, x, qkv_out, o_out, logits, act, out, counters, layers, rows, hidden, \
+     q_width, inter, slots}
+
+extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1) layer_chain_mma(CHAIN_PARAMS) {
+    chain_body<true>(Chain CHAIN_ARGS, mode);
+}
+extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1) layer_chain_fma(CHAIN_PARAMS) {
+    chain_body<false>(Chain CHAIN_ARGS, mode);
+}
+
+// Streaming alone: each block reads its `per_block` bytes in tiles of `copies` bulk copies of
+// `copy_bytes`, through the same ring (`slots` slots) and barriers; the consumers take each tile
+// and give it back. What the ring can stream, with nothing else in the way.
+extern "C" __global__ void __launch_bounds__(CONSUMERS + 32, 1)
+stream_ring(const unsigned char* src, unsigned per_block, int copy_bytes, int copies, int slots,
+            unsigned* sink) {
+    __shared__ u64 full[MAX_SLOTS], empty[MAX_SLOTS];
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < slots; s++) { mbar_init(&full[s], 1); mbar_init(&empty[s], 1); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    const unsigned long long tile = (unsigned long long)copy_bytes * copies;
+    const unsigned tiles = (unsigned)(per_block / tile);  // (per_block: a multiple of tile)
+    const unsigned char* base = src + (unsigned long long)blockIdx.x * per_block;
+    if (threadIdx.x >= CONSUMERS) {
+        if (threadIdx.x != CONSUMERS) return;
+        const u64 policy = evict_first();
+        for (unsigned t = 0; t < tiles; t++) {
+            const int s = t % slots;
+            if (t >= (unsigned)slots) mbar_wait(&empty[s], (t / slots - 1) & 1);
+            mbar_expect(&full[s], (unsigned)tile);
+            for (int k = 0; k < copies; k++)
+                bulk_load(dynamic_smem + (size_t)s * SLOT_BYTES + (size_t)k * (copy_bytes + PAD * 2),
+                          base + t * tile + (unsigned long long)k * copy_bytes, copy_bytes, &full[s], policy);
+        }
+        return;
+    }
+    unsigned seen = 0;
+    for (unsigned t = 0; t < tiles; t++) {
+        const int s = t % slots;
+        mbar_wait(&full[s], (t / slots) & 1);
+        seen += dynamic_smem[(size_t)s * SLOT_BYTES + threadIdx.x];
+        consumers_sync();
+        if (threadIdx.x == 0) mbar_arrive(&empty[s]);
+    }
+    if (threadIdx.x == 0) sink[blockIdx.x] = seen;
 }

@@ -20,6 +20,7 @@ multiprocessor and every block must be resident at once (the counters are a grid
 from __future__ import annotations
 
 import functools
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,9 +30,10 @@ from torch import Tensor
 
 SOURCE = Path(__file__).with_name("persistent_cuda.cu")
 # persistent_cuda.cu's constants
-MAX_ROWS, SLOT_BYTES, MAX_SLOTS, TOP_K, NUM_EXPERTS, STAGES = 8, 32768, 8, 8, 128, 5
+MAX_ROWS, MAX_SLOTS, TOP_K, NUM_EXPERTS, STAGES, PAD, KT_MAX = 8, 8, 8, 128, 5, 8, 2048
+SLOT_BYTES = 8 * (KT_MAX + PAD) * 2
 THREADS = 288  # 8 consumer warps and the producer
-STATIC_SMEM = 2560  # the kernel's static shared memory (ptxas -v), with a margin kept below
+STATIC_SMEM = 10240  # the kernels' static shared memory (ptxas -v: 9728), with a margin
 EPS = 1e-6
 WIDTHS = (256, 512, 1024, 2048, 4096)  # K widths a stage input may have
 
@@ -57,28 +59,34 @@ class ChainLayer:
             t = getattr(self, name)
             if t.dtype != torch.bfloat16 or not t.is_contiguous():
                 raise ValueError(f"layers[{index}].{name}: must be contiguous bf16")
-        if h not in WIDTHS or q not in WIDTHS or (two_i // 2) % 8:
-            raise ValueError(f"layers[{index}]: widths H={h}, Q={q} must be among {WIDTHS} (a slot holds whole "
-                             f"rows), I={two_i // 2} a multiple of 8")
+        inter = two_i // 2
+        if h not in WIDTHS or q not in WIDTHS or inter % 16 or inter > KT_MAX // 2 - PAD:
+            raise ValueError(f"layers[{index}]: widths H={h}, Q={q} must be among {WIDTHS}, I={inter} a multiple "
+                             f"of 16 up to {KT_MAX // 2 - PAD} (a down tile's 16 rows fill a slot)")
 
 
 @functools.cache
-def _kernel():
-    kernel = torch.cuda._compile_kernel(SOURCE.read_text(), "layer_chain")
-    return kernel
+def kernel(name: str):
+    """persistent_cuda.cu's kernel `name` (layer_chain_mma, layer_chain_fma, stream_ring), compiled
+    by NVRTC for this GPU."""
+    return torch.cuda._compile_kernel(SOURCE.read_text(), name)
 
 
-def _slots(rows: int, inter: int, q_width: int) -> int:
+def _xbuf_bytes(rows: int, inter: int, q_width: int) -> int:
+    return rows * max((q_width + PAD) * 2, TOP_K * (inter + PAD) * 2)
+
+
+def most_slots(xbuf_bytes: int) -> int:
     limit = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
-    xbuf = rows * max(q_width * 2, TOP_K * inter * 2)
-    return min(MAX_SLOTS, (limit - STATIC_SMEM - 1024 - xbuf) // SLOT_BYTES)
+    return min(MAX_SLOTS, (limit - STATIC_SMEM - xbuf_bytes) // SLOT_BYTES)
 
 
 class LayerChain:
     """The chain on fixed buffers for `rows` rows; run(x) launches it on the current stream
     (capturable in a CUDA graph) and returns the last layer's combine, before its norm."""
 
-    def __init__(self, layers: list[ChainLayer], rows: int, slots: int | None = None):
+    def __init__(self, layers: list[ChainLayer], rows: int, slots: int | None = None, use_mma: bool = True,
+                 stream_only: bool = False):
         if not layers:
             raise ValueError("layers: at least one")
         if not 1 <= rows <= MAX_ROWS:
@@ -89,7 +97,8 @@ class LayerChain:
         self.q_width, self.hidden = first.qkv.shape
         self.inter = first.down.shape[2]
         device = first.qkv.device
-        most = _slots(rows, self.inter, self.q_width)
+        xbuf = _xbuf_bytes(rows, self.inter, self.q_width)
+        most = most_slots(xbuf)
         self.slots = most if slots is None else slots
         if not 1 <= self.slots <= most:
             raise ValueError(f"slots = {slots} must lie in [1, {most}] (shared memory)")
@@ -107,8 +116,9 @@ class LayerChain:
         self.act = torch.zeros(rows * TOP_K, self.inter, **bf16)
         self.out = torch.zeros(rows, self.hidden, **bf16)
         self.counters = torch.zeros(len(layers) * STAGES + 1, dtype=torch.int32, device=device)
-        self.smem = self.slots * SLOT_BYTES + rows * max(self.q_width * 2, TOP_K * self.inter * 2)
-        self.kernel = _kernel()
+        self.smem = self.slots * SLOT_BYTES + xbuf
+        self.mode = 1 if stream_only else 0  # (1: the weights streamed, no products: outputs zero)
+        self.kernel = kernel("layer_chain_mma" if use_mma else "layer_chain_fma")
         self.kernel.set_shared_memory_config(self.smem)
         self.grid = torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -117,9 +127,34 @@ class LayerChain:
         self.kernel(grid=(self.grid, 1, 1), block=(THREADS, 1, 1),
                     args=[*self.pointers, self.x, self.qkv_out, self.o_out, self.logits, self.act, self.out,
                           self.counters, len(self.layers), self.rows, self.hidden, self.q_width, self.inter,
-                          self.slots],
+                          self.slots, self.mode],
                     shared_mem=self.smem)
         return self.out
+
+
+def stream_seconds(total_bytes: int, copy_bytes: int, copies: int, slots: int, repeats: int = 5) -> float:
+    """Median seconds for the grid to stream `total_bytes` through stream_ring (tiles of `copies`
+    bulk copies of `copy_bytes`, `slots` ring slots), no products: what the ring alone moves."""
+    if copies * (copy_bytes + PAD * 2) > SLOT_BYTES or copy_bytes % 16:
+        raise ValueError(f"copies × copy_bytes = {copies} × {copy_bytes} does not fit a {SLOT_BYTES} B slot in 16 B units")
+    grid = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    tile = copy_bytes * copies
+    per_block = total_bytes // grid // tile * tile
+    src = torch.empty(per_block * grid, dtype=torch.uint8, device="cuda")
+    sink = torch.empty(grid, dtype=torch.int32, device="cuda")
+    run = kernel("stream_ring")
+    smem = slots * SLOT_BYTES
+    run.set_shared_memory_config(smem)
+    times = []
+    for _ in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run(grid=(grid, 1, 1), block=(THREADS, 1, 1), args=[src, per_block, copy_bytes, copies, slots, sink],
+            shared_mem=smem)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times[1:]) * (total_bytes / (per_block * grid))
 
 
 def rms(h: Tensor) -> Tensor:

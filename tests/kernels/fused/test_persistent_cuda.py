@@ -51,26 +51,37 @@ def test_reference_routes_ties_to_the_lower_expert():
 
 
 @needs_hopper
+@pytest.mark.parametrize("use_mma", [True, False], ids=["mma", "fma"])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_chain_matches_reference(rows):
+def test_chain_matches_reference(rows, use_mma):
     chain_layers = layers("cuda")
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to("cuda", torch.bfloat16)
-    got = LayerChain(chain_layers, rows).run(x).float()
+    got = LayerChain(chain_layers, rows, use_mma=use_mma).run(x).float()
     want, _ = reference(chain_layers, x)
     assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max())
 
 
 @needs_hopper
-def test_rows_alone_slots_relaunch_and_graph_keep_the_bits():
+def test_stream_only_takes_every_tile():
+    chain_layers = layers("cuda")
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
+    chain = LayerChain(chain_layers, 2, stream_only=True)
+    assert torch.equal(chain.run(x), torch.zeros_like(chain.out))  # (it returned: no tile was left waiting)
+    torch.cuda.synchronize()
+
+
+@needs_hopper
+@pytest.mark.parametrize("use_mma", [True, False], ids=["mma", "fma"])
+def test_rows_alone_slots_relaunch_and_graph_keep_the_bits(use_mma):
     chain_layers = layers("cuda", seed=2)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3)).to("cuda", torch.bfloat16)
-    chain = LayerChain(chain_layers, 5)
+    chain = LayerChain(chain_layers, 5, use_mma=use_mma)
     first = chain.run(x).clone()
     assert torch.equal(chain.run(x), first)  # the counters were reset by the launch before
     for r in range(5):
-        assert torch.equal(LayerChain(chain_layers, 1).run(x[r:r + 1])[0], first[r])
+        assert torch.equal(LayerChain(chain_layers, 1, use_mma=use_mma).run(x[r:r + 1])[0], first[r])
     for slots in (1, 2):
-        assert torch.equal(LayerChain(chain_layers, 5, slots=slots).run(x), first)
+        assert torch.equal(LayerChain(chain_layers, 5, slots=slots, use_mma=use_mma).run(x), first)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -113,16 +124,17 @@ def nvrtc_compile():
     return compile_source
 
 
-def test_kernel_compiles_for_hopper_without_spills(nvrtc_compile):
+def test_kernels_compile_for_hopper_without_spills(nvrtc_compile):
     import re
 
     from kernels.fused.persistent_cuda import SOURCE, STATIC_SMEM, THREADS
 
     ok, log = nvrtc_compile(SOURCE.read_text(), ["--gpu-architecture=sm_90a", "--ptxas-options=-v"])
     assert ok, log
-    report = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert report and report.groups() == ("0", "0"), log
-    registers = int(re.search(r"Used (\d+) registers", log).group(1))
-    assert registers * THREADS <= 65536, f"{registers} registers a thread: one block no longer fits a multiprocessor"
-    static = int(re.search(r"(\d+) bytes smem", log).group(1))
-    assert static <= STATIC_SMEM, f"static shared memory {static} B exceeds the {STATIC_SMEM} B the host reserves"
+    entries = re.findall(r"Compiling entry function '(\w+)'", log)
+    assert sorted(entries) == ["layer_chain_fma", "layer_chain_mma", "stream_ring"], log
+    assert re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log) == [("0", "0")] * 3, log
+    for registers in re.findall(r"Used (\d+) registers", log):
+        assert int(registers) * THREADS <= 65536, f"{registers} registers a thread: a block no longer fits an SM"
+    for static in re.findall(r"(\d+) bytes smem", log):
+        assert int(static) <= STATIC_SMEM, f"static shared memory {static} B exceeds the {STATIC_SMEM} B reserved"
