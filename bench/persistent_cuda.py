@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.fused_step import graph_time  # noqa: E402
 from bench.model_baseline import copy_bandwidth  # noqa: E402
 from bench.persistent_probe import chain, today_ops  # noqa: E402
-from kernels.fused.persistent_cuda import ChainLayer, LayerChain, reference, rms, stream_seconds  # noqa: E402
+from kernels.fused.persistent_cuda import (ChainLayer, LayerChain, barrier_seconds, reference, rms,  # noqa: E402
+                                           stream_seconds)
 
 
 def log(*parts: object) -> None:
@@ -112,6 +113,11 @@ def main() -> None:
     log(f"copy: {bandwidth / 1e12:.2f} TB/s")
     print(f"# persistent_cuda, {datetime.date.today()}, {torch.cuda.get_device_name()}, bf16, {args.layers} layers, "
           f"floor at the copy's {bandwidth / 1e12:.2f} TB/s; µs a layer, paired ratio today / way")
+    small = torch.zeros(256, device="cuda")
+    graph_us = graph_time(lambda: [small.add_(1) for _ in range(200)], calls=1, repeats=10) * 1e3 / 200
+    print(f"\nA stage boundary: the chain's barrier (a word's round trip through it) "
+          f"{barrier_seconds() * 1e6:.2f} µs; a kernel boundary (200 tiny torch kernels in a CUDA graph) "
+          f"{graph_us:.2f} µs")
     print("\n| the ring alone: copy bytes × copies a tile | slots | TB/s | of the copy's rate |")
     print("| --- | ---: | ---: | ---: |")
     for copy_bytes, copies in ((32768, 1), (16384, 2), (4096, 8), (1536, 16)):

@@ -103,19 +103,19 @@ __device__ __forceinline__ uint4 load_cg(const void* p) {  // past L1: written b
     return v;
 }
 
-// A stage's end: this block's outputs are written (by every consumer) before the count.
+// A stage's end: this block's outputs are written (by every consumer) before the count: the
+// barrier orders them before thread 0, whose release fence orders them before its add.
 __device__ __forceinline__ void arrive_stage(unsigned* counter) {
     consumers_sync();
     if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(counter, 1u);
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
+        asm volatile("red.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(counter) : "memory");
     }
 }
+// A stage's start: thread 0 acquires the count; the barrier passes that on to the consumers.
 __device__ __forceinline__ void wait_stage(const unsigned* counter) {
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == 0)
         while (load_acquire(counter) < gridDim.x) { }
-        __threadfence();
-    }
     consumers_sync();
 }
 
@@ -132,6 +132,8 @@ struct Shared {
     int experts[MAX_ROUTES];          // the distinct experts the rows route to, ascending
     signed char route_of[RMAX][MAX_ROUTES];  // [r][expert index] -> r * TOP_K + rank, or -1
     int num_experts;
+    int expert_count[NUM_EXPERTS / 32];  // distinct experts among each warp's 32
+    unsigned char place_of[NUM_EXPERTS];  // an expert's index among the distinct ones
 };
 
 // Stage input into xbuf (rows width + PAD apart): `rows` rows of `width` bf16 from global,
@@ -336,22 +338,28 @@ __device__ void make_routes(Shared& sh, const bf16_t* logits, int rows) {
         }
     }
     consumers_sync();
-    if (threadIdx.x == 0) {
-        unsigned used[NUM_EXPERTS / 32] = {0, 0, 0, 0};
-        for (int p = 0; p < rows * TOP_K; p++) used[sh.route_expert[p] >> 5] |= 1u << (sh.route_expert[p] & 31);
-        int n = 0;
-        for (int e = 0; e < NUM_EXPERTS; e++)
-            if (used[e >> 5] >> (e & 31) & 1u) sh.experts[n++] = e;
-        sh.num_experts = n;
-        for (int r = 0; r < rows; r++)
-            for (int u = 0; u < n; u++) {
-                sh.route_of[r][u] = -1;
-                for (int k = 0; k < TOP_K; k++)
-                    if (sh.route_expert[r * TOP_K + k] == sh.experts[u]) sh.route_of[r][u] = (signed char)(r * TOP_K + k);
-            }
+    // The distinct experts, ascending: thread e (< 128) asks whether a route takes expert e; a
+    // warp's ballot and the counts of the warps before give its place. Then each route's place.
+    const int tid = threadIdx.x;
+    bool used = false;
+    if (tid < NUM_EXPERTS)
+        for (int p = 0; p < rows * TOP_K; p++) used |= sh.route_expert[p] == tid;
+    const unsigned ballot = __ballot_sync(0xFFFFFFFFu, used);
+    if (tid < NUM_EXPERTS && lane == 0) sh.expert_count[warp] = __popc(ballot);
+    for (int p = tid; p < RMAX * MAX_ROUTES; p += CONSUMERS) (&sh.route_of[0][0])[p] = -1;
+    consumers_sync();
+    if (used) {
+        int place = __popc(ballot & ((1u << lane) - 1u));
+        for (int w = 0; w < warp; w++) place += sh.expert_count[w];
+        sh.experts[place] = tid;
+        sh.place_of[tid] = place;
     }
+    if (tid == 0) sh.num_experts = sh.expert_count[0] + sh.expert_count[1] + sh.expert_count[2] + sh.expert_count[3];
+    consumers_sync();
+    if (tid < rows * TOP_K) sh.route_of[tid / TOP_K][sh.place_of[sh.route_expert[tid]]] = (signed char)tid;
     consumers_sync();
 }
+
 
 // The chain, its products on tensor cores (use_mma) or CUDA cores. mode 0: the chain; 1: weights
 // streamed and every tile taken, no products (outputs zero).
@@ -581,4 +589,27 @@ stream_ring(const unsigned char* src, unsigned per_block, int copy_bytes, int co
         if (threadIdx.x == 0) mbar_arrive(&empty[s]);
     }
     if (threadIdx.x == 0) sink[blockIdx.x] = seen;
+}
+
+// Stage boundaries alone: `stages` stages, each waits for the one before (its counter), reads the
+// word the next block wrote in it (the data's round trip), writes its own and counts itself in —
+// the chain's barrier with nothing to compute. counters: [stages + 1] zero; words: [stages, grid].
+extern "C" __global__ void __launch_bounds__(CONSUMERS, 1) barrier_chain(unsigned* counters, unsigned* words, int stages) {
+    const int G = gridDim.x, b = blockIdx.x;
+    unsigned carried = b;
+    for (int s = 0; s < stages; s++) {
+        if (s > 0) {
+            wait_stage(counters + s - 1);
+            unsigned v;
+            asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(words + (size_t)(s - 1) * G + (b + 1) % G));
+            carried += v;
+        }
+        if (threadIdx.x == 0) words[(size_t)s * G + b] = carried;
+        arrive_stage(counters + s);
+    }
+    if (threadIdx.x == 0 && atomicAdd(counters + stages, 1u) == (unsigned)G - 1) {
+        for (int s = 0; s < stages; s++) counters[s] = 0;
+        __threadfence();
+        counters[stages] = 0;
+    }
 }

@@ -68,8 +68,15 @@ class ChainLayer:
 @functools.cache
 def kernel(name: str):
     """persistent_cuda.cu's kernel `name` (layer_chain_mma, layer_chain_fma, stream_ring), compiled
-    by NVRTC for this GPU."""
-    return torch.cuda._compile_kernel(SOURCE.read_text(), name)
+    by NVRTC for this GPU, allowed all the dynamic shared memory a block may have (a launch may
+    take less: the limit is the function's, shared by every LayerChain)."""
+    compiled = torch.cuda._compile_kernel(SOURCE.read_text(), name)
+    compiled.set_shared_memory_config(_smem_limit() - STATIC_SMEM)
+    return compiled
+
+
+def _smem_limit() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
 
 
 def _xbuf_bytes(rows: int, inter: int, q_width: int) -> int:
@@ -77,8 +84,7 @@ def _xbuf_bytes(rows: int, inter: int, q_width: int) -> int:
 
 
 def most_slots(xbuf_bytes: int) -> int:
-    limit = torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
-    return min(MAX_SLOTS, (limit - STATIC_SMEM - xbuf_bytes) // SLOT_BYTES)
+    return min(MAX_SLOTS, (_smem_limit() - STATIC_SMEM - xbuf_bytes) // SLOT_BYTES)
 
 
 class LayerChain:
@@ -119,7 +125,6 @@ class LayerChain:
         self.smem = self.slots * SLOT_BYTES + xbuf
         self.mode = 1 if stream_only else 0  # (1: the weights streamed, no products: outputs zero)
         self.kernel = kernel("layer_chain_mma" if use_mma else "layer_chain_fma")
-        self.kernel.set_shared_memory_config(self.smem)
         self.grid = torch.cuda.get_device_properties(device).multi_processor_count
 
     def run(self, x: Tensor) -> Tensor:
@@ -144,7 +149,6 @@ def stream_seconds(total_bytes: int, copy_bytes: int, copies: int, slots: int, r
     sink = torch.empty(grid, dtype=torch.int32, device="cuda")
     run = kernel("stream_ring")
     smem = slots * SLOT_BYTES
-    run.set_shared_memory_config(smem)
     times = []
     for _ in range(repeats + 1):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -155,6 +159,24 @@ def stream_seconds(total_bytes: int, copy_bytes: int, copies: int, slots: int, r
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times[1:]) * (total_bytes / (per_block * grid))
+
+
+def barrier_seconds(stages: int = 200, repeats: int = 5) -> float:
+    """Median seconds a stage boundary takes in barrier_chain (the chain's own barrier, a word's
+    round trip through it, nothing else), over `stages` stages of one launch."""
+    grid = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    counters = torch.zeros(stages + 1, dtype=torch.int32, device="cuda")
+    words = torch.zeros(stages, grid, dtype=torch.int32, device="cuda")
+    run = kernel("barrier_chain")
+    times = []
+    for _ in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run(grid=(grid, 1, 1), block=(256, 1, 1), args=[counters, words, stages])
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times[1:]) / stages
 
 
 def rms(h: Tensor) -> Tensor:

@@ -77,11 +77,13 @@ def test_rows_alone_slots_relaunch_and_graph_keep_the_bits(use_mma):
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(3)).to("cuda", torch.bfloat16)
     chain = LayerChain(chain_layers, 5, use_mma=use_mma)
     first = chain.run(x).clone()
-    assert torch.equal(chain.run(x), first)  # the counters were reset by the launch before
+    assert not chain.counters.any(), "the last block out did not set the counters back to zero"
+    assert torch.equal(chain.run(x), first), "a relaunch changed the bits"
     for r in range(5):
-        assert torch.equal(LayerChain(chain_layers, 1, use_mma=use_mma).run(x[r:r + 1])[0], first[r])
+        alone = LayerChain(chain_layers, 1, use_mma=use_mma).run(x[r:r + 1])[0]
+        assert torch.equal(alone, first[r]), f"row {r} alone differs"
     for slots in (1, 2):
-        assert torch.equal(LayerChain(chain_layers, 5, slots=slots, use_mma=use_mma).run(x), first)
+        assert torch.equal(LayerChain(chain_layers, 5, slots=slots, use_mma=use_mma).run(x), first), f"{slots} slots"
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -105,9 +107,10 @@ def nvrtc_compile():
 
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         pytest.skip("nvidia-cuda-nvrtc-cu12 is installed on Linux x86-64 only")
-    import nvidia.cuda_nvrtc
-
-    lib = ctypes.CDLL(str(Path(nvidia.cuda_nvrtc.__path__[0]) / "lib" / "libnvrtc.so.12"))
+    found = list(Path(pytest.importorskip("nvidia.cuda_nvrtc").__path__[0]).glob("lib/libnvrtc.so.12"))
+    if not found:  # (a CUDA 13 image has its own NVRTC: the GPU tests compile there)
+        pytest.skip("no NVRTC 12 beside nvidia.cuda_nvrtc")
+    lib = ctypes.CDLL(str(found[0]))
 
     def compile_source(source: str, options: list[str]) -> tuple[bool, str]:
         program = ctypes.c_void_p()
@@ -132,8 +135,8 @@ def test_kernels_compile_for_hopper_without_spills(nvrtc_compile):
     ok, log = nvrtc_compile(SOURCE.read_text(), ["--gpu-architecture=sm_90a", "--ptxas-options=-v"])
     assert ok, log
     entries = re.findall(r"Compiling entry function '(\w+)'", log)
-    assert sorted(entries) == ["layer_chain_fma", "layer_chain_mma", "stream_ring"], log
-    assert re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log) == [("0", "0")] * 3, log
+    assert sorted(entries) == ["barrier_chain", "layer_chain_fma", "layer_chain_mma", "stream_ring"], log
+    assert re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log) == [("0", "0")] * 4, log
     for registers in re.findall(r"Used (\d+) registers", log):
         assert int(registers) * THREADS <= 65536, f"{registers} registers a thread: a block no longer fits an SM"
     for static in re.findall(r"(\d+) bytes smem", log):
