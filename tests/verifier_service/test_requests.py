@@ -99,7 +99,9 @@ async def test_requests_beyond_the_sessions_wait_their_turn(servers, tiny_model)
 
 
 async def test_a_wait_past_the_queue_timeout_is_refused(servers, tiny_model):
-    stub = await servers.start(tiny_model, max_sessions=1, max_queued=4, queue_timeout_s=0.2)
+    # The first request's 200 tokens must outlast the second's wait: 0.2 s no longer did on the
+    # CPU's native kernels (the whole request took less); 0.02 s is ~0.1 ms a token.
+    stub = await servers.start(tiny_model, max_sessions=1, max_queued=4, queue_timeout_s=0.02)
     first = stub.Generate(request([4, 5, 6], 200))
     await first.read()
     with pytest.raises(grpc.aio.AioRpcError) as refused:
