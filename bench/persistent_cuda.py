@@ -148,7 +148,8 @@ def main() -> None:
             for s in slots:
                 plan = LayerChain(chain_of, rows, slots=s)
                 ways[f"cuda mma, {s} slots"] = lambda plan=plan: plan.run(x)
-            for label, plan in (("cuda fma", LayerChain(chain_of, rows)),
+            for label, plan in (("cuda fma", LayerChain(chain_of, rows, use_mma=False)),
+                                ("cuda mma + L2 prefetch", LayerChain(chain_of, rows, l2_prefetch=True)),
                                 ("cuda stream only", LayerChain(chain_of, rows, stream_only=True))):
                 ways[f"{label}, {plan.slots} slots"] = lambda plan=plan: plan.run(x)
             if name == "layer":

@@ -361,8 +361,9 @@ __device__ void make_routes(Shared& sh, const bf16_t* logits, int rows) {
 }
 
 
-// The chain, its products on tensor cores (use_mma) or CUDA cores. mode 0: the chain; 1: weights
-// streamed and every tile taken, no products (outputs zero).
+// The chain, its products on tensor cores (use_mma) or CUDA cores. mode: bit 0, the weights streamed
+// and every tile taken but no products (outputs zero); bit 1, while the producer waits for a
+// layer's routes, its share of the next layer's qkv and o tiles prefetched into L2.
 template <bool use_mma>
 __device__ __forceinline__ void chain_body(const Chain& c, int mode) {
     __shared__ Shared sh;
@@ -404,6 +405,13 @@ __device__ __forceinline__ void chain_body(const Chain& c, int mode) {
                 for (int g = b; g < out_rows[st] / 8; g += G)
                     for (int t = 0; t < K / kt; t++)
                         issue(8, kt, dense[st] + (size_t)g * 8 * K + t * kt, nullptr, 8, K);
+            }
+            if ((mode & 2) && L + 1 < c.layers) {  // the next layer's qkv and o tiles into L2 meanwhile
+                const bf16_t* next[2] = {(const bf16_t*)c.qkv[L + 1], (const bf16_t*)c.o[L + 1]};
+                for (int st = 0; st < 2; st++)
+                    for (int g = b; g < out_rows[st] / 8; g += G)
+                        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
+                                     :: "l"(next[st] + (size_t)g * 8 * widths[st]), "r"(8 * widths[st] * 2) : "memory");
             }
             mbar_wait(&sh.routes_ready, L & 1);
             const int ne = sh.num_experts, kt = H < KT_MAX ? H : KT_MAX;
@@ -447,7 +455,7 @@ __device__ __forceinline__ void chain_body(const Chain& c, int mode) {
             mbar_wait(&sh.full[s], (n / c.slots) & 1);
             n++;
             const bf16_t* w = (const bf16_t*)(ring + (size_t)s * SLOT_BYTES);
-            if (mode == 0) {
+            if (!(mode & 1)) {
                 if (use_mma) tile_mma(w, blocks, kt, kt + PAD, xbuf, xr, t * kt, am);
                 else tile_fma(w, blocks, kt, kt + PAD, xbuf, xr, t * kt, af);
                 if (t == tiles - 1) tile_sums(use_mma, blocks, am, af, red);
@@ -459,7 +467,7 @@ __device__ __forceinline__ void chain_body(const Chain& c, int mode) {
         return red;
     };
     auto result = [&](const float* red, int i, int r) -> float {
-        return mode == 0 ? tile_result(red, use_mma, i, r) : 0.f;
+        return mode & 1 ? 0.f : tile_result(red, use_mma, i, r);
     };
     for (int L = 0; L < c.layers; L++) {
         unsigned* cnt = c.counters + L * STAGES;

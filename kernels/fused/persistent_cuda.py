@@ -92,7 +92,7 @@ class LayerChain:
     (capturable in a CUDA graph) and returns the last layer's combine, before its norm."""
 
     def __init__(self, layers: list[ChainLayer], rows: int, slots: int | None = None, use_mma: bool = True,
-                 stream_only: bool = False):
+                 stream_only: bool = False, l2_prefetch: bool = False):
         if not layers:
             raise ValueError("layers: at least one")
         if not 1 <= rows <= MAX_ROWS:
@@ -123,7 +123,9 @@ class LayerChain:
         self.out = torch.zeros(rows, self.hidden, **bf16)
         self.counters = torch.zeros(len(layers) * STAGES + 1, dtype=torch.int32, device=device)
         self.smem = self.slots * SLOT_BYTES + xbuf
-        self.mode = 1 if stream_only else 0  # (1: the weights streamed, no products: outputs zero)
+        # bit 0: the weights streamed, no products (outputs zero); bit 1: the next layer's attention
+        # weights prefetched into L2 while a layer's routes are made
+        self.mode = int(stream_only) | 2 * int(l2_prefetch)
         self.kernel = kernel("layer_chain_mma" if use_mma else "layer_chain_fma")
         self.grid = torch.cuda.get_device_properties(device).multi_processor_count
 

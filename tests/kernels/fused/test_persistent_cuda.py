@@ -84,6 +84,7 @@ def test_rows_alone_slots_relaunch_and_graph_keep_the_bits(use_mma):
         assert torch.equal(alone, first[r]), f"row {r} alone differs"
     for slots in (1, 2):
         assert torch.equal(LayerChain(chain_layers, 5, slots=slots, use_mma=use_mma).run(x), first), f"{slots} slots"
+    assert torch.equal(LayerChain(chain_layers, 5, use_mma=use_mma, l2_prefetch=True).run(x), first), "L2 prefetch"
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
