@@ -56,4 +56,8 @@ CONTEXT_TABLE = Extension("drafter_service.proposers._context_table",
 CPU_ROWS = Extension("kernels.fused._cpu_rows", sources=["kernels/fused/_cpu_rows.c"], libraries=["m"],
                      extra_compile_args=["-std=gnu11", "-Wno-psabi"])
 
-setup(cmdclass={"build_py": BuildPyWithProtos}, ext_modules=[CONTEXT_TABLE, CPU_ROWS])
+# The processed distribution of sampled rows on the CPU (kernels/sampling.py); likewise.
+SAMPLING_ROWS = Extension("kernels._sampling_rows", sources=["kernels/_sampling_rows.c"], libraries=["m"],
+                          extra_compile_args=["-std=gnu11", "-O3"])
+
+setup(cmdclass={"build_py": BuildPyWithProtos}, ext_modules=[CONTEXT_TABLE, CPU_ROWS, SAMPLING_ROWS])

@@ -12,8 +12,10 @@ Ties are always broken towards the lower token id (greedy argmax, top_k, top_p a
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -128,7 +130,9 @@ def process_logits(logits: Tensor, params: SamplingParams) -> SparseRows:
     Every filter keeps a prefix of the tokens sorted by descending logit (lower id first on
     ties), and the result depends only on the first max(width, top_k) of them and on the
     normaliser of the softmax; so on the CPU a row is not sorted whole but its candidates are
-    found by selection (`_candidates`), unless they are not much fewer than the vocabulary.
+    found by selection: natively (_sampling_rows.c, one pass a row) where the extension is built,
+    else in torch (`_candidates`) unless they are not much fewer than the vocabulary. The torch
+    code below stays the definition (tests compare the native rows with it).
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [rows, vocab]; got shape {tuple(logits.shape)}")
@@ -142,9 +146,12 @@ def process_logits(logits: Tensor, params: SamplingParams) -> SparseRows:
         token_ids[:, :1] = best
         probs[:, :1] = 1.0
         return SparseRows(token_ids, probs)
-    scaled = logits.to(torch.float64) / params.temperature
     top_k = params.top_k if params.top_k < vocab_size else 0  # (top_k >= vocab keeps every token)
     num_candidates = max(width, top_k)
+    native = _native_rows(logits, params, top_k, width, num_candidates)
+    if native is not None:
+        return native
+    scaled = logits.to(torch.float64) / params.temperature
     if (num_candidates * 2 > vocab_size or num_candidates > MAX_CANDIDATES
             or (logits.is_cuda and not SELECT_ON_CUDA)):
         order = torch.argsort(scaled, dim=-1, descending=True, stable=True)
@@ -153,6 +160,36 @@ def process_logits(logits: Tensor, params: SamplingParams) -> SparseRows:
     order = _candidates(scaled, num_candidates)  # [rows, num_candidates]
     probs = torch.softmax(scaled, dim=-1).gather(-1, order)
     return _filter(probs, order, params, top_k, width, vocab_size)
+
+
+NATIVE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float64: 2}  # _sampling_rows.c's
+
+
+@functools.cache
+def _native() -> ModuleType | None:
+    try:
+        from kernels import _sampling_rows
+    except ImportError:  # not built (a source tree without `pip install -e .` or build_ext)
+        return None
+    return _sampling_rows
+
+
+def _native_rows(logits: Tensor, params: SamplingParams, top_k: int, width: int, num_candidates: int
+                 ) -> SparseRows | None:
+    """process_logits' rows by _sampling_rows.c (CPU rows of float32, bf16 or float64: the
+    selection path's arithmetic in one pass a row, other summation orders), or None."""
+    native = _native()
+    if native is None or logits.device.type != "cpu" or logits.dtype not in NATIVE_TYPES:
+        return None
+    logits = logits.contiguous()
+    num_rows, vocab_size = logits.shape
+    token_ids = torch.empty((num_rows, width), dtype=torch.int64)
+    probs = torch.empty((num_rows, width), dtype=torch.float64)
+    if num_rows:
+        native.process(logits.data_ptr(), NATIVE_TYPES[logits.dtype], num_rows, vocab_size, float(params.temperature),
+                       top_k, float(params.top_p), float(params.min_p), width, num_candidates, token_ids.data_ptr(),
+                       probs.data_ptr())
+    return SparseRows(token_ids, probs)
 
 
 def _candidates(scaled: Tensor, num_candidates: int) -> Tensor:

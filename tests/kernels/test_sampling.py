@@ -211,23 +211,39 @@ CANDIDATE_PARAMS = [
 ]
 
 
+def test_the_native_rows_are_built_and_taken_on_the_cpu(monkeypatch):
+    assert sampling_module._native() is not None, "kernels._sampling_rows is not built (pip install -e .)"
+    monkeypatch.setattr(sampling_module, "_filter", lambda *a: pytest.fail("the torch path ran"))
+    process_logits(torch.randn(3, 500), SamplingParams(temperature=0.7, top_p=0.9))
+
+
+@pytest.mark.parametrize("way", ["native", "torch"])
 @pytest.mark.parametrize("params", CANDIDATE_PARAMS)
-@pytest.mark.parametrize("logit_kind", ["normal", "bf16 ties", "integer ties"])
-def test_selected_candidates_give_the_rows_of_the_sorted_definition(params, logit_kind, monkeypatch):
+@pytest.mark.parametrize("logit_kind", ["normal", "bf16 ties", "integer ties", "masked", "bf16 input", "float64 input"])
+def test_selected_candidates_give_the_rows_of_the_sorted_definition(params, logit_kind, way, monkeypatch):
     # bf16 logits repeat values near the top of a 2,000-token row, and integer logits tie in
     # hundreds: the threshold of the selection falls inside a tie, where only the lower ids
-    # may be taken.
+    # may be taken. Masked rows carry -inf logits (a grammar's, a bad-word list's). Both ways of
+    # selecting: the native rows (kernels/_sampling_rows.c) and torch's (_candidates).
     generator = torch.Generator().manual_seed(len(str(params)))
     logits = torch.randn(6, 2000, generator=generator) * 3
     if logit_kind == "bf16 ties":
         logits = logits.to(torch.bfloat16).to(torch.float32)
     elif logit_kind == "integer ties":
         logits = logits.round().clamp(-4, 6)
+    elif logit_kind == "masked":
+        logits[:, ::3] = float("-inf")
+    elif logit_kind == "bf16 input":
+        logits = logits.to(torch.bfloat16)
+    elif logit_kind == "float64 input":
+        logits = logits.to(torch.float64)
     sampling = SamplingParams(**params)
     selections = []
     monkeypatch.setattr(sampling_module, "_candidates", lambda *a: selections.append(a) or candidates(*a))
+    if way == "torch":
+        monkeypatch.setattr(sampling_module, "_native", lambda: None)
     got = process_logits(logits, sampling)
-    assert len(selections) == (sampling.top_k != 1500)
+    assert len(selections) == (way == "torch" and sampling.top_k != 1500)
     expected = sorted_definition(logits, sampling)
     assert torch.equal(got.token_ids, expected.token_ids)
     assert torch.allclose(got.probs, expected.probs, rtol=1e-12, atol=1e-15)
