@@ -227,7 +227,7 @@ __device__ __forceinline__ void tile_mma(const bf16_t* w, int blocks, int width,
 }
 
 // The same products on CUDA cores: warp w does weight rows w and w + 8; a lane's sums over its
-// columns, kept across a group's K tiles in acc[nb][..] (acc[i / 8][r % 4]... see tile_sums).
+// columns for x row r in acc[nb][r], kept across a group's K tiles (tile_sums adds the lanes).
 __device__ __forceinline__ void tile_fma(const bf16_t* w, int blocks, int width, int stride, const bf16_t* xbuf,
                                          const int* x, int col, float (*acc)[RMAX]) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
