@@ -40,10 +40,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.fused_step import graph_time  # noqa: E402
-from bench.model_baseline import copy_bandwidth  # noqa: E402
+from bench.model_baseline import copy_bandwidth, cuda_time  # noqa: E402
 from bench.persistent_probe import chain, today_ops  # noqa: E402
-from kernels.fused.persistent_cuda import (ChainLayer, LayerChain, barrier_seconds, reference, rms,  # noqa: E402
-                                           stream_seconds)
+from kernels.fused.persistent_cuda import (ChainLayer, LayerChain, barrier_chain, reference, rms,  # noqa: E402
+                                           stream_ring)
+
+
+def launch_seconds(launch, repeats: int = 5) -> float:
+    """Median seconds of one launch, after one untimed."""
+    launch()
+    return statistics.median(cuda_time(launch, repeats)) / 1e3
 
 
 def log(*parts: object) -> None:
@@ -116,14 +122,14 @@ def main() -> None:
     small = torch.zeros(256, device="cuda")
     graph_us = graph_time(lambda: [small.add_(1) for _ in range(200)], calls=1, repeats=10) * 1e3 / 200
     print(f"\nA stage boundary: the chain's barrier (a word's round trip through it) "
-          f"{barrier_seconds() * 1e6:.2f} µs; a kernel boundary (200 tiny torch kernels in a CUDA graph) "
+          f"{launch_seconds(barrier_chain(200)) / 200 * 1e6:.2f} µs; a kernel boundary (200 tiny torch kernels in a CUDA graph) "
           f"{graph_us:.2f} µs")
     print("\n| the ring alone: copy bytes × copies a tile | slots | TB/s | of the copy's rate |")
     print("| --- | ---: | ---: | ---: |")
     for copy_bytes, copies in ((32768, 1), (16384, 2), (4096, 8), (1536, 16)):
         for slots in (2, 4, 6):
-            seconds = stream_seconds(2 << 30, copy_bytes, copies, slots)
-            rate = (2 << 30) / seconds
+            launch, nbytes = stream_ring(2 << 30, copy_bytes, copies, slots)
+            rate = nbytes / launch_seconds(launch)
             print(f"| {copy_bytes} × {copies} | {slots} | {rate / 1e12:.2f} | {rate / bandwidth:.3f} |")
     sys.stdout.flush()
     print()

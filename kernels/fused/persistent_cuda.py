@@ -20,7 +20,6 @@ multiprocessor and every block must be resident at once (the counters are a grid
 from __future__ import annotations
 
 import functools
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,9 +138,10 @@ class LayerChain:
         return self.out
 
 
-def stream_seconds(total_bytes: int, copy_bytes: int, copies: int, slots: int, repeats: int = 5) -> float:
-    """Median seconds for the grid to stream `total_bytes` through stream_ring (tiles of `copies`
-    bulk copies of `copy_bytes`, `slots` ring slots), no products: what the ring alone moves."""
+def stream_ring(total_bytes: int, copy_bytes: int, copies: int, slots: int):
+    """A launcher of stream_ring (timed by bench/persistent_cuda.py): the grid streams about
+    `total_bytes` in tiles of `copies` bulk copies of `copy_bytes` through `slots` ring slots, no
+    products — what the ring alone moves. Returns (launch, bytes one launch streams)."""
     if copies * (copy_bytes + PAD * 2) > SLOT_BYTES or copy_bytes % 16:
         raise ValueError(f"copies × copy_bytes = {copies} × {copy_bytes} does not fit a {SLOT_BYTES} B slot in 16 B units")
     grid = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -150,35 +150,24 @@ def stream_seconds(total_bytes: int, copy_bytes: int, copies: int, slots: int, r
     src = torch.empty(per_block * grid, dtype=torch.uint8, device="cuda")
     sink = torch.empty(grid, dtype=torch.int32, device="cuda")
     run = kernel("stream_ring")
-    smem = slots * SLOT_BYTES
-    times = []
-    for _ in range(repeats + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def launch() -> None:
         run(grid=(grid, 1, 1), block=(THREADS, 1, 1), args=[src, per_block, copy_bytes, copies, slots, sink],
-            shared_mem=smem)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times[1:]) * (total_bytes / (per_block * grid))
+            shared_mem=slots * SLOT_BYTES)
+    return launch, per_block * grid
 
 
-def barrier_seconds(stages: int = 200, repeats: int = 5) -> float:
-    """Median seconds a stage boundary takes in barrier_chain (the chain's own barrier, a word's
-    round trip through it, nothing else), over `stages` stages of one launch."""
+def barrier_chain(stages: int):
+    """A launcher of barrier_chain (timed by bench/persistent_cuda.py): `stages` stage boundaries in
+    one launch — the chain's own barrier and a word's round trip through it, nothing else."""
     grid = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     counters = torch.zeros(stages + 1, dtype=torch.int32, device="cuda")
     words = torch.zeros(stages, grid, dtype=torch.int32, device="cuda")
     run = kernel("barrier_chain")
-    times = []
-    for _ in range(repeats + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def launch() -> None:
         run(grid=(grid, 1, 1), block=(256, 1, 1), args=[counters, words, stages])
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times[1:]) / stages
+    return launch
 
 
 def rms(h: Tensor) -> Tensor:
