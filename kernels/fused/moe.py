@@ -223,8 +223,9 @@ def combine_add_rmsnorm(
     if not use_triton(residual):
         if route_rows is not None:
             route_out = route_out[route_rows]
-        done = cpu_rows.add_rmsnorm(route_out.float(), residual, norm_weight, eps, centred, route_weights=weights)
-        return combine_reference(route_out.float(), weights, residual, norm_weight, eps, centred) if done is None else done
+        routes = route_out.float()
+        done = cpu_rows.add_rmsnorm(routes, residual, norm_weight, eps, centred, route_weights=weights)
+        return combine_reference(routes, weights, residual, norm_weight, eps, centred) if done is None else done
     num_tokens, top_k = weights.shape
     hidden = residual.shape[1]
     normed = torch.empty_like(residual)
