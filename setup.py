@@ -54,12 +54,14 @@ CONTEXT_TABLE = Extension("drafter_service.proposers._context_table",
 # The CPU's row-invariant attention and experts (kernels/fused/cpu_rows.py); likewise C99, no dependency.
 # (-Wno-psabi: its 32-byte vector type is passed between inlined functions only.)
 CPU_ROWS = Extension("kernels.fused._cpu_rows", sources=["kernels/fused/_cpu_rows.c"], libraries=["m"],
+                     depends=["kernels/_machine_clones.h"],
                      extra_compile_args=["-std=gnu11", "-Wno-psabi"])
 
 # The processed distribution of sampled rows on the CPU (kernels/sampling.py); likewise.
 # (-fno-trapping-math: no FP exception flags are read, so the normaliser's selects may be
 # vectorised; no result changes, unlike -ffast-math's reassociation.)
 SAMPLING_ROWS = Extension("kernels._sampling_rows", sources=["kernels/_sampling_rows.c"], libraries=["m"],
+                          depends=["kernels/_machine_clones.h"],
                           extra_compile_args=["-std=gnu11", "-O3", "-fno-trapping-math"])
 
 setup(cmdclass={"build_py": BuildPyWithProtos}, ext_modules=[CONTEXT_TABLE, CPU_ROWS, SAMPLING_ROWS])

@@ -20,6 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_machine_clones.h"
+
 typedef struct {
     double value;
     int64_t id;
@@ -95,13 +97,6 @@ static inline __attribute__((always_inline)) double exp_nonpositive(double d) {
 }
 
 #define LANES 8
-/* Compiled twice on x86-64 (GCC, glibc: an ifunc), for AVX2 + FMA and for the baseline; the loader
-   picks one for the machine, so every row of a process takes the same one. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__GLIBC__)
-#define MACHINE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define MACHINE_CLONES
-#endif
 /* The softmax's normaliser of a row: sum of exp(value - top), in LANES running sums added in
    lane order. A term below exp(-708) is dropped: the sum is at least 1 (the top's own term), so
    such a term would not change it. */

@@ -16,16 +16,12 @@ contiguity before calling. Element types: 0 = float32, 1 = bfloat16. */
 #include <stdlib.h>
 #include <string.h>
 
+#include "../_machine_clones.h"
+
 enum { F32 = 0, BF16 = 1 };
 #define LANES 8
 
-/* The loops are compiled twice on x86-64 (GCC, glibc: an ifunc), for AVX2 + FMA and for the
-   baseline, and the loader picks one for the machine: every row of a process takes the same one. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__GLIBC__)
-#define MACHINE_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define MACHINE_CLONES
-#endif
+/* The loops are compiled twice (MACHINE_CLONES: AVX2 + FMA and the baseline, one per process). */
 /* (the helpers inline into each clone, so they are compiled for its machine too) */
 #define HELPER static inline __attribute__((always_inline))
 
