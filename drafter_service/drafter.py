@@ -34,6 +34,9 @@ SOURCES = {"MTP": common_pb2.DRAFT_SOURCE_MTP, "SUFFIX": common_pb2.DRAFT_SOURCE
 MAX_DRAFTS = 16
 MAX_FUSED_MTP_ROWS = 64  # MTP catch-ups longer than this (a prompt) run the reference modules
 LOOP_COUNT = 256  # suffix tokens counted on the event loop at a time (~3 ms on a slow CPU); more: a worker job
+# Committed rows a session's MTP layer may owe while it drafts from its suffix index (Drafter.
+# mtp_due); with a commit's rows (≤ MAX_DRAFTS + 1) the debt stays within MAX_FUSED_MTP_ROWS.
+MTP_DEBT_ROWS = 32
 
 
 class Drafter:
@@ -143,25 +146,34 @@ class Drafter:
         return hit
 
     @staticmethod
-    def unsettled(session: DraftSession) -> bool:
-        """Whether work is left for after the chain went out (settle)."""
-        return session.suffix.counted < len(session.tokens) or (session.mtp is not None and bool(session.mtp.pending))
+    def mtp_due(session: DraftSession) -> bool:
+        """Whether the session's MTP debt (committed rows not yet through the MTP layer) is paid
+        after the chain went out. A session that drafts by MTP pays it in each chain's job; one
+        drafting from its suffix index owes it until an MTP chain needs the rows or it reaches
+        MTP_DEBT_ROWS. On the fused path a debt is paid in one catch-up: a streak of suffix
+        rounds costs a forward every few rounds, not one each, and an MTP chain after it waits
+        for one forward (the reference modules pay a forward a commit, later or never)."""
+        return session.mtp is not None and session.mtp.pending_rows >= MTP_DEBT_ROWS
 
-    @staticmethod
-    def settles_on_loop(session: DraftSession) -> bool:
+    @classmethod
+    def unsettled(cls, session: DraftSession) -> bool:
+        """Whether work is left for after the chain went out (settle)."""
+        return session.suffix.counted < len(session.tokens) or cls.mtp_due(session)
+
+    @classmethod
+    def settles_on_loop(cls, session: DraftSession) -> bool:
         """Whether what is left is a few suffix counts (the loop's) rather than model work or a
         long prompt's counts (a worker job each, so the loop never stalls on them)."""
-        return (session.mtp is None or not session.mtp.pending) \
-            and len(session.tokens) - session.suffix.counted <= LOOP_COUNT
+        return not cls.mtp_due(session) and len(session.tokens) - session.suffix.counted <= LOOP_COUNT
 
     def settle(self, session: DraftSession) -> None:
         """Work a commit left for after its chain was sent: the MTP rows, then suffix counts."""
         self.settle_batch([session])
 
     def settle_batch(self, sessions: list[DraftSession]) -> None:
-        """settle of several sessions (worker), their MTP rows in shared forwards."""
+        """settle of several sessions (worker): the MTP debts due, in one forward; suffix counts."""
         if self.mtp is not None:
-            self.mtp.settle_batch([s.mtp for s in sessions if s.mtp is not None])
+            self.mtp.settle_batch([s.mtp for s in sessions if self.mtp_due(s)])
         for session in sessions:
             session.suffix.count_pending(COUNT_CHUNK)
 
@@ -238,8 +250,8 @@ class Drafter:
         if len({id(session) for session, _ in items}) != len(items):
             raise ValueError("a batch holds one piece of work per session")
         drafts = [(session, plan) for session, plan in items if plan is not None]
-        if self.mtp is not None:
-            self.mtp.settle_batch([session.mtp for session, _ in items if session.mtp is not None])
+        if self.mtp is not None:  # (the debts of the chains' sessions too, in the same forward)
+            self.mtp.settle_batch([session.mtp for session, plan in items if plan is not None or self.mtp_due(session)])
         for session, plan in items:
             if plan is None:
                 session.suffix.count_pending(COUNT_CHUNK)

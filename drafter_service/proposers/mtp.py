@@ -44,9 +44,13 @@ class MTPState:
         self.slot = slot  # the runner's slot (None once released)
         self.next_logits: Tensor | None = None  # [vocab]: q_0 of the next chain
         self.last_out: Tensor | None = None  # [hidden]: MTP output of the last committed row
-        # Committed rows not yet run through the MTP layer (MTPProposer.settle): a commit's rows
-        # wait until a chain needs MTP or until the chain is sent, off the round's latency path.
+        # Committed rows not yet run through the MTP layer (MTPProposer.settle), the session's
+        # debt: they wait until a chain needs MTP, or until the debt is due (Drafter.unsettled).
         self.pending: list[tuple[Tensor, list[int]]] = []
+
+    @property
+    def pending_rows(self) -> int:
+        return sum(len(ids) for _, ids in self.pending)
 
 
 @dataclass(frozen=True)
@@ -118,16 +122,23 @@ class MTPProposer:
             state.next_logits, state.last_out = logits[-1], out[-1]
 
     def defer(self, state: MTPState, hidden: Tensor, next_token_ids: list[int]) -> None:
-        """catch_up later (settle): the rows of one commit, kept apart so each runs as before."""
+        """catch_up later (settle): the rows of one commit join the session's debt."""
         if next_token_ids:
             state.pending.append((hidden, list(next_token_ids)))
 
     def settle(self, state: MTPState) -> None:
-        """Run the deferred commits' rows, one catch_up per commit (the same forwards as eager)."""
+        """Run the deferred commits' rows (settle_batch)."""
         self.settle_batch([state])
 
     def settle_batch(self, states: list[MTPState]) -> None:
-        """settle several sessions: their n-th deferred commits run in one forward, for each n."""
+        """settle several sessions: the n-th deferred commits of every session share a call, for
+        each n (the same forwards as eager catch-ups). On the fused path a session's consecutive
+        commits first merge into one catch-up while their rows fit its max_rows: a row's bits do
+        not depend on the rows beside it there, so that is bit for bit the commits one by one
+        (the reference modules' products would round differently with more rows)."""
+        if isinstance(self.runner, PooledMtpRunner):
+            for state in states:
+                state.pending = _merged(state.pending, self.runner.fused.max_rows)
         while any(state.pending for state in states):
             self.catch_up_batch([(state, *state.pending.pop(0)) for state in states if state.pending])
 
@@ -208,3 +219,15 @@ class MTPProposer:
             chain.rows.append(q_row)
         chain.confidences.append(confidence)
         return True
+
+
+def _merged(pending: list[tuple[Tensor, list[int]]], max_rows: int) -> list[tuple[Tensor, list[int]]]:
+    """Consecutive commits joined while their rows fit max_rows (a longer one stays alone)."""
+    groups: list[list[tuple[Tensor, list[int]]]] = []
+    for commit in pending:
+        if groups and sum(len(ids) for _, ids in groups[-1]) + len(commit[1]) <= max_rows:
+            groups[-1].append(commit)
+        else:
+            groups.append([commit])
+    return [(torch.cat([hidden for hidden, _ in group]), [token for _, ids in group for token in ids])
+            for group in groups]

@@ -8,6 +8,7 @@ from kernels.retention import RetentionPolicy
 from kernels.sampling import SamplingParams
 from kernels.speculative import Gate, Mode
 from shared.model import RoutingOptions
+from shared.protocol import common_pb2
 from shared.model.families.qwen3_moe.fused import FusedModel
 from shared.model.mtp_runner import POOL_START_BLOCKS, POOL_START_SLOTS
 
@@ -58,45 +59,75 @@ def test_a_greedy_chain_is_the_argmax_chain_of_the_mtp_layer(tiny_mtp_model):
     assert proposal.confidences == [1.0] * 4 and proposal.q_rows is None
 
 
-def test_deferred_commits_settle_to_the_eager_state(tiny_mtp_model):
-    """Commits deferred (MTPProposer.defer) and settled later run the same forwards as eager
-    catch-ups: the same cache and the same first-draft logits, bit for bit."""
+@pytest.mark.parametrize("path,max_rows,calls", [("reference", 0, 3), ("fused", 16, 1), ("fused", 4, 2)])
+def test_deferred_commits_settle_to_the_eager_state(tiny_mtp_model, path, max_rows, calls):
+    """Commits deferred (MTPProposer.defer) and settled later leave the state eager catch-ups
+    leave, bit for bit: the same cache and first-draft logits. On the fused path consecutive
+    commits run as one catch-up while they fit max_rows (row-invariant kernels: commits of 3, 1
+    and 4 rows in one call, or two under 4 rows); the reference modules run one per commit."""
     model = tiny_mtp_model
     tokens = torch.randint(0, 97, (24,), generator=torch.Generator().manual_seed(7))
     _, hidden = model(tokens, model.new_cache(40))
-    proposer = MTPProposer(model)
+    fused = FusedModel(model, max_rows=max_rows, max_length=model.config.max_position_embeddings) if max_rows else None
+    proposer = MTPProposer(model, None, fused)
     eager, lazy = proposer.new_state(64), proposer.new_state(64)
     for state in (eager, lazy):
         proposer.catch_up(state, hidden[:10], tokens[1:11].tolist())
     for start, end in ((10, 13), (13, 14), (14, 18)):
         proposer.catch_up(eager, hidden[start:end], tokens[start + 1 : end + 1].tolist())
         proposer.defer(lazy, hidden[start:end], tokens[start + 1 : end + 1].tolist())
-    assert lazy.cache.length == 10 and len(lazy.pending) == 3  # nothing ran yet
+    assert lazy.cache.length == 10 and len(lazy.pending) == 3 and lazy.pending_rows == 8  # nothing ran yet
+    runs = []
+    run = proposer.runner.run
+    proposer.runner.run = lambda items: runs.append(len(items)) or run(items)
     proposer.settle(lazy)
+    assert len(runs) == calls
     assert not lazy.pending and lazy.cache.length == eager.cache.length == 18
     assert torch.equal(lazy.next_logits, eager.next_logits)
-    assert torch.equal(lazy.cache.keys[:, :18], eager.cache.keys[:, :18])
+    if path == "reference":
+        assert torch.equal(lazy.cache.keys[:, :18], eager.cache.keys[:, :18])
+    else:  # (one pool: the two states' rows live in its blocks; the next draft reads them)
+        assert torch.equal(lazy.last_out, eager.last_out)
 
 
-def test_a_suffix_round_leaves_the_mtp_rows_for_after_its_chain(tiny_mtp_model, open_up, commit_up):
-    """With suffix drafting (planner "suffix"), commit + propose run no MTP forward; the rows
-    run in the job after the chain went out."""
-    from drafter_service.drafter import Drafter
+def test_suffix_rounds_owe_their_mtp_rows_until_an_mtp_chain_or_the_bound(tiny_mtp_model, open_up, commit_up):
+    """With suffix drafting (planner "suffix"), commit + propose run no MTP forward, nor does the
+    settle after the chain while the session's debt is under MTP_DEBT_ROWS; at the bound the
+    debt is paid after the chain, all of it; an MTP chain pays it first."""
+    from drafter_service.drafter import MTP_DEBT_ROWS, Drafter
     from drafter_service.settings import DrafterSettings
 
     drafter = Drafter(tiny_mtp_model, DrafterSettings(port=0, planner="suffix"))
     forwards = []
     original = drafter.mtp.runner.run
     drafter.mtp.runner.run = lambda *a, **k: forwards.append(1) or original(*a, **k)
-    prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
-    session = drafter.open(open_up(tiny_mtp_model, prompt).open)
+    up = open_up(tiny_mtp_model, [3, 4, 5, 6, 3, 4, 5, 6, 3, 4])
+    up.open.max_new_tokens = MTP_DEBT_ROWS + 8
+    session = drafter.open(up.open)
     drafter.propose(session)
     forwards.clear()
-    drafter.commit(session, commit_up(tiny_mtp_model, emitted=[5]).commit)
-    chain = drafter.propose(session)
-    assert chain.token_ids and not forwards  # a suffix chain, and no MTP work on the way
+    for round_id in range(MTP_DEBT_ROWS // 4):
+        drafter.commit(session, commit_up(tiny_mtp_model, round_id=round_id, emitted=[5, 6, 3, 4]).commit)
+        chain = drafter.propose(session)
+        assert chain.token_ids and not forwards  # a suffix chain, and no MTP work on the way
+        if round_id < MTP_DEBT_ROWS // 4 - 1:
+            assert not drafter.mtp_due(session) and drafter.settles_on_loop(session)
+            drafter.settle(session)  # (the suffix counts)
+            assert not forwards and not drafter.unsettled(session)
+    assert session.mtp.pending_rows == MTP_DEBT_ROWS and drafter.unsettled(session)
+    assert not drafter.settles_on_loop(session)  # (model work: a worker job)
     drafter.settle(session)
-    assert forwards and not session.mtp.pending and session.mtp.cache.length == len(session.tokens) - 1
+    assert len(forwards) == MTP_DEBT_ROWS // 4  # the reference modules (the drafter here): a forward a commit
+    assert not session.mtp.pending and session.mtp.cache.length == len(session.tokens) - 1
+    assert not drafter.unsettled(session)
+
+    drafter.commit(session, commit_up(tiny_mtp_model, round_id=MTP_DEBT_ROWS // 4, emitted=[5, 6]).commit)
+    assert session.mtp.pending_rows == 2 and not drafter.mtp_due(session)
+    forwards.clear()
+    drafter.settings = DrafterSettings(port=0, planner="mtp")
+    chain = drafter.propose(session)
+    assert chain.source == common_pb2.DRAFT_SOURCE_MTP and chain.token_ids
+    assert not session.mtp.pending and session.mtp.cache.length == len(session.tokens) - 1
 
 
 def _fused_proposer(model, routing=None):
