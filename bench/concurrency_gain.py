@@ -6,7 +6,9 @@ odd ones sampled (temperature 0.8, top-p 0.95, seed = index) — over the built-
 Each block runs the N requests alone (one after another) and together (all N at once), in
 alternating order. Reported per block: one request's tokens/s (the alone phase's tokens over its
 summed walls), the together phase's aggregate tokens/s (its tokens over its wall), their ratio,
-and whether every request's tokens together equal its tokens alone (exact mode: they must).
+and whether every request's tokens together equal its tokens alone (exact mode: they must), and
+the CPU time each service spent a token in each phase (Linux's /proc: every thread, user and
+system; a service's work, which scheduling noise moves less than the walls).
 The claim is the median of the blocks' ratios. With --baseline-tree the same is measured
 from another checkout first (services from that tree), alternating trees per block.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import os
 import platform
 import statistics
 import sys
@@ -42,11 +45,25 @@ def config(index: int, max_new_tokens: int, tag: str):
                             top_p=0.95 if sampled else 1.0, seed=index, request_id=f"{tag}-r{index}")
 
 
+def cpu_seconds(pid: int) -> float:
+    """The process's CPU time so far, every thread's, user and system (Linux: /proc; else 0)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Pair(ServicePair):
     """The drafter and verifier of one tree, default flags; a phase of requests through them."""
 
+    def cpu(self) -> tuple[float, float]:
+        """(the verifier's, the drafter's) CPU seconds so far."""
+        procs = self.children.procs
+        return (cpu_seconds(procs[f"{self.name}-verifier"][0].pid), cpu_seconds(procs[f"{self.name}-drafter"][0].pid))
+
     async def phase(self, prompts: list[list[int]], together: bool, max_new_tokens: int, tag: str) -> dict:
-        """(tokens per request, summed request walls, phase wall)."""
+        """(tokens per request, summed request walls, phase wall, the services' CPU seconds)."""
         from shared.client import AsyncVerifierClient
 
         async with AsyncVerifierClient(f"127.0.0.1:{self.v_port}", timeout=600) as client:
@@ -56,17 +73,19 @@ class Pair(ServicePair):
                 waits = [r["draft_wait_ms"] for r in g.rounds if r["speculative"]]
                 return g.token_ids, time.perf_counter() - started, {**g.stats, "wait_ms": sum(waits)}
 
+            cpu_before = self.cpu()
             started = time.perf_counter()
             if together:
                 results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
             else:
                 results = [await one(i) for i in range(len(prompts))]
             wall = time.perf_counter() - started
+            cpu = [after - before for before, after in zip(cpu_before, self.cpu())]
         rounds = sum(stats.get("rounds", 0) for _, _, stats in results)
         speculative = sum(stats.get("speculative_rounds", 0) for _, _, stats in results)
         return {"tokens": [ids for ids, _, _ in results], "walls": sum(w for _, w, _ in results), "wall": wall,
                 "speculative": speculative / rounds if rounds else 0.0,
-                "wait_ms": sum(stats["wait_ms"] for _, _, stats in results)}
+                "wait_ms": sum(stats["wait_ms"] for _, _, stats in results), "cpu": cpu}
 
 
 async def main_async(args) -> None:
@@ -106,6 +125,8 @@ async def main_async(args) -> None:
                     tree=pair.name, block=block, one=one_tps, together=together_tps, ratio=together_tps / one_tps,
                     identical=sum(a == b for a, b in zip(alone["tokens"], both["tokens"])),
                     spec_alone=alone["speculative"], spec_together=both["speculative"],
+                    cpu_alone=[1e6 * c / tokens_alone for c in alone["cpu"]],
+                    cpu_together=[1e6 * c / tokens_both for c in both["cpu"]],
                     stable=sum(a == b for a, b in zip(alone["tokens"], reference[pair.name]))))
                 log(f"block {block + 1}/{args.blocks} {pair.name}: one request {one_tps:.1f} tokens/s, "
                     f"{len(prompts)} together {together_tps:.1f} ({together_tps / one_tps:.2f}x), identical "
@@ -122,12 +143,13 @@ async def main_async(args) -> None:
              + (f", baseline {' '.join(args.baseline_drafter_arg) or 'defaults'}" if args.baseline_tree else "")
              if args.drafter_arg or args.baseline_drafter_arg else "") + "\n")
     print("| tree | block | one request, tokens/s | together, tokens/s | together / one | together = alone | alone = block 1 "
-          "| speculative rounds alone / together |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| speculative rounds alone / together | CPU µs a token alone, verifier / drafter | together |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['tree']} | {r['block'] + 1} | {r['one']:.1f} | {r['together']:.1f} | {r['ratio']:.2f} "
               f"| {r['identical']}/{len(prompts)} | {r['stable']}/{len(prompts)} "
-              f"| {r['spec_alone']:.0%} / {r['spec_together']:.0%} |")
+              f"| {r['spec_alone']:.0%} / {r['spec_together']:.0%} "
+              f"| {r['cpu_alone'][0]:.0f} / {r['cpu_alone'][1]:.0f} | {r['cpu_together'][0]:.0f} / {r['cpu_together'][1]:.0f} |")
     print()
     for pair in pairs:
         ratios = [r["ratio"] for r in rows if r["tree"] == pair.name]
@@ -138,6 +160,12 @@ async def main_async(args) -> None:
             paired = [mine[key] / base[key] for base, mine in blocks]
             print(f"this tree / baseline, {what} tokens/s: median of paired ratios {statistics.median(paired):.2f} "
                   f"({min(paired):.2f}-{max(paired):.2f})")
+        for key, what in (("cpu_alone", "one request"), ("cpu_together", "together")):
+            for index, service in enumerate(("verifier", "drafter")):
+                paired = [mine[key][index] / base[key][index] for base, mine in blocks if base[key][index]]
+                if paired:
+                    print(f"this tree / baseline, {what}, the {service}'s CPU a token: median of paired ratios "
+                          f"{statistics.median(paired):.2f} ({min(paired):.2f}-{max(paired):.2f})")
 
 
 def main() -> None:

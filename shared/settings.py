@@ -100,7 +100,7 @@ def markdown_table(cls: type, env_prefix: str) -> str:
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE_CHOICES = ("auto", "none", "fp8")  # --quantize (shared.model.quantize.QUANTIZE)
-FUSED_CHOICES = ("auto", "on", "off")  # the fused-kernel path: auto = on for CUDA when the model allows
+FUSED_CHOICES = ("auto", "on", "off")  # the fused-kernel path: auto = on where the model allows (CUDA or CPU)
 
 
 ADDRESS_FORMS = "host:port, [ipv6]:port, dns:///name:port, ipv4:a:p,b:p, ipv6:[a]:p or unix:path"

@@ -79,9 +79,9 @@ class Engine:
         # or batch (DESIGN §11). The fused path gives it in one forward on the GPU (its kernels)
         # and on the CPU (its torch ops' products row by row); the reference path (fused off)
         # runs windows on the CPU as one-row steps.
-        if group is not None and not fused_wanted(model, fused, auto_on_cpu=True):
+        if group is not None and not fused_wanted(model, fused):
             raise ValueError("a model split over processes (--parallel) runs the fused path only (--fused auto or on)")
-        if fused_wanted(model, fused, auto_on_cpu=True):
+        if fused_wanted(model, fused):
             # Built before the KV plan: its workspaces and the linear-attention states (a slot's
             # per session and the scratch slot's) come out of the memory the pool may take.
             fused_model = build_fused(model, max_rows=batch_rows, max_length=max_context, num_state_slots=max_sessions + 1,

@@ -9,7 +9,7 @@ Batching: the chains of every session with a draft pending run step by step as o
 MTP runner (shared.model.mtp_runner), and so do their commits' catch-ups (`draft_batch`,
 `settle_batch`). On the fused path the sessions' rows live in one paged pool and a call is one
 ragged forward of row-invariant kernels, so a chain is bit for bit what it is alone; the
-reference modules (the CPU default) keep a cache per session and run them one after another.
+reference modules (`--fused off`) keep a cache per session and run them one after another.
 
 Draws (q_j is the processed distribution of the MTP logits, the target's sampling settings):
 - greedy: the argmax (point masses, no q rows sent);

@@ -153,15 +153,14 @@ def fused_unsupported(model: nn.Module) -> str | None:
     return family_of(model).unsupported(model)
 
 
-def fused_wanted(model: nn.Module, setting: str, *, auto_on_cpu: bool = False) -> bool:
+def fused_wanted(model: nn.Module, setting: str) -> bool:
     """Whether to run the fused path for a `fused` setting (auto | on | off). auto: where the
-    family's fused path runs the model, on CUDA (and on the CPU with auto_on_cpu: the verifier's
-    batched rounds, whose rows keep their one-row bits there too, DESIGN §11)."""
+    family's fused path runs the model, on CUDA or the CPU (whose rows keep their one-row bits
+    there too, DESIGN §11)."""
     reason = fused_unsupported(model)
     if setting == "on" and reason is not None:
         raise ValueError(f"fused = on, but {reason}")
-    device_ok = model.device.type == "cuda" or (auto_on_cpu and model.device.type == "cpu")
-    return setting == "on" or (setting == "auto" and device_ok and reason is None)
+    return setting == "on" or (setting == "auto" and model.device.type in ("cuda", "cpu") and reason is None)
 
 
 def build_fused(model: nn.Module, *, max_rows: int, max_length: int, num_state_slots: int = 0,
