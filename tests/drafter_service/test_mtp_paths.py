@@ -97,7 +97,7 @@ def test_suffix_rounds_owe_their_mtp_rows_until_an_mtp_chain_or_the_bound(tiny_m
     from drafter_service.drafter import MTP_DEBT_ROWS, Drafter
     from drafter_service.settings import DrafterSettings
 
-    drafter = Drafter(tiny_mtp_model, DrafterSettings(port=0, planner="suffix"))
+    drafter = Drafter(tiny_mtp_model, DrafterSettings(port=0, planner="suffix", fused="on"))
     forwards = []
     original = drafter.mtp.runner.run
     drafter.mtp.runner.run = lambda *a, **k: forwards.append(1) or original(*a, **k)
@@ -117,14 +117,14 @@ def test_suffix_rounds_owe_their_mtp_rows_until_an_mtp_chain_or_the_bound(tiny_m
     assert session.mtp.pending_rows == MTP_DEBT_ROWS and drafter.unsettled(session)
     assert not drafter.settles_on_loop(session)  # (model work: a worker job)
     drafter.settle(session)
-    assert len(forwards) == MTP_DEBT_ROWS // 4  # the reference modules (the drafter here): a forward a commit
+    assert len(forwards) == 1  # the fused path: the whole debt in one catch-up
     assert not session.mtp.pending and session.mtp.cache.length == len(session.tokens) - 1
     assert not drafter.unsettled(session)
 
     drafter.commit(session, commit_up(tiny_mtp_model, round_id=MTP_DEBT_ROWS // 4, emitted=[5, 6]).commit)
     assert session.mtp.pending_rows == 2 and not drafter.mtp_due(session)
     forwards.clear()
-    drafter.settings = DrafterSettings(port=0, planner="mtp")
+    drafter.settings = DrafterSettings(port=0, planner="mtp", fused="on")
     chain = drafter.propose(session)
     assert chain.source == common_pb2.DRAFT_SOURCE_MTP and chain.token_ids
     assert not session.mtp.pending and session.mtp.cache.length == len(session.tokens) - 1
