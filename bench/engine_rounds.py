@@ -13,7 +13,13 @@ DIR, in alternating order; the table gives each tree's median and the median of 
 ratios (this / other). Host work is what differs between trees here: with the small embedded
 model on a GPU a round is mostly host time.
 
+With --busy-share S each arm is timed a second time beside a Python thread of the same process
+that runs pure Python S of every 4 ms (as the service's event loop does beside its engine
+thread): what the interpreter lock costs the step (the `arm @ S` rows). --threads sets torch's
+CPU threads (the service's verifier takes 1 while its requests draft; 0: torch's default).
+
     python bench/engine_rounds.py --device cuda [--pairs 5] [--rounds 200] [--against-tree /tmp/base]
+    python bench/engine_rounds.py --device cpu --dtype float32 --threads 1 --busy-share 0.3
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ def worker(args) -> dict[str, float]:
     from verifier_service.rounds import RoundRequest
 
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = load_model(resolve_model(args.model), device=args.device, dtype=getattr(torch, args.dtype))
     vocab = model.config.vocab_size
     new_tokens = args.rounds + args.warmup + 8
@@ -85,19 +93,53 @@ def worker(args) -> dict[str, float]:
         return statistics.median(times) * 1e6
 
     out = {}
-    for arm in ARMS:
-        count = 8 if arm.endswith("x8") else 1
-        temperature = 0.8 if arm == "plain sampled" else 0.0
-        sessions = [engine.open(spec(prompt(), 5 * new_tokens, temperature=temperature, seed=i, request_id=str(i)))
-                    for i in range(count)]
-        out[arm] = timed(sessions, 4 if arm.startswith("verify") else 0, decode_ahead=arm.startswith("plain"))
+    for share in [0.0] + ([args.busy_share] if args.busy_share else []):
+        busy = BusyThread(share) if share else None
+        for arm in ARMS:
+            count = 8 if arm.endswith("x8") else 1
+            temperature = 0.8 if arm == "plain sampled" else 0.0
+            sessions = [engine.open(spec(prompt(), 5 * new_tokens, temperature=temperature, seed=i, request_id=str(i)))
+                        for i in range(count)]
+            out[arm_name(arm, share)] = timed(sessions, 4 if arm.startswith("verify") else 0,
+                                              decode_ahead=arm.startswith("plain"))
+        if busy is not None:
+            busy.stop()
     return out
+
+
+def arm_name(arm: str, share: float) -> str:
+    return f"{arm} @ {share:g}" if share else arm
+
+
+class BusyThread:
+    """A thread running pure Python `share` of every 4 ms period, sleeping the rest."""
+
+    PERIOD_S = 0.004
+
+    def __init__(self, share: float) -> None:
+        import threading
+
+        self.share, self._stop = share, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            until = time.perf_counter() + self.share * self.PERIOD_S
+            while time.perf_counter() < until:
+                sum(range(200))
+            time.sleep((1 - self.share) * self.PERIOD_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def run_worker(tree: Path, args) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(tree / "protos"), os.environ.get("PYTHONPATH", "")]))
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--device", args.device, "--dtype", args.dtype,
-            "--rounds", str(args.rounds), "--warmup", str(args.warmup)] + (["--model", args.model] if args.model else [])
+            "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--threads", str(args.threads),
+            "--busy-share", str(args.busy_share)] + (["--model", args.model] if args.model else [])
     done = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"worker in {tree} failed:\n{done.stderr[-3000:]}")
@@ -113,8 +155,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--against-tree", type=Path, default=None)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads in the workers (0: torch's default)")
+    parser.add_argument("--busy-share", type=float, default=0.0,
+                        help="also time each arm beside a Python thread busy this share of the time (0: not)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if not 0 <= args.busy_share < 1:
+        parser.error("--busy-share lies in [0, 1)")
     if args.worker:
         print(json.dumps(worker(args)))
         return
@@ -125,15 +172,15 @@ def main() -> None:
         for name in order:
             results[name].append(run_worker(trees[name], args))
         print(f"pair {pair + 1}/{args.pairs}: " + "; ".join(
-            f"{name} " + " / ".join(f"{results[name][-1][a]:.0f}" for a in ARMS) for name in trees),
+            f"{name} " + " / ".join(f"{value:.0f}" for value in results[name][-1].values()) for name in trees),
             file=sys.stderr, flush=True)
     print(f"\n### engine_rounds: {time.strftime('%Y-%m-%d')}, device {args.device}, {args.dtype}, "
-          f"{args.rounds} rounds after {args.warmup}, {args.pairs} worker pairs; µs per round (median of the "
-          "workers' medians)\n")
+          f"{args.rounds} rounds after {args.warmup}, {args.pairs} worker pairs, torch threads "
+          f"{args.threads or 'default'}; µs per round (median of the workers' medians)\n")
     head = "| arm | this tree |" + (" other tree | this / other (median of pairs) |" if "other" in trees else "")
     print(head)
     print("| --- | ---: |" + (" ---: | ---: |" if "other" in trees else ""))
-    for arm in ARMS:
+    for arm in results["this"][0]:
         row = f"| {arm} | {statistics.median(r[arm] for r in results['this']):.1f} |"
         if "other" in trees:
             ratio = statistics.median(a[arm] / b[arm] for a, b in zip(results["this"], results["other"]))
