@@ -104,8 +104,11 @@ def validate_chain(
 def retain(chain: ValidChain, *, mode: Mode, gate: Gate, policy: RetentionPolicy, limit: int) -> ValidChain | None:
     """Apply retention with confidences the verifier computes itself from the q rows (the
     drafter's reported confidences are not trusted: admission must not depend on the draw)."""
-    confidences = admission_confidences(torch.tensor(chain.token_ids), chain.q_rows, mode=mode, gate=gate)
-    keep = min(policy.keep(confidences.tolist()), limit)
+    if chain.q_rows is None:  # point masses: every confidence is 1 (admission_confidences), without
+        confidences = [1.0] * len(chain.token_ids)  # torch on the event loop (each op may wait for the lock)
+    else:
+        confidences = admission_confidences(torch.tensor(chain.token_ids), chain.q_rows, mode=mode, gate=gate).tolist()
+    keep = min(policy.keep(confidences), limit)
     if keep == 0:
         return None
     q_rows = None if chain.q_rows is None else chain.q_rows[0:keep]
