@@ -41,7 +41,13 @@ def encode_hidden(rows) -> "drafter_pb2.HiddenRows":
     """Final-norm hidden rows [n, hidden] as bf16 bytes (row-major)."""
     import torch
 
-    rows = rows.detach().to("cpu", torch.bfloat16).contiguous()
+    # (as few torch calls as the rows need: on the event loop each may wait for the interpreter lock)
+    if rows.requires_grad:
+        rows = rows.detach()
+    if rows.device.type != "cpu" or rows.dtype != torch.bfloat16:
+        rows = rows.to("cpu", torch.bfloat16)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
     num_rows, hidden_size = rows.shape
     return drafter_pb2.HiddenRows(
         num_rows=num_rows, hidden_size=hidden_size, bf16=rows.view(torch.int16).numpy().tobytes()

@@ -1,5 +1,6 @@
 """The generated protocol modules exist, round-trip, and tolerate unknown fields."""
 
+import pytest
 import subprocess
 import sys
 
@@ -41,3 +42,23 @@ def test_cli_prints_the_protocol():
     out = subprocess.run([sys.executable, "-m", "shared.cli", "protocol"], capture_output=True, text=True, check=True)
     assert "tandem protocol v1" in out.stdout
     assert "tandem.v1.Drafter" in out.stdout
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "transposed", "requires_grad"])
+def test_hidden_rows_round_trip_as_bf16(kind):
+    """encode_hidden sends rows as bf16 bytes whatever their dtype, layout or autograd state;
+    decode_hidden gives back the bf16 rows."""
+    import torch
+
+    from shared.protocol import decode_hidden, encode_hidden
+
+    rows = torch.randn(5, 6, generator=torch.Generator().manual_seed(3))
+    if kind == "bfloat16":
+        rows = rows.to(torch.bfloat16)
+    elif kind == "transposed":
+        rows = torch.randn(6, 5, generator=torch.Generator().manual_seed(3)).t()
+    elif kind == "requires_grad":
+        rows = rows.requires_grad_()
+    message = encode_hidden(rows)
+    assert (message.num_rows, message.hidden_size) == (5, 6)
+    assert torch.equal(decode_hidden(message), rows.detach().to(torch.bfloat16))
