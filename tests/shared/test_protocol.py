@@ -1,8 +1,9 @@
 """The generated protocol modules exist, round-trip, and tolerate unknown fields."""
 
-import pytest
 import subprocess
 import sys
+
+import pytest
 
 from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, drafter_pb2_grpc, service_names, verifier_pb2
 
