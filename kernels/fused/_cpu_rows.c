@@ -540,12 +540,88 @@ static PyObject *qk_rope(PyObject *self, PyObject *args) {
     return run_released(qk_rope_rows, &c, (size_t)(4 * c.head_dim));
 }
 
+/* route(partials, live, ids, weights, num_rows, splits, num_experts, top_k, normalize, round_bf16, has_live):
+   the router's plain top-k, row by row: logits = the split-K partials [T, S, E] float32 added in split
+   order, rounded to bfloat16 when the model's dtype is; p = softmax (float32: exp(x - max) with libm's
+   expf, summed in expert order, divided by the sum); the k largest p, ties to the lower id; weights
+   [T, k] float32 = those p, divided by max(their sum in rank order, 2^-14) when normalize; ids [T, k]
+   int64 (-1 on a row whose live [T] int64 entry is 0). */
+struct route_call {
+    const float *partials;
+    const int64_t *live;
+    int64_t *ids;
+    float *weights;
+    Py_ssize_t num_rows, splits, num_experts, top_k;
+    int normalize, round, has_live;
+};
+
+MACHINE_CLONES
+static void route_rows(const void *call, float *buf) {
+    const struct route_call *c = call;
+    const Py_ssize_t E = c->num_experts, k = c->top_k;
+    float *probs = buf;
+    unsigned char *taken = (unsigned char *)(buf + E);
+    for (Py_ssize_t t = 0; t < c->num_rows; t++) {
+        const float *p = c->partials + t * c->splits * E;
+        float top = -INFINITY;
+        for (Py_ssize_t e = 0; e < E; e++) {
+            float x = p[e];
+            for (Py_ssize_t s = 1; s < c->splits; s++) x += p[s * E + e];
+            if (c->round) x = round_bf16(x);
+            probs[e] = x;
+            if (x > top) top = x;
+        }
+        float total = 0.0f;
+        for (Py_ssize_t e = 0; e < E; e++) {
+            probs[e] = expf(probs[e] - top);
+            total += probs[e];
+        }
+        for (Py_ssize_t e = 0; e < E; e++) {
+            probs[e] /= total;
+            taken[e] = 0;
+        }
+        int64_t *ids = c->ids + t * k;
+        float *w = c->weights + t * k;
+        float chosen = 0.0f;
+        for (Py_ssize_t r = 0; r < k; r++) {
+            Py_ssize_t best = -1;
+            for (Py_ssize_t e = 0; e < E; e++)  /* strictly greater: the lower id keeps a tie */
+                if (!taken[e] && (best < 0 || probs[e] > probs[best])) best = e;
+            taken[best] = 1;
+            ids[r] = best;
+            w[r] = probs[best];
+            chosen += probs[best];
+        }
+        if (c->normalize) {
+            const float floor = 6.103515625e-05f;  /* 2^-14 */
+            const float denominator = chosen > floor ? chosen : floor;
+            for (Py_ssize_t r = 0; r < k; r++) w[r] /= denominator;
+        }
+        if (c->has_live && c->live[t] == 0)
+            for (Py_ssize_t r = 0; r < k; r++) ids[r] = -1;
+    }
+}
+
+static PyObject *route(PyObject *self, PyObject *args) {
+    unsigned long long partials, live, ids, weights;
+    struct route_call c;
+    if (!PyArg_ParseTuple(args, "KKKKnnnniii", &partials, &live, &ids, &weights, &c.num_rows, &c.splits,
+                          &c.num_experts, &c.top_k, &c.normalize, &c.round, &c.has_live))
+        return NULL;
+    c.partials = (const float *)(uintptr_t)partials;
+    c.live = (const int64_t *)(uintptr_t)live;
+    c.ids = (int64_t *)(uintptr_t)ids;
+    c.weights = (float *)(uintptr_t)weights;
+    return run_released(route_rows, &c, (size_t)(2 * c.num_experts + 1));
+}
+
 static PyMethodDef methods[] = {
     {"attention", attention, METH_VARARGS, "Paged decode attention, row by row (see kernels/fused/cpu_rows.py)."},
     {"experts", experts, METH_VARARGS, "Routed experts' outputs, route by route (see kernels/fused/cpu_rows.py)."},
     {"partials", partials, METH_VARARGS, "Split-K partial products, row by row (see kernels/fused/cpu_rows.py)."},
     {"add_norm", add_norm, METH_VARARGS, "Residual add and RMS norm, row by row (see kernels/fused/cpu_rows.py)."},
     {"qk_rope", qk_rope, METH_VARARGS, "q/k norms, RoPE and the KV write, row by row (see kernels/fused/cpu_rows.py)."},
+    {"route", route, METH_VARARGS, "The router's plain top-k, row by row (see kernels/fused/cpu_rows.py)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,6 +1,6 @@
 """The CPU's decode/verify step in native calls, one per op for all rows (DESIGN §11): attention,
 the routed experts, the products (whole and split-K), the residual add + RMS norm (after
-partials or the experts' combine), q/k norms + RoPE + the KV write.
+partials or the experts' combine), q/k norms + RoPE + the KV write, the router's plain top-k.
 
 On the CPU a window or a batch runs as one forward whose rows must keep their one-row bits.
 The torch references (`attention_reference`, `experts_reference`, `torch_rowwise_linear`, ...)
@@ -230,3 +230,42 @@ def qk_norm_rope_store(
                        k_norm.data_ptr(), cos.data_ptr(), sin.data_ptr(), num_rows, num_heads, num_kv_heads, head_dim,
                        q_head_stride, rot, block_size, block_tables.shape[1], eps, int(centred), TYPES[dtype])
     return q
+
+
+def route(
+    router_logits: Tensor,  # [T, E] or split-K partials [T, S, E] float32
+    top_k: int,
+    round_to: torch.dtype | None,  # partials: the dtype their sum is rounded to
+    normalize: bool,
+    live: Tensor | None,  # [T]: 0 marks a padding row (its ids -1)
+) -> tuple[Tensor, Tensor] | None:
+    """kernels.fused.router.route's plain top-k (no residency map, no shared expert): expert_ids
+    [T, k] int64 and weights [T, k] float32, or None where the kernel does not apply. The
+    softmax is the kernel's own (libm's expf, sums in expert order), so a weight may differ from
+    torch's in its last bits and two experts whose probabilities torch rounds apart may tie here
+    (the lower id wins), as the reference's rule says."""
+    native = _native()
+    if native is None or router_logits.device.type != "cpu":
+        return None
+    if router_logits.dim() == 3:
+        if router_logits.dtype != torch.float32 or round_to not in TYPES:
+            return None
+        splits, rounded = router_logits.shape[1], round_to == torch.bfloat16
+    elif router_logits.dim() == 2 and router_logits.dtype in TYPES:
+        splits, rounded = 1, False
+        router_logits = router_logits.float()  # (bf16 logits are exact in float32)
+    else:
+        return None
+    num_rows, num_experts = router_logits.shape[0], router_logits.shape[-1]
+    if not 1 <= top_k <= num_experts:
+        return None
+    partials = router_logits.contiguous()
+    live = None if live is None else live.to(torch.int64).contiguous()  # [T]
+    if live is not None and live.shape != (num_rows,):
+        return None
+    ids = torch.empty((num_rows, top_k), dtype=torch.int64)
+    weights = torch.empty((num_rows, top_k), dtype=torch.float32)
+    if num_rows:
+        native.route(partials.data_ptr(), 0 if live is None else live.data_ptr(), ids.data_ptr(), weights.data_ptr(),
+                     num_rows, splits, num_experts, top_k, int(normalize), int(rounded), int(live is not None))
+    return ids, weights

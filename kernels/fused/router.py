@@ -19,7 +19,7 @@ import functools
 import torch
 from torch import Tensor
 
-from kernels.fused import launch_options, next_power_of_2, tl_dtype, use_triton
+from kernels.fused import cpu_rows, launch_options, next_power_of_2, tl_dtype, use_triton
 from kernels.routing import WEIGHT_FLOOR, moce_multipliers, route_topk
 
 ROUTE_WARPS = 1  # per row, up to 256 experts (launch settings are module constants: bench/config_sweep.py)
@@ -134,6 +134,10 @@ def route(
     if partials and round_to is None:
         raise ValueError("route: split-K partial logits need round_to")
     if not use_triton(router_logits):
+        if resident is None and not shared_gate:
+            native = cpu_rows.route(router_logits, top_k, round_to, normalize, live)
+            if native is not None:
+                return native
         if partials:
             summed = router_logits[:, 0]
             for s in range(1, partials):

@@ -290,3 +290,57 @@ def test_native_qk_norm_rope_store_is_the_reference_and_row_invariant(dtype, lay
     with pytest.raises(ValueError, match="outside"):
         cpu_rows.qk_norm_rope_store(qkv[:1], q_norm, k_norm, cos, sin, torch.tensor([64]), slots[:1], keys, values,
                                     tables, heads, kv_heads, 1e-6, centred, rot, q_stride)
+
+
+def torch_route(router_logits, top_k, round_to, normalize, live):
+    """kernels.fused.router.route's torch way (the reference path it takes where the native
+    kernel does not apply)."""
+    from kernels.routing import route_topk
+
+    if router_logits.dim() == 3:
+        summed = router_logits[:, 0]
+        for s in range(1, router_logits.shape[1]):
+            summed = summed + router_logits[:, s]
+        router_logits = summed.to(round_to)
+    ids, weights = route_topk(router_logits, top_k, normalize=normalize)
+    if live is not None:
+        ids = torch.where(live.unsqueeze(1) != 0, ids, -1)
+    return ids, weights
+
+
+@pytest.mark.parametrize("round_to", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [0, 1, 3])  # 0: logits [T, E] in round_to, not partials
+@pytest.mark.parametrize("normalize", [True, False])
+def test_native_route_is_the_references_top_k_and_row_invariant(round_to, splits, normalize):
+    """300 rows of random router logits, 16 experts, top 1 to 4: the same experts in the same rank
+    order as the torch way, the weights within 1e-6 (the kernel's own softmax), padding rows'
+    ids -1; each row alone gives its bits in the batch."""
+    g = torch.Generator().manual_seed(21)
+    logits = torch.randn(300, max(splits, 1), 16, generator=g) * 3  # [T, S, E]
+    router_logits = logits if splits else logits[:, 0].to(round_to)
+    live = (torch.rand(300, generator=g) > 0.1).to(torch.int32)
+    for top_k in (1, 2, 4):
+        ids, weights = cpu_rows.route(router_logits, top_k, round_to, normalize, live)
+        expected_ids, expected_weights = torch_route(router_logits, top_k, round_to, normalize, live)
+        assert torch.equal(ids, expected_ids)
+        torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-6)
+        for i in (0, 7, 299):
+            alone_ids, alone_weights = cpu_rows.route(router_logits[i : i + 1], top_k, round_to, normalize, live[i : i + 1])
+            assert torch.equal(alone_ids[0], ids[i]) and torch.equal(alone_weights[0], weights[i])
+
+
+def test_native_route_ties_go_to_the_lower_id_and_route_takes_it(monkeypatch):
+    """Equal logits: the lower expert id ranks first (the reference's rule); kernels.fused.router.
+    route takes the kernel on the CPU for a plain top-k and leaves MoCE routing to torch."""
+    from kernels.fused.router import route
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    logits = torch.tensor([[0.5, 2.0, 2.0, 1.0, 2.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    ids, weights = cpu_rows.route(logits, 3, None, True, None)
+    assert ids.tolist() == [[1, 2, 4], [0, 1, 2]]
+    torch.testing.assert_close(weights, torch.full((2, 3), 1 / 3), rtol=1e-6, atol=1e-6)
+    calls = []
+    native = cpu_rows.route
+    monkeypatch.setattr(cpu_rows, "route", lambda *a: calls.append(1) or native(*a))
+    assert torch.equal(route(logits, 3, normalize=True)[0], ids) and calls == [1]
+    assert cpu_rows.route(logits, 0, None, True, None) is None and cpu_rows.route(logits, 6, None, True, None) is None
