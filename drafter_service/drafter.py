@@ -244,9 +244,10 @@ class Drafter:
         )
 
     def mtp_batch(self, items: list[tuple[DraftSession, Plan | None]]) -> list[Proposal | None]:
-        """One job of the MTP batcher (worker): every session's deferred MTP rows in shared
-        forwards, the suffix counts of those that only settle, then the chains of those with a
-        plan (their drafts step by step in shared forwards); None for a settle."""
+        """One job of the MTP batcher (worker): the MTP debts of the sessions with a plan or a
+        debt due (mtp_due) in shared forwards, the suffix counts of those that only settle, then
+        the chains of those with a plan (their drafts step by step in shared forwards); None for
+        a settle."""
         if len({id(session) for session, _ in items}) != len(items):
             raise ValueError("a batch holds one piece of work per session")
         drafts = [(session, plan) for session, plan in items if plan is not None]
