@@ -167,7 +167,7 @@ class Drafter:
         return not cls.mtp_due(session) and len(session.tokens) - session.suffix.counted <= LOOP_COUNT
 
     def settle(self, session: DraftSession) -> None:
-        """Work a commit left for after its chain was sent: the MTP rows, then suffix counts."""
+        """Work a commit left for after its chain was sent: the MTP debt if due, then suffix counts."""
         self.settle_batch([session])
 
     def settle_batch(self, sessions: list[DraftSession]) -> None:

@@ -45,7 +45,7 @@ class MTPState:
         self.next_logits: Tensor | None = None  # [vocab]: q_0 of the next chain
         self.last_out: Tensor | None = None  # [hidden]: MTP output of the last committed row
         # Committed rows not yet run through the MTP layer (MTPProposer.settle), the session's
-        # debt: they wait until a chain needs MTP, or until the debt is due (Drafter.unsettled).
+        # debt: they wait until a chain needs MTP, or until the debt is due (Drafter.mtp_due).
         self.pending: list[tuple[Tensor, list[int]]] = []
 
     @property
@@ -224,10 +224,13 @@ class MTPProposer:
 def _merged(pending: list[tuple[Tensor, list[int]]], max_rows: int) -> list[tuple[Tensor, list[int]]]:
     """Consecutive commits joined while their rows fit max_rows (a longer one stays alone)."""
     groups: list[list[tuple[Tensor, list[int]]]] = []
+    rows = 0  # in the last group
     for commit in pending:
-        if groups and sum(len(ids) for _, ids in groups[-1]) + len(commit[1]) <= max_rows:
+        if groups and rows + len(commit[1]) <= max_rows:
             groups[-1].append(commit)
+            rows += len(commit[1])
         else:
             groups.append([commit])
+            rows = len(commit[1])
     return [(torch.cat([hidden for hidden, _ in group]), [token for _, ids in group for token in ids])
             for group in groups]
