@@ -51,10 +51,11 @@ CONTEXT_TABLE = Extension("drafter_service.proposers._context_table",
                           depends=["drafter_service/proposers/_context_table.h"], libraries=["m"],
                           extra_compile_args=["-std=gnu11"])
 
-# The CPU's row-invariant attention and experts (kernels/fused/cpu_rows.py); likewise C99, no dependency.
+# The CPU's row-invariant step kernels (kernels/fused/cpu_rows.py) and the step as one call
+# (kernels/fused/cpu_step.py); likewise C99, no dependency.
 # (-Wno-psabi: its 32-byte vector type is passed between inlined functions only.)
-CPU_ROWS = Extension("kernels.fused._cpu_rows", sources=["kernels/fused/_cpu_rows.c"], libraries=["m"],
-                     depends=["kernels/_machine_clones.h"],
+CPU_ROWS = Extension("kernels.fused._cpu_rows", sources=["kernels/fused/_cpu_rows.c", "kernels/fused/_cpu_step.c"],
+                     libraries=["m"], depends=["kernels/_machine_clones.h", "kernels/fused/_cpu_rows.h"],
                      extra_compile_args=["-std=gnu11", "-Wno-psabi"])
 
 # The processed distribution of sampled rows on the CPU (kernels/sampling.py); likewise.

@@ -9,53 +9,9 @@ step.
 Arguments are raw addresses and sizes: the Python wrapper checks devices, dtypes, shapes and
 contiguity before calling. Element types: 0 = float32, 1 = bfloat16. */
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "_cpu_rows.h"
 
-#include "../_machine_clones.h"
-
-enum { F32 = 0, BF16 = 1 };
 #define LANES 8
-
-/* The loops are compiled twice (MACHINE_CLONES: AVX2 + FMA and the baseline, one per process). */
-/* (the helpers inline into each clone, so they are compiled for its machine too) */
-#define HELPER static inline __attribute__((always_inline))
-
-HELPER float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* Round to bfloat16 (to nearest, ties to even) and back, as torch's .to(torch.bfloat16). */
-HELPER float round_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7f800000u) == 0x7f800000u) {  /* inf or nan: keep (quiet a nan) */
-        if (bits & 0x007fffffu) bits |= 0x00400000u;
-        bits &= 0xffff0000u;
-    } else {
-        bits += 0x7fffu + ((bits >> 16) & 1u);
-        bits &= 0xffff0000u;
-    }
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* n values of type `type` at p (offset i elements) into dst as float32. */
-HELPER void load_row(float *dst, const void *p, Py_ssize_t i, Py_ssize_t n, int type) {
-    if (type == F32) {
-        memcpy(dst, (const float *)p + i, (size_t)n * 4);
-    } else {
-        const uint16_t *h = (const uint16_t *)p + i;
-        for (Py_ssize_t j = 0; j < n; j++) dst[j] = bf16_to_f32(h[j]);
-    }
-}
 
 /* The sum of a[j] * b[j], j < n, as every kernel here takes it: eight lanes (lane j % 8), then
    ((0+4) + (1+5)) + ((2+6) + (3+7)). GCC's vector type keeps the lanes explicit on any target. */
@@ -115,12 +71,6 @@ HELPER const float *rows_f32(const void *p, Py_ssize_t i, Py_ssize_t stride, Py_
     return buf;
 }
 
-/* attention(q, keys, values, tables, positions, slots, out, num_rows, num_heads, num_kv, head_dim,
-             block_size, max_blocks, type)
-   q [T, Hq, D] and the cache [blocks, block_size, Hkv, D] of `type`; tables [slots, max_blocks]
-   int32; positions, slots [T] int64; out [T, Hq, D] float32. Row t attends to positions
-   0..positions[t] of its slot's blocks (float32 softmax, scale 1/sqrt(D)), block by block in
-   position order. */
 /* Each entry point fills its call's struct, then runs its kernel on a scratch buffer of `floats`
    floats with the GIL released. */
 typedef void (*row_kernel)(const void *call, float *buf);
@@ -135,17 +85,14 @@ static PyObject *run_released(row_kernel kernel, const void *call, size_t floats
     Py_RETURN_NONE;
 }
 
-struct attention_call {
-    const void *q, *keys, *values;
-    const int32_t *tables;
-    const int64_t *positions, *slots;
-    float *out;
-    Py_ssize_t num_rows, num_heads, num_kv, head_dim, block_size, max_blocks, max_length;
-    int type;
-};
-
+/* attention(q, keys, values, tables, positions, slots, out, num_rows, num_heads, num_kv, head_dim,
+             block_size, max_blocks, type)
+   q [T, Hq, D] and the cache [blocks, block_size, Hkv, D] of `type`; tables [slots, max_blocks]
+   int32; positions, slots [T] int64; out [T, Hq, D] float32. Row t attends to positions
+   0..positions[t] of its slot's blocks (float32 softmax, scale 1/sqrt(D)), block by block in
+   position order. */
 MACHINE_CLONES
-static void attention_rows(const void *call, float *buf) {
+KERNEL void attention_rows(const void *call, float *buf) {
     const struct attention_call *c = call;
     const Py_ssize_t head_dim = c->head_dim, block_size = c->block_size;
     const Py_ssize_t group = c->num_heads / c->num_kv, row_stride = c->num_kv * head_dim;  /* a position's, in a block */
@@ -207,7 +154,7 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     c.max_length = 0;
     for (Py_ssize_t t = 0; t < c.num_rows; t++)
         if (c.positions[t] + 1 > c.max_length) c.max_length = c.positions[t] + 1;
-    return run_released(attention_rows, &c, (size_t)(c.max_length + 2 * c.head_dim + c.block_size * c.head_dim));
+    return run_released(attention_rows, &c, attention_scratch(&c));
 }
 
 /* experts(x, ids, gate_up, down, out, num_tokens, top_k, num_experts, hidden, inter, type)
@@ -216,26 +163,9 @@ static PyObject *attention(PyObject *self, PyObject *args) {
    down_e · (silu(gate_e · x_t) * (up_e · x_t)), with the torch reference's roundings to `type`
    (the products' outputs and the activation). An expert's routes are taken together, a block
    of its weight rows at a time (read once for all of them); each route's sums are its own. */
-#define ROW_BLOCK 16
-struct experts_call {
-    const void *x, *gate_up, *down;
-    const int64_t *ids;
-    float *out;
-    Py_ssize_t num_tokens, top_k, num_experts, hidden, inter;
-    int type;
-};
-
-/* buf: per route its input row [H], gate/up [2I], activation [I]; a block of weight rows (these
-   experts_floats floats, an even count); then the routes by expert: order [routes + 1] and
-   starts [E + 2] (Py_ssize_t). */
-static size_t experts_floats(const struct experts_call *c) {
-    const Py_ssize_t routes = c->num_tokens * c->top_k, width = c->hidden > c->inter ? c->hidden : c->inter;
-    const size_t floats = (size_t)(routes * (c->hidden + 3 * c->inter) + ROW_BLOCK * width);
-    return floats + floats % 2;  /* (the index arrays after it stay 8-byte aligned) */
-}
 
 MACHINE_CLONES
-static void expert_routes(const void *call, float *buf) {
+KERNEL void expert_routes(const void *call, float *buf) {
     const struct experts_call *c = call;
     const Py_ssize_t hidden = c->hidden, inter = c->inter, num_routes = c->num_tokens * c->top_k;
     const int64_t *ids = c->ids;
@@ -300,8 +230,7 @@ static PyObject *experts(PyObject *self, PyObject *args) {
     c.gate_up = (const void *)(uintptr_t)gate_up;
     c.down = (const void *)(uintptr_t)down;
     c.out = (float *)(uintptr_t)out;
-    const size_t index_floats = 2 * (size_t)(c.num_tokens * c.top_k + 1 + c.num_experts + 2);  /* Py_ssize_t: 2 floats */
-    return run_released(expert_routes, &c, experts_floats(&c) + index_floats);
+    return run_released(expert_routes, &c, experts_scratch(&c));
 }
 
 /* partials(x, weight, out, num_rows, num_out, num_in, x_stride, weight_stride, splits, step, type):
@@ -309,15 +238,9 @@ static PyObject *experts(PyObject *self, PyObject *args) {
    K: zeros), each sum in lanes_total's order — linear_partials' split-K products, and with one
    split rowwise_linear's. A block of weight rows at a time, for every row of x (the weight read
    once for all of them). */
-struct products_call {
-    const void *x, *weight;
-    float *out;
-    Py_ssize_t num_rows, num_out, num_in, x_stride, weight_stride, splits, step;
-    int type;
-};
 
 MACHINE_CLONES
-static void partial_rows(const void *call, float *buf) {
+KERNEL void partial_rows(const void *call, float *buf) {
     const struct products_call *c = call;
     const Py_ssize_t splits = c->splits, step = c->step;
     const Py_ssize_t num_in = c->num_in;
@@ -354,7 +277,7 @@ static PyObject *partials(PyObject *self, PyObject *args) {
     c.x = (const void *)(uintptr_t)x;
     c.weight = (const void *)(uintptr_t)weight;
     c.out = (float *)(uintptr_t)out;
-    return run_released(partial_rows, &c, (size_t)((c.num_rows + ROW_BLOCK) * c.num_in));
+    return run_released(partial_rows, &c, partials_scratch(&c));
 }
 
 /* The rows' RMS norm as add_rmsnorm_reference takes it: y = float32 h, y * rsqrt(mean(y^2) + eps),
@@ -382,37 +305,15 @@ HELPER void rms_norm(const float *h, const void *weight, Py_ssize_t n, float eps
     }
 }
 
-HELPER void store_row(void *p, Py_ssize_t i, const float *src, Py_ssize_t n, int type) {
-    if (type == F32) {
-        memcpy((float *)p + i, src, (size_t)n * 4);
-    } else {
-        uint16_t *h = (uint16_t *)p + i;
-        for (Py_ssize_t j = 0; j < n; j++) {
-            const float r = round_bf16(src[j]);
-            uint32_t bits;
-            memcpy(&bits, &r, 4);
-            h[j] = (uint16_t)(bits >> 16);
-        }
-    }
-}
-
 /* add_norm(x, kind, residual, weight, normed, new_residual, route_weights, num_rows, hidden, terms, eps,
             centred, type): new_residual = residual + x' (x' alone without a residual), normed = its
    RMS norm, where x' is by kind: 0 x [T, H] of `type`; 1 split-K partials [T, terms, H] float32
    summed in split order; 2 routes' outputs [T*terms, H] float32 weighted by route_weights
    [T, terms] float32 and summed in rank order — each rounded to `type` before the add, as the
    references round them. */
-struct norm_call {
-    const void *x, *residual, *weight;
-    const float *route_weights;
-    void *normed, *new_residual;
-    Py_ssize_t num_rows, hidden, terms;
-    float eps;
-    int kind, centred, type;
-};
 
 MACHINE_CLONES
-static void add_norm_rows(const void *call, float *buf) {
+KERNEL void add_norm_rows(const void *call, float *buf) {
     const struct norm_call *c = call;
     const Py_ssize_t n = c->hidden;
     float *h = buf, *r = h + n, *w_row = r + n, *out = w_row + n;
@@ -456,7 +357,7 @@ static PyObject *add_norm(PyObject *self, PyObject *args) {
     c.normed = (void *)(uintptr_t)normed;
     c.new_residual = (void *)(uintptr_t)new_residual;
     c.route_weights = (const float *)(uintptr_t)route_weights;
-    return run_released(add_norm_rows, &c, (size_t)(4 * c.hidden));
+    return run_released(add_norm_rows, &c, norm_scratch(&c));
 }
 
 /* qk_rope(qkv, qkv_stride, q_out, keys, values, tables, positions, slots, q_norm, k_norm, cos, sin,
@@ -466,19 +367,9 @@ static PyObject *add_norm(PyObject *self, PyObject *args) {
    float32 tables' row at the position, rounded to `type`); q to q_out [T, Hq, D], k and v (as
    they are) to the cache at (slot, position). qkv's columns: query head h at h * q_head_stride,
    then the key heads, then the value heads (D each). */
-struct rope_call {
-    const void *qkv, *q_norm, *k_norm;
-    void *q_out, *keys, *values;
-    const int32_t *tables;
-    const int64_t *positions, *slots;
-    const float *cos, *sin;
-    Py_ssize_t num_rows, qkv_stride, num_heads, num_kv, head_dim, q_head_stride, rot, block_size, max_blocks;
-    float eps;
-    int centred, type;
-};
 
 MACHINE_CLONES
-static void qk_rope_rows(const void *call, float *buf) {
+KERNEL void qk_rope_rows(const void *call, float *buf) {
     const struct rope_call *c = call;
     const Py_ssize_t d = c->head_dim, half = c->rot / 2;
     float *x = buf, *normed = x + d, *w_row = normed + d, *out = w_row + d;
@@ -537,7 +428,7 @@ static PyObject *qk_rope(PyObject *self, PyObject *args) {
     c.k_norm = (const void *)(uintptr_t)k_norm;
     c.cos = (const float *)(uintptr_t)cos;
     c.sin = (const float *)(uintptr_t)sin;
-    return run_released(qk_rope_rows, &c, (size_t)(4 * c.head_dim));
+    return run_released(qk_rope_rows, &c, rope_scratch(&c));
 }
 
 /* route(partials, live, ids, weights, num_rows, splits, num_experts, top_k, normalize, round_bf16, has_live):
@@ -546,17 +437,9 @@ static PyObject *qk_rope(PyObject *self, PyObject *args) {
    expf, summed in expert order, divided by the sum); the k largest p, ties to the lower id; weights
    [T, k] float32 = those p, divided by max(their sum in rank order, 2^-14) when normalize; ids [T, k]
    int64 (-1 on a row whose live [T] int64 entry is 0). */
-struct route_call {
-    const float *partials;
-    const int64_t *live;
-    int64_t *ids;
-    float *weights;
-    Py_ssize_t num_rows, splits, num_experts, top_k;
-    int normalize, round, has_live;
-};
 
 MACHINE_CLONES
-static void route_rows(const void *call, float *buf) {
+KERNEL void route_rows(const void *call, float *buf) {
     const struct route_call *c = call;
     const Py_ssize_t E = c->num_experts, k = c->top_k;
     float *probs = buf;
@@ -612,7 +495,34 @@ static PyObject *route(PyObject *self, PyObject *args) {
     c.live = (const int64_t *)(uintptr_t)live;
     c.ids = (int64_t *)(uintptr_t)ids;
     c.weights = (float *)(uintptr_t)weights;
-    return run_released(route_rows, &c, (size_t)(2 * c.num_experts + 1));
+    return run_released(route_rows, &c, route_scratch(&c));
+}
+
+/* argmax(logits, out, num_rows, width): out [T] int64 = the index of each float32 row's first largest
+   value, a NaN counting as larger than any number (torch.argmax's rule). Comparisons only: exact. */
+static void argmax_rows(const float *logits, int64_t *out, Py_ssize_t num_rows, Py_ssize_t width) {
+    for (Py_ssize_t t = 0; t < num_rows; t++) {
+        const float *row = logits + t * width;
+        Py_ssize_t best = 0;
+        for (Py_ssize_t j = 0; j < width; j++) {
+            if (isnan(row[j])) {
+                best = j;
+                break;
+            }
+            if (row[j] > row[best]) best = j;
+        }
+        out[t] = best;
+    }
+}
+
+static PyObject *argmax(PyObject *self, PyObject *args) {
+    unsigned long long logits, out;
+    Py_ssize_t num_rows, width;
+    if (!PyArg_ParseTuple(args, "KKnn", &logits, &out, &num_rows, &width)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    argmax_rows((const float *)(uintptr_t)logits, (int64_t *)(uintptr_t)out, num_rows, width);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
@@ -622,6 +532,9 @@ static PyMethodDef methods[] = {
     {"add_norm", add_norm, METH_VARARGS, "Residual add and RMS norm, row by row (see kernels/fused/cpu_rows.py)."},
     {"qk_rope", qk_rope, METH_VARARGS, "q/k norms, RoPE and the KV write, row by row (see kernels/fused/cpu_rows.py)."},
     {"route", route, METH_VARARGS, "The router's plain top-k, row by row (see kernels/fused/cpu_rows.py)."},
+    {"argmax", argmax, METH_VARARGS, "Greedy ids of float32 rows (see kernels/fused/cpu_rows.py)."},
+    {"step_plan", step_plan, METH_VARARGS, "A qwen3_moe step's plan (see kernels/fused/cpu_step.py)."},
+    {"step_run", step_run, METH_VARARGS, "A qwen3_moe step as one call (see kernels/fused/cpu_step.py)."},
     {NULL, NULL, 0, NULL},
 };
 

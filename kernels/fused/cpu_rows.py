@@ -1,6 +1,7 @@
 """The CPU's decode/verify step in native calls, one per op for all rows (DESIGN §11): attention,
 the routed experts, the products (whole and split-K), the residual add + RMS norm (after
-partials or the experts' combine), q/k norms + RoPE + the KV write, the router's plain top-k.
+partials or the experts' combine), q/k norms + RoPE + the KV write, the router's plain top-k,
+the greedy ids. (kernels.fused.cpu_step chains them into one call for a whole step.)
 
 On the CPU a window or a batch runs as one forward whose rows must keep their one-row bits.
 The torch references (`attention_reference`, `experts_reference`, `torch_rowwise_linear`, ...)
@@ -33,6 +34,11 @@ def _native() -> ModuleType | None:
     except ImportError:  # not built (a source tree without `pip install -e .` or build_ext)
         return None
     return _cpu_rows
+
+
+def native() -> ModuleType | None:
+    """The compiled module (None where it was not built); kernels.fused.cpu_step calls its step."""
+    return _native()
 
 
 def available() -> bool:
@@ -269,3 +275,18 @@ def route(
         native.route(partials.data_ptr(), 0 if live is None else live.data_ptr(), ids.data_ptr(), weights.data_ptr(),
                      num_rows, splits, num_experts, top_k, int(normalize), int(rounded), int(live is not None))
     return ids, weights
+
+
+def argmax(logits: Tensor) -> Tensor | None:  # [T, V] float32
+    """logits.argmax(dim=-1) [T] int64 (the first largest value; a NaN counts as the largest), or
+    None where the kernel does not apply."""
+    module = _native()
+    if module is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2:
+        return None
+    logits = logits.contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    if logits.shape[0] and logits.shape[1]:
+        module.argmax(logits.data_ptr(), out.data_ptr(), logits.shape[0], logits.shape[1])
+    elif logits.shape[0]:
+        return None  # (torch raises for an empty row; let it)
+    return out

@@ -218,7 +218,7 @@ def linear_partials(
     _check("linear_partials", x, weight)
     num_rows, num_in = x.shape
     if not use_triton(x) or num_rows > MAX_FUSED_ROWS:
-        step = _k_per_split(weight, x.dtype, splits)
+        step = k_per_split(weight, x.dtype, splits)
         if num_rows <= MAX_FUSED_ROWS:
             out = cpu_rows.partials(x, weight, splits, step)
             if out is not None:
@@ -270,7 +270,7 @@ def fp8_way(exact: bool, x: Tensor) -> dict[str, bool]:
     return dict(EXACT=exact, ASM=exact and FP8_ASM and x.is_cuda and x.dtype == torch.bfloat16)
 
 
-def _k_per_split(weight: Weight, dtype: torch.dtype, splits: int) -> int:
+def k_per_split(weight: Weight, dtype: torch.dtype, splits: int) -> int:
     """K columns per split: whole K tiles of the weight's configuration (as the kernel splits)."""
     block_k = weight_config(weight, dtype)[1]
     return cdiv(cdiv(weight.shape[1], splits), block_k) * block_k

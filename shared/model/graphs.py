@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
+from kernels.fused import cpu_rows
 from shared.model.fused import FusedForward
 from shared.model.rows import Rows
 from shared.model.kv_cache import CacheLength, KVPool
@@ -198,7 +199,8 @@ class FusedRunner:
 
     def _forward(self, shape: Shape) -> WindowOutput:
         logits, hidden = self._trunk(self._rows(shape), shape)
-        output = WindowOutput(logits, hidden, logits.argmax(dim=-1))
+        greedy_ids = cpu_rows.argmax(logits) if self.device.type == "cpu" else None  # (the lock dropped once)
+        output = WindowOutput(logits, hidden, logits.argmax(dim=-1) if greedy_ids is None else greedy_ids)
         if shape[2] == 1:
             self.last_ids[: shape[0]].copy_(output.greedy_ids)
         return output

@@ -7,7 +7,10 @@ host and every buffer shape follows the row count, so a forward captures into a 
 except with experts offloaded to host memory (shared.model.offload: each MoE layer's routes
 are read on the host; on CUDA the window runner replays graph segments between those reads,
 shared.model.segments).
-On the CPU each op runs its torch reference (or, under the Triton interpreter, its kernel).
+On the CPU each op runs its native row kernel (kernels.fused.cpu_rows) or its torch reference
+(or, under the Triton interpreter, its kernel); a trunk forward whose every op has its native
+kernel runs as one native call instead (kernels.fused.cpu_step: the same kernels in the same
+order, so the same bits; `native_step` switches it).
 
 Split over ranks (`group`, DESIGN §13): the model is this rank's share (shared.model.parallel.
 shard). Each rank runs only the routes to its own experts (the others zeroed) and the ranks'
@@ -28,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.fused import pdl_supported
+from kernels.fused import cpu_step, pdl_supported, use_triton
 from kernels.fused.attention import AttentionWorkspace, decode_attention
-from kernels.fused.linear import dense, linear, linear_partials, prefill_linear, split_k
+from kernels.fused.linear import dense, k_per_split, linear, linear_partials, prefill_linear, split_k
 from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, fused_experts, silu_mul
 from kernels.fused.norm import add_rmsnorm, qk_norm_rope_store
 from kernels.fused.router import route
@@ -92,6 +95,7 @@ class FusedModel(LayerwiseForward):
 
     states = None  # no linear-attention layers: no per-sequence state beside the KV pool
     segmented_offload = True  # offloaded forwards replay as graph segments (shared.model.segments)
+    native_step = True  # on the CPU, trunk forwards as one native call where it applies (kernels.fused.cpu_step)
 
     def __init__(self, model: Qwen3MoeModel, *, max_rows: int, max_length: int, pdl: bool | None = None,
                  invariant: bool = True, expert_prefetch: bool = False, group: ModelGroup | None = None) -> None:
@@ -130,6 +134,7 @@ class FusedModel(LayerwiseForward):
                     layer.expert_table = expert_table(layer.router.shape[0], group.shard, model.device)
         self.mtp_offload = None if self.mtp_layer is None else offload_over(
             [self.mtp_layer.store if self.mtp_layer.moe else None], prefetch=False)
+        self._step_plans: dict[int, tuple[PagedKV, cpu_step.StepPlan | None]] = {}  # by id(kv), kv kept alive
 
     @property
     def offloaded(self) -> bool:
@@ -231,7 +236,41 @@ class FusedModel(LayerwiseForward):
 
         token_ids [T]; kv: the paged cache of every trunk layer.
         """
+        step = self._step_plan(kv) if routing is None and token_ids.shape[0] <= cpu_step.MAX_ROWS else None
+        if step is not None:
+            return step.run(token_ids, rows.positions, rows.slots, rows.live)
         return self.trunk_rows(token_ids, rows, kv, routing)
+
+    def _step_plan(self, kv: PagedKV) -> cpu_step.StepPlan | None:
+        """The CPU step's plan over this cache (made at its first forward), or None where a forward
+        runs op by op: on a GPU, under the Triton interpreter, with experts in host memory, split
+        over ranks, a dense layer, the reference products (invariant=False), or a layout or weight
+        format the step does not read."""
+        if not self.native_step or self.model.device.type != "cpu":
+            return None
+        held = self._step_plans.get(id(kv))
+        if held is not None:
+            return held[1]
+        model = self.model
+        step = None
+        if (not use_triton(model.embed_tokens.weight) and self.invariant and self.group is None
+                and self.offload is None and all(layer.moe for layer in self.layers)):
+            step = cpu_step.plan(model.embed_tokens.weight, model.lm_head.weight, self.cos, self.sin, kv.block_tables,
+                                 [self._step_layer(layer, next_norm, kv) for layer, next_norm in zip(self.layers, self.next_norms)],
+                                 self.layers[0].num_heads, self.layers[0].num_kv_heads)
+        self._step_plans[id(kv)] = (kv, step)
+        return step
+
+    def _step_layer(self, layer: FusedLayer, next_norm: Tensor, kv: PagedKV) -> cpu_step.StepLayer:
+        keys, values = kv.layers[layer.kv_index]
+        dtype = self.model.dtype
+        return cpu_step.StepLayer(
+            input_norm=layer.input_norm, qkv=layer.qkv, q_norm=layer.q_norm, k_norm=layer.k_norm, o=layer.o,
+            o_splits=layer.o_splits, o_step=k_per_split(layer.o, dtype, layer.o_splits), post_norm=layer.post_norm,
+            router=layer.router, router_splits=layer.router_splits,
+            router_step=k_per_split(layer.router, dtype, layer.router_splits), top_k=layer.top_k,
+            normalize=layer.normalize, gate_up=layer.store.gate_up, down=layer.store.down, next_norm=next_norm,
+            keys=keys, values=values, eps=layer.eps)
 
     def embed(self, token_ids: Tensor) -> tuple[Tensor, Tensor]:  # [T]
         """(normed, residual) entering the first layer."""

@@ -1,0 +1,163 @@
+/* What the CPU's native row kernels (_cpu_rows.c) and the step that chains them (_cpu_step.c)
+share: element types, the conversions every kernel inlines, each kernel's call and the scratch
+it needs. Every float computation of a row lives in the kernels (compiled per machine, one
+clone a process), so the step adds no arithmetic of its own: its rows keep the kernels' bits. */
+#ifndef TANDEM_CPU_ROWS_H
+#define TANDEM_CPU_ROWS_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../_machine_clones.h"
+
+enum { F32 = 0, BF16 = 1 };
+/* The loops are compiled twice (MACHINE_CLONES: AVX2 + FMA and the baseline, one per process). */
+/* (the helpers inline into each clone, so they are compiled for its machine too) */
+#define HELPER static inline __attribute__((always_inline))
+/* The row kernels: called by their entry points (_cpu_rows.c) and by the step (_cpu_step.c). */
+#define KERNEL __attribute__((visibility("hidden")))
+
+HELPER float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Round to bfloat16 (to nearest, ties to even) and back, as torch's .to(torch.bfloat16). */
+HELPER float round_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7f800000u) == 0x7f800000u) {  /* inf or nan: keep (quiet a nan) */
+        if (bits & 0x007fffffu) bits |= 0x00400000u;
+        bits &= 0xffff0000u;
+    } else {
+        bits += 0x7fffu + ((bits >> 16) & 1u);
+        bits &= 0xffff0000u;
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* n values of type `type` at p (offset i elements) into dst as float32. */
+HELPER void load_row(float *dst, const void *p, Py_ssize_t i, Py_ssize_t n, int type) {
+    if (type == F32) {
+        memcpy(dst, (const float *)p + i, (size_t)n * 4);
+    } else {
+        const uint16_t *h = (const uint16_t *)p + i;
+        for (Py_ssize_t j = 0; j < n; j++) dst[j] = bf16_to_f32(h[j]);
+    }
+}
+
+/* n floats from src into p (offset i elements) as `type` (rounded to nearest even for bfloat16). */
+HELPER void store_row(void *p, Py_ssize_t i, const float *src, Py_ssize_t n, int type) {
+    if (type == F32) {
+        memcpy((float *)p + i, src, (size_t)n * 4);
+    } else {
+        uint16_t *h = (uint16_t *)p + i;
+        for (Py_ssize_t j = 0; j < n; j++) {
+            const float r = round_bf16(src[j]);
+            uint32_t bits;
+            memcpy(&bits, &r, 4);
+            h[j] = (uint16_t)(bits >> 16);
+        }
+    }
+}
+
+#define ROW_BLOCK 16  /* weight rows read together (the products and the experts) */
+
+/* Each kernel's call (the fields its entry point's comment in _cpu_rows.c describes). */
+struct attention_call {
+    const void *q, *keys, *values;
+    const int32_t *tables;
+    const int64_t *positions, *slots;
+    float *out;
+    Py_ssize_t num_rows, num_heads, num_kv, head_dim, block_size, max_blocks, max_length;
+    int type;
+};
+
+struct experts_call {
+    const void *x, *gate_up, *down;
+    const int64_t *ids;
+    float *out;
+    Py_ssize_t num_tokens, top_k, num_experts, hidden, inter;
+    int type;
+};
+
+struct products_call {
+    const void *x, *weight;
+    float *out;
+    Py_ssize_t num_rows, num_out, num_in, x_stride, weight_stride, splits, step;
+    int type;
+};
+
+struct norm_call {
+    const void *x, *residual, *weight;
+    const float *route_weights;
+    void *normed, *new_residual;
+    Py_ssize_t num_rows, hidden, terms;
+    float eps;
+    int kind, centred, type;
+};
+
+struct rope_call {
+    const void *qkv, *q_norm, *k_norm;
+    void *q_out, *keys, *values;
+    const int32_t *tables;
+    const int64_t *positions, *slots;
+    const float *cos, *sin;
+    Py_ssize_t num_rows, qkv_stride, num_heads, num_kv, head_dim, q_head_stride, rot, block_size, max_blocks;
+    float eps;
+    int centred, type;
+};
+
+struct route_call {
+    const float *partials;
+    const int64_t *live;
+    int64_t *ids;
+    float *weights;
+    Py_ssize_t num_rows, splits, num_experts, top_k;
+    int normalize, round, has_live;
+};
+
+typedef void (*row_kernel)(const void *call, float *buf);
+
+KERNEL void attention_rows(const void *call, float *buf);
+KERNEL void expert_routes(const void *call, float *buf);
+KERNEL void partial_rows(const void *call, float *buf);
+KERNEL void add_norm_rows(const void *call, float *buf);
+KERNEL void qk_rope_rows(const void *call, float *buf);
+KERNEL void route_rows(const void *call, float *buf);
+
+/* Scratch floats each kernel's buf needs. */
+HELPER size_t attention_scratch(const struct attention_call *c) {
+    return (size_t)(c->max_length + 2 * c->head_dim + c->block_size * c->head_dim);
+}
+
+/* the experts' buf: per route its input row [H], gate/up [2I], activation [I]; a block of weight
+   rows (these experts_floats floats, an even count); then the routes by expert: order
+   [routes + 1] and starts [E + 2] (Py_ssize_t: 2 floats each). */
+HELPER size_t experts_floats(const struct experts_call *c) {
+    const Py_ssize_t routes = c->num_tokens * c->top_k, width = c->hidden > c->inter ? c->hidden : c->inter;
+    const size_t floats = (size_t)(routes * (c->hidden + 3 * c->inter) + ROW_BLOCK * width);
+    return floats + floats % 2;  /* (the index arrays after it stay 8-byte aligned) */
+}
+
+HELPER size_t experts_scratch(const struct experts_call *c) {
+    return experts_floats(c) + 2 * (size_t)(c->num_tokens * c->top_k + 1 + c->num_experts + 2);
+}
+
+HELPER size_t partials_scratch(const struct products_call *c) { return (size_t)((c->num_rows + ROW_BLOCK) * c->num_in); }
+HELPER size_t norm_scratch(const struct norm_call *c) { return (size_t)(4 * c->hidden); }
+HELPER size_t rope_scratch(const struct rope_call *c) { return (size_t)(4 * c->head_dim); }
+HELPER size_t route_scratch(const struct route_call *c) { return (size_t)(2 * c->num_experts + 1); }
+
+/* The step's entry points (_cpu_step.c), in the module's method table (_cpu_rows.c). */
+KERNEL PyObject *step_plan(PyObject *self, PyObject *args);
+KERNEL PyObject *step_run(PyObject *self, PyObject *args);
+
+#endif

@@ -1,0 +1,283 @@
+/* The CPU's decode/verify step as one native call (kernels/fused/cpu_step.py wraps it).
+
+A qwen3_moe trunk's rows through every layer — the embedding, each layer's norms, q/k/v, q/k
+norms + RoPE + the KV write, attention, the o projection, the router's top-k, the routed experts
+and their combine — and then the logits, by the row kernels of _cpu_rows.c, called in the order
+the per-op path (shared/model/families/qwen3_moe/fused.py) calls them, with the roundings its
+wrappers make between them (a product's float32 output to the model's dtype). The step computes
+nothing itself, so a row's bits are the per-op path's, which are its one-row step's (DESIGN §11).
+
+Why one call: the per-op path makes ~15 native calls a layer from Python, each dropping and
+retaking the interpreter lock; in the service the event loop, a thread of the same process,
+holds that lock between them, and every retake waits for it. The step takes it back once.
+
+step_plan(model, layers) -> a capsule of the weights' and caches' addresses and the shapes
+  model: (embed, lm_head, cos, sin, tables, hidden, vocab, num_heads, num_kv, head_dim, num_experts,
+          inter, block_size, max_blocks, num_slots, max_positions, embed_stride, lm_head_stride, type)
+  layers: [(input_norm, qkv, q_norm, k_norm, o, post_norm, router, gate_up, down, next_norm, keys,
+            values, o_splits, o_step, router_splits, router_step, top_k, normalize, eps)]
+step_run(plan, token_ids, positions, slots, live, num_rows, logits, hidden)
+  token_ids, positions, slots [T] int64, live [T] int64 or 0 (the router's padding rows); writes
+  logits [T, vocab] float32, hidden [T, H] (the final norm's rows, of the model's type) and the
+  rows' K and V into the cache. Raises IndexError / ValueError (the lock held) for a token id
+  outside the vocabulary or a position or slot outside the tables, as the per-op path does. */
+
+#include "_cpu_rows.h"
+
+struct step_layer {
+    const void *input_norm, *qkv, *q_norm, *k_norm, *o, *post_norm, *router, *gate_up, *down, *next_norm;
+    void *keys, *values;
+    Py_ssize_t o_splits, o_step, router_splits, router_step, top_k;
+    int normalize;
+    float eps;
+};
+
+struct step_plan {
+    const void *embed, *lm_head;
+    const float *cos, *sin;
+    const int32_t *tables;
+    Py_ssize_t hidden, vocab, num_heads, num_kv, head_dim, num_experts, inter, block_size, max_blocks, num_slots,
+        max_positions, embed_stride, lm_head_stride, num_layers;
+    int type;
+    struct step_layer layers[];
+};
+
+/* One step's rows and its buffers (named views of one allocation). */
+struct step_rows {
+    const int64_t *token_ids, *positions, *slots, *live;
+    Py_ssize_t num_rows, max_length;
+    float *logits;
+    void *hidden;
+};
+
+struct step_buffers {
+    void *residual, *normed, *qkv, *q, *attn;  /* the model's type */
+    float *product, *attn_f32,  /* (bfloat16: the products' float32 outputs before their rounding) */
+    *o_partials, *router_partials, *route_weights, *route_out, *scratch;
+    int64_t *expert_ids;
+};
+
+static const char PLAN[] = "tandem.cpu_step";
+
+static void free_plan(PyObject *capsule) { free(PyCapsule_GetPointer(capsule, PLAN)); }
+
+static void *address(unsigned long long value) { return (void *)(uintptr_t)value; }
+
+KERNEL PyObject *step_plan(PyObject *self, PyObject *args) {
+    PyObject *model, *layers;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyTuple_Type, &model, &PyList_Type, &layers)) return NULL;
+    const Py_ssize_t num_layers = PyList_GET_SIZE(layers);
+    struct step_plan *p = calloc(1, sizeof *p + (size_t)num_layers * sizeof(struct step_layer));
+    if (!p) return PyErr_NoMemory();
+    unsigned long long embed, lm_head, cos, sin, tables;
+    if (!PyArg_ParseTuple(model, "KKKKKnnnnnnnnnnnnni", &embed, &lm_head, &cos, &sin, &tables, &p->hidden, &p->vocab,
+                          &p->num_heads, &p->num_kv, &p->head_dim, &p->num_experts, &p->inter, &p->block_size,
+                          &p->max_blocks, &p->num_slots, &p->max_positions, &p->embed_stride, &p->lm_head_stride,
+                          &p->type)) {
+        free(p);
+        return NULL;
+    }
+    p->embed = address(embed), p->lm_head = address(lm_head);
+    p->cos = address(cos), p->sin = address(sin), p->tables = address(tables);
+    p->num_layers = num_layers;
+    for (Py_ssize_t i = 0; i < num_layers; i++) {
+        struct step_layer *l = &p->layers[i];
+        unsigned long long w[12];
+        PyObject *item = PyList_GET_ITEM(layers, i);
+        if (!PyTuple_Check(item) ||
+            !PyArg_ParseTuple(item, "KKKKKKKKKKKKnnnnnif", &w[0], &w[1], &w[2], &w[3], &w[4], &w[5], &w[6], &w[7], &w[8],
+                              &w[9], &w[10], &w[11], &l->o_splits, &l->o_step, &l->router_splits, &l->router_step,
+                              &l->top_k, &l->normalize, &l->eps)) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "step_plan: a layer is a tuple");
+            free(p);
+            return NULL;
+        }
+        l->input_norm = address(w[0]), l->qkv = address(w[1]), l->q_norm = address(w[2]), l->k_norm = address(w[3]);
+        l->o = address(w[4]), l->post_norm = address(w[5]), l->router = address(w[6]), l->gate_up = address(w[7]);
+        l->down = address(w[8]), l->next_norm = address(w[9]), l->keys = address(w[10]), l->values = address(w[11]);
+    }
+    PyObject *capsule = PyCapsule_New(p, PLAN, free_plan);
+    if (!capsule) free(p);
+    return capsule;
+}
+
+static Py_ssize_t most_splits(const struct step_plan *p, int router) {
+    Py_ssize_t most = 1;
+    for (Py_ssize_t i = 0; i < p->num_layers; i++) {
+        const Py_ssize_t s = router ? p->layers[i].router_splits : p->layers[i].o_splits;
+        if (s > most) most = s;
+    }
+    return most;
+}
+
+static Py_ssize_t most_top_k(const struct step_plan *p) {
+    Py_ssize_t most = 1;
+    for (Py_ssize_t i = 0; i < p->num_layers; i++)
+        if (p->layers[i].top_k > most) most = p->layers[i].top_k;
+    return most;
+}
+
+#define MAX(a, b) ((a) > (b) ? (a) : (b))
+
+/* The largest scratch any kernel of the step asks for (kernels share one). */
+static size_t scratch_floats(const struct step_plan *p, const struct step_rows *r) {
+    const Py_ssize_t T = r->num_rows, H = p->hidden, k = most_top_k(p);
+    const struct attention_call attention = {.max_length = r->max_length, .head_dim = p->head_dim,
+                                             .block_size = p->block_size};
+    const struct experts_call experts = {.num_tokens = T, .top_k = k, .num_experts = p->num_experts, .hidden = H,
+                                         .inter = p->inter};
+    const struct products_call widest = {.num_rows = T, .num_in = MAX(H, p->num_heads * p->head_dim)};
+    const struct norm_call norm = {.hidden = H};
+    const struct rope_call rope = {.head_dim = p->head_dim};
+    const struct route_call route = {.num_experts = p->num_experts};
+    size_t most = attention_scratch(&attention);
+    most = MAX(most, experts_scratch(&experts));
+    most = MAX(most, partials_scratch(&widest));
+    most = MAX(most, norm_scratch(&norm));
+    most = MAX(most, rope_scratch(&rope));
+    return MAX(most, route_scratch(&route));
+}
+
+/* Carve the buffers out of one allocation (each 64-byte aligned); returns it (NULL: no memory). */
+static void *allocate(const struct step_plan *p, const struct step_rows *r, struct step_buffers *b) {
+    const size_t T = (size_t)r->num_rows, H = (size_t)p->hidden, es = p->type == F32 ? 4 : 2;
+    const size_t heads = (size_t)(p->num_heads * p->head_dim), qkv = (size_t)((p->num_heads + 2 * p->num_kv) * p->head_dim);
+    const size_t k = (size_t)most_top_k(p), E = (size_t)p->num_experts;
+    const size_t sizes[] = {
+        T * H * es, T * H * es, T * qkv * es, T * heads * es, T * heads * es,  /* residual .. attn */
+        T * qkv * 4, T * heads * 4, T * (size_t)most_splits(p, 0) * H * 4, T * (size_t)most_splits(p, 1) * E * 4,
+        T * k * 4, T * k * H * 4, scratch_floats(p, r) * 4, T * k * 8,
+    };
+    enum { COUNT = sizeof sizes / sizeof sizes[0] };
+    size_t offsets[COUNT], total = 0;
+    for (int i = 0; i < COUNT; i++) {
+        offsets[i] = total;
+        total += (sizes[i] + 63) / 64 * 64;
+    }
+    unsigned char *base = aligned_alloc(64, total ? total : 64);
+    if (!base) return NULL;
+    void **views[] = {&b->residual, &b->normed, &b->qkv, &b->q, &b->attn};
+    for (int i = 0; i < 5; i++) *views[i] = base + offsets[i];
+    float **floats[] = {&b->product, &b->attn_f32, &b->o_partials, &b->router_partials, &b->route_weights,
+                        &b->route_out, &b->scratch};
+    for (int i = 0; i < 7; i++) *floats[i] = (float *)(base + offsets[5 + i]);
+    b->expert_ids = (int64_t *)(base + offsets[12]);
+    return base;
+}
+
+/* One product as the per-op path's `linear` (one split over all of K) or `linear_partials`. */
+static void product(const void *x, Py_ssize_t num_rows, Py_ssize_t num_in, const void *weight, Py_ssize_t num_out,
+                    Py_ssize_t weight_stride, Py_ssize_t splits, Py_ssize_t step, float *out, int type, float *scratch) {
+    const struct products_call c = {.x = x, .weight = weight, .out = out, .num_rows = num_rows, .num_out = num_out,
+                                    .num_in = num_in, .x_stride = num_in, .weight_stride = weight_stride,
+                                    .splits = splits, .step = step, .type = type};
+    partial_rows(&c, scratch);
+}
+
+static void norm(const void *x, int kind, Py_ssize_t terms, const float *route_weights, void *residual,
+                 const void *weight, void *normed, const struct step_plan *p, Py_ssize_t num_rows, float eps,
+                 float *scratch) {
+    const struct norm_call c = {.x = x, .residual = kind ? residual : NULL, .weight = weight,
+                                .route_weights = route_weights, .normed = normed, .new_residual = kind ? residual : NULL,
+                                .num_rows = num_rows, .hidden = p->hidden, .terms = terms, .eps = eps, .kind = kind,
+                                .centred = 0, .type = p->type};
+    add_norm_rows(&c, scratch);  /* (a row's residual is read before it is written: in place is safe) */
+}
+
+static void layer_rows(const struct step_plan *p, const struct step_layer *l, const struct step_rows *r,
+                       struct step_buffers *b) {
+    const Py_ssize_t T = r->num_rows, H = p->hidden, D = p->head_dim;
+    const Py_ssize_t heads = p->num_heads * D, width = (p->num_heads + 2 * p->num_kv) * D;
+    const int type = p->type;
+    /* mix: q/k/v, their norms and RoPE (k and v to the cache), attention, o, the residual and the post norm */
+    product(b->normed, T, H, l->qkv, width, H, 1, H, type == F32 ? (float *)b->qkv : b->product, type, b->scratch);
+    if (type == BF16) store_row(b->qkv, 0, b->product, T * width, BF16);
+    const struct rope_call rope = {.qkv = b->qkv, .q_norm = l->q_norm, .k_norm = l->k_norm, .q_out = b->q,
+                                   .keys = l->keys, .values = l->values, .tables = p->tables,
+                                   .positions = r->positions, .slots = r->slots, .cos = p->cos, .sin = p->sin,
+                                   .num_rows = T, .qkv_stride = width, .num_heads = p->num_heads,
+                                   .num_kv = p->num_kv, .head_dim = D, .q_head_stride = D, .rot = D,
+                                   .block_size = p->block_size, .max_blocks = p->max_blocks, .eps = l->eps,
+                                   .centred = 0, .type = type};
+    qk_rope_rows(&rope, b->scratch);
+    const struct attention_call attention = {.q = b->q, .keys = l->keys, .values = l->values, .tables = p->tables,
+                                             .positions = r->positions, .slots = r->slots,
+                                             .out = type == F32 ? (float *)b->attn : b->attn_f32,
+                                             .num_rows = T, .num_heads = p->num_heads, .num_kv = p->num_kv,
+                                             .head_dim = D, .block_size = p->block_size,
+                                             .max_blocks = p->max_blocks, .max_length = r->max_length, .type = type};
+    attention_rows(&attention, b->scratch);
+    if (type == BF16) store_row(b->attn, 0, b->attn_f32, T * heads, BF16);
+    product(b->attn, T, heads, l->o, H, heads, l->o_splits, l->o_step, b->o_partials, type, b->scratch);
+    norm(b->o_partials, 1, l->o_splits, NULL, b->residual, l->post_norm, b->normed, p, T, l->eps, b->scratch);
+    /* the router's top-k, the routed experts, their weighted sum, the residual and the next norm */
+    product(b->normed, T, H, l->router, p->num_experts, H, l->router_splits, l->router_step, b->router_partials,
+            type, b->scratch);
+    const struct route_call route = {.partials = b->router_partials, .live = r->live, .ids = b->expert_ids,
+                                     .weights = b->route_weights, .num_rows = T, .splits = l->router_splits,
+                                     .num_experts = p->num_experts, .top_k = l->top_k, .normalize = l->normalize,
+                                     .round = type == BF16, .has_live = r->live != NULL};
+    route_rows(&route, b->scratch);
+    const struct experts_call experts = {.x = b->normed, .gate_up = l->gate_up, .down = l->down, .ids = b->expert_ids,
+                                         .out = b->route_out, .num_tokens = T, .top_k = l->top_k,
+                                         .num_experts = p->num_experts, .hidden = H, .inter = p->inter, .type = type};
+    expert_routes(&experts, b->scratch);
+    norm(b->route_out, 2, l->top_k, b->route_weights, b->residual, l->next_norm, b->normed, p, T, l->eps, b->scratch);
+}
+
+static void run_step(const struct step_plan *p, const struct step_rows *r, struct step_buffers *b) {
+    const Py_ssize_t T = r->num_rows, H = p->hidden;
+    const size_t es = p->type == F32 ? 4 : 2;
+    for (Py_ssize_t t = 0; t < T; t++)  /* the embedding's rows: the first residual */
+        memcpy((unsigned char *)b->residual + (size_t)(t * H) * es,
+               (const unsigned char *)p->embed + (size_t)(r->token_ids[t] * p->embed_stride) * es, (size_t)H * es);
+    norm(b->residual, 0, 1, NULL, NULL, p->layers[0].input_norm, b->normed, p, T, p->layers[0].eps, b->scratch);
+    for (Py_ssize_t i = 0; i < p->num_layers; i++) layer_rows(p, &p->layers[i], r, b);
+    /* the logits: `linear` to float32 rounds through the model's type first */
+    product(b->normed, T, H, p->lm_head, p->vocab, p->lm_head_stride, 1, H, r->logits, p->type, b->scratch);
+    if (p->type == BF16)
+        for (size_t j = 0; j < (size_t)(T * p->vocab); j++) r->logits[j] = round_bf16(r->logits[j]);
+    memcpy(r->hidden, b->normed, (size_t)(T * H) * es);
+}
+
+KERNEL PyObject *step_run(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    unsigned long long token_ids, positions, slots, live, logits, hidden;
+    struct step_rows r;
+    if (!PyArg_ParseTuple(args, "OKKKKnKK", &capsule, &token_ids, &positions, &slots, &live, &r.num_rows, &logits,
+                          &hidden))
+        return NULL;
+    const struct step_plan *p = PyCapsule_GetPointer(capsule, PLAN);
+    if (!p) return NULL;
+    if (p->num_layers < 1) {
+        PyErr_SetString(PyExc_ValueError, "step_run: the plan has no layers");
+        return NULL;
+    }
+    r.token_ids = address(token_ids), r.positions = address(positions), r.slots = address(slots);
+    r.live = address(live), r.logits = address(logits), r.hidden = address(hidden);
+    const Py_ssize_t position_limit = MAX(0, p->max_positions < p->max_blocks * p->block_size
+                                                 ? p->max_positions : p->max_blocks * p->block_size);
+    r.max_length = 0;
+    for (Py_ssize_t t = 0; t < r.num_rows; t++) {  /* the C kernels index with these unchecked */
+        if (r.token_ids[t] < 0 || r.token_ids[t] >= p->vocab) {
+            PyErr_Format(PyExc_IndexError, "step_run: token id %lld of row %zd is outside the vocabulary (%zd)",
+                         (long long)r.token_ids[t], t, p->vocab);
+            return NULL;
+        }
+        if (r.positions[t] < 0 || r.positions[t] >= position_limit || r.slots[t] < 0 || r.slots[t] >= p->num_slots) {
+            PyErr_Format(PyExc_ValueError, "step_run: row %zd's position or slot is outside the block tables "
+                         "(or the rotary table)", t);
+            return NULL;
+        }
+        if (r.positions[t] + 1 > r.max_length) r.max_length = r.positions[t] + 1;
+    }
+    if (r.num_rows == 0) Py_RETURN_NONE;
+    struct step_buffers b;
+    void *arena = allocate(p, &r, &b);
+    if (!arena) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    run_step(p, &r, &b);
+    Py_END_ALLOW_THREADS
+    free(arena);
+    Py_RETURN_NONE;
+}

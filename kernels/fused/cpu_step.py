@@ -1,0 +1,136 @@
+"""The CPU's decode/verify step as one native call (DESIGN §11): a qwen3_moe trunk's rows
+through every layer and the logits, by the row kernels of `cpu_rows` in the per-op path's order
+and with its roundings (`_cpu_step.c`), so a row's bits are the per-op path's.
+
+Why: the per-op path makes ~15 native calls a layer from Python, each dropping and retaking the
+interpreter lock. In the service the event loop is a thread of the same process; while it runs,
+every retake waits, and a step beside it took ~1.5× its time alone (docs/PERFORMANCE.md,
+session 32). The step program takes the lock back once, and its Python glue (~half of a small
+step) goes with it.
+
+A `StepPlan` holds the weights' and the paged cache's addresses, checked once (`plan`: None
+where the step does not apply — no native build, a dtype other than float32 / bfloat16, FP8
+weights, a layout it does not read); `run` takes a step's rows. The plan keeps its tensors
+alive; the caller must not replace them (the paged pool's tensors never are).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kernels.fused import cpu_rows
+from kernels.fused.linear import MAX_FUSED_ROWS
+from kernels.fused.moe import MAX_FUSED_TOKENS
+
+MAX_ROWS = min(MAX_FUSED_ROWS, MAX_FUSED_TOKENS)  # the per-op path's native kernels' domain
+
+
+@dataclass(frozen=True)
+class StepLayer:
+    """One MoE decoder layer as the step reads it (the fused layout's tensors)."""
+
+    input_norm: Tensor  # [H]
+    qkv: Tensor  # [(Hq + 2 Hkv) D, H]
+    q_norm: Tensor  # [D]
+    k_norm: Tensor  # [D]
+    o: Tensor  # [H, Hq D]
+    o_splits: int
+    o_step: int  # K columns of an o split
+    post_norm: Tensor  # [H]
+    router: Tensor  # [E, H]
+    router_splits: int
+    router_step: int
+    top_k: int
+    normalize: bool
+    gate_up: Tensor  # [E, 2I, H]
+    down: Tensor  # [E, H, I]
+    next_norm: Tensor  # [H]: the next layer's input norm, or the final norm
+    keys: Tensor  # [num_blocks, block_size, Hkv, D]: this layer's paged cache
+    values: Tensor
+    eps: float
+
+
+def _contiguous(dtype: torch.dtype, *tensors: Tensor) -> bool:
+    return all(isinstance(t, Tensor) and t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous()
+               for t in tensors)
+
+
+class StepPlan:
+    def __init__(self, native, capsule, keep: tuple, hidden: int, vocab: int, dtype: torch.dtype) -> None:
+        self._native, self._capsule, self._keep = native, capsule, keep
+        self.hidden, self.vocab, self.dtype = hidden, vocab, dtype
+
+    def run(self, token_ids: Tensor, positions: Tensor, slots: Tensor,
+            live: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(logits [T, vocab] float32, final-norm hidden [T, H]) of rows at (slot, position), their
+        K and V written to the cache; T <= MAX_ROWS. live [T]: 0 marks a padding row (no experts)."""
+        num_rows = token_ids.shape[0]
+        if num_rows > MAX_ROWS:
+            raise ValueError(f"step: {num_rows} rows is more than the step's {MAX_ROWS}")
+        token_ids = token_ids.to(torch.int64).contiguous()  # [T]
+        positions = positions.to(torch.int64).contiguous()  # [T]
+        slots = slots.to(torch.int64).contiguous()  # [T]
+        if live is not None:
+            live = live.to(torch.int64).contiguous()  # [T]
+        if positions.shape != (num_rows,) or slots.shape != (num_rows,) or (live is not None and live.shape != (num_rows,)):
+            raise ValueError("step: token_ids, positions, slots (and live) must be [T] each")
+        logits = torch.empty((num_rows, self.vocab), dtype=torch.float32)
+        hidden = torch.empty((num_rows, self.hidden), dtype=self.dtype)
+        self._native.step_run(self._capsule, token_ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+                              0 if live is None else live.data_ptr(), num_rows, logits.data_ptr(), hidden.data_ptr())
+        return logits, hidden
+
+
+def plan(
+    embed: Tensor,  # [V, H]
+    lm_head: Tensor,  # [V, H]
+    cos: Tensor,  # [max_positions, D] float32 (the whole head rotated)
+    sin: Tensor,
+    block_tables: Tensor,  # [num_slots, max_blocks] int32
+    layers: list[StepLayer],
+    num_heads: int,
+    num_kv_heads: int,
+) -> StepPlan | None:
+    """The step's plan over these tensors, or None where the step does not apply."""
+    native = cpu_rows.native()
+    if native is None or not layers or embed.dtype not in cpu_rows.TYPES:
+        return None
+    dtype = embed.dtype
+    hidden, vocab = embed.shape[1], lm_head.shape[0]
+    head_dim = layers[0].q_norm.shape[0]
+    num_experts, inter = layers[0].down.shape[0], layers[0].down.shape[2]
+    keys = layers[0].keys
+    if embed.dim() != 2 or embed.stride(1) != 1 or lm_head.dim() != 2 or lm_head.shape[1] != hidden or lm_head.stride(1) != 1:
+        return None
+    if lm_head.dtype != dtype or not _contiguous(torch.float32, cos, sin) or not _contiguous(torch.int32, block_tables):
+        return None
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != head_dim or keys.dim() != 4:
+        return None
+    if num_heads % num_kv_heads or keys.shape[2:] != (num_kv_heads, head_dim):
+        return None
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    for layer in layers:
+        tensors = (layer.input_norm, layer.qkv, layer.q_norm, layer.k_norm, layer.o, layer.post_norm, layer.router,
+                   layer.gate_up, layer.down, layer.next_norm, layer.keys, layer.values)
+        if not _contiguous(dtype, *tensors):
+            return None
+        if (layer.qkv.shape != (width, hidden) or layer.o.shape != (hidden, num_heads * head_dim)
+                or layer.router.shape != (num_experts, hidden) or layer.gate_up.shape != (num_experts, 2 * inter, hidden)
+                or layer.down.shape != (num_experts, hidden, inter) or layer.keys.shape != keys.shape
+                or layer.values.shape != keys.shape or not 1 <= layer.top_k <= num_experts
+                or any(t.shape != (hidden,) for t in (layer.input_norm, layer.post_norm, layer.next_norm))
+                or any(t.shape != (head_dim,) for t in (layer.q_norm, layer.k_norm))):
+            return None
+    model = (embed.data_ptr(), lm_head.data_ptr(), cos.data_ptr(), sin.data_ptr(), block_tables.data_ptr(), hidden,
+             vocab, num_heads, num_kv_heads, head_dim, num_experts, inter, keys.shape[1], block_tables.shape[1],
+             block_tables.shape[0], cos.shape[0], embed.stride(0), lm_head.stride(0), cpu_rows.TYPES[dtype])
+    rows = [(layer.input_norm.data_ptr(), layer.qkv.data_ptr(), layer.q_norm.data_ptr(), layer.k_norm.data_ptr(),
+             layer.o.data_ptr(), layer.post_norm.data_ptr(), layer.router.data_ptr(), layer.gate_up.data_ptr(),
+             layer.down.data_ptr(), layer.next_norm.data_ptr(), layer.keys.data_ptr(), layer.values.data_ptr(),
+             layer.o_splits, layer.o_step, layer.router_splits, layer.router_step, layer.top_k, int(layer.normalize),
+             layer.eps) for layer in layers]
+    capsule = native.step_plan(model, rows)
+    return StepPlan(native, capsule, (embed, lm_head, cos, sin, block_tables, list(layers)), hidden, vocab, dtype)

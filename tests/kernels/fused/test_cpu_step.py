@@ -1,0 +1,158 @@
+"""The CPU's step as one native call (kernels.fused.cpu_step): the per-op path's bits, through the
+runner the engine calls, for windows, decode batches and verify batches (DESIGN §11)."""
+
+import pytest
+import torch
+
+from kernels.fused import cpu_rows, cpu_step
+from shared.model import ModelConfig, RoutingOptions, load_model
+from shared.model.families.qwen3_moe.fused import FusedModel
+from shared.model.graphs import FusedRunner
+from shared.model.kv_cache import KVPool
+
+# Odd sizes where the kernels have tails: hidden 40 (not a multiple of the eight lanes), 3 layers,
+# top 3 of 6 experts, a vocabulary of 101.
+STEP_MODEL = dict(
+    model_type="qwen3_moe", vocab_size=101, hidden_size=40, intermediate_size=48, moe_intermediate_size=12,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6,
+    num_experts_per_tok=3, max_position_embeddings=128, rope_theta=10000.0, norm_topk_prob=True,
+    initializer_range=0.5,
+)
+
+pytestmark = pytest.mark.skipif(not cpu_rows.available(), reason="the native kernels are not built")
+
+
+@pytest.fixture(autouse=True)
+def _as_a_service_runs(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # (the interpreter's kernels are not the step's)
+
+
+@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def step_model(request):
+    return load_model(config=ModelConfig.from_dict(STEP_MODEL), random_weights=True, seed=5, dtype=request.param)
+
+
+def runner_over(model, native: bool, block_size: int | None):
+    c = model.config
+    pool = KVPool(num_layers=c.num_hidden_layers, num_slots=4, max_length=64, num_kv_heads=c.num_key_value_heads,
+                  head_dim=c.head_dim, dtype=model.dtype, device="cpu", block_size=block_size)
+    fused = FusedModel(model, max_rows=32, max_length=64)
+    fused.native_step = native
+    return FusedRunner(fused, pool, max_rows=6, max_batch_rows=32), pool
+
+
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_steps_are_the_per_op_paths_bits(step_model, block_size, monkeypatch):
+    # The same prompts and steps through two runners on the same weights, one running each
+    # step as one native call and one op by op: every step's logits, hidden rows, greedy ids
+    # and the whole KV pool after it are equal bit for bit.
+    calls = []
+    run = cpu_step.StepPlan.run
+    monkeypatch.setattr(cpu_step.StepPlan, "run", lambda self, *a: calls.append(1) or run(self, *a))
+    native, native_pool = runner_over(step_model, True, block_size)
+    per_op, per_op_pool = runner_over(step_model, False, block_size)
+    gen = torch.Generator().manual_seed(block_size or 0)
+    prompts = [torch.randint(0, 101, (n,), generator=gen) for n in (7, 12, 3)]
+    slots = []
+    for runner, pool in ((native, native_pool), (per_op, per_op_pool)):
+        taken = [pool.acquire(64)[0] for _ in prompts]
+        for slot, prompt in zip(taken, prompts):
+            runner.prefill([(slot, prompt.tolist(), 0)])
+        slots.append(taken)
+    lengths = [len(p) for p in prompts]
+
+    def step(picks):  # picks: (sequence, window length); the window starts at the sequence's last token
+        windows = [[], []]
+        for seq, size in picks:
+            ids = torch.randint(0, 101, (size,), generator=gen).tolist()
+            for which in (0, 1):
+                windows[which].append((slots[which][seq], ids, lengths[seq] - 1))
+        outs = native.run(windows[0]), per_op.run(windows[1])
+        for seq, size in picks:
+            lengths[seq] += size
+        return outs
+
+    steps = [[(0, 1)], [(1, 5)], [(2, 3)], [(0, 1), (1, 1), (2, 1)], [(1, 4), (0, 2)], [(2, 5), (0, 1), (1, 3)],
+             [(0, 6)], [(2, 1), (1, 1)]]
+    for picks in steps:
+        a, b = step(picks)
+        assert torch.equal(a.logits, b.logits), picks
+        assert torch.equal(a.hidden, b.hidden), picks
+        assert torch.equal(a.greedy_ids, b.greedy_ids), picks
+        assert a.logits.dtype == torch.float32 and a.hidden.dtype == step_model.dtype
+        for mine, theirs in zip(native_pool.paged().layers, per_op_pool.paged().layers):
+            assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1]), picks
+    assert len(calls) == len(steps)  # every step ran as one call
+    assert native.fused._step_plan(native_pool.paged()) is not None or native.fused._step_plans
+
+
+def test_a_row_alone_and_in_a_batch(step_model):
+    # The step's own row invariance: a sequence's one-row step alone equals its row in a batch.
+    c = step_model.config
+    outs = []
+    for others in (0, 2):
+        runner, pool = runner_over(step_model, True, 4)
+        slots = [pool.acquire(64)[0] for _ in range(others + 1)]
+        for i, slot in enumerate(slots):
+            runner.prefill([(slot, list(range(3 + i, 13 + i)), 0)])
+        windows = [(slots[0], [7, 9, 11], 9)] + [(s, [5], 9 + i) for i, s in enumerate(slots[1:])]
+        outs.append(runner.run(windows))
+    assert torch.equal(outs[0].logits, outs[1].logits[:3]) and torch.equal(outs[0].hidden, outs[1].hidden[:3])
+    assert outs[1].logits.shape == (5, c.vocab_size)
+
+
+def test_the_step_refuses_rows_it_cannot_index(step_model):
+    runner, pool = runner_over(step_model, True, None)
+    slot, _ = pool.acquire(64)
+    plan = runner.fused._step_plan(pool.paged())
+    assert plan is not None
+    positions, slots = torch.tensor([0, 1]), torch.tensor([slot, slot])
+    with pytest.raises(IndexError, match="token id 101 of row 1 is outside the vocabulary"):
+        plan.run(torch.tensor([3, 101]), positions, slots, None)
+    with pytest.raises(ValueError, match="row 0's position or slot is outside"):
+        plan.run(torch.tensor([3, 4]), torch.tensor([64, 1]), slots, None)
+    with pytest.raises(ValueError, match="position or slot"):
+        plan.run(torch.tensor([3, 4]), positions, torch.tensor([slot, 4]), None)
+    with pytest.raises(ValueError, match="more than the step's"):
+        plan.run(torch.zeros(cpu_step.MAX_ROWS + 1, dtype=torch.int64), torch.zeros(cpu_step.MAX_ROWS + 1),
+                 torch.zeros(cpu_step.MAX_ROWS + 1), None)
+
+
+def test_forwards_the_step_does_not_read_run_op_by_op(step_model, tiny_fp8_model, monkeypatch):
+    def plan_of(model, **kwargs):
+        c = model.config
+        pool = KVPool(num_layers=c.num_hidden_layers, num_slots=2, max_length=32, num_kv_heads=c.num_key_value_heads,
+                      head_dim=c.head_dim, dtype=model.dtype, device="cpu")
+        return FusedModel(model, max_rows=8, max_length=32, **kwargs)._step_plan(pool.paged())
+
+    assert plan_of(step_model) is not None
+    assert plan_of(step_model, invariant=False) is None  # (the yardstick's cuBLAS products)
+    assert plan_of(tiny_fp8_model) is None  # FP8 weights
+    dense = dict(STEP_MODEL, mlp_only_layers=[1])
+    assert plan_of(load_model(config=ModelConfig.from_dict(dense), random_weights=True, seed=1)) is None
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert plan_of(step_model) is None  # the interpreter runs the kernels' own code
+    monkeypatch.delenv("TRITON_INTERPRET")
+    # MoCE routing (the drafter's draft rows) runs op by op even where the step applies
+    calls = []
+    monkeypatch.setattr(cpu_step.StepPlan, "run", lambda self, *a: calls.append(1))
+    runner, pool = runner_over(step_model, True, None)
+    slot, _ = pool.acquire(64)
+    rows = runner._rows((1, 1, 1))
+    routing = RoutingOptions(moce=True, scale=1.5, draft_rows=torch.ones(1, dtype=torch.bool))
+    runner.fused.forward(torch.tensor([3]), rows, pool.paged(), routing=routing)
+    assert not calls
+
+
+def test_argmax_is_torchs():
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(7, 301, generator=g)
+    logits[1, 40] = logits[1, 200] = logits[1].max() + 1  # a tie: the first
+    logits[2] = float("-inf")
+    logits[3, 5] = float("nan")  # a NaN counts as the largest
+    logits[4, 0] = float("nan")
+    logits[4, 9] = float("nan")
+    logits[5, 300] = float("inf")
+    assert torch.equal(cpu_rows.argmax(logits), logits.argmax(dim=-1))
+    assert cpu_rows.argmax(logits[:0]).shape == (0,)
+    assert cpu_rows.argmax(logits.double()) is None
