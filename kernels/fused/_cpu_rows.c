@@ -62,6 +62,51 @@ HELPER void dots(const float *restrict x, const float *restrict w, Py_ssize_t st
     }
 }
 
+/* dots for two inputs at once: out0[i] = sum_j x0[j] * w[i * stride + j], out1 likewise from x1 —
+   each sum in exactly dots' order (its own lanes, the same tail and total), so an output's bits do
+   not depend on whether it was paired; the weights are loaded once for both (the products are
+   bound by loads, not by multiply-adds, when one input meets four weight rows). */
+HELPER void dots2(const float *restrict x0, const float *restrict x1, const float *restrict w, Py_ssize_t stride,
+                  Py_ssize_t n, Py_ssize_t count, float *restrict out0, float *restrict out1) {
+    Py_ssize_t i = 0;
+    for (; i + 4 <= count; i += 4) {
+        const float *w0 = w + i * stride, *w1 = w0 + stride, *w2 = w1 + stride, *w3 = w2 + stride;
+        lanes a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+        Py_ssize_t j = 0;
+        for (; j + LANES <= n; j += LANES) {
+            const lanes xa = load_lanes(x0 + j), xb = load_lanes(x1 + j);
+            lanes wv = load_lanes(w0 + j);
+            a0 += xa * wv;
+            b0 += xb * wv;
+            wv = load_lanes(w1 + j);
+            a1 += xa * wv;
+            b1 += xb * wv;
+            wv = load_lanes(w2 + j);
+            a2 += xa * wv;
+            b2 += xb * wv;
+            wv = load_lanes(w3 + j);
+            a3 += xa * wv;
+            b3 += xb * wv;
+        }
+        for (; j < n; j++) {
+            a0[j % LANES] += x0[j] * w0[j];
+            a1[j % LANES] += x0[j] * w1[j];
+            a2[j % LANES] += x0[j] * w2[j];
+            a3[j % LANES] += x0[j] * w3[j];
+            b0[j % LANES] += x1[j] * w0[j];
+            b1[j % LANES] += x1[j] * w1[j];
+            b2[j % LANES] += x1[j] * w2[j];
+            b3[j % LANES] += x1[j] * w3[j];
+        }
+        out0[i] = lanes_total(a0), out0[i + 1] = lanes_total(a1), out0[i + 2] = lanes_total(a2), out0[i + 3] = lanes_total(a3);
+        out1[i] = lanes_total(b0), out1[i + 1] = lanes_total(b1), out1[i + 2] = lanes_total(b2), out1[i + 3] = lanes_total(b3);
+    }
+    if (i < count) {
+        dots(x0, w + i * stride, stride, n, count - i, out0 + i);
+        dots(x1, w + i * stride, stride, n, count - i, out1 + i);
+    }
+}
+
 /* `count` rows of n values, `stride` apart, of `type` at p (offset i elements), as float32:
    the rows themselves for float32 (no copy), else converted into buf (count * n floats). */
 HELPER const float *rows_f32(const void *p, Py_ssize_t i, Py_ssize_t stride, Py_ssize_t n, Py_ssize_t count,
@@ -193,7 +238,11 @@ KERNEL void expert_routes(const void *call, float *buf) {
         for (Py_ssize_t n = 0; n < 2 * inter; n += ROW_BLOCK) {
             const Py_ssize_t count = 2 * inter - n < ROW_BLOCK ? 2 * inter - n : ROW_BLOCK;
             const float *w = rows_f32(c->gate_up, (e * 2 * inter + n) * hidden, hidden, hidden, count, c->type, weights);
-            for (Py_ssize_t i = first; i < last; i++)
+            Py_ssize_t i = first;
+            for (; i + 2 <= last; i += 2)
+                dots2(inputs + order[i] * hidden, inputs + order[i + 1] * hidden, w, hidden, hidden, count,
+                      gate_up_out + order[i] * 2 * inter + n, gate_up_out + order[i + 1] * 2 * inter + n);
+            if (i < last)
                 dots(inputs + order[i] * hidden, w, hidden, hidden, count, gate_up_out + order[i] * 2 * inter + n);
         }
         for (Py_ssize_t i = first; i < last; i++) {
@@ -209,12 +258,16 @@ KERNEL void expert_routes(const void *call, float *buf) {
         for (Py_ssize_t n = 0; n < hidden; n += ROW_BLOCK) {
             const Py_ssize_t count = hidden - n < ROW_BLOCK ? hidden - n : ROW_BLOCK;
             const float *w = rows_f32(c->down, (e * hidden + n) * inter, inter, inter, count, c->type, weights);
-            for (Py_ssize_t i = first; i < last; i++) {
-                float *o = c->out + order[i] * hidden + n;
-                dots(acts + order[i] * inter, w, inter, inter, count, o);
-                if (c->type == BF16)
+            Py_ssize_t i = first;
+            for (; i + 2 <= last; i += 2)
+                dots2(acts + order[i] * inter, acts + order[i + 1] * inter, w, inter, inter, count,
+                      c->out + order[i] * hidden + n, c->out + order[i + 1] * hidden + n);
+            if (i < last) dots(acts + order[i] * inter, w, inter, inter, count, c->out + order[i] * hidden + n);
+            if (c->type == BF16)
+                for (i = first; i < last; i++) {
+                    float *o = c->out + order[i] * hidden + n;
                     for (Py_ssize_t j = 0; j < count; j++) o[j] = round_bf16(o[j]);
-            }
+                }
         }
     }
 }
@@ -262,7 +315,11 @@ KERNEL void partial_rows(const void *call, float *buf) {
                 w = weights;
                 stride = width;
             }
-            for (Py_ssize_t m = 0; m < c->num_rows; m++)
+            Py_ssize_t m = 0;
+            for (; m + 2 <= c->num_rows; m += 2)
+                dots2(inputs + m * num_in + first, inputs + (m + 1) * num_in + first, w, stride, width, count,
+                      c->out + (m * splits + sp) * c->num_out + n, c->out + ((m + 1) * splits + sp) * c->num_out + n);
+            if (m < c->num_rows)
                 dots(inputs + m * num_in + first, w, stride, width, count, c->out + (m * splits + sp) * c->num_out + n);
         }
     }
