@@ -28,7 +28,14 @@ def _field_type(cls: type, field: dataclasses.Field) -> type:
     return hint
 
 
-def _convert(kind: type, raw: str, name: str) -> Any:
+def _optional(cls: type, field: dataclasses.Field) -> bool:
+    """Whether the field may be None (its default shows as "none")."""
+    return type(None) in typing.get_args(typing.get_type_hints(cls)[field.name])
+
+
+def _convert(kind: type, raw: str, name: str, optional: bool = False) -> Any:
+    if optional and raw.strip().lower() == "none":  # (what --help shows as such a field's default)
+        return None
     if kind is bool:
         lowered = raw.strip().lower()
         if lowered in ("1", "true", "yes", "on"):
@@ -60,19 +67,21 @@ def build_parser(cls: type, parser: argparse.ArgumentParser, env_prefix: str) ->
 def from_env_and_args(
     cls: type[T], args: argparse.Namespace | None, env_prefix: str, environ: Mapping[str, str] | None = None
 ) -> T:
-    """Defaults < environment < flags. Raises ValueError naming the bad setting."""
+    """Defaults < environment < flags; "none" sets a field that may be None to None. Raises
+    ValueError naming the bad setting."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         kind = _field_type(cls, field)
         env_name = f"{env_prefix}{field.name.upper()}"
         raw = environ.get(env_name)
+        optional = _optional(cls, field)
         if raw is not None and raw != "":
-            values[field.name] = _convert(kind, raw, env_name)
+            values[field.name] = _convert(kind, raw, env_name, optional)
         flag_value = getattr(args, field.name, None) if args is not None else None
         if flag_value is not None:
             flag = "--" + field.name.replace("_", "-")
-            values[field.name] = flag_value if isinstance(flag_value, bool) else _convert(kind, flag_value, flag)
+            values[field.name] = flag_value if isinstance(flag_value, bool) else _convert(kind, flag_value, flag, optional)
     return cls(**values)
 
 

@@ -27,6 +27,16 @@ def test_booleans_from_environment_and_flags():
         parse(verifier_settings, [], {"TANDEM_VERIFIER_RANDOM_WEIGHTS": "maybe"})
 
 
+def test_none_unsets_an_optional_setting_as_help_shows_its_default():
+    # --help shows an optional setting's default as "none": the same word sets it back there,
+    # from a flag over the environment; a setting that is a plain string keeps "none" as a value.
+    environ = {"TANDEM_VERIFIER_DRAFTER": "127.0.0.1:50052"}
+    assert parse(verifier_settings, [], environ).drafter == "127.0.0.1:50052"
+    assert parse(verifier_settings, ["--drafter", "none"], environ).drafter is None
+    assert parse(verifier_settings, [], {"TANDEM_VERIFIER_DRAFTER": "None"}).drafter is None
+    assert parse(verifier_settings, ["--probabilistic-drafters", "none"], {}).probabilistic_drafters == "none"
+
+
 @pytest.mark.parametrize(
     "argv,environ,message",
     [
