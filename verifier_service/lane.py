@@ -80,6 +80,10 @@ class Lane:
             raise result
         return result
 
+    def has_outcome(self) -> bool:
+        """Whether the next outcome is waiting already (`outcome` returns without waiting)."""
+        return not self._outcomes.empty()
+
     def leave(self) -> None:
         """The session runs no more rounds (idempotent); rounds not yet run are dropped."""
         with self._loop._cond:

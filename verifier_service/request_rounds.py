@@ -290,6 +290,13 @@ class RequestRounds:
             ),
         )
 
+    @staticmethod
+    def next_is_ready_plain(running: Running, event: verifier_pb2.GenerateEvent) -> bool:
+        """Whether the round after a plain round's `event` is granted and its outcome already
+        waits: its tokens may go out in the same event (merge_events)."""
+        return (not event.round.speculative and running.round_id < running.granted_until
+                and running.follower is None and running.lane.has_outcome())
+
     def _observe(self, begun: Begun, outcome: RoundOutcome, source: str, retained: int, tokens: list[int],
                  bytes_up: int, max_drafts: int) -> None:
         """A round's metrics and span attributes."""
@@ -328,3 +335,20 @@ class RequestRounds:
             link.fault("invalid_chain")
             log.warning("dropped draft chain", request_id=spec.request_id, round_id=round_id, reason=str(fault))
             return None
+
+
+def merge_events(event: verifier_pb2.GenerateEvent, later: verifier_pb2.GenerateEvent) -> None:
+    """Append the next plain round's event to `event` (one message for both; RoundInfo.num_rounds
+    counts them, round_id stays the first's, the times add up)."""
+    event.token_ids.extend(later.token_ids)
+    if later.HasField("text_delta"):
+        event.text_delta = event.text_delta + later.text_delta
+    event.logprobs.extend(later.logprobs)
+    first, second = event.round, later.round
+    first.num_rounds = max(first.num_rounds, 1) + max(second.num_rounds, 1)
+    first.proposed += second.proposed
+    first.retained += second.retained
+    first.accepted += second.accepted
+    first.verify_ms += second.verify_ms
+    first.draft_wait_ms += second.draft_wait_ms
+    first.speculative = first.speculative or second.speculative

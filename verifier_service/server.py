@@ -44,7 +44,7 @@ from verifier_service.loop import BatchSettings, EngineLoop, RoundsExhausted
 from verifier_service.prefill import PrefillBatcher
 from verifier_service.ranks import Ranks, engine_options, load_share, rank_threads
 from verifier_service.records import Recorder, record_request
-from verifier_service.request_rounds import RequestRounds, Running, trace_context
+from verifier_service.request_rounds import RequestRounds, Running, merge_events, trace_context
 from verifier_service.rounds import Session
 from verifier_service.requests import RequestError, RequestSpec, parse_request
 from verifier_service.settings import VerifierSettings
@@ -283,6 +283,19 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 finally:
                     begun_round.span.end()
                 running.round_id += 1
+                # Plain rounds the loop already ran while this event was made go out with it: one
+                # message for the run (the stream's writes, not the rounds, cost the host then).
+                while self.rounds.next_is_ready_plain(running, event) and running.may_go_on(self.finish_by):
+                    more = await self.rounds.begin_round(running, span, tracer)
+                    try:
+                        with telemetry.use_span(more.span):
+                            merge_events(event, await self.rounds.end_round(running, more))
+                    except RoundsExhausted:
+                        completion.finish_reason = "length"
+                        break
+                    finally:
+                        more.span.end()
+                    running.round_id += 1
                 if running.may_go_on(self.finish_by):
                     begun = asyncio.ensure_future(self.rounds.begin_round(running, span, tracer))
                 yield event

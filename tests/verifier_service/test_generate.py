@@ -1,5 +1,7 @@
 """Plain decoding through a real verifier on port 0 (no drafter)."""
 
+import asyncio
+
 import torch
 
 from shared.model import load_model
@@ -29,8 +31,33 @@ async def test_greedy_matches_transformers_generate(servers, tmp_path):
     tokens, final, rounds = await generate(stub, request(prompt, 24))
     assert tokens == expected[0, len(prompt):].tolist()
     assert final.finish_reason == "length"
-    assert final.stats.completion_tokens == 24 and final.stats.rounds == 24 == len(rounds)
+    assert final.stats.completion_tokens == 24 and final.stats.rounds == 24 == sum(max(r.num_rounds, 1) for r in rounds)
     assert final.stats.prompt_tokens == 5
+
+
+async def test_a_slow_reader_gets_plain_rounds_ready_together_in_one_event(servers, tiny_model):
+    # The engine loop runs granted plain rounds ahead of a reader (up to its lead); rounds whose
+    # outcomes wait together go out as one event, RoundInfo.num_rounds counting them. A reader
+    # that waits between events therefore gets several tokens an event — the same tokens, the
+    # same number of rounds in all — and a fast one a token an event or more.
+    stub = await servers.start(tiny_model)
+    req = request([3, 1, 4, 1, 5], 24)
+    fast, fast_final, _ = await generate(stub, req)
+    slow, events = [], []
+    async for event in stub.Generate(req):
+        if event.HasField("final"):
+            final = event.final
+            continue
+        events.append(event)
+        slow += list(event.token_ids)
+        await asyncio.sleep(0.05)  # (the loop runs its lead, 3 rounds, meanwhile)
+    assert slow == fast and final.stats.rounds == fast_final.stats.rounds == 24
+    assert sum(max(e.round.num_rounds, 1) for e in events) == 24
+    assert all(len(e.token_ids) == max(e.round.num_rounds, 1) for e in events)  # (plain: a token a round)
+    assert max(e.round.num_rounds for e in events) >= 2
+    ids = [e.round.round_id for e in events]
+    assert ids == sorted(ids) and ids[0] == 0  # round_id: the first round of each event's run
+    assert all(not e.round.speculative and e.round.verify_ms > 0 for e in events)
 
 
 async def test_same_seed_same_tokens_and_seeds_differ(servers, tiny_model):
