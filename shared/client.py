@@ -232,6 +232,7 @@ def round_to_dict(info: verifier_pb2.RoundInfo) -> dict:
         "verify_ms": info.verify_ms,
         "draft_wait_ms": info.draft_wait_ms,
         "speculative": info.speculative,
+        "num_rounds": max(info.num_rounds, 1),  # (plain rounds ready together: one event)
     }
 
 

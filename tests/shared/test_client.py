@@ -129,9 +129,9 @@ async def test_async_generate_by_ids(aio_verifier):
     assert result.stats == EXPECTED_STATS
     assert result.rounds == [
         {"round_id": 0, "source": "MTP", "proposed": 3, "retained": 2, "accepted": 1, "verify_ms": 1.5, "draft_wait_ms": 0.25,
-         "speculative": True},
+         "speculative": True, "num_rounds": 1},
         {"round_id": 1, "source": "SUFFIX", "proposed": 3, "retained": 2, "accepted": 1, "verify_ms": 1.5, "draft_wait_ms": 0.25,
-         "speculative": True},
+         "speculative": True, "num_rounds": 1},
     ]
     assert servicer.requests[-1].sampling.seed == 9
 
