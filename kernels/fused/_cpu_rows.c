@@ -16,6 +16,7 @@ contiguity before calling. Element types: 0 = float32, 1 = bfloat16. */
 /* The sum of a[j] * b[j], j < n, as every kernel here takes it: eight lanes (lane j % 8), then
    ((0+4) + (1+5)) + ((2+6) + (3+7)). GCC's vector type keeps the lanes explicit on any target. */
 typedef float lanes __attribute__((vector_size(4 * LANES)));
+typedef int32_t lane_bits __attribute__((vector_size(4 * LANES)));  /* a comparison's lanes (-1 where true) */
 
 HELPER lanes load_lanes(const float *p) {
     lanes v;
@@ -130,12 +131,92 @@ static PyObject *run_released(row_kernel kernel, const void *call, size_t floats
     Py_RETURN_NONE;
 }
 
+/* exp(d) for float32 d <= 0, in code a compiler vectorises (no call): 2^k times a degree-7
+   Taylor polynomial of the remainder r (|r| <= ln2 / 2: relative error below 1e-8, under float32's
+   half ulp); d below -87 (exp < 1.7e-38, float32's smallest normal) gives 0. */
+HELPER float exp_nonpositive(float d) {
+    const float clamped = d < -87.0f ? -87.0f : d;
+    const float shifter = 0x1.8p23f;  /* adding it rounds to an integer held in the low bits */
+    const float kf = clamped * 1.44269504088896341f + shifter, k = kf - shifter;
+    const float r = (clamped - k * 0.693145751953125f) - k * 1.42860682030941723e-6f;  /* ln 2, split */
+    float poly = 1.0f / 5040.0f;
+    poly = poly * r + 1.0f / 720.0f;
+    poly = poly * r + 1.0f / 120.0f;
+    poly = poly * r + 1.0f / 24.0f;
+    poly = poly * r + 1.0f / 6.0f;
+    poly = poly * r + 0.5f;
+    poly = poly * r + 1.0f;
+    poly = poly * r + 1.0f;
+    uint32_t k_bits, bits;
+    memcpy(&k_bits, &kf, 4);
+    bits = (k_bits - 0x4B400000u + 127u) << 23;  /* 2^k (k >= -126: a normal) */
+    float two_k;
+    memcpy(&two_k, &bits, 4);
+    return d < -87.0f ? 0.0f : poly * two_k;
+}
+
 /* attention(q, keys, values, tables, positions, slots, out, num_rows, num_heads, num_kv, head_dim,
              block_size, max_blocks, type)
    q [T, Hq, D] and the cache [blocks, block_size, Hkv, D] of `type`; tables [slots, max_blocks]
    int32; positions, slots [T] int64; out [T, Hq, D] float32. Row t attends to positions
    0..positions[t] of its slot's blocks (float32 softmax, scale 1/sqrt(D)), block by block in
-   position order. */
+   position order. A row's query heads that share a KV head are taken together (each key and
+   value row read once for the group); every head's sums stay its own, in a fixed order. */
+#define HEADS_TOGETHER 4  /* query heads whose value sums stay in registers at once */
+
+/* The softmax of one head's scores [n] in place: scaled, exp(x - max) with exp_nonpositive, summed
+   in LANES running sums (lane j % LANES, then lanes_total), each divided by the sum. */
+HELPER void softmax_row(float *scores, Py_ssize_t n, float scale) {
+    /* the max, lane by lane (a bit select where x > m: the same rule as the tail's) */
+    lanes tops = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    Py_ssize_t j = 0;
+    for (; j + LANES <= n; j += LANES) {
+        const lanes x = load_lanes(scores + j) * scale;
+        memcpy(scores + j, &x, sizeof x);
+        const lane_bits greater = x > tops;
+        tops = (lanes)(((lane_bits)x & greater) | ((lane_bits)tops & ~greater));
+    }
+    float top = -INFINITY;
+    for (; j < n; j++) {
+        scores[j] *= scale;
+        top = scores[j] > top ? scores[j] : top;
+    }
+    for (int l = 0; l < LANES; l++) top = tops[l] > top ? tops[l] : top;
+    for (j = 0; j < n; j++) scores[j] = exp_nonpositive(scores[j] - top);
+    lanes sums = {0};
+    for (j = 0; j + LANES <= n; j += LANES) sums += load_lanes(scores + j);
+    for (; j < n; j++) sums[j % LANES] += scores[j];
+    const float total = lanes_total(sums);
+    for (j = 0; j < n; j++) scores[j] /= total;
+}
+
+/* acc_i[d] += sum over the block's rows j of p_i[j] * v[j][d], for `heads` heads (<= HEADS_TOGETHER),
+   j in order; the sums of a LANES-wide column chunk stay in registers through the block. */
+HELPER void weigh_values(const float *v, Py_ssize_t stride, Py_ssize_t count, Py_ssize_t d_size,
+                         const float *const *p, float *const *acc, int heads) {
+    Py_ssize_t d = 0;
+    for (; d + LANES <= d_size; d += LANES) {
+        lanes a0 = load_lanes(acc[0] + d), a1 = {0}, a2 = {0}, a3 = {0};
+        if (heads > 1) a1 = load_lanes(acc[1] + d);
+        if (heads > 2) a2 = load_lanes(acc[2] + d);
+        if (heads > 3) a3 = load_lanes(acc[3] + d);
+        for (Py_ssize_t j = 0; j < count; j++) {
+            const lanes vv = load_lanes(v + j * stride + d);
+            a0 += vv * p[0][j];
+            if (heads > 1) a1 += vv * p[1][j];
+            if (heads > 2) a2 += vv * p[2][j];
+            if (heads > 3) a3 += vv * p[3][j];
+        }
+        memcpy(acc[0] + d, &a0, sizeof a0);
+        if (heads > 1) memcpy(acc[1] + d, &a1, sizeof a1);
+        if (heads > 2) memcpy(acc[2] + d, &a2, sizeof a2);
+        if (heads > 3) memcpy(acc[3] + d, &a3, sizeof a3);
+    }
+    for (; d < d_size; d++)
+        for (int i = 0; i < heads; i++)
+            for (Py_ssize_t j = 0; j < count; j++) acc[i][d] += p[i][j] * v[j * stride + d];
+}
+
 MACHINE_CLONES
 KERNEL void attention_rows(const void *call, float *buf) {
     const struct attention_call *c = call;
@@ -143,42 +224,44 @@ KERNEL void attention_rows(const void *call, float *buf) {
     const Py_ssize_t group = c->num_heads / c->num_kv, row_stride = c->num_kv * head_dim;  /* a position's, in a block */
     const Py_ssize_t k_stride = c->type == F32 ? row_stride : head_dim;  /* rows_f32's rows */
     const float scale = 1.0f / sqrtf((float)head_dim);
-    /* scores [L]; the query and the output row [D]; a block's keys or values as float32 [bs, D] */
-    float *scores = buf, *query = scores + c->max_length, *acc = query + head_dim, *block_rows = acc + head_dim;
+    /* per head of a group: scores [L], its query and output rows [D]; a block's keys or values as
+       float32 [bs, D] */
+    float *scores = buf, *queries = scores + group * c->max_length, *accs = queries + group * head_dim;
+    float *block_rows = accs + group * head_dim;
     for (Py_ssize_t t = 0; t < c->num_rows; t++) {
         const Py_ssize_t length = c->positions[t] + 1;
         const int32_t *table = c->tables + c->slots[t] * c->max_blocks;
-        for (Py_ssize_t head = 0; head < c->num_heads; head++) {
-            const Py_ssize_t h = head / group;
-            load_row(query, c->q, (t * c->num_heads + head) * head_dim, head_dim, c->type);
+        for (Py_ssize_t h = 0; h < c->num_kv; h++) {
+            const Py_ssize_t first_head = h * group;
+            load_row(queries, c->q, (t * c->num_heads + first_head) * head_dim, group * head_dim, c->type);
             for (Py_ssize_t start = 0; start < length; start += block_size) {
                 const Py_ssize_t count = length - start < block_size ? length - start : block_size;
                 const Py_ssize_t at = (Py_ssize_t)table[start / block_size] * block_size * row_stride + h * head_dim;
                 const float *k = rows_f32(c->keys, at, row_stride, head_dim, count, c->type, block_rows);
-                dots(query, k, k_stride, head_dim, count, scores + start);
+                Py_ssize_t i = 0;
+                for (; i + 2 <= group; i += 2)
+                    dots2(queries + i * head_dim, queries + (i + 1) * head_dim, k, k_stride, head_dim, count,
+                          scores + i * c->max_length + start, scores + (i + 1) * c->max_length + start);
+                if (i < group) dots(queries + i * head_dim, k, k_stride, head_dim, count, scores + i * c->max_length + start);
             }
-            float top = -INFINITY;
-            for (Py_ssize_t j = 0; j < length; j++) {
-                scores[j] *= scale;
-                if (scores[j] > top) top = scores[j];
-            }
-            float total = 0.0f;
-            for (Py_ssize_t j = 0; j < length; j++) {
-                scores[j] = expf(scores[j] - top);
-                total += scores[j];
-            }
-            for (Py_ssize_t d = 0; d < head_dim; d++) acc[d] = 0.0f;
+            for (Py_ssize_t i = 0; i < group; i++) softmax_row(scores + i * c->max_length, length, scale);
+            for (Py_ssize_t d = 0; d < group * head_dim; d++) accs[d] = 0.0f;
             for (Py_ssize_t start = 0; start < length; start += block_size) {
                 const Py_ssize_t count = length - start < block_size ? length - start : block_size;
                 const Py_ssize_t at = (Py_ssize_t)table[start / block_size] * block_size * row_stride + h * head_dim;
                 const float *v = rows_f32(c->values, at, row_stride, head_dim, count, c->type, block_rows);
-                for (Py_ssize_t j = 0; j < count; j++) {
-                    const float p = scores[start + j] / total;
-                    const float *row = v + j * k_stride;
-                    for (Py_ssize_t d = 0; d < head_dim; d++) acc[d] += p * row[d];
+                for (Py_ssize_t i = 0; i < group; i += HEADS_TOGETHER) {
+                    const int heads = group - i < HEADS_TOGETHER ? (int)(group - i) : HEADS_TOGETHER;
+                    const float *p[HEADS_TOGETHER];
+                    float *acc[HEADS_TOGETHER];
+                    for (int g = 0; g < heads; g++) {
+                        p[g] = scores + (i + g) * c->max_length + start;
+                        acc[g] = accs + (i + g) * head_dim;
+                    }
+                    weigh_values(v, k_stride, count, head_dim, p, acc, heads);
                 }
             }
-            memcpy(c->out + (t * c->num_heads + head) * head_dim, acc, sizeof(float) * (size_t)head_dim);
+            memcpy(c->out + (t * c->num_heads + first_head) * head_dim, accs, sizeof(float) * (size_t)(group * head_dim));
         }
     }
 }

@@ -134,8 +134,9 @@ KERNEL void qk_rope_rows(const void *call, float *buf);
 KERNEL void route_rows(const void *call, float *buf);
 
 /* Scratch floats each kernel's buf needs. */
-HELPER size_t attention_scratch(const struct attention_call *c) {
-    return (size_t)(c->max_length + 2 * c->head_dim + c->block_size * c->head_dim);
+HELPER size_t attention_scratch(const struct attention_call *c) {  /* a KV head's query group, then a block */
+    const Py_ssize_t group = c->num_kv ? c->num_heads / c->num_kv : 1;
+    return (size_t)(group * (c->max_length + 2 * c->head_dim) + c->block_size * c->head_dim);
 }
 
 /* the experts' buf: per route its input row [H], gate/up [2I], activation [I]; a block of weight

@@ -123,7 +123,8 @@ static Py_ssize_t most_top_k(const struct step_plan *p) {
 static size_t scratch_floats(const struct step_plan *p, const struct step_rows *r) {
     const Py_ssize_t T = r->num_rows, H = p->hidden, k = most_top_k(p);
     const struct attention_call attention = {.max_length = r->max_length, .head_dim = p->head_dim,
-                                             .block_size = p->block_size};
+                                             .block_size = p->block_size, .num_heads = p->num_heads,
+                                             .num_kv = p->num_kv};
     const struct experts_call experts = {.num_tokens = T, .top_k = k, .num_experts = p->num_experts, .hidden = H,
                                          .inter = p->inter};
     const struct products_call widest = {.num_rows = T, .num_in = MAX(H, p->num_heads * p->head_dim)};
