@@ -35,6 +35,7 @@ class Lane:
         self._committed = 0  # rounds run (every round: turns and granted ones, in order)
         self._follower: tuple[int, list[int], RoundRequest] | None = None  # (after round, assumed emitted, round)
         self._owed_s = 0.0  # lane-seconds the other lanes waited for this one (a step's gather), not yet charged
+        self._waited_s = 0.0  # seconds this lane waited, ready, for other lanes (a step's gather), not yet refunded
         self._drafting = False  # its last round verified drafts (until a granted plain round): its drafter works
         self.left = False
 

@@ -37,7 +37,9 @@ of the device (DESIGN §9, "The engine loop"):
   share of a step shared with them, its share of what the working drafter added to the rounds
   of the lanes without drafts, and
   the time they waited, ready, for this lane before its step (the gather: a lane waiting for
-  its drafter's chain holds the batch up to `gather_s`).
+  its drafter's chain holds the batch up to `gather_s`); and what they added to it
+  (`RoundOutcome.cost_from_others_s`, which its governor takes off its own cost): their draft
+  rows, the working drafter's addition to a round without drafts, its wait for them.
 
 A plain round run ahead is the round the coroutine would have asked for (its drafts: none), so
 running it early changes no token: the output law is the rounds' (DESIGN §2–3).
@@ -297,12 +299,14 @@ class EngineLoop:
         costs = self.step_costs
         costs.add(sum(len(r.drafts) + 1 for _, r in rounds), seconds, drafting)
         num_drafting = sum(1 for _, r in rounds if r.drafts)
+        step_drafts = sum(len(r.drafts) for _, r in rounds)
         charged = []
         for (lane, r), result in zip(rounds, results, strict=True):
             cost = costs.cost_to_others_s(len(r.drafts), len(rounds), num_drafting) + lane._owed_s
-            if cost and isinstance(result, RoundOutcome):
-                lane._owed_s = 0.0
-                result = replace(result, cost_to_others_s=cost)
+            refund = costs.cost_from_others_s(len(r.drafts), len(rounds), step_drafts, num_drafting) + lane._waited_s
+            if (cost or refund) and isinstance(result, RoundOutcome):
+                lane._owed_s = lane._waited_s = 0.0
+                result = replace(result, cost_to_others_s=cost, cost_from_others_s=refund)
             charged.append(result)
         return charged
 
@@ -320,12 +324,15 @@ class EngineLoop:
 
 
 def _owe(waited_for: list[Lane], ready: list[Lane], seconds: float) -> None:
-    """The lanes a step waited for owe the ready lanes' wait (lane-seconds), shared among them."""
+    """The lanes a step waited for owe the ready lanes' wait (lane-seconds), shared among them;
+    each ready lane is refunded its wait."""
     others = [lane for lane in ready if lane not in waited_for]
     if others and seconds > 0:
         share = seconds * len(others) / len(waited_for)
         for lane in waited_for:
             lane._owed_s += share
+        for lane in others:
+            lane._waited_s += seconds
 
 
 def _post(aloop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args) -> None:

@@ -274,7 +274,7 @@ class RequestRounds:
             stats.first_token_at = time.perf_counter()
             self.metrics.ttft_seconds.observe(stats.first_token_at - stats.started)
         if governor is not None:
-            governor.end(len(outcome.emitted), outcome.cost_to_others_s)
+            governor.end(len(outcome.emitted), outcome.cost_to_others_s, outcome.cost_from_others_s)
         if link is not None and completion.finish_reason is None:  # (told when it is next asked, if not now)
             ask_next = governor is None or governor.next_speculates
             bytes_up += await link.tell(round_id, outcome, outcome.num_verified, ask_next, trace_context)
@@ -315,6 +315,7 @@ class RequestRounds:
             "tandem.draft_ms": draft_ms, "tandem.rpc_ms": max(wait_ms - draft_ms, 0.0), "tandem.wait_ms": wait_ms,
             "tandem.verify_ms": outcome.forward_ms + outcome.verify_ms, "tandem.bytes_up": bytes_up,
             "tandem.cost_to_others_ms": outcome.cost_to_others_s * 1e3,
+            "tandem.cost_from_others_ms": outcome.cost_from_others_s * 1e3,
             "tandem.bytes_down": raw.ByteSize() if raw is not None else 0,
             "tandem.drafter_slot_misses": raw.costs.expert_slot_misses if raw is not None else 0,
             "tandem.verifier_slot_misses": outcome.slot_misses,

@@ -54,6 +54,7 @@ class RoundOutcome:
     slot_misses: int = 0  # expert slot misses of the target model in the step this round ran in
     num_verified: int = 0  # drafts verified: a prefix of those asked when a batch sized its windows
     cost_to_others_s: float = 0.0  # what it cost the other lanes: its draft rows in their step, their wait for it (engine loop)
+    cost_from_others_s: float = 0.0  # what the other lanes added to it: their draft rows in its step, its wait for them (engine loop)
     logprobs: RowLogprobs | None = None  # [len(emitted)] on the host, where the request asks (verifier_service.logprobs)
 
 

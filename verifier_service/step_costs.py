@@ -9,6 +9,13 @@ request judges speculation by its own rounds alone, which pay where the batch's 
 CPU a step costs about its rows: a lane's four drafts make seven other lanes' rounds slower
 by as much as they make its own faster).
 
+Both sides of the same seconds: the lanes whose rounds those draft rows made slower are refunded
+them (`cost_from_others_s`: the other lanes' draft rows, and the working drafter's addition to a
+lane without drafts), so each round counts what it cost, not what others cost it. Without the
+refund a plain round beside drafting lanes measured their rows too: a request measuring its plain
+cost while seven others drafted saw a step of 36 rows as its plain round's (docs/PERFORMANCE.md,
+session 33), and speculation under load looked to pay where it did not.
+
 A drafter at work can slow every step beyond its rows: on a CPU the verifier gives the drafter
 one of its cores while some lane drafts (shared/threads.py), so every lane's step runs on
 fewer threads. That is a step's second term (the engine loop marks such steps only where it
@@ -105,3 +112,15 @@ class StepCosts:
         drafting = self.drafting_s() or 0.0
         idle_lanes = num_lanes - max(num_drafting_lanes, 1)
         return per_row * num_drafts * (num_lanes - 1) + drafting * idle_lanes / max(num_drafting_lanes, 1)
+
+    def cost_from_others_s(self, num_drafts: int, num_lanes: int, step_drafts: int, num_drafting_lanes: int) -> float:
+        """What the other lanes of a step (`num_lanes` lanes, `step_drafts` draft rows in all,
+        `num_drafting_lanes` lanes with drafts) added to the round of a lane with `num_drafts`
+        drafts: their draft rows, and, for a lane without drafts, what the working drafter
+        added to the step (what cost_to_others_s charges them for this lane; 0 while unknown)."""
+        others = step_drafts - num_drafts
+        if num_lanes <= 1 or others <= 0:
+            return 0.0
+        per_row = self.per_row_s() or 0.0
+        drafting = (self.drafting_s() or 0.0) if num_drafts == 0 and num_drafting_lanes > 0 else 0.0
+        return per_row * others + drafting

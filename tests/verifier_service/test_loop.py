@@ -287,10 +287,17 @@ async def test_a_round_with_drafts_in_a_shared_step_carries_its_cost_to_the_othe
         assert engine.names() == [["a", "b", "c"]]
         assert with_3.cost_to_others_s == pytest.approx(0.002 * 3 * 2)  # 3 draft rows, 2 other lanes
         assert with_1.cost_to_others_s == pytest.approx(0.002 * 1 * 2) and plain.cost_to_others_s == 0.0
+        # and each is refunded what the others' draft rows added to its own round
+        assert plain.cost_from_others_s == pytest.approx(0.002 * 4)
+        assert with_3.cost_from_others_s == pytest.approx(0.002 * 1)
+        assert with_1.cost_from_others_s == pytest.approx(0.002 * 3)
+        # (what the lanes charge and what they are refunded are the same seconds)
+        assert sum(o.cost_to_others_s for o in (with_3, plain, with_1)) == pytest.approx(
+            sum(o.cost_from_others_s for o in (with_3, plain, with_1)))
         assert list(costs.steps)[0][0] == 3 + 1 + 1 + 2  # the step's rows went into the fit
         b.leave(), c.leave()
         alone = await round_of(a, [5, 6])
-        assert alone.cost_to_others_s == 0.0  # nobody else waited for its rows
+        assert alone.cost_to_others_s == alone.cost_from_others_s == 0.0  # nobody else waited for its rows
     finally:
         loop.shutdown(wait=True)
 
@@ -348,7 +355,13 @@ async def test_a_lane_the_step_waited_for_owes_the_ready_lanes_their_wait():
         assert engine.names()[1] == ["a", "b", "c"]
         assert ready_a.cost_to_others_s == ready_b.cost_to_others_s == 0.0
         assert 2 * 0.15 <= late.cost_to_others_s <= 2 * 0.5 + 0.2  # two lanes waited about 0.2 s each
-        assert (await round_of(c)).cost_to_others_s == 0.0  # charged once
+        # each ready lane is refunded its wait, the late one nothing: the same lane-seconds
+        assert late.cost_from_others_s == 0.0
+        assert ready_a.cost_from_others_s == ready_b.cost_from_others_s == pytest.approx(late.cost_to_others_s / 2)
+        again = await round_of(c)
+        assert again.cost_to_others_s == 0.0  # charged once
+        # (c alone now: the step waited the gather for a and b, which owe it that wait)
+        assert 0.4 <= again.cost_from_others_s <= 0.5 + 0.2
     finally:
         loop.shutdown(wait=True)
 

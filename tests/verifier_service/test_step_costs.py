@@ -90,3 +90,20 @@ def test_a_drafter_s_cost_is_unknown_until_both_kinds_of_step_were_seen():
     costs.add(8, 0.012, drafting=True)
     assert costs.drafting_s() == pytest.approx(0.004)
     assert costs.cost_to_others_s(2, 4, 1) == pytest.approx(0.001 * 2 * 3 + 0.004 * 3)
+
+
+def test_what_the_other_lanes_added_is_what_they_are_charged_for_it():
+    # 0.5 ms a row, a working drafter adds 3 ms (as in the fit test above): in a step of 8 lanes
+    # where lanes with 4 and 2 drafts draft, each lane is refunded the others' rows (and, without
+    # drafts, the drafter's addition); over the step the refunds are the charges.
+    costs = StepCosts(window=64, min_steps=4)
+    for rows in (8, 16, 24, 40, 8, 16, 24, 40):
+        costs.add(rows, 0.001 + 0.0005 * rows, drafting=False)
+        costs.add(rows, 0.004 + 0.0005 * rows, drafting=True)
+    drafts = [4, 2, 0, 0, 0, 0, 0, 0]
+    refunds = [costs.cost_from_others_s(d, 8, 6, 2) for d in drafts]
+    assert refunds[0] == pytest.approx(2 * 0.0005) and refunds[1] == pytest.approx(4 * 0.0005)
+    assert refunds[2] == pytest.approx(6 * 0.0005 + 0.003, rel=0.02)
+    charges = [costs.cost_to_others_s(d, 8, 2) for d in drafts]
+    assert sum(refunds) == pytest.approx(sum(charges), rel=0.02)
+    assert costs.cost_from_others_s(0, 1, 0, 0) == 0.0 and costs.cost_from_others_s(4, 8, 4, 1) == 0.0  # (no others' rows)

@@ -38,7 +38,9 @@ are compared with plain ones:
   step, its share of what its drafter at work added to the step of the lanes without drafts,
   and the time they waited for it before the step (the engine loop's estimates,
   verifier_service.step_costs / loop): counted with its own time, so speculation goes on where
-  it pays the batch, not only the request;
+  it pays the batch, not only the request; and what the others cost it (their draft rows, the
+  drafter they set to work, its wait for them) comes off its time, so a plain round beside
+  drafting lanes measures a plain step, not theirs;
 - costs compare only under the same load (`Load`: the request alone, or beside other requests
   holding a session): the server keeps a ledger per load (`Ledgers`), a round counts under the
   load it began with (one during which lanes came or went too), and a request whose load
@@ -93,6 +95,7 @@ class Governor:
         self.round_load = load
         self.tokens = 0
         self.cost_to_others_s = 0.0  # the current round's cost to the other lanes of its step
+        self.cost_from_others_s = 0.0  # what the other lanes added to the current round's time
         self.rounds = self.speculative_rounds = self.detaches = self.probes = self.load_changes = 0
         self.load_streak = 0  # rounds in a row begun under a load other than the one it decides for
         self._start(load)
@@ -128,9 +131,9 @@ class Governor:
     def begin(self, now: float, load: Load = Load.ALONE) -> bool:
         """Close the last round (measured up to now); whether this round, which begins under
         `load`, waits for a chain."""
-        if self.started is not None:
-            self._record(now - self.started + self.cost_to_others_s, self.tokens)
-        self.started, self.tokens, self.cost_to_others_s = now, 0, 0.0
+        if self.started is not None:  # (what it cost: its time, what it cost others, less what others cost it)
+            self._record(max(now - self.started + self.cost_to_others_s - self.cost_from_others_s, 0.0), self.tokens)
+        self.started, self.tokens, self.cost_to_others_s, self.cost_from_others_s = now, 0, 0.0, 0.0
         self.round_speculated, self.round_probe, self.round_load = self.speculating, self.probing, load
         self.round_first, self.new_phase = self.new_phase, False
         self.rounds += 1
@@ -159,11 +162,12 @@ class Governor:
         self.plain.clear()
         self._start(load)
 
-    def end(self, tokens: int, cost_to_others_s: float = 0.0) -> None:
-        """The current round committed `tokens` and cost the other lanes `cost_to_others_s`
-        (RoundOutcome.cost_to_others_s)."""
+    def end(self, tokens: int, cost_to_others_s: float = 0.0, cost_from_others_s: float = 0.0) -> None:
+        """The current round committed `tokens`, cost the other lanes `cost_to_others_s` and was
+        made longer by them by `cost_from_others_s` (RoundOutcome's fields of those names)."""
         self.tokens = tokens
         self.cost_to_others_s = cost_to_others_s
+        self.cost_from_others_s = cost_from_others_s
 
     def _record(self, seconds: float, tokens: int) -> None:
         """Close the last round: the budget and the cost estimates of the load it began under

@@ -76,6 +76,28 @@ def test_a_drafter_that_pays_the_request_but_not_its_batch_is_detached():
     assert kept.detaches == 0 and kept.next_speculates
 
 
+def test_a_plain_cost_measured_beside_drafting_lanes_is_the_plain_step_s():
+    """A plain round in a step widened by the other lanes' drafts is refunded them
+    (RoundOutcome.cost_from_others_s): a request calibrating its plain cost beside drafting
+    lanes measures a plain step, and the drafter that does not pay its batch is detached. Without
+    the refund the same rounds make plain look 4x dearer and speculation stays on."""
+    def calibrate(refund: bool) -> Governor:
+        governor = Governor(SETTINGS, Ledgers(SETTINGS))
+        clock = [0.0]
+        for _ in range(20):
+            speculative = governor.begin(clock[0])
+            seconds, tokens = fast_drafter(speculative)
+            others = 0.0 if speculative else 0.015  # plain: a 5 ms step made 20 ms by the others' draft rows
+            clock[0] += seconds + others
+            governor.end(tokens, cost_to_others_s=0.010 if speculative else 0.0,
+                         cost_from_others_s=others if refund else 0.0)
+        return governor
+
+    refunded = calibrate(True)
+    assert refunded.plain.per_token() == pytest.approx(0.005) and refunded.detaches == 1
+    assert not calibrate(False).detaches  # (20 ms a plain token: 18 ms for 3 speculative ones looks cheap)
+
+
 def test_a_known_plain_cost_skips_the_calibration():
     ledgers = Ledgers(SETTINGS)
     run(Governor(SETTINGS, ledgers, drafting=False), 10, slow_drafter)  # a request without drafts
