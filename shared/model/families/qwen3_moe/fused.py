@@ -134,7 +134,7 @@ class FusedModel(LayerwiseForward):
                     layer.expert_table = expert_table(layer.router.shape[0], group.shard, model.device)
         self.mtp_offload = None if self.mtp_layer is None else offload_over(
             [self.mtp_layer.store if self.mtp_layer.moe else None], prefetch=False)
-        self._step_plans: dict[int, tuple[PagedKV, cpu_step.StepPlan | None]] = {}  # by id(kv), kv kept alive
+        self._step_plan_of: tuple[PagedKV, cpu_step.StepPlan | None] | None = None  # the last cache's (one runner, one cache)
 
     @property
     def offloaded(self) -> bool:
@@ -248,8 +248,8 @@ class FusedModel(LayerwiseForward):
         format the step does not read."""
         if not self.native_step or self.model.device.type != "cpu":
             return None
-        held = self._step_plans.get(id(kv))
-        if held is not None:
+        held = self._step_plan_of
+        if held is not None and held[0] is kv:
             return held[1]
         model = self.model
         step = None
@@ -258,7 +258,7 @@ class FusedModel(LayerwiseForward):
             step = cpu_step.plan(model.embed_tokens.weight, model.lm_head.weight, self.cos, self.sin, kv.block_tables,
                                  [self._step_layer(layer, next_norm, kv) for layer, next_norm in zip(self.layers, self.next_norms)],
                                  self.layers[0].num_heads, self.layers[0].num_kv_heads)
-        self._step_plans[id(kv)] = (kv, step)
+        self._step_plan_of = (kv, step)
         return step
 
     def _step_layer(self, layer: FusedLayer, next_norm: Tensor, kv: PagedKV) -> cpu_step.StepLayer:
