@@ -274,28 +274,16 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     begun = asyncio.ensure_future(self.rounds.begin_round(running, span, tracer))
                 begun_round = await begun
                 begun = None
-                try:
-                    with telemetry.use_span(begun_round.span):
-                        event = await self.rounds.end_round(running, begun_round)
-                except RoundsExhausted:  # (a limit this coroutine did not see first)
-                    completion.finish_reason = "length"
-                    break
-                finally:
-                    begun_round.span.end()
-                running.round_id += 1
+                event = await self._ended(running, begun_round)
                 # Plain rounds the loop already ran while this event was made go out with it: one
                 # message for the run (the stream's writes, not the rounds, cost the host then).
-                while self.rounds.next_is_ready_plain(running, event) and running.may_go_on(self.finish_by):
-                    more = await self.rounds.begin_round(running, span, tracer)
-                    try:
-                        with telemetry.use_span(more.span):
-                            merge_events(event, await self.rounds.end_round(running, more))
-                    except RoundsExhausted:
-                        completion.finish_reason = "length"
-                        break
-                    finally:
-                        more.span.end()
-                    running.round_id += 1
+                while (event is not None and self.rounds.next_is_ready_plain(running, event)
+                       and running.may_go_on(self.finish_by)):
+                    later = await self._ended(running, await self.rounds.begin_round(running, span, tracer))
+                    if later is not None:
+                        merge_events(event, later)
+                if event is None:
+                    break
                 if running.may_go_on(self.finish_by):
                     begun = asyncio.ensure_future(self.rounds.begin_round(running, span, tracer))
                 yield event
@@ -345,6 +333,20 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     self.recorder.record(record_request(spec.request_id, spec.prompt_ids, output, carrier))
                 await link.close()
             structlog.contextvars.unbind_contextvars("request_id")
+
+    async def _ended(self, running: Running, begun_round) -> verifier_pb2.GenerateEvent | None:
+        """A begun round's second half under its span (ended here), the round counted; None when the
+        session decodes no more (a limit this coroutine did not see first: finish "length")."""
+        try:
+            with telemetry.use_span(begun_round.span):
+                event = await self.rounds.end_round(running, begun_round)
+        except RoundsExhausted:
+            running.completion.finish_reason = "length"
+            return None
+        finally:
+            begun_round.span.end()
+        running.round_id += 1
+        return event
 
     async def generate_raw(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[verifier_pb2.GenerateEvent]:
         """Generate over the wire: parse the request bytes, refusing malformed ones."""
