@@ -1,4 +1,5 @@
-"""How many CPU threads a service's model runs torch ops on (`--cpu-threads`).
+"""How many CPU threads a service's model runs torch ops on (`--cpu-threads`), and the CPU's
+native step (kernels.fused.cpu_step reads torch's count).
 
 On the CPU a drafter and a verifier on one host share its cores, and torch's threads wait
 for each other by spinning: two processes of as many threads as there are cores, both

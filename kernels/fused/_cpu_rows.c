@@ -228,10 +228,12 @@ KERNEL void attention_rows(const void *call, float *buf) {
        float32 [bs, D] */
     float *scores = buf, *queries = scores + group * c->max_length, *accs = queries + group * head_dim;
     float *block_rows = accs + group * head_dim;
-    for (Py_ssize_t t = 0; t < c->num_rows; t++) {
+    Py_ssize_t own = 0;
+    for (Py_ssize_t item = next_item(c->claim, &own); item < c->num_rows * c->num_kv; item = next_item(c->claim, &own)) {
+        const Py_ssize_t t = item / c->num_kv, h = item % c->num_kv;
         const Py_ssize_t length = c->positions[t] + 1;
         const int32_t *table = c->tables + c->slots[t] * c->max_blocks;
-        for (Py_ssize_t h = 0; h < c->num_kv; h++) {
+        {
             const Py_ssize_t first_head = h * group;
             load_row(queries, c->q, (t * c->num_heads + first_head) * head_dim, group * head_dim, c->type);
             for (Py_ssize_t start = 0; start < length; start += block_size) {
@@ -268,7 +270,7 @@ KERNEL void attention_rows(const void *call, float *buf) {
 
 static PyObject *attention(PyObject *self, PyObject *args) {
     unsigned long long q, keys, values, tables, positions, slots, out;
-    struct attention_call c;
+    struct attention_call c = {.claim = NULL};
     if (!PyArg_ParseTuple(args, "KKKKKKKnnnnnni", &q, &keys, &values, &tables, &positions, &slots, &out, &c.num_rows,
                           &c.num_heads, &c.num_kv, &c.head_dim, &c.block_size, &c.max_blocks, &c.type))
         return NULL;
@@ -306,16 +308,19 @@ KERNEL void expert_routes(const void *call, float *buf) {
         if (ids[r] >= 0) starts[ids[r] + 1]++;
     for (Py_ssize_t e = 0; e < c->num_experts; e++) starts[e + 1] += starts[e];
     for (Py_ssize_t r = 0; r < num_routes; r++) {
-        if (ids[r] < 0) {
-            memset(c->out + r * hidden, 0, sizeof(float) * (size_t)hidden);
-            continue;
-        }
+        if (ids[r] < 0) continue;
         order[starts[ids[r]]++] = r;
         load_row(inputs + r * hidden, c->x, (r / c->top_k) * hidden, hidden, c->type);
     }
     for (Py_ssize_t e = c->num_experts; e > 0; e--) starts[e] = starts[e - 1];
     starts[0] = 0;
-    for (Py_ssize_t e = 0; e < c->num_experts; e++) {
+    Py_ssize_t own = 0;
+    for (Py_ssize_t e = next_item(c->claim, &own); e <= c->num_experts; e = next_item(c->claim, &own)) {
+        if (e == c->num_experts) {  /* the dropped routes' outputs: zeros */
+            for (Py_ssize_t r = 0; r < num_routes; r++)
+                if (ids[r] < 0) memset(c->out + r * hidden, 0, sizeof(float) * (size_t)hidden);
+            continue;
+        }
         const Py_ssize_t first = starts[e], last = starts[e + 1];
         if (first == last) continue;
         for (Py_ssize_t n = 0; n < 2 * inter; n += ROW_BLOCK) {
@@ -357,7 +362,7 @@ KERNEL void expert_routes(const void *call, float *buf) {
 
 static PyObject *experts(PyObject *self, PyObject *args) {
     unsigned long long x, ids, gate_up, down, out;
-    struct experts_call c;
+    struct experts_call c = {.claim = NULL};
     if (!PyArg_ParseTuple(args, "KKKKKnnnnni", &x, &ids, &gate_up, &down, &out, &c.num_tokens, &c.top_k,
                           &c.num_experts, &c.hidden, &c.inter, &c.type))
         return NULL;
@@ -382,10 +387,13 @@ KERNEL void partial_rows(const void *call, float *buf) {
     const Py_ssize_t num_in = c->num_in;
     float *inputs = buf, *weights = inputs + c->num_rows * num_in;
     for (Py_ssize_t m = 0; m < c->num_rows; m++) load_row(inputs + m * num_in, c->x, m * c->x_stride, num_in, c->type);
-    for (Py_ssize_t sp = 0; sp < splits; sp++) {
+    const Py_ssize_t chunks = (c->num_out + PRODUCT_CHUNK - 1) / PRODUCT_CHUNK;
+    Py_ssize_t own = 0;
+    for (Py_ssize_t item = next_item(c->claim, &own); item < splits * chunks; item = next_item(c->claim, &own)) {
+        const Py_ssize_t sp = item / chunks, chunk_end = (item % chunks + 1) * PRODUCT_CHUNK;
         const Py_ssize_t first = sp * step < num_in ? sp * step : num_in;
         const Py_ssize_t width = (first + step < num_in ? first + step : num_in) - first;
-        for (Py_ssize_t n = 0; n < c->num_out; n += ROW_BLOCK) {
+        for (Py_ssize_t n = (item % chunks) * PRODUCT_CHUNK; n < c->num_out && n < chunk_end; n += ROW_BLOCK) {
             const Py_ssize_t count = c->num_out - n < ROW_BLOCK ? c->num_out - n : ROW_BLOCK;
             const float *w;
             Py_ssize_t stride;
@@ -410,7 +418,7 @@ KERNEL void partial_rows(const void *call, float *buf) {
 
 static PyObject *partials(PyObject *self, PyObject *args) {
     unsigned long long x, weight, out;
-    struct products_call c;
+    struct products_call c = {.claim = NULL};
     if (!PyArg_ParseTuple(args, "KKKnnnnnnni", &x, &weight, &out, &c.num_rows, &c.num_out, &c.num_in, &c.x_stride,
                           &c.weight_stride, &c.splits, &c.step, &c.type))
         return NULL;

@@ -69,6 +69,15 @@ HELPER void store_row(void *p, Py_ssize_t i, const float *src, Py_ssize_t n, int
 }
 
 #define ROW_BLOCK 16  /* weight rows read together (the products and the experts) */
+#define PRODUCT_CHUNK (4 * ROW_BLOCK)  /* a product's columns in one work item */
+
+/* Work items (the step's threads, _cpu_step.c): the kernels whose call has a `claim` counter split
+   their work into items (a product's column chunks, attention's (row, KV head) pairs, the experts),
+   each computed whole by one thread with the same loops as alone, so which thread takes an item
+   never changes a bit. `claim` NULL: the caller's thread takes every item, in order. */
+HELPER Py_ssize_t next_item(Py_ssize_t *claim, Py_ssize_t *own) {
+    return claim ? __atomic_fetch_add(claim, 1, __ATOMIC_RELAXED) : (*own)++;
+}
 
 /* Each kernel's call (the fields its entry point's comment in _cpu_rows.c describes). */
 struct attention_call {
@@ -77,6 +86,7 @@ struct attention_call {
     const int64_t *positions, *slots;
     float *out;
     Py_ssize_t num_rows, num_heads, num_kv, head_dim, block_size, max_blocks, max_length;
+    Py_ssize_t *claim;  /* items: (row, KV head) */
     int type;
 };
 
@@ -85,6 +95,7 @@ struct experts_call {
     const int64_t *ids;
     float *out;
     Py_ssize_t num_tokens, top_k, num_experts, hidden, inter;
+    Py_ssize_t *claim;  /* items: the experts, then one for the dropped routes */
     int type;
 };
 
@@ -92,6 +103,7 @@ struct products_call {
     const void *x, *weight;
     float *out;
     Py_ssize_t num_rows, num_out, num_in, x_stride, weight_stride, splits, step;
+    Py_ssize_t *claim;  /* items: (split, PRODUCT_CHUNK columns) */
     int type;
 };
 

@@ -24,6 +24,11 @@ step_run(plan, token_ids, positions, slots, live, num_rows, logits, hidden)
 
 #include "_cpu_rows.h"
 
+#include <pthread.h>
+#include <sched.h>
+
+#define MAX_HELPERS 7
+
 struct step_layer {
     const void *input_norm, *qkv, *q_norm, *k_norm, *o, *post_norm, *router, *gate_up, *down, *next_norm;
     void *keys, *values;
@@ -55,6 +60,9 @@ struct step_buffers {
     float *product, *attn_f32,  /* (bfloat16: the products' float32 outputs before their rounding) */
     *o_partials, *router_partials, *route_weights, *route_out, *scratch;
     int64_t *expert_ids;
+    float *scratches[1 + MAX_HELPERS];  /* per thread: the step's (= scratch), then each helper's */
+    int helpers;  /* helpers taking work items in this step */
+    Py_ssize_t claim;  /* the work items' counter of the kernel running */
 };
 
 static const char PLAN[] = "tandem.cpu_step";
@@ -147,7 +155,7 @@ static void *allocate(const struct step_plan *p, const struct step_rows *r, stru
     const size_t sizes[] = {
         T * H * es, T * H * es, T * qkv * es, T * heads * es, T * heads * es,  /* residual .. attn */
         T * qkv * 4, T * heads * 4, T * (size_t)most_splits(p, 0) * H * 4, T * (size_t)most_splits(p, 1) * E * 4,
-        T * k * 4, T * k * H * 4, scratch_floats(p, r) * 4, T * k * 8,
+        T * k * 4, T * k * H * 4, scratch_floats(p, r) * 4 * (size_t)(1 + b->helpers), T * k * 8,
     };
     enum { COUNT = sizeof sizes / sizeof sizes[0] };
     size_t offsets[COUNT], total = 0;
@@ -163,16 +171,129 @@ static void *allocate(const struct step_plan *p, const struct step_rows *r, stru
                         &b->route_out, &b->scratch};
     for (int i = 0; i < 7; i++) *floats[i] = (float *)(base + offsets[5 + i]);
     b->expert_ids = (int64_t *)(base + offsets[12]);
+    for (int i = 0; i <= b->helpers; i++) b->scratches[i] = b->scratch + (size_t)i * scratch_floats(p, r);
     return base;
+}
+
+/* The step's threads. The products, attention and the experts split into work items (_cpu_rows.h:
+   `claim`); the step's thread and its helpers take items from one counter until none is left, each
+   computing an item whole with its own scratch, so a row's bits do not depend on the threads or on
+   who took what. A helper joins a job only while it is open (the step's thread closes it when it
+   has run out of items, then waits for the helpers that joined): a helper slow to wake costs
+   nothing, the step's thread takes its items. Between a step's jobs helpers spin, yielding the core
+   to any other thread (the service's event loop shares this process's cores); between steps they
+   sleep. */
+#define JOB_CLOSED ((uint64_t)1 << 32)
+
+struct pool {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    int num_helpers;
+    int stepping;  /* a step runs: helpers spin between its jobs */
+    uint64_t job;  /* generation << 33 | closed << 32 | helpers joined */
+    uint64_t finished;  /* helpers done with the current job */
+    row_kernel kernel;
+    const void *call;
+    float *const *scratch;  /* per thread (0: the step's) */
+};
+
+static struct pool pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+static pthread_mutex_t pool_user = PTHREAD_MUTEX_INITIALIZER;  /* held by the step using the helpers */
+
+static uint64_t load_acquire(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+
+static void *helper_main(void *arg) {
+    const int index = (int)(intptr_t)arg;  /* its scratch: 1 + index */
+    uint64_t seen = 0;  /* the last generation it looked at */
+    for (;;) {
+        uint64_t job = load_acquire(&pool.job);
+        while (job >> 33 == seen && __atomic_load_n(&pool.stepping, __ATOMIC_RELAXED)) {
+            sched_yield();
+            job = load_acquire(&pool.job);
+        }
+        if (job >> 33 == seen) {  /* between steps: sleep until the next one */
+            pthread_mutex_lock(&pool.lock);
+            while (load_acquire(&pool.job) >> 33 == seen && !pool.stepping) pthread_cond_wait(&pool.wake, &pool.lock);
+            pthread_mutex_unlock(&pool.lock);
+            job = load_acquire(&pool.job);
+            if (job >> 33 == seen) continue;  /* (a step began: spin for its first job) */
+        }
+        seen = job >> 33;
+        /* join the job while it is open */
+        while (!(job & JOB_CLOSED) &&  /* (a failed exchange reloads job) */
+               !__atomic_compare_exchange_n(&pool.job, &job, job + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            if (job >> 33 != seen) break;
+        if (job >> 33 != seen || (job & JOB_CLOSED)) continue;
+        pool.kernel(pool.call, pool.scratch[1 + index]);
+        __atomic_fetch_add(&pool.finished, 1, __ATOMIC_RELEASE);
+    }
+    return NULL;
+}
+
+/* A forked child has none of the parent's helpers, and its locks start free. */
+static void after_fork_in_child(void) {
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pthread_mutex_init(&pool_user, NULL);
+    pool.num_helpers = 0;
+    pool.stepping = 0;
+}
+
+static pthread_once_t fork_handler = PTHREAD_ONCE_INIT;
+
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
+
+/* At most `wanted` helpers running (started once, never stopped); how many there are. */
+static int ensure_helpers(int wanted) {
+    if (wanted > MAX_HELPERS) wanted = MAX_HELPERS;
+    pthread_once(&fork_handler, register_fork_handler);
+    pthread_mutex_lock(&pool.lock);
+    while (pool.num_helpers < wanted) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int failed = pthread_create(&thread, &attr, helper_main, (void *)(intptr_t)pool.num_helpers);
+        pthread_attr_destroy(&attr);
+        if (failed) break;
+        pool.num_helpers++;
+    }
+    const int have = pool.num_helpers;
+    pthread_mutex_unlock(&pool.lock);
+    return have;
+}
+
+static void set_stepping(int stepping) {
+    pthread_mutex_lock(&pool.lock);
+    __atomic_store_n(&pool.stepping, stepping, __ATOMIC_RELAXED);
+    if (stepping) pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+}
+
+/* kernel(call) on the step's thread and the helpers that join; `claim` is the call's counter. */
+static void parallel(row_kernel kernel, const void *call, Py_ssize_t *claim, float *const *scratch, int helpers) {
+    *claim = 0;
+    if (helpers == 0) {
+        kernel(call, scratch[0]);
+        return;
+    }
+    pool.kernel = kernel, pool.call = call, pool.scratch = scratch;
+    __atomic_store_n(&pool.finished, 0, __ATOMIC_RELAXED);
+    const uint64_t generation = (load_acquire(&pool.job) >> 33) + 1;
+    __atomic_store_n(&pool.job, generation << 33, __ATOMIC_RELEASE);  /* open, nobody joined */
+    kernel(call, scratch[0]);
+    const uint64_t joined = __atomic_fetch_or(&pool.job, JOB_CLOSED, __ATOMIC_ACQ_REL) & (JOB_CLOSED - 1);
+    while (load_acquire(&pool.finished) < joined) sched_yield();
 }
 
 /* One product as the per-op path's `linear` (one split over all of K) or `linear_partials`. */
 static void product(const void *x, Py_ssize_t num_rows, Py_ssize_t num_in, const void *weight, Py_ssize_t num_out,
-                    Py_ssize_t weight_stride, Py_ssize_t splits, Py_ssize_t step, float *out, int type, float *scratch) {
+                    Py_ssize_t weight_stride, Py_ssize_t splits, Py_ssize_t step, float *out, int type,
+                    struct step_buffers *b) {
     const struct products_call c = {.x = x, .weight = weight, .out = out, .num_rows = num_rows, .num_out = num_out,
                                     .num_in = num_in, .x_stride = num_in, .weight_stride = weight_stride,
-                                    .splits = splits, .step = step, .type = type};
-    partial_rows(&c, scratch);
+                                    .splits = splits, .step = step, .claim = &b->claim, .type = type};
+    parallel(partial_rows, &c, &b->claim, b->scratches, b->helpers);
 }
 
 static void norm(const void *x, int kind, Py_ssize_t terms, const float *route_weights, void *residual,
@@ -191,7 +312,7 @@ static void layer_rows(const struct step_plan *p, const struct step_layer *l, co
     const Py_ssize_t heads = p->num_heads * D, width = (p->num_heads + 2 * p->num_kv) * D;
     const int type = p->type;
     /* mix: q/k/v, their norms and RoPE (k and v to the cache), attention, o, the residual and the post norm */
-    product(b->normed, T, H, l->qkv, width, H, 1, H, type == F32 ? (float *)b->qkv : b->product, type, b->scratch);
+    product(b->normed, T, H, l->qkv, width, H, 1, H, type == F32 ? (float *)b->qkv : b->product, type, b);
     if (type == BF16) store_row(b->qkv, 0, b->product, T * width, BF16);
     const struct rope_call rope = {.qkv = b->qkv, .q_norm = l->q_norm, .k_norm = l->k_norm, .q_out = b->q,
                                    .keys = l->keys, .values = l->values, .tables = p->tables,
@@ -206,14 +327,15 @@ static void layer_rows(const struct step_plan *p, const struct step_layer *l, co
                                              .out = type == F32 ? (float *)b->attn : b->attn_f32,
                                              .num_rows = T, .num_heads = p->num_heads, .num_kv = p->num_kv,
                                              .head_dim = D, .block_size = p->block_size,
-                                             .max_blocks = p->max_blocks, .max_length = r->max_length, .type = type};
-    attention_rows(&attention, b->scratch);
+                                             .max_blocks = p->max_blocks, .max_length = r->max_length, .claim = &b->claim,
+                                             .type = type};
+    parallel(attention_rows, &attention, &b->claim, b->scratches, b->helpers);
     if (type == BF16) store_row(b->attn, 0, b->attn_f32, T * heads, BF16);
-    product(b->attn, T, heads, l->o, H, heads, l->o_splits, l->o_step, b->o_partials, type, b->scratch);
+    product(b->attn, T, heads, l->o, H, heads, l->o_splits, l->o_step, b->o_partials, type, b);
     norm(b->o_partials, 1, l->o_splits, NULL, b->residual, l->post_norm, b->normed, p, T, l->eps, b->scratch);
     /* the router's top-k, the routed experts, their weighted sum, the residual and the next norm */
     product(b->normed, T, H, l->router, p->num_experts, H, l->router_splits, l->router_step, b->router_partials,
-            type, b->scratch);
+            type, b);
     const struct route_call route = {.partials = b->router_partials, .live = r->live, .ids = b->expert_ids,
                                      .weights = b->route_weights, .num_rows = T, .splits = l->router_splits,
                                      .num_experts = p->num_experts, .top_k = l->top_k, .normalize = l->normalize,
@@ -221,8 +343,9 @@ static void layer_rows(const struct step_plan *p, const struct step_layer *l, co
     route_rows(&route, b->scratch);
     const struct experts_call experts = {.x = b->normed, .gate_up = l->gate_up, .down = l->down, .ids = b->expert_ids,
                                          .out = b->route_out, .num_tokens = T, .top_k = l->top_k,
-                                         .num_experts = p->num_experts, .hidden = H, .inter = p->inter, .type = type};
-    expert_routes(&experts, b->scratch);
+                                         .num_experts = p->num_experts, .hidden = H, .inter = p->inter, .claim = &b->claim,
+                                         .type = type};
+    parallel(expert_routes, &experts, &b->claim, b->scratches, b->helpers);
     norm(b->route_out, 2, l->top_k, b->route_weights, b->residual, l->next_norm, b->normed, p, T, l->eps, b->scratch);
 }
 
@@ -235,7 +358,7 @@ static void run_step(const struct step_plan *p, const struct step_rows *r, struc
     norm(b->residual, 0, 1, NULL, NULL, p->layers[0].input_norm, b->normed, p, T, p->layers[0].eps, b->scratch);
     for (Py_ssize_t i = 0; i < p->num_layers; i++) layer_rows(p, &p->layers[i], r, b);
     /* the logits: `linear` to float32 rounds through the model's type first */
-    product(b->normed, T, H, p->lm_head, p->vocab, p->lm_head_stride, 1, H, r->logits, p->type, b->scratch);
+    product(b->normed, T, H, p->lm_head, p->vocab, p->lm_head_stride, 1, H, r->logits, p->type, b);
     if (p->type == BF16)
         for (size_t j = 0; j < (size_t)(T * p->vocab); j++) r->logits[j] = round_bf16(r->logits[j]);
     memcpy(r->hidden, b->normed, (size_t)(T * H) * es);
@@ -245,9 +368,14 @@ KERNEL PyObject *step_run(PyObject *self, PyObject *args) {
     PyObject *capsule;
     unsigned long long token_ids, positions, slots, live, logits, hidden;
     struct step_rows r;
-    if (!PyArg_ParseTuple(args, "OKKKKnKK", &capsule, &token_ids, &positions, &slots, &live, &r.num_rows, &logits,
-                          &hidden))
+    int threads;
+    if (!PyArg_ParseTuple(args, "OKKKKnKKi", &capsule, &token_ids, &positions, &slots, &live, &r.num_rows, &logits,
+                          &hidden, &threads))
         return NULL;
+    if (threads < 1) {
+        PyErr_Format(PyExc_ValueError, "step_run: threads %d must be >= 1", threads);
+        return NULL;
+    }
     const struct step_plan *p = PyCapsule_GetPointer(capsule, PLAN);
     if (!p) return NULL;
     if (p->num_layers < 1) {
@@ -273,12 +401,21 @@ KERNEL PyObject *step_run(PyObject *self, PyObject *args) {
         if (r.positions[t] + 1 > r.max_length) r.max_length = r.positions[t] + 1;
     }
     if (r.num_rows == 0) Py_RETURN_NONE;
-    struct step_buffers b;
+    struct step_buffers b = {.helpers = 0};
+    /* one step at a time has the helpers (another, in another thread, runs on its own) */
+    const int team = threads > 1 && pthread_mutex_trylock(&pool_user) == 0;
+    if (team) b.helpers = ensure_helpers(threads - 1);
     void *arena = allocate(p, &r, &b);
-    if (!arena) return PyErr_NoMemory();
+    if (!arena) {
+        if (team) pthread_mutex_unlock(&pool_user);
+        return PyErr_NoMemory();
+    }
     Py_BEGIN_ALLOW_THREADS
+    if (b.helpers) set_stepping(1);
     run_step(p, &r, &b);
+    if (b.helpers) set_stepping(0);
     Py_END_ALLOW_THREADS
+    if (team) pthread_mutex_unlock(&pool_user);
     free(arena);
     Py_RETURN_NONE;
 }

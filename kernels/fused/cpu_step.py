@@ -64,9 +64,11 @@ class StepPlan:
         self.hidden, self.vocab, self.dtype = hidden, vocab, dtype
 
     def run(self, token_ids: Tensor, positions: Tensor, slots: Tensor,
-            live: Tensor | None) -> tuple[Tensor, Tensor]:
+            live: Tensor | None, threads: int | None = None) -> tuple[Tensor, Tensor]:
         """(logits [T, vocab] float32, final-norm hidden [T, H]) of rows at (slot, position), their
-        K and V written to the cache; T <= MAX_ROWS. live [T]: 0 marks a padding row (no experts)."""
+        K and V written to the cache; T <= MAX_ROWS. live [T]: 0 marks a padding row (no experts).
+        threads: the step's threads (default torch's, which the service sets: shared/threads.py);
+        the bits do not depend on them."""
         num_rows = token_ids.shape[0]
         if num_rows > MAX_ROWS:
             raise ValueError(f"step: {num_rows} rows is more than the step's {MAX_ROWS}")
@@ -80,7 +82,8 @@ class StepPlan:
         logits = torch.empty((num_rows, self.vocab), dtype=torch.float32)
         hidden = torch.empty((num_rows, self.hidden), dtype=self.dtype)
         self._native.step_run(self._capsule, token_ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-                              0 if live is None else live.data_ptr(), num_rows, logits.data_ptr(), hidden.data_ptr())
+                              0 if live is None else live.data_ptr(), num_rows, logits.data_ptr(), hidden.data_ptr(),
+                              torch.get_num_threads() if threads is None else threads)
         return logits, hidden
 
 

@@ -100,6 +100,43 @@ def test_a_row_alone_and_in_a_batch(step_model):
     assert outs[1].logits.shape == (5, c.vocab_size)
 
 
+@pytest.mark.parametrize("num_rows", [1, 5, 20])
+def test_the_steps_threads_change_no_bit(step_model, num_rows):
+    # The step's work items (product column chunks, attention's (row, KV head) pairs, the experts)
+    # are each computed whole by whichever thread takes them: any number of threads (more than the
+    # cores or the items included) and two steps at once from two Python threads give the bits of
+    # one thread.
+    import threading
+
+    runner, pool = runner_over(step_model, True, 4)
+    slots = [pool.acquire(64)[0] for _ in range(4)]
+    for i, slot in enumerate(slots):
+        runner.prefill([(slot, list(range(2 + i, 30 + i)), 0)])
+    plan = runner.fused._step_plan(pool.paged())
+    gen = torch.Generator().manual_seed(num_rows)
+    token_ids = torch.randint(0, 101, (num_rows,), generator=gen)
+    row_slots = torch.tensor([slots[t % 4] for t in range(num_rows)])
+    positions = torch.tensor([28 + t // 4 for t in range(num_rows)])  # (rewrites the same K and V each run)
+    alone = plan.run(token_ids, positions, row_slots, None, threads=1)
+    for threads in (2, 3, 8):
+        logits, hidden = plan.run(token_ids, positions, row_slots, None, threads=threads)
+        assert torch.equal(logits, alone[0]) and torch.equal(hidden, alone[1]), threads
+    outs = [None, None]
+
+    def run(i):
+        outs[i] = plan.run(token_ids, positions, row_slots, None, threads=2)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for logits, hidden in outs:
+        assert torch.equal(logits, alone[0]) and torch.equal(hidden, alone[1])
+    with pytest.raises(ValueError, match="threads 0 must be >= 1"):
+        plan.run(token_ids, positions, row_slots, None, threads=0)
+
+
 def test_the_step_refuses_rows_it_cannot_index(step_model):
     runner, pool = runner_over(step_model, True, None)
     slot, _ = pool.acquire(64)
