@@ -28,6 +28,7 @@ step_run(plan, token_ids, positions, slots, live, num_rows, logits, hidden)
 #include <sched.h>
 
 #define MAX_HELPERS 7
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
 
 struct step_layer {
     const void *input_norm, *qkv, *q_norm, *k_norm, *o, *post_norm, *router, *gate_up, *down, *next_norm;
@@ -190,6 +191,7 @@ struct pool {
     pthread_cond_t wake;
     int num_helpers;
     int stepping;  /* a step runs: helpers spin between its jobs */
+    int team;  /* the helpers of the running step (index < team); the others sleep */
     uint64_t job;  /* generation << 33 | closed << 32 | helpers joined */
     uint64_t finished;  /* helpers done with the current job */
     row_kernel kernel;
@@ -202,18 +204,22 @@ static pthread_mutex_t pool_user = PTHREAD_MUTEX_INITIALIZER;  /* held by the st
 
 static uint64_t load_acquire(const uint64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 
+static int on_team(int index) {
+    return __atomic_load_n(&pool.stepping, __ATOMIC_RELAXED) && index < __atomic_load_n(&pool.team, __ATOMIC_RELAXED);
+}
+
 static void *helper_main(void *arg) {
     const int index = (int)(intptr_t)arg;  /* its scratch: 1 + index */
     uint64_t seen = 0;  /* the last generation it looked at */
     for (;;) {
         uint64_t job = load_acquire(&pool.job);
-        while (job >> 33 == seen && __atomic_load_n(&pool.stepping, __ATOMIC_RELAXED)) {
+        while (job >> 33 == seen && on_team(index)) {
             sched_yield();
             job = load_acquire(&pool.job);
         }
         if (job >> 33 == seen) {  /* between steps: sleep until the next one */
             pthread_mutex_lock(&pool.lock);
-            while (load_acquire(&pool.job) >> 33 == seen && !pool.stepping) pthread_cond_wait(&pool.wake, &pool.lock);
+            while (load_acquire(&pool.job) >> 33 == seen && !on_team(index)) pthread_cond_wait(&pool.wake, &pool.lock);
             pthread_mutex_unlock(&pool.lock);
             job = load_acquire(&pool.job);
             if (job >> 33 == seen) continue;  /* (a step began: spin for its first job) */
@@ -224,7 +230,8 @@ static void *helper_main(void *arg) {
                !__atomic_compare_exchange_n(&pool.job, &job, job + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             if (job >> 33 != seen) break;
         if (job >> 33 != seen || (job & JOB_CLOSED)) continue;
-        pool.kernel(pool.call, pool.scratch[1 + index]);
+        /* joined: the step's thread counts it done either way (team, read after the job: this step's) */
+        if (index < __atomic_load_n(&pool.team, __ATOMIC_RELAXED)) pool.kernel(pool.call, pool.scratch[1 + index]);
         __atomic_fetch_add(&pool.finished, 1, __ATOMIC_RELEASE);
     }
     return NULL;
@@ -236,7 +243,7 @@ static void after_fork_in_child(void) {
     pthread_cond_init(&pool.wake, NULL);
     pthread_mutex_init(&pool_user, NULL);
     pool.num_helpers = 0;
-    pool.stepping = 0;
+    pool.stepping = pool.team = 0;
 }
 
 static pthread_once_t fork_handler = PTHREAD_ONCE_INIT;
@@ -263,8 +270,9 @@ static int ensure_helpers(int wanted) {
     return have;
 }
 
-static void set_stepping(int stepping) {
+static void set_stepping(int stepping, int team) {
     pthread_mutex_lock(&pool.lock);
+    __atomic_store_n(&pool.team, team, __ATOMIC_RELAXED);
     __atomic_store_n(&pool.stepping, stepping, __ATOMIC_RELAXED);
     if (stepping) pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
@@ -404,16 +412,16 @@ KERNEL PyObject *step_run(PyObject *self, PyObject *args) {
     struct step_buffers b = {.helpers = 0};
     /* one step at a time has the helpers (another, in another thread, runs on its own) */
     const int team = threads > 1 && pthread_mutex_trylock(&pool_user) == 0;
-    if (team) b.helpers = ensure_helpers(threads - 1);
+    if (team) b.helpers = MIN(ensure_helpers(threads - 1), threads - 1);
     void *arena = allocate(p, &r, &b);
     if (!arena) {
         if (team) pthread_mutex_unlock(&pool_user);
         return PyErr_NoMemory();
     }
     Py_BEGIN_ALLOW_THREADS
-    if (b.helpers) set_stepping(1);
+    if (b.helpers) set_stepping(1, b.helpers);
     run_step(p, &r, &b);
-    if (b.helpers) set_stepping(0);
+    if (b.helpers) set_stepping(0, 0);
     Py_END_ALLOW_THREADS
     if (team) pthread_mutex_unlock(&pool_user);
     free(arena);
