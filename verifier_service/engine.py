@@ -125,8 +125,11 @@ class Engine:
             if group is not None and group.rank == 0:  # from now on every call reaches the followers too
                 self.runner = LeaderRunner(runner, group)
         # Results reach the host through two (pinned) slots, copied in the compute stream: the
-        # step in hand, and (decode-ahead) the step enqueued behind it.
+        # step in hand, and (decode-ahead) the step enqueued behind it. On the CPU they are host
+        # rows already, and only a later `run` writes over them (a step ahead is a fresh tensor):
+        # read where they are.
         pinned = model.device.type == "cuda"
+        self.rows_on_host = not pinned
         self.ring_ids = torch.zeros((2, batch_rows), dtype=torch.int64, pin_memory=pinned)
         self.ring_hidden = torch.zeros((2, batch_rows, c.hidden_size), dtype=model.dtype, pin_memory=pinned)
         self.ring_events = [torch.cuda.Event(), torch.cuda.Event()] if pinned else None
@@ -305,11 +308,12 @@ class Engine:
 
     def _commit(self, session: Session, drafts: list[int], host_hidden: Tensor, verdict: tuple[list[int], int],
                 forward_s: float, verify_s: float, slot_misses: int, first_row: int = 0,
-                logits: Tensor | None = None) -> RoundOutcome:
+                logits: Tensor | None = None, kept: bool = False) -> RoundOutcome:
         """Commit a round's verdict (emitted tokens, accepted drafts) and its rows to the session;
         first_row: where its window began in the step's rows (the runner keeps that row's state
         when the window rolls back); logits: the window's rows [size, vocab] (still on the
-        device), read for the emitted tokens' log-probabilities where the request asks."""
+        device), read for the emitted tokens' log-probabilities where the request asks; kept:
+        host_hidden is already a bfloat16 copy of its own (else its rows are copied)."""
         emitted, accepted = verdict
         spec = session.spec
         logprobs = None
@@ -320,7 +324,9 @@ class Engine:
         base = len(session.token_ids)  # position of the first token this round decides
         session.cache.truncate(base + accepted)  # keep the head's and accepted drafts' rows
         self.runner.settle(session.slot, first_row + accepted if accepted < len(drafts) else None)
-        rows = _head(host_hidden, accepted + 1).to(torch.bfloat16, copy=True)
+        rows = _head(host_hidden, accepted + 1)
+        if not kept:
+            rows = rows.to(torch.bfloat16, copy=True)
         session.hidden_rows.append(rows)
         session.token_ids.extend(emitted)
         return RoundOutcome(emitted, accepted, rows, forward_s * 1e3, verify_s * 1e3, slot_misses, len(drafts),
@@ -352,18 +358,24 @@ class Engine:
                                self._ring_copy(_head(out.hidden, len(rounds)),
                                                self._next_tokens(step_sessions, out, [p + 2 for p in step_positions])))
         host_hidden, ids = self._ring_read(ring, len(rounds))
+        # one copy of the step's rows, each session keeping its own row of it (a view: the rows
+        # live while any of the step's sessions keeps its row)
+        kept = host_hidden.to(torch.bfloat16, copy=True)
         forward_s = time.perf_counter() - started
         misses = self.slot_misses() - misses
         if len(rounds) == 1:  # (no slicing on the one-request path: each slice costs the host a few µs)
-            return [self._commit(rounds[0].session, [], host_hidden, ([ids[0]], 0), forward_s, 0.0, misses,
-                                 logits=logits)]
-        return [self._commit(r.session, [], host_hidden[row : row + 1], ([ids[row]], 0), forward_s, 0.0, misses,
-                             logits=logits[row : row + 1] if logits is not None and r.session.spec.logprobs is not None else None)
+            return [self._commit(rounds[0].session, [], kept, ([ids[0]], 0), forward_s, 0.0, misses,
+                                 logits=logits, kept=True)]
+        return [self._commit(r.session, [], kept[row : row + 1], ([ids[row]], 0), forward_s, 0.0, misses,
+                             logits=logits[row : row + 1] if logits is not None and r.session.spec.logprobs is not None else None,
+                             kept=True)
                 for r, row in zip(rounds, order)]
 
-    def _ring_copy(self, hidden: Tensor, greedy_ids: Tensor) -> int:
+    def _ring_copy(self, hidden: Tensor, greedy_ids: Tensor) -> int | tuple[Tensor, Tensor]:
         """Enqueue the copy of a step's hidden rows [T, H] and greedy ids [T] to the next host
-        slot; returns the slot."""
+        slot; returns the slot (on the CPU: the rows themselves)."""
+        if self.rows_on_host:
+            return hidden, greedy_ids
         ring = self.ring_next
         self.ring_next ^= 1
         num_rows = hidden.shape[0]
@@ -373,8 +385,11 @@ class Engine:
             self.ring_events[ring].record()
         return ring
 
-    def _ring_read(self, ring: int, num_rows: int) -> tuple[Tensor, list[int]]:
+    def _ring_read(self, ring: int | tuple[Tensor, Tensor], num_rows: int) -> tuple[Tensor, list[int]]:
         """Wait for a slot's copy; its hidden rows (a view: copy before the slot is reused) and ids."""
+        if isinstance(ring, tuple):
+            hidden, greedy_ids = ring
+            return _head(hidden, num_rows), _head(greedy_ids, num_rows).tolist()
         if self.ring_events is not None:
             self.ring_events[ring].synchronize()
         return self.ring_hidden[ring, :num_rows], self.ring_ids[ring, :num_rows].tolist()

@@ -85,7 +85,7 @@ class Ahead:
 
     sessions: list[Session]
     positions: list[int]
-    ring: int  # the pinned slot its tokens and hidden rows arrive in
+    ring: int | tuple[Tensor, Tensor]  # the pinned slot its tokens and hidden rows arrive in (CPU: the rows)
 
     def matches(self, sessions: list[Session]) -> list[int] | None:
         """Each session's row if the step is exactly theirs, in any order, at their next position."""

@@ -648,7 +648,7 @@ static PyObject *route(PyObject *self, PyObject *args) {
 
 /* argmax(logits, out, num_rows, width): out [T] int64 = the index of each float32 row's first largest
    value, a NaN counting as larger than any number (torch.argmax's rule). Comparisons only: exact. */
-static void argmax_rows(const float *logits, int64_t *out, Py_ssize_t num_rows, Py_ssize_t width) {
+KERNEL void argmax_rows(const float *logits, int64_t *out, Py_ssize_t num_rows, Py_ssize_t width) {
     for (Py_ssize_t t = 0; t < num_rows; t++) {
         const float *row = logits + t * width;
         Py_ssize_t best = 0;

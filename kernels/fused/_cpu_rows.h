@@ -142,6 +142,7 @@ KERNEL void attention_rows(const void *call, float *buf);
 KERNEL void expert_routes(const void *call, float *buf);
 KERNEL void partial_rows(const void *call, float *buf);
 KERNEL void add_norm_rows(const void *call, float *buf);
+KERNEL void argmax_rows(const float *logits, int64_t *out, Py_ssize_t num_rows, Py_ssize_t width);
 KERNEL void qk_rope_rows(const void *call, float *buf);
 KERNEL void route_rows(const void *call, float *buf);
 

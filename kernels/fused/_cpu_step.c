@@ -16,10 +16,11 @@ step_plan(model, layers) -> a capsule of the weights' and caches' addresses and 
           inter, block_size, max_blocks, num_slots, max_positions, embed_stride, lm_head_stride, type)
   layers: [(input_norm, qkv, q_norm, k_norm, o, post_norm, router, gate_up, down, next_norm, keys,
             values, o_splits, o_step, router_splits, router_step, top_k, normalize, eps)]
-step_run(plan, token_ids, positions, slots, live, num_rows, logits, hidden)
+step_run(plan, token_ids, positions, slots, live, num_rows, logits, hidden, threads, greedy_ids)
   token_ids, positions, slots [T] int64, live [T] int64 or 0 (the router's padding rows); writes
-  logits [T, vocab] float32, hidden [T, H] (the final norm's rows, of the model's type) and the
-  rows' K and V into the cache. Raises IndexError / ValueError (the lock held) for a token id
+  logits [T, vocab] float32, hidden [T, H] (the final norm's rows, of the model's type), greedy_ids
+  [T] int64 unless 0 (argmax's rule: the first largest, NaN largest) and the rows' K and V into
+  the cache. Raises IndexError / ValueError (the lock held) for a token id
   outside the vocabulary or a position or slot outside the tables, as the per-op path does. */
 
 #include "_cpu_rows.h"
@@ -54,6 +55,7 @@ struct step_rows {
     Py_ssize_t num_rows, max_length;
     float *logits;
     void *hidden;
+    int64_t *greedy_ids;  /* or NULL */
 };
 
 struct step_buffers {
@@ -370,15 +372,16 @@ static void run_step(const struct step_plan *p, const struct step_rows *r, struc
     if (p->type == BF16)
         for (size_t j = 0; j < (size_t)(T * p->vocab); j++) r->logits[j] = round_bf16(r->logits[j]);
     memcpy(r->hidden, b->normed, (size_t)(T * H) * es);
+    if (r->greedy_ids) argmax_rows(r->logits, r->greedy_ids, T, p->vocab);
 }
 
 KERNEL PyObject *step_run(PyObject *self, PyObject *args) {
     PyObject *capsule;
-    unsigned long long token_ids, positions, slots, live, logits, hidden;
+    unsigned long long token_ids, positions, slots, live, logits, hidden, greedy_ids;
     struct step_rows r;
     int threads;
-    if (!PyArg_ParseTuple(args, "OKKKKnKKi", &capsule, &token_ids, &positions, &slots, &live, &r.num_rows, &logits,
-                          &hidden, &threads))
+    if (!PyArg_ParseTuple(args, "OKKKKnKKiK", &capsule, &token_ids, &positions, &slots, &live, &r.num_rows, &logits,
+                          &hidden, &threads, &greedy_ids))
         return NULL;
     if (threads < 1) {
         PyErr_Format(PyExc_ValueError, "step_run: threads %d must be >= 1", threads);
@@ -392,6 +395,7 @@ KERNEL PyObject *step_run(PyObject *self, PyObject *args) {
     }
     r.token_ids = address(token_ids), r.positions = address(positions), r.slots = address(slots);
     r.live = address(live), r.logits = address(logits), r.hidden = address(hidden);
+    r.greedy_ids = address(greedy_ids);
     const Py_ssize_t position_limit = MAX(0, p->max_positions < p->max_blocks * p->block_size
                                                  ? p->max_positions : p->max_blocks * p->block_size);
     r.max_length = 0;

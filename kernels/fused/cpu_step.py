@@ -10,12 +10,17 @@ step) goes with it.
 
 A `StepPlan` holds the weights' and the paged cache's addresses, checked once (`plan`: None
 where the step does not apply — no native build, a dtype other than float32 / bfloat16, FP8
-weights, a layout it does not read); `run` takes a step's rows. The plan keeps its tensors
-alive; the caller must not replace them (the paged pool's tensors never are).
+weights, a layout it does not read); `run` takes a step's rows as tensors and returns new ones;
+`run_into` takes them as lists and writes a `StepOutput`'s reused buffers, greedy ids included
+(a runner's step: no torch call on the way, so the interpreter lock is dropped once a step —
+each torch call drops and retakes it, and retaking waits while the event loop holds it). The
+plan keeps its tensors alive; the caller must not replace them (the paged pool's tensors never
+are).
 """
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -83,8 +88,51 @@ class StepPlan:
         hidden = torch.empty((num_rows, self.hidden), dtype=self.dtype)
         self._native.step_run(self._capsule, token_ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
                               0 if live is None else live.data_ptr(), num_rows, logits.data_ptr(), hidden.data_ptr(),
-                              torch.get_num_threads() if threads is None else threads)
+                              torch.get_num_threads() if threads is None else threads, 0)
         return logits, hidden
+
+    def run_into(self, token_ids: list[int], positions: list[int], slots: list[int], out: StepOutput,
+                 threads: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """`run` of rows given as lists (every row live), into `out`'s first rows: (logits [T, vocab]
+        float32, hidden [T, H], greedy ids [T] int64) as views of its buffers, valid until the next
+        step writes them. The same bits as `run`."""
+        num_rows = len(token_ids)
+        if len(positions) != num_rows or len(slots) != num_rows:
+            raise ValueError("step: token_ids, positions and slots must have one entry a row each")
+        if num_rows > out.max_rows:
+            raise ValueError(f"step: {num_rows} rows is more than the output's {out.max_rows}")
+        if (out.vocab, out.hidden_size, out.dtype) != (self.vocab, self.hidden, self.dtype):
+            raise ValueError("step: the output's shapes or dtype are not the plan's")
+        ids, at, where = array("q", token_ids), array("q", positions), array("q", slots)
+        logits, hidden, greedy_ids = out.rows(num_rows)
+        self._native.step_run(self._capsule, ids.buffer_info()[0], at.buffer_info()[0], where.buffer_info()[0], 0,
+                              num_rows, out.logits_address, out.hidden_address,
+                              torch.get_num_threads() if threads is None else threads, out.greedy_ids_address)
+        return logits, hidden, greedy_ids
+
+
+class StepOutput:
+    """Output buffers of steps of up to `max_rows` rows, written step after step (`run_into`):
+    a step's rows are views of them, valid until the next step."""
+
+    def __init__(self, max_rows: int, vocab: int, hidden_size: int, dtype: torch.dtype) -> None:
+        if max_rows < 1:
+            raise ValueError(f"max_rows {max_rows} must be >= 1")
+        self.max_rows, self.vocab, self.hidden_size, self.dtype = max_rows, vocab, hidden_size, dtype
+        self.logits = torch.empty((max_rows, vocab), dtype=torch.float32)  # [R, vocab]
+        self.hidden = torch.empty((max_rows, hidden_size), dtype=dtype)  # [R, H]
+        self.greedy_ids = torch.empty(max_rows, dtype=torch.int64)  # [R]
+        self.logits_address = self.logits.data_ptr()
+        self.hidden_address = self.hidden.data_ptr()
+        self.greedy_ids_address = self.greedy_ids.data_ptr()
+        self._views: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+
+    def rows(self, num_rows: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The first num_rows rows of each buffer (views made once per count)."""
+        views = self._views.get(num_rows)
+        if views is None:
+            views = self._views[num_rows] = (self.logits[:num_rows], self.hidden[:num_rows], self.greedy_ids[:num_rows])
+        return views
 
 
 def plan(

@@ -34,6 +34,11 @@ class LayerwiseForward:
 
     group = None  # shared.model.parallel.group.ModelGroup of a model split over processes, else None
 
+    def step_plan(self, kv: PagedKV):
+        """The CPU's one-call step over this cache (kernels.fused.cpu_step.StepPlan), or None
+        where a forward runs op by op (the family's own says where the step applies)."""
+        return None
+
     def join(self, model, group) -> None:
         """Take the ranks a model split over processes runs on (None: one process); the model
         must be this rank's share (loaded with the group's shard)."""
@@ -108,6 +113,8 @@ class FusedForward(Protocol):
 
     @property
     def offloaded(self) -> bool: ...
+
+    def step_plan(self, kv: PagedKV): ...
 
     def forward(self, token_ids: Tensor, rows: Rows, kv: PagedKV,
                 routing: RoutingOptions | None = None) -> tuple[Tensor, Tensor]: ...

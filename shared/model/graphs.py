@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from kernels.fused import cpu_rows
+from kernels.fused import cpu_rows, cpu_step
 from shared.model.fused import FusedForward
 from shared.model.rows import Rows
 from shared.model.kv_cache import CacheLength, KVPool
@@ -81,8 +81,6 @@ class StepInputs:
 
 
 class FusedRunner:
-    can_run_ahead = True
-
     def __init__(self, fused: FusedForward, pool: KVPool, max_rows: int, *, max_batch_rows: int | None = None,
                  scratch_slot: int | None = None, verify_window: int = 0, use_graphs: bool | None = None) -> None:
         """max_rows: the longest window of one sequence; max_batch_rows: the most rows of one
@@ -101,6 +99,12 @@ class FusedRunner:
         self.verify_window = min(verify_window, max_rows)
         self.device = fused.model.device
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
+        # Decode-ahead where the device computes the step ahead while the host reads this one (a
+        # GPU). On the CPU the host would compute it itself before this round's tokens go out,
+        # and for nothing whenever the next round differs; tests set it to run that path here.
+        self.can_run_ahead = self.device.type == "cuda"
+        # The CPU's one-call step writes these (made at its first step; None: none yet).
+        self._step_output: cpu_step.StepOutput | None = None
         # Offloaded experts: the forward reads each layer's routes on the host, so on CUDA each
         # step shape runs as graph segments between those reads (captured at first use) where the
         # family's forward has them, else eagerly.
@@ -287,6 +291,9 @@ class FusedRunner:
         rows are written); output rows follow the windows' order (rows past their total are
         padding)."""
         windows, num_rows = check_windows(windows, max_rows=self.max_rows, max_batch_rows=self.max_batch_rows)
+        step = self.fused.step_plan(self.kv) if not self.can_run_ahead and num_rows <= cpu_step.MAX_ROWS else None
+        if step is not None:
+            return self._run_step(step, windows)
         shape, padded = self._shape(windows, num_rows)
         f = self.inputs.to_fill()
         token_ids, positions, slots, seq_slots, seq_starts = f.token_ids, f.positions, f.slots, f.seq_slots, f.seq_starts
@@ -330,6 +337,21 @@ class FusedRunner:
         graph, output = captured
         graph.replay()
         return output
+
+    def _run_step(self, step: cpu_step.StepPlan, windows: list[Window]) -> WindowOutput:
+        """The windows as the CPU's one-call step, its rows from lists (no staged inputs, no torch
+        call: the interpreter lock is dropped once), into the runner's output buffers. Not a
+        decode step `run_next` could follow: where it may (can_run_ahead), `run` stages inputs."""
+        token_ids, positions, slots = [], [], []
+        for slot, ids, start in windows:
+            token_ids.extend(ids)
+            positions.extend(range(start, start + len(ids)))
+            slots.extend([slot] * len(ids))
+        out = self._step_output
+        if out is None:
+            out = self._step_output = cpu_step.StepOutput(self.max_batch_rows, step.vocab, step.hidden, step.dtype)
+        self.last_shape = self.last_decode = None
+        return WindowOutput(*step.run_into(token_ids, positions, slots, out))
 
     def last_graph(self) -> torch.cuda.CUDAGraph | None:
         """The graph the last `run` replayed (None: it ran eagerly); benchmarks replay it."""

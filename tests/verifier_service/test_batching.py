@@ -135,6 +135,7 @@ def test_decode_batches_ahead_commit_what_each_commits_alone(tiny_mtp_model, tem
     session leaves (the step ahead is dropped) and when one joins; sessions sampling alike
     share one processing of their rows."""
     engine = Engine(tiny_mtp_model, max_context=64, prefill_chunk=8, fused="on", max_sessions=4, max_window=5)
+    engine.runner.can_run_ahead = True  # (the GPU's decode-ahead, run here)
     reference = Engine(tiny_mtp_model, max_context=64, prefill_chunk=8, fused="off")
     prompts = [[5, 17, 42], [9, 1, 60, 33, 2], [11, 12, 13, 14], [70, 71]]
     lengths = [10, 6, 10, 8]

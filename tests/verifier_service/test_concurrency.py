@@ -3,6 +3,7 @@ a request's tokens do not depend on what else runs, KV slots and blocks all come
 request refused for capacity leaves the others untouched."""
 
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -122,13 +123,21 @@ async def test_a_small_kv_pool_queues_requests_by_blocks_and_refuses_what_never_
 async def test_a_request_refused_for_capacity_leaves_the_others_untouched(servers, tiny_model):
     stub = await servers.start(tiny_model, drafter=ScriptedDrafter(propose), fused="on", max_sessions=2, max_queued=0)
     service = servers.verifier.service
-    first, second = MIXED[1], MIXED[3]
+    first, second = [(prompt, 40, *rest) for prompt, _, *rest in (MIXED[1], MIXED[3])]
     alone = [(await generate(stub, mixed_request(*m)))[0] for m in (first, second)]
 
     async def refused_while_full():
-        await wait_until(lambda: service.active == 2)
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await generate(stub, mixed_request(*MIXED[0]))
+        assert await wait_until(lambda: service.active == 2)
+        # the engine loop held (a job between steps) while the third arrives: neither of the two
+        # can finish first, however fast their rounds
+        held, release = threading.Event(), threading.Event()
+        service.worker.submit(lambda: held.set() or release.wait(10))
+        try:
+            assert await asyncio.to_thread(held.wait, 10)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await generate(stub, mixed_request(*MIXED[0]))
+        finally:
+            release.set()
         return refused.value
 
     results = await asyncio.gather(generate(stub, mixed_request(*first)), generate(stub, mixed_request(*second)),

@@ -92,6 +92,7 @@ def test_decode_ahead_commits_the_same_tokens_across_interleaved_sessions(tiny_m
     the step ahead decodes the token drawn on the device, the one verify_chain would emit."""
     reference = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="off")
     fused = Engine(tiny_mtp_model, max_context=128, prefill_chunk=5, fused="on", max_sessions=2, max_window=5)
+    fused.runner.can_run_ahead = True  # (the GPU's decode-ahead, run here)
     prompts = [[3, 14, 15, 92, 65, 35], [27, 18, 28, 18, 28]]
     expected = [decode(reference, request_spec(p, temperature=temperature, max_new_tokens=12), lambda ids: [])
                 for p in prompts]

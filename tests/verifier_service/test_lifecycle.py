@@ -71,7 +71,7 @@ async def test_sigterm_drains_in_flight_requests(verifier_process):
         stub = verifier_pb2_grpc.VerifierStub(channel)
         call = stub.Generate(request([1, 2, 3], 240))
         first = await call.read()
-        assert len(first.token_ids) == 1
+        assert 1 <= len(first.token_ids) < 240  # (rounds run ahead of the stream go out together)
         process.send_signal(signal.SIGTERM)
         health = health_pb2_grpc.HealthStub(channel)
         while (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING:

@@ -43,18 +43,24 @@ def runner_over(model, native: bool, block_size: int | None):
 
 @pytest.mark.parametrize("block_size", [None, 4])
 def test_steps_are_the_per_op_paths_bits(step_model, block_size, monkeypatch):
-    # The same prompts and steps through two runners on the same weights, one running each
-    # step as one native call and one op by op: every step's logits, hidden rows, greedy ids
-    # and the whole KV pool after it are equal bit for bit.
+    # The same prompts and steps through three runners on the same weights: one running each
+    # step as one native call from lists into its reused buffers (the runner's CPU step), one
+    # staging its inputs and calling the step with tensors (where decode-ahead may follow), and
+    # one op by op: every step's logits, hidden rows, greedy ids and the whole KV pool after it
+    # are equal bit for bit.
     calls = []
-    run = cpu_step.StepPlan.run
-    monkeypatch.setattr(cpu_step.StepPlan, "run", lambda self, *a: calls.append(1) or run(self, *a))
+    run, run_into = cpu_step.StepPlan.run, cpu_step.StepPlan.run_into
+    monkeypatch.setattr(cpu_step.StepPlan, "run", lambda self, *a: calls.append("run") or run(self, *a))
+    monkeypatch.setattr(cpu_step.StepPlan, "run_into", lambda self, *a: calls.append("into") or run_into(self, *a))
     native, native_pool = runner_over(step_model, True, block_size)
+    staged, staged_pool = runner_over(step_model, True, block_size)
+    staged.can_run_ahead = True  # (inputs staged for a chained step)
     per_op, per_op_pool = runner_over(step_model, False, block_size)
+    arms = ((native, native_pool), (staged, staged_pool), (per_op, per_op_pool))
     gen = torch.Generator().manual_seed(block_size or 0)
     prompts = [torch.randint(0, 101, (n,), generator=gen) for n in (7, 12, 3)]
     slots = []
-    for runner, pool in ((native, native_pool), (per_op, per_op_pool)):
+    for runner, pool in arms:
         taken = [pool.acquire(64)[0] for _ in prompts]
         for slot, prompt in zip(taken, prompts):
             runner.prefill([(slot, prompt.tolist(), 0)])
@@ -62,12 +68,12 @@ def test_steps_are_the_per_op_paths_bits(step_model, block_size, monkeypatch):
     lengths = [len(p) for p in prompts]
 
     def step(picks):  # picks: (sequence, window length); the window starts at the sequence's last token
-        windows = [[], []]
+        windows = [[] for _ in arms]
         for seq, size in picks:
             ids = torch.randint(0, 101, (size,), generator=gen).tolist()
-            for which in (0, 1):
+            for which in range(len(arms)):
                 windows[which].append((slots[which][seq], ids, lengths[seq] - 1))
-        outs = native.run(windows[0]), per_op.run(windows[1])
+        outs = [runner.run(w) for (runner, _), w in zip(arms, windows)]
         for seq, size in picks:
             lengths[seq] += size
         return outs
@@ -75,14 +81,16 @@ def test_steps_are_the_per_op_paths_bits(step_model, block_size, monkeypatch):
     steps = [[(0, 1)], [(1, 5)], [(2, 3)], [(0, 1), (1, 1), (2, 1)], [(1, 4), (0, 2)], [(2, 5), (0, 1), (1, 3)],
              [(0, 6)], [(2, 1), (1, 1)]]
     for picks in steps:
-        a, b = step(picks)
-        assert torch.equal(a.logits, b.logits), picks
-        assert torch.equal(a.hidden, b.hidden), picks
-        assert torch.equal(a.greedy_ids, b.greedy_ids), picks
-        assert a.logits.dtype == torch.float32 and a.hidden.dtype == step_model.dtype
-        for mine, theirs in zip(native_pool.paged().layers, per_op_pool.paged().layers):
-            assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1]), picks
-    assert len(calls) == len(steps)  # every step ran as one call
+        *mine, b = step(picks)
+        for a in mine:
+            assert torch.equal(a.logits, b.logits), picks
+            assert torch.equal(a.hidden, b.hidden), picks
+            assert torch.equal(a.greedy_ids, b.greedy_ids), picks
+            assert a.logits.dtype == torch.float32 and a.hidden.dtype == step_model.dtype
+        for pool, _ in ((native_pool, 0), (staged_pool, 1)):
+            for theirs, ours in zip(per_op_pool.paged().layers, pool.paged().layers):
+                assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1]), picks
+    assert calls == ["into", "run"] * len(steps)  # every step of the first two ran as one call
 
 
 def test_a_row_alone_and_in_a_batch(step_model):
@@ -112,7 +120,7 @@ def test_the_steps_threads_change_no_bit(step_model, num_rows):
     slots = [pool.acquire(64)[0] for _ in range(4)]
     for i, slot in enumerate(slots):
         runner.prefill([(slot, list(range(2 + i, 30 + i)), 0)])
-    plan = runner.fused._step_plan(pool.paged())
+    plan = runner.fused.step_plan(pool.paged())
     gen = torch.Generator().manual_seed(num_rows)
     token_ids = torch.randint(0, 101, (num_rows,), generator=gen)
     row_slots = torch.tensor([slots[t % 4] for t in range(num_rows)])
@@ -140,7 +148,7 @@ def test_the_steps_threads_change_no_bit(step_model, num_rows):
 def test_the_step_refuses_rows_it_cannot_index(step_model):
     runner, pool = runner_over(step_model, True, None)
     slot, _ = pool.acquire(64)
-    plan = runner.fused._step_plan(pool.paged())
+    plan = runner.fused.step_plan(pool.paged())
     assert plan is not None
     positions, slots = torch.tensor([0, 1]), torch.tensor([slot, slot])
     with pytest.raises(IndexError, match="token id 101 of row 1 is outside the vocabulary"):
@@ -159,7 +167,7 @@ def test_forwards_the_step_does_not_read_run_op_by_op(step_model, tiny_fp8_model
         c = model.config
         pool = KVPool(num_layers=c.num_hidden_layers, num_slots=2, max_length=32, num_kv_heads=c.num_key_value_heads,
                       head_dim=c.head_dim, dtype=model.dtype, device="cpu")
-        return FusedModel(model, max_rows=8, max_length=32, **kwargs)._step_plan(pool.paged())
+        return FusedModel(model, max_rows=8, max_length=32, **kwargs).step_plan(pool.paged())
 
     assert plan_of(step_model) is not None
     assert plan_of(step_model, invariant=False) is None  # (the yardstick's cuBLAS products)

@@ -236,12 +236,12 @@ class FusedModel(LayerwiseForward):
 
         token_ids [T]; kv: the paged cache of every trunk layer.
         """
-        step = self._step_plan(kv) if routing is None and token_ids.shape[0] <= cpu_step.MAX_ROWS else None
+        step = self.step_plan(kv) if routing is None and token_ids.shape[0] <= cpu_step.MAX_ROWS else None
         if step is not None:
             return step.run(token_ids, rows.positions, rows.slots, rows.live)
         return self.trunk_rows(token_ids, rows, kv, routing)
 
-    def _step_plan(self, kv: PagedKV) -> cpu_step.StepPlan | None:
+    def step_plan(self, kv: PagedKV) -> cpu_step.StepPlan | None:
         """The CPU step's plan over this cache (made at its first forward), or None where a forward
         runs op by op: on a GPU, under the Triton interpreter, with experts in host memory, split
         over ranks, a dense layer, the reference products (invariant=False), or a layout or weight
