@@ -12,7 +12,14 @@
    (against the most likely), the cap to `width`, each followed by a renormalisation; the kept
    tokens by ascending id, then padding (id -1, prob 0). The arithmetic is the definition's, in
    another summation order (the normaliser, the renormalisations): probabilities agree to
-   rounding, never in which tokens are kept except at a boundary met to the last bit. */
+   rounding, never in which tokens are kept except at a boundary met to the last bit.
+
+   draw(logits, type, vocab, rows, count, temperature, top_k, top_p, min_p, width, candidates, u, out)
+   rows [count] int64: logit rows to draw from; u [count] float64; out int64, indexed by row:
+   out[rows[i]] = the token sample() draws with u[i] from row rows[i]'s processed distribution
+   (the above): its kept tokens by ascending id, the first whose running sum of probabilities
+   exceeds u, else the last with a positive probability — sample()'s arithmetic (a float64 sum
+   from the left, as torch.cumsum's), so the same token as process() then sample(). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -145,66 +152,105 @@ struct process_call {
     double *probs;
 };
 
-/* scaled [vocab]; entries [candidates]; probs [candidates]; keep [candidates] */
-static void process_rows(const struct process_call *c, double *scaled, entry *entries, double *probs, char *keep) {
+/* The scratch of a call's rows, one allocation: scaled [vocab]; entries, probs, keep [candidates]. */
+struct row_scratch {
+    double *scaled, *probs;
+    entry *entries;
+    char *keep;
+};
+
+static int scratch_alloc(struct row_scratch *b, Py_ssize_t vocab, Py_ssize_t candidates) {
+    b->scaled = malloc(sizeof(double) * (size_t)vocab);
+    b->entries = malloc(sizeof(entry) * (size_t)candidates);
+    b->probs = malloc(sizeof(double) * (size_t)candidates);
+    b->keep = malloc((size_t)candidates);
+    return b->scaled && b->entries && b->probs && b->keep;
+}
+
+static void scratch_free(struct row_scratch *b) {
+    free(b->scaled);
+    free(b->entries);
+    free(b->probs);
+    free(b->keep);
+}
+
+/* Row r of the call's logits, processed into ids [width] and out [width]. */
+static void process_row(const struct process_call *c, Py_ssize_t r, const struct row_scratch *b, int64_t *ids,
+                        double *out) {
     const size_t item = c->type == 0 ? 4 : c->type == 1 ? 2 : 8;
     const Py_ssize_t n = c->candidates;
-    for (Py_ssize_t r = 0; r < c->rows; r++) {
-        const void *row = c->logits + (size_t)r * (size_t)c->vocab * item;
-        double top = -INFINITY;
-        for (Py_ssize_t v = 0; v < c->vocab; v++) {
-            scaled[v] = load(row, v, c->type) / c->temperature;
-            if (scaled[v] > top) top = scaled[v];
-        }
-        const double total = normaliser(scaled, c->vocab, top);
-        select_first(scaled, c->vocab, n, entries);
-        for (Py_ssize_t size = n - 1; size > 0; size--) {  /* heapsort: the worst to the end, in turn */
-            swap(&entries[0], &entries[size]);
-            sift_down(entries, size, 0);
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            probs[i] = exp(entries[i].value - top) / total;
-            keep[i] = 1;
-        }
-        if (c->top_k) {
-            for (Py_ssize_t i = 0; i < n; i++) keep[i] &= i < c->top_k;
-            renormalise(probs, keep, n);
-        }
-        if (c->top_p < 1.0) {
-            double mass = 0.0;
-            for (Py_ssize_t i = 0; i < n; i++) {
-                mass += probs[i];
-                keep[i] &= mass - probs[i] < c->top_p;  /* (as cumsum - probs: the same rounding) */
-            }
-            renormalise(probs, keep, n);
-        }
-        if (c->min_p > 0.0) {
-            const double least = c->min_p * probs[0];
-            for (Py_ssize_t i = 0; i < n; i++) keep[i] &= probs[i] >= least;
-            renormalise(probs, keep, n);
-        }
-        for (Py_ssize_t i = c->width; i < n; i++) keep[i] = 0;
-        renormalise(probs, keep, n);
-        Py_ssize_t kept = 0;
-        for (Py_ssize_t i = 0; i < c->width; i++)
-            if (keep[i]) {
-                entries[kept].id = entries[i].id;
-                entries[kept].value = probs[i];  /* (the entry now carries its probability) */
-                kept++;
-            }
-        for (Py_ssize_t i = 1; i < kept; i++) {  /* by ascending id (an insertion sort: a few dozen) */
-            const entry e = entries[i];
-            Py_ssize_t j = i;
-            for (; j > 0 && entries[j - 1].id > e.id; j--) entries[j] = entries[j - 1];
-            entries[j] = e;
-        }
-        int64_t *ids = c->token_ids + r * c->width;
-        double *out = c->probs + r * c->width;
-        for (Py_ssize_t i = 0; i < c->width; i++) {
-            ids[i] = i < kept ? entries[i].id : -1;
-            out[i] = i < kept ? entries[i].value : 0.0;
-        }
+    double *scaled = b->scaled, *probs = b->probs;
+    entry *entries = b->entries;
+    char *keep = b->keep;
+    const void *row = c->logits + (size_t)r * (size_t)c->vocab * item;
+    double top = -INFINITY;
+    for (Py_ssize_t v = 0; v < c->vocab; v++) {
+        scaled[v] = load(row, v, c->type) / c->temperature;
+        if (scaled[v] > top) top = scaled[v];
     }
+    const double total = normaliser(scaled, c->vocab, top);
+    select_first(scaled, c->vocab, n, entries);
+    for (Py_ssize_t size = n - 1; size > 0; size--) {  /* heapsort: the worst to the end, in turn */
+        swap(&entries[0], &entries[size]);
+        sift_down(entries, size, 0);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        probs[i] = exp(entries[i].value - top) / total;
+        keep[i] = 1;
+    }
+    if (c->top_k) {
+        for (Py_ssize_t i = 0; i < n; i++) keep[i] &= i < c->top_k;
+        renormalise(probs, keep, n);
+    }
+    if (c->top_p < 1.0) {
+        double mass = 0.0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            mass += probs[i];
+            keep[i] &= mass - probs[i] < c->top_p;  /* (as cumsum - probs: the same rounding) */
+        }
+        renormalise(probs, keep, n);
+    }
+    if (c->min_p > 0.0) {
+        const double least = c->min_p * probs[0];
+        for (Py_ssize_t i = 0; i < n; i++) keep[i] &= probs[i] >= least;
+        renormalise(probs, keep, n);
+    }
+    for (Py_ssize_t i = c->width; i < n; i++) keep[i] = 0;
+    renormalise(probs, keep, n);
+    Py_ssize_t kept = 0;
+    for (Py_ssize_t i = 0; i < c->width; i++)
+        if (keep[i]) {
+            entries[kept].id = entries[i].id;
+            entries[kept].value = probs[i];  /* (the entry now carries its probability) */
+            kept++;
+        }
+    for (Py_ssize_t i = 1; i < kept; i++) {  /* by ascending id (an insertion sort: a few dozen) */
+        const entry e = entries[i];
+        Py_ssize_t j = i;
+        for (; j > 0 && entries[j - 1].id > e.id; j--) entries[j] = entries[j - 1];
+        entries[j] = e;
+    }
+    for (Py_ssize_t i = 0; i < c->width; i++) {
+        ids[i] = i < kept ? entries[i].id : -1;
+        out[i] = i < kept ? entries[i].value : 0.0;
+    }
+}
+
+static void process_rows(const struct process_call *c, const struct row_scratch *b) {
+    for (Py_ssize_t r = 0; r < c->rows; r++)
+        process_row(c, r, b, c->token_ids + r * c->width, c->probs + r * c->width);
+}
+
+/* sample()'s inverse-CDF pick from a processed row (ids, probs [width]) with u */
+static int64_t pick(const int64_t *ids, const double *probs, Py_ssize_t width, double u) {
+    double cdf = 0.0;
+    Py_ssize_t below = 0, last = 0;  /* entries whose running sum is <= u; the last positive one */
+    for (Py_ssize_t i = 0; i < width; i++) {
+        cdf += probs[i];
+        below += cdf <= u;
+        if (probs[i] > 0.0) last = i;
+    }
+    return ids[below < last ? below : last];
 }
 
 static PyObject *process(PyObject *self, PyObject *args) {
@@ -221,29 +267,59 @@ static PyObject *process(PyObject *self, PyObject *args) {
     c.logits = (const char *)(uintptr_t)logits;
     c.token_ids = (int64_t *)(uintptr_t)token_ids;
     c.probs = (double *)(uintptr_t)probs;
-    double *scaled = malloc(sizeof(double) * (size_t)c.vocab);
-    entry *entries = malloc(sizeof(entry) * (size_t)c.candidates);
-    double *scratch = malloc(sizeof(double) * (size_t)c.candidates);
-    char *keep = malloc((size_t)c.candidates);
-    if (!scaled || !entries || !scratch || !keep) {
-        free(scaled);
-        free(entries);
-        free(scratch);
-        free(keep);
+    struct row_scratch b;
+    if (!scratch_alloc(&b, c.vocab, c.candidates)) {
+        scratch_free(&b);
         return PyErr_NoMemory();
     }
     Py_BEGIN_ALLOW_THREADS
-    process_rows(&c, scaled, entries, scratch, keep);
+    process_rows(&c, &b);
     Py_END_ALLOW_THREADS
-    free(scaled);
-    free(entries);
-    free(scratch);
-    free(keep);
+    scratch_free(&b);
+    Py_RETURN_NONE;
+}
+
+static PyObject *draw(PyObject *self, PyObject *args) {
+    unsigned long long logits, rows, u, out;
+    Py_ssize_t count;
+    struct process_call c;
+    if (!PyArg_ParseTuple(args, "KinKndnddnn" "KK", &logits, &c.type, &c.vocab, &rows, &count, &c.temperature,
+                          &c.top_k, &c.top_p, &c.min_p, &c.width, &c.candidates, &u, &out))
+        return NULL;
+    if (c.type < 0 || c.type > 2 || c.vocab < 1 || c.width < 1 || c.candidates < c.width || c.candidates > c.vocab ||
+        c.top_k < 0 || !(c.temperature > 0.0) || count < 0) {
+        PyErr_SetString(PyExc_ValueError, "draw: bad type, sizes or temperature");
+        return NULL;
+    }
+    c.logits = (const char *)(uintptr_t)logits;
+    c.rows = count;
+    const int64_t *row_of = (const int64_t *)(uintptr_t)rows;
+    const double *u_of = (const double *)(uintptr_t)u;
+    int64_t *token_of = (int64_t *)(uintptr_t)out;
+    struct row_scratch b;
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)c.width);
+    double *probs = malloc(sizeof(double) * (size_t)c.width);
+    if (!scratch_alloc(&b, c.vocab, c.candidates) || !ids || !probs) {
+        scratch_free(&b);
+        free(ids);
+        free(probs);
+        return PyErr_NoMemory();
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        process_row(&c, row_of[i], &b, ids, probs);
+        token_of[row_of[i]] = pick(ids, probs, c.width, u_of[i]);
+    }
+    Py_END_ALLOW_THREADS
+    scratch_free(&b);
+    free(ids);
+    free(probs);
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"process", process, METH_VARARGS, "The processed distribution of logit rows (see kernels/sampling.py)."},
+    {"draw", draw, METH_VARARGS, "Tokens drawn from processed logit rows (see kernels/sampling.py)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from array import array
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -190,6 +191,35 @@ def _native_rows(logits: Tensor, params: SamplingParams, top_k: int, width: int,
                        top_k, float(params.top_p), float(params.min_p), width, num_candidates, token_ids.data_ptr(),
                        probs.data_ptr())
     return SparseRows(token_ids, probs)
+
+
+def draw_rows(logits: Tensor, rows: list[int], params: SamplingParams, u: list[float], out: Tensor) -> bool:
+    """out[rows[i]] = sample(process_logits(logits[rows], params), u)[i] for every i, by
+    _sampling_rows.c in one call (its processed rows, sample's arithmetic: the same tokens,
+    without a dozen torch calls a group — each drops the interpreter lock and waits to take it
+    back while the service's event loop holds it). False where it does not apply (not built,
+    not CPU rows of float32 / bf16 / float64, greedy params): nothing is written then.
+
+    logits [R, vocab] contiguous; out [>= R] int64 contiguous, on the CPU."""
+    native = _native()
+    if (native is None or params.greedy or logits.device.type != "cpu" or logits.dtype not in NATIVE_TYPES
+            or logits.dim() != 2 or not logits.is_contiguous() or out.device.type != "cpu" or out.dtype != torch.int64
+            or out.dim() != 1 or not out.is_contiguous()):
+        return False
+    num_rows, vocab_size = logits.shape
+    if len(u) != len(rows):
+        raise ValueError(f"draw_rows: {len(u)} uniforms for {len(rows)} rows")
+    if any(not 0 <= r < min(num_rows, out.shape[0]) for r in rows):
+        raise IndexError(f"draw_rows: a row of {rows} is outside the logits' {num_rows} rows or out's {out.shape[0]}")
+    if not rows:
+        return True
+    width = min(params.max_support, vocab_size)
+    top_k = params.top_k if params.top_k < vocab_size else 0
+    row_ids, uniforms = array("q", rows), array("d", u)
+    native.draw(logits.data_ptr(), NATIVE_TYPES[logits.dtype], vocab_size, row_ids.buffer_info()[0], len(rows),
+                float(params.temperature), top_k, float(params.top_p), float(params.min_p), width, max(width, top_k),
+                uniforms.buffer_info()[0], out.data_ptr())
+    return True
 
 
 def _candidates(scaled: Tensor, num_candidates: int) -> Tensor:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from kernels.rng import seed_as_int64, uniform_at
-from kernels.sampling import PAD_ID, SamplingParams, SparseRows, process_logits, sample
+from kernels.sampling import PAD_ID, SamplingParams, SparseRows, draw_rows, process_logits, sample
 from kernels.speculative import Mode, verify_chains
 from verifier_service.audit import accept_key
 from verifier_service.rounds import Session, greedy_verdict
@@ -127,8 +127,11 @@ def own_tokens(sessions: list[Session], num_rows: list[int], logits: Tensor, gre
         return None
     token_ids = greedy_ids[: starts[-1]].clone()
     for params, members in groups.items():
-        rows, where = _gather(logits, starts, members)
         u = [uniform_at(sessions[i].spec.seed, positions[i] + j) for i in members for j in range(num_rows[i])]
+        # on the CPU, the group's draws in one native call (the same tokens as below)
+        if draw_rows(logits, [row for i in members for row in range(starts[i], starts[i + 1])], params, u, token_ids):
+            continue
+        rows, where = _gather(logits, starts, members)
         # one row: u as a kernel argument, nothing to copy
         drawn = sample(process_logits(rows, params), u[0] if len(u) == 1 else _to_device(u, torch.float64, logits.device))
         if isinstance(where, slice):

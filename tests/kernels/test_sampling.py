@@ -256,3 +256,46 @@ def test_a_host_u_draws_what_the_pick_stream_tensor_draws(seed):
     position = 17 + seed
     host = sample(rows, uniform_at(seed, position))
     assert torch.equal(host, draw(rows, seed, torch.tensor([position])))
+
+
+@pytest.mark.parametrize("params", CANDIDATE_PARAMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_native_draws_are_the_draws_of_the_processed_rows(params, dtype):
+    # draw_rows (one native call) against its definition, sample(process_logits(rows), u): the
+    # same token for every row and u — random u, and u at each row's running sums exactly and
+    # one ulp either side (where `cdf <= u` flips), 0 and the largest double below 1. Rows drawn
+    # are a subset in any order; the others keep out's values.
+    generator = torch.Generator().manual_seed(len(str(params)) + len(str(dtype)))
+    logits = (torch.randn(7, 2000, generator=generator) * 3).to(dtype)
+    logits[3, ::4] = float("-inf")  # (a masked row)
+    sampling = SamplingParams(**params)
+    rows = process_logits(logits, sampling)
+    for r in range(logits.shape[0]):
+        cdf = torch.cumsum(rows.probs[r], dim=0)
+        boundaries = [float(c) for c in cdf[: min(6, cdf.shape[0])]]
+        us = [0.0, math.nextafter(1.0, 0.0)] + torch.rand(8, generator=generator, dtype=torch.float64).tolist()
+        us += [v for c in boundaries for v in (math.nextafter(c, 0.0), c, math.nextafter(c, 2.0))]
+        us = [u for u in us if 0.0 <= u < 1.0]
+        for u in us:
+            out = torch.full((9,), -7, dtype=torch.int64)
+            assert sampling_module.draw_rows(logits, [r], sampling, [u], out)
+            expected = sample(SparseRows(rows.token_ids[r : r + 1], rows.probs[r : r + 1]), u)
+            assert int(out[r]) == int(expected[0]), (r, u)
+            assert (out[torch.arange(9) != r] == -7).all()
+    picks = [5, 0, 3, 6]
+    us = torch.rand(len(picks), generator=generator, dtype=torch.float64).tolist()
+    out = torch.full((7,), -7, dtype=torch.int64)
+    assert sampling_module.draw_rows(logits, picks, sampling, us, out)
+    expected = sample(SparseRows(rows.token_ids[picks], rows.probs[picks]), torch.tensor(us, dtype=torch.float64))
+    assert out[picks].tolist() == expected.tolist() and out[[1, 2, 4]].tolist() == [-7] * 3
+
+
+def test_native_draws_refuse_what_they_do_not_take():
+    logits = torch.randn(2, 50)
+    out = torch.zeros(2, dtype=torch.int64)
+    assert not sampling_module.draw_rows(logits, [0], SamplingParams(temperature=0.0), [0.5], out)  # greedy
+    assert not sampling_module.draw_rows(logits.to(torch.float16), [0], SamplingParams(), [0.5], out)
+    with pytest.raises(ValueError, match="uniforms"):
+        sampling_module.draw_rows(logits, [0, 1], SamplingParams(), [0.5], out)
+    with pytest.raises(IndexError, match="outside"):
+        sampling_module.draw_rows(logits, [2], SamplingParams(), [0.5], out)
