@@ -19,7 +19,10 @@ of the device (DESIGN §9, "The engine loop"):
   split into a straggler and the rest; a lane waiting for its drafter's chain comes back
   later and joins a later step. Where the device already computed a step ahead for some
   lanes' plain rounds and another lane's verify round is ready too, the computed step is
-  taken first rather than thrown away;
+  taken first rather than thrown away. A step's outcomes go to the event loop when the next
+  step starts, or before the loop waits or runs a job: the wake-up hands the event loop the
+  interpreter lock, and it reads them while the next step computes, not while this thread
+  still runs Python between steps;
 - a follower (`Lane.follow`): the round after a round in flight, valid only if that round
   emits exactly the tokens it assumes (a chain the drafter drafted ahead, assuming every draft
   accepted and its guess of the bonus). When the round commits and emitted them, the loop
@@ -122,6 +125,9 @@ class EngineLoop:
         self._lanes: dict[int, Lane] = {}
         self._stepper: Stepper | None = None
         self._closed = False
+        # outcomes of steps run, by event loop: sent when the next step starts (its native part runs
+        # while the event loop reads them) or before the loop waits or runs a job
+        self._undelivered: dict[asyncio.AbstractEventLoop, list[tuple[Lane, Any]]] = {}
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
         # Stopped before the interpreter finalises (as concurrent.futures' workers are): a
@@ -190,9 +196,11 @@ class EngineLoop:
                     break
             after_job = job is not None
             if job is not None:
+                self._deliver()
                 self._run_job(job)
             else:
                 expected = self._step(rounds)
+        self._deliver()
         self._fail_pending()
 
     def _next_work(self, expected: list[Lane], after_job: bool
@@ -220,12 +228,14 @@ class EngineLoop:
                         gather_until = now + self.settings.gather_s
                         gather_from, waited_for = now, waiting
                     if now < gather_until:
+                        self._deliver()
                         self._cond.wait(gather_until - now)
                         continue
                 if ready:
                     if waited_for:
                         _owe(waited_for, ready, time.monotonic() - gather_from)
                     return None, self._plan(ready), []
+            self._deliver()
             self._cond.wait()
 
     def _end_exhausted(self) -> None:
@@ -234,7 +244,8 @@ class EngineLoop:
         for lane in self._lanes.values():
             if lane._plain_left and not lane._turns and not lane.session.may_decode():
                 lane._plain_left = 0
-                _post(lane._aloop, deliver_all, [(lane, RoundsExhausted("the session decodes no more"))])
+                # (behind the outcomes not yet sent: the round that ended the session comes first)
+                self._undelivered.setdefault(lane._aloop, []).append((lane, RoundsExhausted("the session decodes no more")))
 
     def _plan(self, ready: list[Lane]) -> list[tuple[Lane, RoundRequest]]:
         """The step's rounds (under the lock): at most max_rounds, oldest lanes first; where
@@ -267,6 +278,7 @@ class EngineLoop:
             self.on_drafting(drafting)
         if self.on_step is not None:
             self.on_step(len(rounds))
+        self._deliver()
         started = time.perf_counter()
         try:
             results: list[RoundOutcome | BaseException] = list(self._stepper.run_rounds([r for _, r in rounds]))
@@ -283,12 +295,15 @@ class EngineLoop:
         with self._cond:
             for lane, result in zip(lanes, results, strict=True):
                 lane._ran(result)
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Lane, Any]]] = {}
         for lane, result in zip(lanes, results, strict=True):
-            by_loop.setdefault(lane._aloop, []).append((lane, result))
-        for aloop, pairs in by_loop.items():  # one wake-up of the event loop for the whole step
-            _post(aloop, deliver_all, pairs)
+            self._undelivered.setdefault(lane._aloop, []).append((lane, result))
         return lanes
+
+    def _deliver(self) -> None:
+        """The outcomes of the steps run so far to their lanes' event loops, one wake-up each."""
+        undelivered, self._undelivered = self._undelivered, {}
+        for aloop, pairs in undelivered.items():
+            _post(aloop, deliver_all, pairs)
 
     def _charged(self, rounds: list[tuple[Lane, RoundRequest]], results: list, seconds: float,
                  drafting: bool) -> list:

@@ -5,6 +5,7 @@ in the loop; exact mode's tokens stay those of plain decoding, greedy and sample
 together."""
 
 import asyncio
+import time
 
 from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, drafter_pb2_grpc
 from verifier_service.loop import BatchSettings, EngineLoop
@@ -78,6 +79,11 @@ async def test_followers_run_when_their_assumption_holds_and_tokens_stay_plain(s
     def spec(prompt, temperature, seed):
         return request(prompt, 40, temperature=temperature, seed=seed, max_draft_tokens=K)
 
+    # Each step lasts at least 5 ms, so a chain drafted ahead has time to arrive while its round
+    # runs (on a fast machine a round of this tiny model can end before the drafter's message).
+    engine = servers.verifier.service.engine
+    run_rounds = engine.run_rounds
+    engine.run_rounds = lambda rounds: time.sleep(0.005) or run_rounds(rounds)
     alone = [await generate(stub, spec(*p)) for p in PROMPTS]
     together = await asyncio.gather(*(generate(stub, spec(*p)) for p in PROMPTS))
     assert [tokens for tokens, _, _ in together] == plain  # exact mode: the tokens of plain decoding
