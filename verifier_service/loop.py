@@ -19,10 +19,11 @@ of the device (DESIGN §9, "The engine loop"):
   split into a straggler and the rest; a lane waiting for its drafter's chain comes back
   later and joins a later step. Where the device already computed a step ahead for some
   lanes' plain rounds and another lane's verify round is ready too, the computed step is
-  taken first rather than thrown away. A step's outcomes go to the event loop when the next
-  step starts, or before the loop waits or runs a job: the wake-up hands the event loop the
-  interpreter lock, and it reads them while the next step computes, not while this thread
-  still runs Python between steps;
+  taken first rather than thrown away. Where steps compute on this host (`host_steps`: a CPU
+  model) a step's outcomes go to the event loop when the next step starts, or before the loop
+  waits or runs a job: the wake-up hands the event loop the interpreter lock, and it reads them
+  while the next step computes outside it, not while this thread still runs Python between
+  steps;
 - a follower (`Lane.follow`): the round after a round in flight, valid only if that round
   emits exactly the tokens it assumes (a chain the drafter drafted ahead, assuming every draft
   accepted and its guess of the bonus). When the round commits and emitted them, the loop
@@ -111,8 +112,13 @@ class EngineLoop:
     """The model thread: `run`/`submit` jobs, `join` lanes; `start` after the engine exists."""
 
     def __init__(self, name: str, settings: BatchSettings, on_step: Callable[[int], None] | None = None,
-                 step_costs: StepCosts | None = None, on_drafting: Callable[[bool], None] | None = None) -> None:
+                 step_costs: StepCosts | None = None, on_drafting: Callable[[bool], None] | None = None,
+                 host_steps: bool = False) -> None:
         self.settings = settings
+        # Steps computed on this host's cores (a CPU model): a step's outcomes go to the event
+        # loop when the next step starts, so it reads them while that step computes outside the
+        # interpreter lock. On a GPU they go at once (not measured to pay there).
+        self.host_steps = host_steps
         self.on_step = on_step  # called (on the loop's thread) with each step's number of rounds
         # called on the loop's thread before a step when whether some lane's drafter works
         # changed (its last round verified drafts; shared/threads.py yields it a core then)
@@ -125,8 +131,8 @@ class EngineLoop:
         self._lanes: dict[int, Lane] = {}
         self._stepper: Stepper | None = None
         self._closed = False
-        # outcomes of steps run, by event loop: sent when the next step starts (its native part runs
-        # while the event loop reads them) or before the loop waits or runs a job
+        # outcomes of steps run, by event loop (host steps: sent when the next step starts, or
+        # before the loop waits or runs a job)
         self._undelivered: dict[asyncio.AbstractEventLoop, list[tuple[Lane, Any]]] = {}
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
@@ -297,6 +303,8 @@ class EngineLoop:
                 lane._ran(result)
         for lane, result in zip(lanes, results, strict=True):
             self._undelivered.setdefault(lane._aloop, []).append((lane, result))
+        if not self.host_steps:
+            self._deliver()
         return lanes
 
     def _deliver(self) -> None:

@@ -62,7 +62,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             settings.cpu_threads, device=settings.device, role="verifier", drafter=settings.drafter)
         self.worker = EngineLoop("verifier-model", BatchSettings(max_rounds=settings.max_sessions,
                                                                  gather_s=settings.batch_gather_ms / 1e3),
-                                 on_step=self.metrics_step, on_drafting=self._drafting if self.threads.adapts else None)
+                                 on_step=self.metrics_step, on_drafting=self._drafting if self.threads.adapts else None,
+                                 host_steps=settings.device == "cpu")
         self.model = model
         self.tokenizer = tokenizer
         self.ranks: Ranks | None = None  # the follower processes of a model split over processes

@@ -56,12 +56,15 @@ def engine():
     return FakeEngine()
 
 
-@pytest.fixture
-def make_loop(engine):
+@pytest.fixture(params=[False, True], ids=["outcomes-at-once", "host-steps"])
+def make_loop(engine, request):
+    # every behaviour holds whether a step's outcomes go out at once (a GPU) or when the next step
+    # starts (steps on the host)
     loops = []
 
     def make(*, max_rounds=8, gather_s=0.5, max_lead=3):
-        loop = EngineLoop("test-loop", BatchSettings(max_rounds=max_rounds, gather_s=gather_s, max_lead=max_lead))
+        loop = EngineLoop("test-loop", BatchSettings(max_rounds=max_rounds, gather_s=gather_s, max_lead=max_lead),
+                          host_steps=request.param)
         loop.start(engine)
         loops.append(loop)
         return loop
