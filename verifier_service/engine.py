@@ -409,6 +409,8 @@ class Engine:
         return sum(store.counters.misses for store in self.offloaded_stores)
 
     def slot_hit_rate(self) -> float:
+        if not self.offloaded_stores:  # (every expert resident: no miss; asked once a round)
+            return 1.0
         hits = sum(store.counters.hits for store in self.stores)
         misses = self.slot_misses()
         return hits / (hits + misses) if hits + misses else 1.0

@@ -305,6 +305,8 @@ class RequestRounds:
         self.metrics.round_done(tokens=len(tokens), emitted=len(outcome.emitted), seconds=time.perf_counter() - begun.started,
                                 speculative=begun.speculate, source=source, retained=retained,
                                 accepted=outcome.num_accepted, slot_hit_rate=self.engine.slot_hit_rate())
+        if not begun.span.is_recording():  # (tracing off: no attributes to build, a round at a time)
+            return
         begun.span.set_attributes({
             "tandem.speculative": begun.speculate, "tandem.load": begun.load.value, "tandem.followed": begun.followed,
             "tandem.source": source,
