@@ -124,15 +124,15 @@ class Engine:
                 self._warm_prefill(progress)
             if group is not None and group.rank == 0:  # from now on every call reaches the followers too
                 self.runner = LeaderRunner(runner, group)
-        # Results reach the host through two (pinned) slots, copied in the compute stream: the
-        # step in hand, and (decode-ahead) the step enqueued behind it. On the CPU they are host
-        # rows already, and only a later `run` writes over them (a step ahead is a fresh tensor):
-        # read where they are.
-        pinned = model.device.type == "cuda"
-        self.rows_on_host = not pinned
-        self.ring_ids = torch.zeros((2, batch_rows), dtype=torch.int64, pin_memory=pinned)
-        self.ring_hidden = torch.zeros((2, batch_rows, c.hidden_size), dtype=model.dtype, pin_memory=pinned)
-        self.ring_events = [torch.cuda.Event(), torch.cuda.Event()] if pinned else None
+        # On a GPU results reach the host through two pinned slots, copied in the compute stream:
+        # the step in hand, and (decode-ahead) the step enqueued behind it. On the CPU a step's rows
+        # are host rows already, which only a later `run` writes over (a step ahead is a fresh
+        # tensor): they are read where they are, and there is no ring.
+        self.ring_ids = self.ring_hidden = self.ring_events = None
+        if model.device.type == "cuda":
+            self.ring_ids = torch.zeros((2, batch_rows), dtype=torch.int64, pin_memory=True)
+            self.ring_hidden = torch.zeros((2, batch_rows, c.hidden_size), dtype=model.dtype, pin_memory=True)
+            self.ring_events = [torch.cuda.Event(), torch.cuda.Event()]
         self.ring_next = 0
         self.ahead: Ahead | None = None
 
@@ -374,15 +374,14 @@ class Engine:
     def _ring_copy(self, hidden: Tensor, greedy_ids: Tensor) -> int | tuple[Tensor, Tensor]:
         """Enqueue the copy of a step's hidden rows [T, H] and greedy ids [T] to the next host
         slot; returns the slot (on the CPU: the rows themselves)."""
-        if self.rows_on_host:
+        if self.ring_events is None:
             return hidden, greedy_ids
         ring = self.ring_next
         self.ring_next ^= 1
         num_rows = hidden.shape[0]
         self.ring_ids[ring, :num_rows].copy_(greedy_ids, non_blocking=True)
         self.ring_hidden[ring, :num_rows].copy_(hidden, non_blocking=True)
-        if self.ring_events is not None:
-            self.ring_events[ring].record()
+        self.ring_events[ring].record()
         return ring
 
     def _ring_read(self, ring: int | tuple[Tensor, Tensor], num_rows: int) -> tuple[Tensor, list[int]]:
@@ -390,8 +389,7 @@ class Engine:
         if isinstance(ring, tuple):
             hidden, greedy_ids = ring
             return _head(hidden, num_rows), _head(greedy_ids, num_rows).tolist()
-        if self.ring_events is not None:
-            self.ring_events[ring].synchronize()
+        self.ring_events[ring].synchronize()
         return self.ring_hidden[ring, :num_rows], self.ring_ids[ring, :num_rows].tolist()
 
     def _next_tokens(self, sessions: list[Session], out: WindowOutput, positions: list[int]) -> Tensor:
