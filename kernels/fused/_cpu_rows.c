@@ -108,12 +108,130 @@ HELPER void dots2(const float *restrict x0, const float *restrict x1, const floa
     }
 }
 
+/* Weights in the paired layout (PAIRED, _cpu_rows.h): the products over their values in exactly
+   dots' and dots2's order, the values converted in registers (half the bytes read). */
+typedef uint32_t pair_bits __attribute__((vector_size(4 * LANES)));
+typedef uint16_t half_bits __attribute__((vector_size(2 * LANES)));
+
+/* The chunk of 16 paired values at p: its values 0..7 into *first, 8..15 into *second. */
+HELPER void paired_chunk(const uint16_t *p, lanes *first, lanes *second) {
+    pair_bits v;
+    memcpy(&v, p, sizeof v);
+    const pair_bits low = v << 16, high = v & 0xffff0000u;
+    memcpy(first, &low, sizeof low);
+    memcpy(second, &high, sizeof high);
+}
+
+/* Values a .. a + 7 of a paired row whose chunks end at n16 (a % 8 == 0, a + 8 <= the row's length). */
+HELPER lanes paired_eight(const uint16_t *row, Py_ssize_t a, Py_ssize_t n16) {
+    lanes first, second;
+    if (a < n16) {  /* (then a + 8 <= n16: both are multiples of 8, n16 of 16) */
+        paired_chunk(row + (a & ~(Py_ssize_t)15), &first, &second);
+        return (a & 15) ? second : first;
+    }
+    half_bits h;
+    memcpy(&h, row + a, sizeof h);
+    const pair_bits v = __builtin_convertvector(h, pair_bits) << 16;
+    memcpy(&first, &v, sizeof v);
+    return first;
+}
+
+/* Value a of a paired row whose chunks end at n16. */
+HELPER float paired_at(const uint16_t *row, Py_ssize_t a, Py_ssize_t n16) {
+    if (a >= n16) return bf16_to_f32(row[a]);
+    const Py_ssize_t k = a & 15;
+    return bf16_to_f32(row[a - k + (k < 8 ? 2 * k : 2 * (k - 8) + 1)]);
+}
+
+/* Columns first .. first + n - 1 of a paired row (chunks ending at n16) into dst as float32. */
+HELPER void unpack_paired(float *restrict dst, const uint16_t *restrict row, Py_ssize_t first, Py_ssize_t n,
+                          Py_ssize_t n16) {
+    Py_ssize_t j = 0;
+    if (!(first & 15))
+        for (; j + 2 * LANES <= n && first + j + 2 * LANES <= n16; j += 2 * LANES) {
+            lanes low, high;
+            paired_chunk(row + first + j, &low, &high);
+            memcpy(dst + j, &low, sizeof low);
+            memcpy(dst + j + LANES, &high, sizeof high);
+        }
+    if (!(first & 7))
+        for (; j + LANES <= n; j += LANES) {
+            const lanes v = paired_eight(row, first + j, n16);
+            memcpy(dst + j, &v, sizeof v);
+        }
+    for (; j < n; j++) dst[j] = paired_at(row, first + j, n16);
+}
+
+/* out_m[r] = the sum over j < n of x_m[j] * (paired row r at w + r * stride)[first + j], for `rows`
+   (1..4) weight rows and `inputs` (1 or 2) input rows, each sum in dots' order: a lane's terms in j
+   order (a chunk's two sets of lanes are consecutive 8-steps), the same tail and total. first % 8
+   == 0. Called with constant rows and inputs, so its loops unroll into registers. */
+HELPER void paired_group(const float *x0, const float *x1, const uint16_t *w, Py_ssize_t stride, Py_ssize_t first,
+                         Py_ssize_t n, Py_ssize_t n16, int rows, int inputs, float *out0, float *out1) {
+    lanes a[4] = {{0}}, b[4] = {{0}};
+    Py_ssize_t j = 0;
+    if (!(first & 15))
+        for (; j + 2 * LANES <= n && first + j + 2 * LANES <= n16; j += 2 * LANES) {
+            const lanes xa = load_lanes(x0 + j), xa2 = load_lanes(x0 + j + LANES);
+            const lanes xb = inputs > 1 ? load_lanes(x1 + j) : xa, xb2 = inputs > 1 ? load_lanes(x1 + j + LANES) : xa2;
+            for (int r = 0; r < rows; r++) {
+                lanes low, high;
+                paired_chunk(w + r * stride + first + j, &low, &high);
+                a[r] += xa * low;
+                if (inputs > 1) b[r] += xb * low;
+                a[r] += xa2 * high;
+                if (inputs > 1) b[r] += xb2 * high;
+            }
+        }
+    for (; j + LANES <= n; j += LANES) {
+        const lanes xa = load_lanes(x0 + j), xb = inputs > 1 ? load_lanes(x1 + j) : xa;
+        for (int r = 0; r < rows; r++) {
+            const lanes wv = paired_eight(w + r * stride, first + j, n16);
+            a[r] += xa * wv;
+            if (inputs > 1) b[r] += xb * wv;
+        }
+    }
+    for (; j < n; j++)
+        for (int r = 0; r < rows; r++) {
+            const float wv = paired_at(w + r * stride, first + j, n16);
+            a[r][j % LANES] += x0[j] * wv;
+            if (inputs > 1) b[r][j % LANES] += x1[j] * wv;
+        }
+    for (int r = 0; r < rows; r++) {
+        out0[r] = lanes_total(a[r]);
+        if (inputs > 1) out1[r] = lanes_total(b[r]);
+    }
+}
+
+/* dots (x1 NULL) or dots2 over `count` paired weight rows, columns first .. first + n - 1. */
+HELPER void paired_dots(const float *x0, const float *x1, const uint16_t *w, Py_ssize_t stride, Py_ssize_t first,
+                        Py_ssize_t n, Py_ssize_t n16, Py_ssize_t count, float *out0, float *out1) {
+    Py_ssize_t i = 0;
+    if (x1) {
+        for (; i + 4 <= count; i += 4)
+            paired_group(x0, x1, w + i * stride, stride, first, n, n16, 4, 2, out0 + i, out1 + i);
+        for (; i < count; i++) paired_group(x0, x1, w + i * stride, stride, first, n, n16, 1, 2, out0 + i, out1 + i);
+    } else {
+        for (; i + 4 <= count; i += 4) paired_group(x0, x0, w + i * stride, stride, first, n, n16, 4, 1, out0 + i, out0 + i);
+        for (; i < count; i++) paired_group(x0, x0, w + i * stride, stride, first, n, n16, 1, 1, out0 + i, out0 + i);
+    }
+}
+
 /* `count` rows of n values, `stride` apart, of `type` at p (offset i elements), as float32:
    the rows themselves for float32 (no copy), else converted into buf (count * n floats). */
 HELPER const float *rows_f32(const void *p, Py_ssize_t i, Py_ssize_t stride, Py_ssize_t n, Py_ssize_t count,
                                     int type, float *buf) {
     if (type == F32) return (const float *)p + i;
     for (Py_ssize_t r = 0; r < count; r++) load_row(buf + r * n, p, i + r * stride, n, type);
+    return buf;
+}
+
+/* rows_f32 for weights: also of PAIRED rows (n values each, chunked over the whole row), converted. */
+HELPER const float *weight_rows(const void *p, Py_ssize_t i, Py_ssize_t stride, Py_ssize_t n, Py_ssize_t count,
+                                int wtype, float *buf) {
+    if (wtype != PAIRED) return rows_f32(p, i, stride, n, count, wtype, buf);
+    for (Py_ssize_t r = 0; r < count; r++)
+        unpack_paired(buf + r * n, (const uint16_t *)p + i + r * stride, 0, n, n & ~(Py_ssize_t)15);
     return buf;
 }
 
@@ -287,8 +405,9 @@ static PyObject *attention(PyObject *self, PyObject *args) {
     return run_released(attention_rows, &c, attention_scratch(&c));
 }
 
-/* experts(x, ids, gate_up, down, out, num_tokens, top_k, num_experts, hidden, inter, type)
-   x [T, H], gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I] of `type`; ids [T, k]
+/* experts(x, ids, gate_up, down, out, num_tokens, top_k, num_experts, hidden, inter, type, wtype)
+   x [T, H] of `type`, gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I] of `wtype`
+   (`type`, or PAIRED under float32 rows); ids [T, k]
    int64 (-1: dropped, output zeros); out [T*k, H] float32, route r = t*k + rank:
    down_e · (silu(gate_e · x_t) * (up_e · x_t)), with the torch reference's roundings to `type`
    (the products' outputs and the activation). An expert's routes are taken together, a block
@@ -325,7 +444,15 @@ KERNEL void expert_routes(const void *call, float *buf) {
         if (first == last) continue;
         for (Py_ssize_t n = 0; n < 2 * inter; n += ROW_BLOCK) {
             const Py_ssize_t count = 2 * inter - n < ROW_BLOCK ? 2 * inter - n : ROW_BLOCK;
-            const float *w = rows_f32(c->gate_up, (e * 2 * inter + n) * hidden, hidden, hidden, count, c->type, weights);
+            const Py_ssize_t at = (e * 2 * inter + n) * hidden;
+            if (c->wtype == PAIRED && last - first <= 2) {  /* (more routes: the block converted once, below) */
+                const Py_ssize_t r0 = order[first], r1 = order[last - 1];
+                paired_dots(inputs + r0 * hidden, last - first == 2 ? inputs + r1 * hidden : NULL,
+                            (const uint16_t *)c->gate_up + at, hidden, 0, hidden, hidden & ~(Py_ssize_t)15, count,
+                            gate_up_out + r0 * 2 * inter + n, gate_up_out + r1 * 2 * inter + n);
+                continue;
+            }
+            const float *w = weight_rows(c->gate_up, at, hidden, hidden, count, c->wtype, weights);
             Py_ssize_t i = first;
             for (; i + 2 <= last; i += 2)
                 dots2(inputs + order[i] * hidden, inputs + order[i + 1] * hidden, w, hidden, hidden, count,
@@ -345,8 +472,16 @@ KERNEL void expert_routes(const void *call, float *buf) {
         }
         for (Py_ssize_t n = 0; n < hidden; n += ROW_BLOCK) {
             const Py_ssize_t count = hidden - n < ROW_BLOCK ? hidden - n : ROW_BLOCK;
-            const float *w = rows_f32(c->down, (e * hidden + n) * inter, inter, inter, count, c->type, weights);
+            const Py_ssize_t at = (e * hidden + n) * inter;
             Py_ssize_t i = first;
+            if (c->wtype == PAIRED && last - first <= 2) {
+                const Py_ssize_t r0 = order[first], r1 = order[last - 1];
+                paired_dots(acts + r0 * inter, last - first == 2 ? acts + r1 * inter : NULL,
+                            (const uint16_t *)c->down + at, inter, 0, inter, inter & ~(Py_ssize_t)15, count,
+                            c->out + r0 * hidden + n, c->out + r1 * hidden + n);
+                i = last;
+            }
+            const float *w = i < last ? weight_rows(c->down, at, inter, inter, count, c->wtype, weights) : NULL;
             for (; i + 2 <= last; i += 2)
                 dots2(acts + order[i] * inter, acts + order[i + 1] * inter, w, inter, inter, count,
                       c->out + order[i] * hidden + n, c->out + order[i + 1] * hidden + n);
@@ -363,8 +498,8 @@ KERNEL void expert_routes(const void *call, float *buf) {
 static PyObject *experts(PyObject *self, PyObject *args) {
     unsigned long long x, ids, gate_up, down, out;
     struct experts_call c = {.claim = NULL};
-    if (!PyArg_ParseTuple(args, "KKKKKnnnnni", &x, &ids, &gate_up, &down, &out, &c.num_tokens, &c.top_k,
-                          &c.num_experts, &c.hidden, &c.inter, &c.type))
+    if (!PyArg_ParseTuple(args, "KKKKKnnnnnii", &x, &ids, &gate_up, &down, &out, &c.num_tokens, &c.top_k,
+                          &c.num_experts, &c.hidden, &c.inter, &c.type, &c.wtype))
         return NULL;
     c.x = (const void *)(uintptr_t)x;
     c.ids = (const int64_t *)(uintptr_t)ids;
@@ -374,8 +509,8 @@ static PyObject *experts(PyObject *self, PyObject *args) {
     return run_released(expert_routes, &c, experts_scratch(&c));
 }
 
-/* partials(x, weight, out, num_rows, num_out, num_in, x_stride, weight_stride, splits, step, type):
-   out [M, splits, N] float32, partial s = x[:, s*step : (s+1)*step] @ weight[:, same]^T (empty past
+/* partials(x, weight, out, num_rows, num_out, num_in, x_stride, weight_stride, splits, step, type, wtype):
+   x of `type`, weight of `wtype` (`type`, or PAIRED under float32 rows); out [M, splits, N] float32, partial s = x[:, s*step : (s+1)*step] @ weight[:, same]^T (empty past
    K: zeros), each sum in lanes_total's order — linear_partials' split-K products, and with one
    split rowwise_linear's. A block of weight rows at a time, for every row of x (the weight read
    once for all of them). */
@@ -397,12 +532,25 @@ KERNEL void partial_rows(const void *call, float *buf) {
             const Py_ssize_t count = c->num_out - n < ROW_BLOCK ? c->num_out - n : ROW_BLOCK;
             const float *w;
             Py_ssize_t stride;
-            if (c->type == F32) {
+            if (c->wtype == PAIRED) {
+                const uint16_t *rows = (const uint16_t *)c->weight + n * c->weight_stride;
+                const Py_ssize_t n16 = num_in & ~(Py_ssize_t)15;
+                if (c->num_rows <= 2 && !(first & 7)) {  /* (more rows: the block converted once, below) */
+                    paired_dots(inputs + first, c->num_rows == 2 ? inputs + num_in + first : NULL, rows,
+                                c->weight_stride, first, width, n16, count, c->out + sp * c->num_out + n,
+                                c->out + (splits + sp) * c->num_out + n);
+                    continue;
+                }
+                for (Py_ssize_t r = 0; r < count; r++)
+                    unpack_paired(weights + r * width, rows + r * c->weight_stride, first, width, n16);
+                w = weights;
+                stride = width;
+            } else if (c->wtype == F32) {
                 w = (const float *)c->weight + n * c->weight_stride + first;
                 stride = c->weight_stride;
             } else {
                 for (Py_ssize_t r = 0; r < count; r++)
-                    load_row(weights + r * width, c->weight, (n + r) * c->weight_stride + first, width, c->type);
+                    load_row(weights + r * width, c->weight, (n + r) * c->weight_stride + first, width, c->wtype);
                 w = weights;
                 stride = width;
             }
@@ -419,8 +567,8 @@ KERNEL void partial_rows(const void *call, float *buf) {
 static PyObject *partials(PyObject *self, PyObject *args) {
     unsigned long long x, weight, out;
     struct products_call c = {.claim = NULL};
-    if (!PyArg_ParseTuple(args, "KKKnnnnnnni", &x, &weight, &out, &c.num_rows, &c.num_out, &c.num_in, &c.x_stride,
-                          &c.weight_stride, &c.splits, &c.step, &c.type))
+    if (!PyArg_ParseTuple(args, "KKKnnnnnnnii", &x, &weight, &out, &c.num_rows, &c.num_out, &c.num_in, &c.x_stride,
+                          &c.weight_stride, &c.splits, &c.step, &c.type, &c.wtype))
         return NULL;
     c.x = (const void *)(uintptr_t)x;
     c.weight = (const void *)(uintptr_t)weight;

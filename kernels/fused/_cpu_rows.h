@@ -14,7 +14,12 @@ clone a process), so the step adds no arithmetic of its own: its rows keep the k
 
 #include "../_machine_clones.h"
 
-enum { F32 = 0, BF16 = 1 };
+/* Element types. PAIRED is a weights-only type beside float32 activations: bfloat16 values (a
+   bfloat16 checkpoint's weights, exact in float32) in the paired layout — a row's first n16 = n / 16
+   * 16 values in chunks of 16 with a chunk's values j and j + 8 side by side, the rest in order
+   (kernels/fused/cpu_rows.py: pair_bf16) — so that one 32-byte load splits into a chunk's two sets
+   of eight lanes by a shift and a mask. Half the bytes of float32, the same values: the same bits. */
+enum { F32 = 0, BF16 = 1, PAIRED = 2 };
 /* The loops are compiled twice (MACHINE_CLONES: AVX2 + FMA and the baseline, one per process). */
 /* (the helpers inline into each clone, so they are compiled for its machine too) */
 #define HELPER static inline __attribute__((always_inline))
@@ -96,7 +101,7 @@ struct experts_call {
     float *out;
     Py_ssize_t num_tokens, top_k, num_experts, hidden, inter;
     Py_ssize_t *claim;  /* items: the experts, then one for the dropped routes */
-    int type;
+    int type, wtype;  /* the rows' type; the weights' (`type`, or PAIRED under float32 rows) */
 };
 
 struct products_call {
@@ -104,7 +109,7 @@ struct products_call {
     float *out;
     Py_ssize_t num_rows, num_out, num_in, x_stride, weight_stride, splits, step;
     Py_ssize_t *claim;  /* items: (split, PRODUCT_CHUNK columns) */
-    int type;
+    int type, wtype;  /* the rows' type; the weights' (`type`, or PAIRED under float32 rows) */
 };
 
 struct norm_call {

@@ -13,7 +13,9 @@ holds that lock between them, and every retake waits for it. The step takes it b
 
 step_plan(model, layers) -> a capsule of the weights' and caches' addresses and the shapes
   model: (embed, lm_head, cos, sin, tables, hidden, vocab, num_heads, num_kv, head_dim, num_experts,
-          inter, block_size, max_blocks, num_slots, max_positions, embed_stride, lm_head_stride, type)
+          inter, block_size, max_blocks, num_slots, max_positions, embed_stride, lm_head_stride, type, wtype)
+          wtype: the products' and experts' weights (qkv, o, gate_up, down, lm_head): `type`, or PAIRED
+          under float32 rows (the embedding, norms and router stay of `type`)
   layers: [(input_norm, qkv, q_norm, k_norm, o, post_norm, router, gate_up, down, next_norm, keys,
             values, o_splits, o_step, router_splits, router_step, top_k, normalize, eps)]
 step_run(plan, token_ids, positions, slots, live, num_rows, logits, hidden, threads, greedy_ids)
@@ -45,7 +47,7 @@ struct step_plan {
     const int32_t *tables;
     Py_ssize_t hidden, vocab, num_heads, num_kv, head_dim, num_experts, inter, block_size, max_blocks, num_slots,
         max_positions, embed_stride, lm_head_stride, num_layers;
-    int type;
+    int type, wtype;
     struct step_layer layers[];
 };
 
@@ -81,10 +83,15 @@ KERNEL PyObject *step_plan(PyObject *self, PyObject *args) {
     struct step_plan *p = calloc(1, sizeof *p + (size_t)num_layers * sizeof(struct step_layer));
     if (!p) return PyErr_NoMemory();
     unsigned long long embed, lm_head, cos, sin, tables;
-    if (!PyArg_ParseTuple(model, "KKKKKnnnnnnnnnnnnni", &embed, &lm_head, &cos, &sin, &tables, &p->hidden, &p->vocab,
+    if (!PyArg_ParseTuple(model, "KKKKKnnnnnnnnnnnnnii", &embed, &lm_head, &cos, &sin, &tables, &p->hidden, &p->vocab,
                           &p->num_heads, &p->num_kv, &p->head_dim, &p->num_experts, &p->inter, &p->block_size,
                           &p->max_blocks, &p->num_slots, &p->max_positions, &p->embed_stride, &p->lm_head_stride,
-                          &p->type)) {
+                          &p->type, &p->wtype)) {
+        free(p);
+        return NULL;
+    }
+    if (p->wtype != p->type && !(p->wtype == PAIRED && p->type == F32)) {
+        PyErr_Format(PyExc_ValueError, "step_plan: weights of type %d under rows of type %d", p->wtype, p->type);
         free(p);
         return NULL;
     }
@@ -298,11 +305,11 @@ static void parallel(row_kernel kernel, const void *call, Py_ssize_t *claim, flo
 
 /* One product as the per-op path's `linear` (one split over all of K) or `linear_partials`. */
 static void product(const void *x, Py_ssize_t num_rows, Py_ssize_t num_in, const void *weight, Py_ssize_t num_out,
-                    Py_ssize_t weight_stride, Py_ssize_t splits, Py_ssize_t step, float *out, int type,
+                    Py_ssize_t weight_stride, Py_ssize_t splits, Py_ssize_t step, float *out, int type, int wtype,
                     struct step_buffers *b) {
     const struct products_call c = {.x = x, .weight = weight, .out = out, .num_rows = num_rows, .num_out = num_out,
                                     .num_in = num_in, .x_stride = num_in, .weight_stride = weight_stride,
-                                    .splits = splits, .step = step, .claim = &b->claim, .type = type};
+                                    .splits = splits, .step = step, .claim = &b->claim, .type = type, .wtype = wtype};
     parallel(partial_rows, &c, &b->claim, b->scratches, b->helpers);
 }
 
@@ -322,7 +329,7 @@ static void layer_rows(const struct step_plan *p, const struct step_layer *l, co
     const Py_ssize_t heads = p->num_heads * D, width = (p->num_heads + 2 * p->num_kv) * D;
     const int type = p->type;
     /* mix: q/k/v, their norms and RoPE (k and v to the cache), attention, o, the residual and the post norm */
-    product(b->normed, T, H, l->qkv, width, H, 1, H, type == F32 ? (float *)b->qkv : b->product, type, b);
+    product(b->normed, T, H, l->qkv, width, H, 1, H, type == F32 ? (float *)b->qkv : b->product, type, p->wtype, b);
     if (type == BF16) store_row(b->qkv, 0, b->product, T * width, BF16);
     const struct rope_call rope = {.qkv = b->qkv, .q_norm = l->q_norm, .k_norm = l->k_norm, .q_out = b->q,
                                    .keys = l->keys, .values = l->values, .tables = p->tables,
@@ -341,11 +348,11 @@ static void layer_rows(const struct step_plan *p, const struct step_layer *l, co
                                              .type = type};
     parallel(attention_rows, &attention, &b->claim, b->scratches, b->helpers);
     if (type == BF16) store_row(b->attn, 0, b->attn_f32, T * heads, BF16);
-    product(b->attn, T, heads, l->o, H, heads, l->o_splits, l->o_step, b->o_partials, type, b);
+    product(b->attn, T, heads, l->o, H, heads, l->o_splits, l->o_step, b->o_partials, type, p->wtype, b);
     norm(b->o_partials, 1, l->o_splits, NULL, b->residual, l->post_norm, b->normed, p, T, l->eps, b->scratch);
     /* the router's top-k, the routed experts, their weighted sum, the residual and the next norm */
     product(b->normed, T, H, l->router, p->num_experts, H, l->router_splits, l->router_step, b->router_partials,
-            type, b);
+            type, type, b);
     const struct route_call route = {.partials = b->router_partials, .live = r->live, .ids = b->expert_ids,
                                      .weights = b->route_weights, .num_rows = T, .splits = l->router_splits,
                                      .num_experts = p->num_experts, .top_k = l->top_k, .normalize = l->normalize,
@@ -354,7 +361,7 @@ static void layer_rows(const struct step_plan *p, const struct step_layer *l, co
     const struct experts_call experts = {.x = b->normed, .gate_up = l->gate_up, .down = l->down, .ids = b->expert_ids,
                                          .out = b->route_out, .num_tokens = T, .top_k = l->top_k,
                                          .num_experts = p->num_experts, .hidden = H, .inter = p->inter, .claim = &b->claim,
-                                         .type = type};
+                                         .type = type, .wtype = p->wtype};
     parallel(expert_routes, &experts, &b->claim, b->scratches, b->helpers);
     norm(b->route_out, 2, l->top_k, b->route_weights, b->residual, l->next_norm, b->normed, p, T, l->eps, b->scratch);
 }
@@ -368,7 +375,7 @@ static void run_step(const struct step_plan *p, const struct step_rows *r, struc
     norm(b->residual, 0, 1, NULL, NULL, p->layers[0].input_norm, b->normed, p, T, p->layers[0].eps, b->scratch);
     for (Py_ssize_t i = 0; i < p->num_layers; i++) layer_rows(p, &p->layers[i], r, b);
     /* the logits: `linear` to float32 rounds through the model's type first */
-    product(b->normed, T, H, p->lm_head, p->vocab, p->lm_head_stride, 1, H, r->logits, p->type, b);
+    product(b->normed, T, H, p->lm_head, p->vocab, p->lm_head_stride, 1, H, r->logits, p->type, p->wtype, b);
     if (p->type == BF16)
         for (size_t j = 0; j < (size_t)(T * p->vocab); j++) r->logits[j] = round_bf16(r->logits[j]);
     memcpy(r->hidden, b->normed, (size_t)(T * H) * es);

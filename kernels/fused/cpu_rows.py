@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 TYPES = {torch.float32: 0, torch.bfloat16: 1}  # _cpu_rows.c's element types
+PAIRED = 2  # weights only: bfloat16 in kernels.fused.paired's layout, under float32 rows
 
 
 @functools.cache
@@ -94,13 +95,18 @@ def experts(
     expert_ids: Tensor,  # [T, k]
     gate_up: Tensor,  # [E, 2I, H]
     down: Tensor,  # [E, H, I]
+    paired: bool = False,
 ) -> Tensor | None:
     """experts_reference's per-route outputs [T*k, H] float32 (zeros where the id is -1), or
-    None where the kernel does not apply (FP8 weights among them)."""
+    None where the kernel does not apply (FP8 weights among them). paired: gate_up and down are
+    bfloat16 in kernels.fused.paired's layout under float32 x (the bits of their float32 values)."""
     native = _native()
     if native is None or not isinstance(gate_up, Tensor) or not isinstance(down, Tensor) or x.dtype not in TYPES:
         return None
-    if not _plain(gate_up, down, dtype=x.dtype) or x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+    if paired and x.dtype != torch.float32:
+        return None
+    weight_dtype = torch.bfloat16 if paired else x.dtype
+    if not _plain(gate_up, down, dtype=weight_dtype) or x.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
         return None
     num_tokens, hidden = x.shape
     num_experts, inter = down.shape[0], down.shape[2]
@@ -114,7 +120,7 @@ def experts(
     out = torch.empty((num_tokens * top_k, hidden), dtype=torch.float32)
     if ids.numel():
         native.experts(x.data_ptr(), ids.data_ptr(), gate_up.data_ptr(), down.data_ptr(), out.data_ptr(), num_tokens,
-                       top_k, num_experts, hidden, inter, TYPES[x.dtype])
+                       top_k, num_experts, hidden, inter, TYPES[x.dtype], PAIRED if paired else TYPES[x.dtype])
     return out
 
 
@@ -134,11 +140,15 @@ def partials(
     weight: Tensor,  # [N, K]
     splits: int,
     step: int,  # K columns a split (the last ones may be shorter or empty)
+    paired: bool = False,
 ) -> Tensor | None:
     """linear_partials' split-K products [M, splits, N] float32 (partial s over K columns
-    s·step ...), or None where the kernel does not apply."""
+    s·step ...), or None where the kernel does not apply. paired: the weight is bfloat16 in
+    kernels.fused.paired's layout under float32 x (the bits of its float32 values)."""
     native = _native()
-    if native is None or not isinstance(weight, Tensor) or x.dtype not in TYPES or weight.dtype != x.dtype:
+    if native is None or not isinstance(weight, Tensor) or x.dtype not in TYPES:
+        return None
+    if weight.dtype != (torch.bfloat16 if paired else x.dtype) or (paired and x.dtype != torch.float32):
         return None
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] or x.stride(1) != 1 or weight.stride(1) != 1:
         return None
@@ -148,7 +158,7 @@ def partials(
     out = torch.empty((num_rows, splits, num_out), dtype=torch.float32)
     if num_rows and num_out:
         native.partials(x.data_ptr(), weight.data_ptr(), out.data_ptr(), num_rows, num_out, num_in, x.stride(0),
-                        weight.stride(0), splits, step, TYPES[x.dtype])
+                        weight.stride(0), splits, step, TYPES[x.dtype], PAIRED if paired else TYPES[x.dtype])
     return out
 
 

@@ -35,7 +35,8 @@ MAX_ROWS = min(MAX_FUSED_ROWS, MAX_FUSED_TOKENS)  # the per-op path's native ker
 
 @dataclass(frozen=True)
 class StepLayer:
-    """One MoE decoder layer as the step reads it (the fused layout's tensors)."""
+    """One MoE decoder layer as the step reads it (the fused layout's tensors; qkv, o, gate_up
+    and down paired where the plan says so)."""
 
     input_norm: Tensor  # [H]
     qkv: Tensor  # [(Hq + 2 Hkv) D, H]
@@ -144,19 +145,24 @@ def plan(
     layers: list[StepLayer],
     num_heads: int,
     num_kv_heads: int,
+    paired: bool = False,
 ) -> StepPlan | None:
-    """The step's plan over these tensors, or None where the step does not apply."""
+    """The step's plan over these tensors, or None where the step does not apply. paired: the
+    products' and experts' weights (each layer's qkv, o, gate_up and down, and lm_head) are
+    bfloat16 in kernels.fused.paired's layout under float32 rows (the embedding, the norms and the
+    routers float32): the bits of their float32 values, from half the bytes."""
     native = cpu_rows.native()
-    if native is None or not layers or embed.dtype not in cpu_rows.TYPES:
+    if native is None or not layers or embed.dtype not in cpu_rows.TYPES or (paired and embed.dtype != torch.float32):
         return None
     dtype = embed.dtype
+    weight_dtype = torch.bfloat16 if paired else dtype
     hidden, vocab = embed.shape[1], lm_head.shape[0]
     head_dim = layers[0].q_norm.shape[0]
     num_experts, inter = layers[0].down.shape[0], layers[0].down.shape[2]
     keys = layers[0].keys
     if embed.dim() != 2 or embed.stride(1) != 1 or lm_head.dim() != 2 or lm_head.shape[1] != hidden or lm_head.stride(1) != 1:
         return None
-    if lm_head.dtype != dtype or not _contiguous(torch.float32, cos, sin) or not _contiguous(torch.int32, block_tables):
+    if lm_head.dtype != weight_dtype or not _contiguous(torch.float32, cos, sin) or not _contiguous(torch.int32, block_tables):
         return None
     if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != head_dim or keys.dim() != 4:
         return None
@@ -164,9 +170,9 @@ def plan(
         return None
     width = (num_heads + 2 * num_kv_heads) * head_dim
     for layer in layers:
-        tensors = (layer.input_norm, layer.qkv, layer.q_norm, layer.k_norm, layer.o, layer.post_norm, layer.router,
-                   layer.gate_up, layer.down, layer.next_norm, layer.keys, layer.values)
-        if not _contiguous(dtype, *tensors):
+        tensors = (layer.input_norm, layer.q_norm, layer.k_norm, layer.post_norm, layer.router, layer.next_norm,
+                   layer.keys, layer.values)
+        if not _contiguous(dtype, *tensors) or not _contiguous(weight_dtype, layer.qkv, layer.o, layer.gate_up, layer.down):
             return None
         if (layer.qkv.shape != (width, hidden) or layer.o.shape != (hidden, num_heads * head_dim)
                 or layer.router.shape != (num_experts, hidden) or layer.gate_up.shape != (num_experts, 2 * inter, hidden)
@@ -177,7 +183,8 @@ def plan(
             return None
     model = (embed.data_ptr(), lm_head.data_ptr(), cos.data_ptr(), sin.data_ptr(), block_tables.data_ptr(), hidden,
              vocab, num_heads, num_kv_heads, head_dim, num_experts, inter, keys.shape[1], block_tables.shape[1],
-             block_tables.shape[0], cos.shape[0], embed.stride(0), lm_head.stride(0), cpu_rows.TYPES[dtype])
+             block_tables.shape[0], cos.shape[0], embed.stride(0), lm_head.stride(0), cpu_rows.TYPES[dtype],
+             cpu_rows.PAIRED if paired else cpu_rows.TYPES[dtype])
     rows = [(layer.input_norm.data_ptr(), layer.qkv.data_ptr(), layer.q_norm.data_ptr(), layer.k_norm.data_ptr(),
              layer.o.data_ptr(), layer.post_norm.data_ptr(), layer.router.data_ptr(), layer.gate_up.data_ptr(),
              layer.down.data_ptr(), layer.next_norm.data_ptr(), layer.keys.data_ptr(), layer.values.data_ptr(),

@@ -36,6 +36,7 @@ from kernels.fused.attention import AttentionWorkspace, decode_attention
 from kernels.fused.linear import dense, k_per_split, linear, linear_partials, prefill_linear, split_k
 from kernels.fused.moe import MAX_FUSED_TOKENS, combine_add_rmsnorm, fused_experts, silu_mul
 from kernels.fused.norm import add_rmsnorm, qk_norm_rope_store
+from kernels.fused.paired import pair_bf16
 from kernels.fused.router import route
 from shared.model.experts import grouped_mm_available
 from shared.model.fused import LayerwiseForward
@@ -135,6 +136,7 @@ class FusedModel(LayerwiseForward):
         self.mtp_offload = None if self.mtp_layer is None else offload_over(
             [self.mtp_layer.store if self.mtp_layer.moe else None], prefetch=False)
         self._step_plan_of: tuple[PagedKV, cpu_step.StepPlan | None] | None = None  # the last cache's (one runner, one cache)
+        self._paired: dict[str, Tensor] | None = None  # the step's bfloat16 weights (made with its first plan)
 
     @property
     def offloaded(self) -> bool:
@@ -255,21 +257,46 @@ class FusedModel(LayerwiseForward):
         step = None
         if (not use_triton(model.embed_tokens.weight) and self.invariant and self.group is None
                 and self.offload is None and all(layer.moe for layer in self.layers)):
-            step = cpu_step.plan(model.embed_tokens.weight, model.lm_head.weight, self.cos, self.sin, kv.block_tables,
-                                 [self._step_layer(layer, next_norm, kv) for layer, next_norm in zip(self.layers, self.next_norms)],
-                                 self.layers[0].num_heads, self.layers[0].num_kv_heads)
+            paired = self._paired_weights()
+            weights = paired or {}
+            step = cpu_step.plan(model.embed_tokens.weight, weights.get("lm_head", model.lm_head.weight), self.cos,
+                                 self.sin, kv.block_tables,
+                                 [self._step_layer(index, next_norm, kv, weights) for index, next_norm in enumerate(self.next_norms)],
+                                 self.layers[0].num_heads, self.layers[0].num_kv_heads, paired=paired is not None)
         self._step_plan_of = (kv, step)
         return step
 
-    def _step_layer(self, layer: FusedLayer, next_norm: Tensor, kv: PagedKV) -> cpu_step.StepLayer:
+    def _paired_weights(self) -> dict[str, Tensor] | None:
+        """The step's products' and experts' weights as bfloat16 in the paired layout (made once),
+        where the model computes in float32 and every such weight is exactly a bfloat16 (a
+        bfloat16 checkpoint): the step reads half the bytes for the same bits. None otherwise.
+        (They sit beside the float32 weights, which prefill and the per-op path read.)"""
+        if self._paired is None:
+            weights = {"lm_head": self.model.lm_head.weight}
+            for index, layer in enumerate(self.layers):
+                weights |= {f"{index}.qkv": layer.qkv, f"{index}.o": layer.o,
+                            f"{index}.gate_up": layer.store.gate_up, f"{index}.down": layer.store.down}
+            paired = {}
+            for name, weight in weights.items():
+                paired[name] = pair_bf16(weight) if isinstance(weight, Tensor) else None
+                if paired[name] is None:
+                    paired = {}
+                    break
+            self._paired = paired
+        return self._paired or None
+
+    def _step_layer(self, index: int, next_norm: Tensor, kv: PagedKV, paired: dict[str, Tensor]) -> cpu_step.StepLayer:
+        layer = self.layers[index]
         keys, values = kv.layers[layer.kv_index]
         dtype = self.model.dtype
         return cpu_step.StepLayer(
-            input_norm=layer.input_norm, qkv=layer.qkv, q_norm=layer.q_norm, k_norm=layer.k_norm, o=layer.o,
+            input_norm=layer.input_norm, qkv=paired.get(f"{index}.qkv", layer.qkv), q_norm=layer.q_norm,
+            k_norm=layer.k_norm, o=paired.get(f"{index}.o", layer.o),
             o_splits=layer.o_splits, o_step=k_per_split(layer.o, dtype, layer.o_splits), post_norm=layer.post_norm,
             router=layer.router, router_splits=layer.router_splits,
             router_step=k_per_split(layer.router, dtype, layer.router_splits), top_k=layer.top_k,
-            normalize=layer.normalize, gate_up=layer.store.gate_up, down=layer.store.down, next_norm=next_norm,
+            normalize=layer.normalize, gate_up=paired.get(f"{index}.gate_up", layer.store.gate_up),
+            down=paired.get(f"{index}.down", layer.store.down), next_norm=next_norm,
             keys=keys, values=values, eps=layer.eps)
 
     def embed(self, token_ids: Tensor) -> tuple[Tensor, Tensor]:  # [T]
