@@ -54,6 +54,9 @@ class VerifierMetrics:
             "tandem_verifier_drafter_reachable",
             "1 while the drafter answers (start-up probe, streams, chains), 0 after it failed; -1 without a drafter",
             registry=r)
+        # (labelled children looked up once: a round's counts are on every token's way)
+        self._rounds_of = {True: self.rounds.labels("speculative"), False: self.rounds.labels("plain")}
+        self._drafts_of: dict[str, tuple] = {}
 
     def round_done(self, *, tokens: int, emitted: int, seconds: float, speculative: bool, source: str,
                    retained: int, accepted: int, slot_hit_rate: float) -> None:
@@ -61,11 +64,15 @@ class VerifierMetrics:
         self.tokens.inc(tokens)
         self.accepted_length.observe(emitted)
         self.round_seconds.observe(seconds)
-        self.rounds.labels("speculative" if speculative else "plain").inc()
+        self._rounds_of[speculative].inc()
         self.slot_hit_rate.set(slot_hit_rate)
         if retained:
-            self.drafts.labels(source, "retained").inc(retained)
-            self.drafts.labels(source, "accepted").inc(accepted)
+            drafts = self._drafts_of.get(source)
+            if drafts is None:
+                drafts = self._drafts_of[source] = (self.drafts.labels(source, "retained"),
+                                                    self.drafts.labels(source, "accepted"))
+            drafts[0].inc(retained)
+            drafts[1].inc(accepted)
 
 
 class DrafterMetrics:

@@ -83,6 +83,12 @@ def use_span(span: trace.Span):
     return trace.use_span(span, end_on_exit=False)
 
 
+def traced(span: trace.Span) -> bool:
+    """Whether `span` belongs to a trace: False for the no-op span of tracing off (a span
+    not sampled still carries its trace's context to its children and the drafter)."""
+    return span.get_span_context().is_valid
+
+
 def set_span_in_context(span: trace.Span) -> context.Context:
     """A context whose current span is `span` (the parent of a span started in another task)."""
     return trace.set_span_in_context(span)

@@ -143,6 +143,8 @@ class RequestRounds:
     async def begin_round(self, running: Running, parent, tracer) -> Begun:
         """A round's first half: chain (bounded wait) → validate → retain → hand the round to the
         engine loop. A round granted to the loop (plain) only opens here: the loop runs it."""
+        if not telemetry.traced(parent):  # tracing off: the request's no-op span stands for the round's
+            return await self._begin_round_in(running, parent)
         span = tracer.start_span("round", context=telemetry.set_span_in_context(parent),
                                  attributes={"tandem.round_id": running.round_id})
         try:
