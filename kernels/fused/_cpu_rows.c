@@ -235,6 +235,13 @@ HELPER const float *weight_rows(const void *p, Py_ssize_t i, Py_ssize_t stride, 
     return buf;
 }
 
+/* Whether the kernels read weights of `wtype` under rows of `type` (else a ValueError is set). */
+static int weights_read(int type, int wtype) {
+    if (wtype == type || (wtype == PAIRED && type == F32)) return 1;
+    PyErr_Format(PyExc_ValueError, "weights of type %d under rows of type %d", wtype, type);
+    return 0;
+}
+
 /* Each entry point fills its call's struct, then runs its kernel on a scratch buffer of `floats`
    floats with the GIL released. */
 typedef void (*row_kernel)(const void *call, float *buf);
@@ -501,6 +508,7 @@ static PyObject *experts(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KKKKKnnnnnii", &x, &ids, &gate_up, &down, &out, &c.num_tokens, &c.top_k,
                           &c.num_experts, &c.hidden, &c.inter, &c.type, &c.wtype))
         return NULL;
+    if (!weights_read(c.type, c.wtype)) return NULL;
     c.x = (const void *)(uintptr_t)x;
     c.ids = (const int64_t *)(uintptr_t)ids;
     c.gate_up = (const void *)(uintptr_t)gate_up;
@@ -570,6 +578,7 @@ static PyObject *partials(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KKKnnnnnnnii", &x, &weight, &out, &c.num_rows, &c.num_out, &c.num_in, &c.x_stride,
                           &c.weight_stride, &c.splits, &c.step, &c.type, &c.wtype))
         return NULL;
+    if (!weights_read(c.type, c.wtype)) return NULL;
     c.x = (const void *)(uintptr_t)x;
     c.weight = (const void *)(uintptr_t)weight;
     c.out = (float *)(uintptr_t)out;

@@ -82,6 +82,8 @@ def test_the_kernels_refuse_paired_weights_under_bfloat16_rows():
     assert cpu_rows.partials(x, pair_bf16(halves(8, 32)), 1, 32, paired=True) is None
     assert cpu_rows.experts(x, torch.zeros(2, 1, dtype=torch.int64), pair_bf16(halves(2, 8, 32)),
                             pair_bf16(halves(2, 32, 4)), paired=True) is None
+    with pytest.raises(ValueError, match="weights of type 2 under rows of type 1"):  # (the entry point's own check)
+        cpu_rows.native().partials(0, 0, 0, 1, 1, 32, 32, 32, 1, 32, 1, 2)
 
 
 # Odd sizes (hidden 40: one chunk and an 8-value step; experts' intermediate 12: the tail only)
