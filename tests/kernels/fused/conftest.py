@@ -50,3 +50,24 @@ def page(contiguous, block_size, generator):
 def identity_tables(num_slots, device):
     """Block tables of a contiguous [slots, max_length, ...] cache: one block per slot."""
     return torch.arange(num_slots, dtype=torch.int32, device=device).unsqueeze(1)
+
+
+@pytest.fixture
+def lockstep():
+    """Runs the same windows through several runners (`arms`: (runner, pool) pairs, each with its
+    sequences' `slots`): `picks` are (sequence, window length), each window of random ids from
+    `generator` starting at its sequence's last token; `lengths` advance. Returns each arm's
+    output."""
+
+    def step(arms, slots, lengths, picks, generator, vocab_size):
+        windows = [[] for _ in arms]
+        for seq, size in picks:
+            ids = torch.randint(0, vocab_size, (size,), generator=generator).tolist()
+            for which in range(len(arms)):
+                windows[which].append((slots[which][seq], ids, lengths[seq] - 1))
+        outs = [runner.run(w) for (runner, _), w in zip(arms, windows)]
+        for seq, size in picks:
+            lengths[seq] += size
+        return outs
+
+    return step

@@ -42,7 +42,7 @@ def runner_over(model, native: bool, block_size: int | None):
 
 
 @pytest.mark.parametrize("block_size", [None, 4])
-def test_steps_are_the_per_op_paths_bits(step_model, block_size, monkeypatch):
+def test_steps_are_the_per_op_paths_bits(step_model, block_size, monkeypatch, lockstep):
     # The same prompts and steps through three runners on the same weights: one running each
     # step as one native call from lists into its reused buffers (the runner's CPU step), one
     # staging its inputs and calling the step with tensors (where decode-ahead may follow), and
@@ -68,15 +68,7 @@ def test_steps_are_the_per_op_paths_bits(step_model, block_size, monkeypatch):
     lengths = [len(p) for p in prompts]
 
     def step(picks):  # picks: (sequence, window length); the window starts at the sequence's last token
-        windows = [[] for _ in arms]
-        for seq, size in picks:
-            ids = torch.randint(0, 101, (size,), generator=gen).tolist()
-            for which in range(len(arms)):
-                windows[which].append((slots[which][seq], ids, lengths[seq] - 1))
-        outs = [runner.run(w) for (runner, _), w in zip(arms, windows)]
-        for seq, size in picks:
-            lengths[seq] += size
-        return outs
+        return lockstep(arms, slots, lengths, picks, gen, 101)
 
     steps = [[(0, 1)], [(1, 5)], [(2, 3)], [(0, 1), (1, 1), (2, 1)], [(1, 4), (0, 2)], [(2, 5), (0, 1), (1, 3)],
              [(0, 6)], [(2, 1), (1, 1)]]

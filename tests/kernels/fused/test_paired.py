@@ -110,7 +110,7 @@ def bf16_valued_model():
 
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_step_over_paired_weights_is_the_float32_steps_bits(bf16_valued_model, threads, monkeypatch):
+def test_the_step_over_paired_weights_is_the_float32_steps_bits(bf16_valued_model, threads, monkeypatch, lockstep):
     # The same prompts and steps through a runner whose step reads the paired weights, one whose
     # step reads the float32 weights and one op by op: logits, hidden rows, greedy ids and the KV
     # pool equal bit for bit, windows and batches of 1..14 rows.
@@ -140,14 +140,7 @@ def test_the_step_over_paired_weights_is_the_float32_steps_bits(bf16_valued_mode
         slots.append(taken)
     lengths = [len(p) for p in prompts]
     for picks in [[(0, 1)], [(1, 5)], [(0, 1), (1, 1), (2, 1)], [(2, 5), (0, 4), (1, 5)], [(1, 2), (0, 1)]]:
-        windows = [[] for _ in arms]
-        for seq, size in picks:
-            ids = torch.randint(0, 101, (size,), generator=gen).tolist()
-            for which in range(len(arms)):
-                windows[which].append((slots[which][seq], ids, lengths[seq] - 1))
-        outs = [run.run(w) for (run, _), w in zip(arms, windows)]
-        for seq, size in picks:
-            lengths[seq] += size
+        outs = lockstep(arms, slots, lengths, picks, gen, 101)
         for out in outs[:2]:
             assert torch.equal(out.logits, outs[2].logits) and torch.equal(out.hidden, outs[2].hidden), picks
             assert torch.equal(out.greedy_ids, outs[2].greedy_ids), picks
