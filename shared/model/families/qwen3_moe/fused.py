@@ -256,7 +256,7 @@ class FusedModel(LayerwiseForward):
         model = self.model
         step = None
         if (not use_triton(model.embed_tokens.weight) and self.invariant and self.group is None
-                and self.offload is None and all(layer.moe for layer in self.layers)):
+                and self.offload is None and self.layers and all(layer.moe for layer in self.layers)):
             paired = self._paired_weights()
             weights = paired or {}
             step = cpu_step.plan(model.embed_tokens.weight, weights.get("lm_head", model.lm_head.weight), self.cos,
