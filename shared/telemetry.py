@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping, MutableMapping
 
@@ -79,7 +80,10 @@ def tracer(name: str) -> trace.Tracer:
 
 
 def use_span(span: trace.Span):
-    """A context manager making `span` current without ending it (the caller ends it)."""
+    """A context manager making `span` current without ending it (the caller ends it); nothing
+    to do for the no-op span of tracing off (a round's way passes here twice)."""
+    if not traced(span):
+        return contextlib.nullcontext()
     return trace.use_span(span, end_on_exit=False)
 
 

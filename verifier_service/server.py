@@ -339,10 +339,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         """A begun round's second half under its span (ended here), the round counted; None when the
         session decodes no more (a limit this coroutine did not see first: finish "length")."""
         try:
-            if telemetry.traced(begun_round.span):
-                with telemetry.use_span(begun_round.span):
-                    event = await self.rounds.end_round(running, begun_round)
-            else:  # (tracing off: nothing to make current)
+            with telemetry.use_span(begun_round.span):
                 event = await self.rounds.end_round(running, begun_round)
         except RoundsExhausted:
             running.completion.finish_reason = "length"

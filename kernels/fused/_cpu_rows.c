@@ -235,13 +235,6 @@ HELPER const float *weight_rows(const void *p, Py_ssize_t i, Py_ssize_t stride, 
     return buf;
 }
 
-/* Whether the kernels read weights of `wtype` under rows of `type` (else a ValueError is set). */
-static int weights_read(int type, int wtype) {
-    if (wtype == type || (wtype == PAIRED && type == F32)) return 1;
-    PyErr_Format(PyExc_ValueError, "weights of type %d under rows of type %d", wtype, type);
-    return 0;
-}
-
 /* Each entry point fills its call's struct, then runs its kernel on a scratch buffer of `floats`
    floats with the GIL released. */
 typedef void (*row_kernel)(const void *call, float *buf);

@@ -17,9 +17,16 @@ clone a process), so the step adds no arithmetic of its own: its rows keep the k
 /* Element types. PAIRED is a weights-only type beside float32 activations: bfloat16 values (a
    bfloat16 checkpoint's weights, exact in float32) in the paired layout — a row's first n16 = n / 16
    * 16 values in chunks of 16 with a chunk's values j and j + 8 side by side, the rest in order
-   (kernels/fused/cpu_rows.py: pair_bf16) — so that one 32-byte load splits into a chunk's two sets
+   (kernels/fused/paired.py: pair_bf16) — so that one 32-byte load splits into a chunk's two sets
    of eight lanes by a shift and a mask. Half the bytes of float32, the same values: the same bits. */
 enum { F32 = 0, BF16 = 1, PAIRED = 2 };
+
+/* Whether the kernels read weights of `wtype` under rows of `type` (else a ValueError is set). */
+static inline int weights_read(int type, int wtype) {
+    if (wtype == type || (wtype == PAIRED && type == F32)) return 1;
+    PyErr_Format(PyExc_ValueError, "weights of type %d under rows of type %d", wtype, type);
+    return 0;
+}
 /* The loops are compiled twice (MACHINE_CLONES: AVX2 + FMA and the baseline, one per process). */
 /* (the helpers inline into each clone, so they are compiled for its machine too) */
 #define HELPER static inline __attribute__((always_inline))

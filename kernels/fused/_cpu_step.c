@@ -90,8 +90,7 @@ KERNEL PyObject *step_plan(PyObject *self, PyObject *args) {
         free(p);
         return NULL;
     }
-    if (p->wtype != p->type && !(p->wtype == PAIRED && p->type == F32)) {
-        PyErr_Format(PyExc_ValueError, "step_plan: weights of type %d under rows of type %d", p->wtype, p->type);
+    if (!weights_read(p->type, p->wtype)) {
         free(p);
         return NULL;
     }
