@@ -55,7 +55,8 @@ CONTEXT_TABLE = Extension("drafter_service.proposers._context_table",
 # (kernels/fused/cpu_step.py); likewise C99, no dependency.
 # (-Wno-psabi: its 32-byte vector type is passed between inlined functions only. -fno-trapping-math:
 # no FP exception flags are read, so the softmax's selects may be vectorised; no result changes.)
-CPU_ROWS = Extension("kernels.fused._cpu_rows", sources=["kernels/fused/_cpu_rows.c", "kernels/fused/_cpu_step.c"],
+CPU_ROWS = Extension("kernels.fused._cpu_rows", sources=["kernels/fused/_cpu_rows.c", "kernels/fused/_cpu_step.c",
+                                                        "kernels/fused/_cpu_wide.c"],
                      libraries=["m"], depends=["kernels/_machine_clones.h", "kernels/fused/_cpu_rows.h"],
                      extra_compile_args=["-std=gnu11", "-O3", "-Wno-psabi", "-fno-trapping-math"])
 

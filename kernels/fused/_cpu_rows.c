@@ -514,7 +514,9 @@ static PyObject *experts(PyObject *self, PyObject *args) {
    x of `type`, weight of `wtype` (`type`, or PAIRED under float32 rows); out [M, splits, N] float32, partial s = x[:, s*step : (s+1)*step] @ weight[:, same]^T (empty past
    K: zeros), each sum in lanes_total's order — linear_partials' split-K products, and with one
    split rowwise_linear's. A block of weight rows at a time, for every row of x (the weight read
-   once for all of them). */
+   once for all of them); two or more rows on a machine with AVX-512 through the wide kernel
+   (_cpu_wide.c: the same sums, two rows a register) where a split's columns are whole eights
+   (paired weights: whole chunks). Optional last argument `narrow`: never the wide kernel. */
 
 MACHINE_CLONES
 KERNEL void partial_rows(const void *call, float *buf) {
@@ -523,14 +525,35 @@ KERNEL void partial_rows(const void *call, float *buf) {
     const Py_ssize_t num_in = c->num_in;
     float *inputs = buf, *weights = inputs + c->num_rows * num_in;
     for (Py_ssize_t m = 0; m < c->num_rows; m++) load_row(inputs + m * num_in, c->x, m * c->x_stride, num_in, c->type);
+    /* the wide kernel's input pairs (_cpu_wide.c): pair p's eight columns j at pairs + (p * eights + j / 8) * 16 */
+    const Py_ssize_t eights = (num_in + 7) / 8;
+    float *pairs = weights + ROW_BLOCK * num_in;
+    const int wide = WIDE_PRODUCTS && !c->narrow && c->num_rows >= WIDE_MIN_ROWS && c->wtype != BF16 && wide_machine();
+    if (wide)
+        for (Py_ssize_t m = 0; m < c->num_rows + c->num_rows % 2; m++)
+            for (Py_ssize_t j = 0; j < 8 * eights; j++)
+                pairs[(m / 2 * eights + j / 8) * 16 + m % 2 * 8 + j % 8] =
+                    m < c->num_rows && j < num_in ? inputs[m * num_in + j] : 0.0f;
     const Py_ssize_t chunks = (c->num_out + PRODUCT_CHUNK - 1) / PRODUCT_CHUNK;
     Py_ssize_t own = 0;
     for (Py_ssize_t item = next_item(c->claim, &own); item < splits * chunks; item = next_item(c->claim, &own)) {
         const Py_ssize_t sp = item / chunks, chunk_end = (item % chunks + 1) * PRODUCT_CHUNK;
         const Py_ssize_t first = sp * step < num_in ? sp * step : num_in;
         const Py_ssize_t width = (first + step < num_in ? first + step : num_in) - first;
+        /* (paired weights: whole chunks only; the 8-lane kernels take the rest, in the same order) */
+        const int wide_here = wide && !(first & 7) && !(width & 7) &&
+                              (c->wtype != PAIRED || (!(first & 15) && !(width & 15) && first + width <= (num_in & ~(Py_ssize_t)15)));
         for (Py_ssize_t n = (item % chunks) * PRODUCT_CHUNK; n < c->num_out && n < chunk_end; n += ROW_BLOCK) {
             const Py_ssize_t count = c->num_out - n < ROW_BLOCK ? c->num_out - n : ROW_BLOCK;
+#if WIDE_PRODUCTS
+            if (wide_here) {
+                const Py_ssize_t element = c->wtype == PAIRED ? 2 : 4;
+                wide_products(pairs, eights, c->num_rows, (const char *)c->weight + n * c->weight_stride * element,
+                              c->weight_stride, first, width, c->wtype == PAIRED, count, c->out + sp * c->num_out + n,
+                              splits * c->num_out);
+                continue;
+            }
+#endif
             const float *w;
             Py_ssize_t stride;
             if (c->wtype == PAIRED) {
@@ -568,8 +591,8 @@ KERNEL void partial_rows(const void *call, float *buf) {
 static PyObject *partials(PyObject *self, PyObject *args) {
     unsigned long long x, weight, out;
     struct products_call c = {.claim = NULL};
-    if (!PyArg_ParseTuple(args, "KKKnnnnnnnii", &x, &weight, &out, &c.num_rows, &c.num_out, &c.num_in, &c.x_stride,
-                          &c.weight_stride, &c.splits, &c.step, &c.type, &c.wtype))
+    if (!PyArg_ParseTuple(args, "KKKnnnnnnnii|p", &x, &weight, &out, &c.num_rows, &c.num_out, &c.num_in, &c.x_stride,
+                          &c.weight_stride, &c.splits, &c.step, &c.type, &c.wtype, &c.narrow))
         return NULL;
     if (!weights_read(c.type, c.wtype)) return NULL;
     c.x = (const void *)(uintptr_t)x;
@@ -823,6 +846,14 @@ static PyObject *argmax(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *wide_products_here(PyObject *self, PyObject *args) {
+#if WIDE_PRODUCTS
+    return PyBool_FromLong(wide_machine());
+#else
+    Py_RETURN_FALSE;
+#endif
+}
+
 static PyMethodDef methods[] = {
     {"attention", attention, METH_VARARGS, "Paged decode attention, row by row (see kernels/fused/cpu_rows.py)."},
     {"experts", experts, METH_VARARGS, "Routed experts' outputs, route by route (see kernels/fused/cpu_rows.py)."},
@@ -830,6 +861,7 @@ static PyMethodDef methods[] = {
     {"add_norm", add_norm, METH_VARARGS, "Residual add and RMS norm, row by row (see kernels/fused/cpu_rows.py)."},
     {"qk_rope", qk_rope, METH_VARARGS, "q/k norms, RoPE and the KV write, row by row (see kernels/fused/cpu_rows.py)."},
     {"route", route, METH_VARARGS, "The router's plain top-k, row by row (see kernels/fused/cpu_rows.py)."},
+    {"wide_products", wide_products_here, METH_NOARGS, "Whether products of several rows take the wide kernel here."},
     {"argmax", argmax, METH_VARARGS, "Greedy ids of float32 rows (see kernels/fused/cpu_rows.py)."},
     {"step_plan", step_plan, METH_VARARGS, "A qwen3_moe step's plan (see kernels/fused/cpu_step.py)."},
     {"step_run", step_run, METH_VARARGS, "A qwen3_moe step as one call (see kernels/fused/cpu_step.py)."},

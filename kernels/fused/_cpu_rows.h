@@ -117,6 +117,7 @@ struct products_call {
     Py_ssize_t num_rows, num_out, num_in, x_stride, weight_stride, splits, step;
     Py_ssize_t *claim;  /* items: (split, PRODUCT_CHUNK columns) */
     int type, wtype;  /* the rows' type; the weights' (`type`, or PAIRED under float32 rows) */
+    int narrow;  /* never the wide kernel (the tests' comparison of the two) */
 };
 
 struct norm_call {
@@ -177,10 +178,29 @@ HELPER size_t experts_scratch(const struct experts_call *c) {
     return experts_floats(c) + 2 * (size_t)(c->num_tokens * c->top_k + 1 + c->num_experts + 2);
 }
 
-HELPER size_t partials_scratch(const struct products_call *c) { return (size_t)((c->num_rows + ROW_BLOCK) * c->num_in); }
+/* the products' buf: the input rows [M, K], a block of weight rows [ROW_BLOCK, K], the input rows two by
+   two for the wide kernel (_cpu_wide.c) [M / 2 rounded up, K / 8 rounded up, 16] */
+HELPER size_t partials_scratch(const struct products_call *c) {
+    return (size_t)((c->num_rows + ROW_BLOCK) * c->num_in + (c->num_rows + 1) / 2 * 16 * ((c->num_in + 7) / 8));
+}
 HELPER size_t norm_scratch(const struct norm_call *c) { return (size_t)(4 * c->hidden); }
 HELPER size_t rope_scratch(const struct rope_call *c) { return (size_t)(4 * c->head_dim); }
 HELPER size_t route_scratch(const struct route_call *c) { return (size_t)(2 * c->num_experts + 1); }
+
+/* The wide products (_cpu_wide.c): on x86-64 with GCC, taken where the machine has AVX-512
+   (x86-64-v4) and a call has at least WIDE_MIN_ROWS input rows. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__GLIBC__)
+#define WIDE_PRODUCTS 1
+#else
+#define WIDE_PRODUCTS 0
+#endif
+#define WIDE_MIN_ROWS 2
+#if WIDE_PRODUCTS
+KERNEL int wide_machine(void);
+KERNEL void wide_products(const float *pairs_at, Py_ssize_t pair_stride, Py_ssize_t num_rows, const void *w,
+                          Py_ssize_t stride, Py_ssize_t first, Py_ssize_t width, int paired, Py_ssize_t count,
+                          float *out, Py_ssize_t out_stride);
+#endif
 
 /* The step's entry points (_cpu_step.c), in the module's method table (_cpu_rows.c). */
 KERNEL PyObject *step_plan(PyObject *self, PyObject *args);

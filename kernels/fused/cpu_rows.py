@@ -141,10 +141,12 @@ def partials(
     splits: int,
     step: int,  # K columns a split (the last ones may be shorter or empty)
     paired: bool = False,
+    wide: bool = True,
 ) -> Tensor | None:
     """linear_partials' split-K products [M, splits, N] float32 (partial s over K columns
     s·step ...), or None where the kernel does not apply. paired: the weight is bfloat16 in
-    kernels.fused.paired's layout under float32 x (the bits of its float32 values)."""
+    kernels.fused.paired's layout under float32 x (the bits of its float32 values). wide=False:
+    never the wide kernel (`wide_products`), whose bits are the same."""
     native = _native()
     if native is None or not isinstance(weight, Tensor) or x.dtype not in TYPES:
         return None
@@ -158,8 +160,16 @@ def partials(
     out = torch.empty((num_rows, splits, num_out), dtype=torch.float32)
     if num_rows and num_out:
         native.partials(x.data_ptr(), weight.data_ptr(), out.data_ptr(), num_rows, num_out, num_in, x.stride(0),
-                        weight.stride(0), splits, step, TYPES[x.dtype], PAIRED if paired else TYPES[x.dtype])
+                        weight.stride(0), splits, step, TYPES[x.dtype], PAIRED if paired else TYPES[x.dtype], not wide)
     return out
+
+
+def wide_products() -> bool:
+    """Whether products of several input rows take the wide kernel on this machine (AVX-512:
+    two rows a register, each sum in the 8-lane kernels' order — the same bits, fewer
+    multiply-adds)."""
+    native = _native()
+    return native is not None and native.wide_products()
 
 
 def add_rmsnorm(

@@ -1,0 +1,140 @@
+/* The products of several input rows on a machine with AVX-512 (x86-64-v4): wide lanes, the same bits.
+
+A product's sum takes lanes_total's order (_cpu_rows.c: eight lanes, lane l summing the columns
+j = l mod 8 in column order, then ((0+4) + (1+5)) + ((2+6) + (3+7))). Here two input rows share a
+16-lane register — row a's eight lanes, then row b's — and each weight row's eight values go to
+both halves, so one multiply-add serves two sums, each still in that order and rounded the same
+way (one fused multiply-add a term, as the 8-lane kernels' AVX2 + FMA clone takes it; a machine
+with AVX-512 takes that clone). So a row's product has the same bits whether one row or eight
+share the call (DESIGN §11), and the inputs, paired two by two once a call, are read from L1 while
+each weight value is read once for up to eight rows: with eight rows the 8-lane kernels are bound
+by their multiply-adds, not by the weights' bytes (docs/PERFORMANCE.md). */
+
+#include "_cpu_rows.h"
+
+#if WIDE_PRODUCTS
+
+#define WIDE static inline __attribute__((always_inline, target("arch=x86-64-v4")))
+
+typedef float eight __attribute__((vector_size(32)));
+typedef uint32_t eight_bits __attribute__((vector_size(32)));
+typedef float wide __attribute__((vector_size(64)));  /* [row a's eight lanes | row b's] */
+typedef uint32_t wide_bits __attribute__((vector_size(64)));
+
+#define BOTH_HALVES 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7
+
+WIDE wide wide_at(const float *p) {
+    wide v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Eight float32 weights at p in both halves. */
+WIDE wide eight_twice(const float *p) {
+    eight h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_shufflevector(h, h, BOTH_HALVES);
+}
+
+/* A paired chunk at p (_cpu_rows.h: PAIRED): its values 0..7 in both halves of *first, 8..15 of *second. */
+WIDE void chunk_twice(const uint16_t *p, wide *first, wide *second) {
+    eight_bits h;
+    memcpy(&h, p, sizeof h);
+    const wide_bits v = __builtin_shufflevector(h, h, BOTH_HALVES);
+    const wide_bits low = v << 16, high = v & 0xffff0000u;
+    memcpy(first, &low, sizeof low);
+    memcpy(second, &high, sizeof high);
+}
+
+/* lanes_total of each half, in its order (a sum is commutative bit for bit: a + b == b + a). */
+WIDE void halves_total(wide a, float *low, float *high) {
+    const wide t = a + __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    const wide u = t + __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    const wide z = u + __builtin_shufflevector(u, u, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    *low = z[0];
+    *high = z[8];
+}
+
+/* `rows` (1..4) weight rows at w, `stride` elements apart, columns first .. first + width - 1, against
+   `pairs` (1..4) input pairs at pairs_at (pair p's eight columns c at pairs_at + (p * pair_stride + c) * 16);
+   sums of input row m (of `num_rows` from the first pair's first) to out + m * out_stride + (the weight
+   row). Called with constant rows and pairs: its loops unroll into registers (16 sums at most). */
+WIDE void wide_group(const float *pairs_at, Py_ssize_t pair_stride, int pairs, const void *w, Py_ssize_t stride,
+                     Py_ssize_t first, Py_ssize_t width, int paired, int rows, Py_ssize_t num_rows, float *out,
+                     Py_ssize_t out_stride) {
+    wide acc[4][4] = {{{0}}};
+    const float *x = pairs_at + first / 8 * 16;
+    if (paired) {
+        const uint16_t *wp = (const uint16_t *)w + first;
+        for (Py_ssize_t j = 0; j < width; j += 16) {
+            wide low[4], high[4];
+            for (int r = 0; r < rows; r++) chunk_twice(wp + r * stride + j, &low[r], &high[r]);
+            for (int p = 0; p < pairs; p++) {
+                const wide xa = wide_at(x + (p * pair_stride + j / 8) * 16), xb = wide_at(x + (p * pair_stride + j / 8 + 1) * 16);
+                for (int r = 0; r < rows; r++) {
+                    acc[p][r] += xa * low[r];
+                    acc[p][r] += xb * high[r];
+                }
+            }
+        }
+    } else {
+        const float *wf = (const float *)w + first;
+        for (Py_ssize_t j = 0; j < width; j += 8) {
+            wide wv[4];
+            for (int r = 0; r < rows; r++) wv[r] = eight_twice(wf + r * stride + j);
+            for (int p = 0; p < pairs; p++) {
+                const wide xv = wide_at(x + (p * pair_stride + j / 8) * 16);
+                for (int r = 0; r < rows; r++) acc[p][r] += xv * wv[r];
+            }
+        }
+    }
+    for (int p = 0; p < pairs; p++)
+        for (int r = 0; r < rows; r++) {
+            float low, high;
+            halves_total(acc[p][r], &low, &high);
+            out[2 * p * out_stride + r] = low;
+            if (2 * p + 1 < num_rows) out[(2 * p + 1) * out_stride + r] = high;
+        }
+}
+
+#define GROUP(PAIRS, ROWS) \
+    wide_group(pairs_at, pair_stride, PAIRS, w, stride, first, width, paired, ROWS, left, out, out_stride)
+
+/* One pass of up to four pairs over `count` weight rows (constant pair counts: unrolled). */
+WIDE void pass(const float *pairs_at, Py_ssize_t pair_stride, int num_pairs, const void *w_rows, Py_ssize_t stride,
+               Py_ssize_t first, Py_ssize_t width, int paired, Py_ssize_t count, Py_ssize_t left, float *out_rows,
+               Py_ssize_t out_stride) {
+    const Py_ssize_t element = paired ? 2 : 4;
+    for (Py_ssize_t i = 0; i < count;) {
+        const void *w = (const char *)w_rows + i * stride * element;
+        float *out = out_rows + i;
+        const int four = count - i >= 4;
+        switch (num_pairs * 2 + four) {
+            case 2: GROUP(1, 1); break;
+            case 3: GROUP(1, 4); break;
+            case 4: GROUP(2, 1); break;
+            case 5: GROUP(2, 4); break;
+            case 6: GROUP(3, 1); break;
+            case 7: GROUP(3, 4); break;
+            case 8: GROUP(4, 1); break;
+            default: GROUP(4, 4); break;
+        }
+        i += four ? 4 : 1;
+    }
+}
+
+__attribute__((target("arch=x86-64-v4"))) KERNEL void wide_products(const float *pairs_at, Py_ssize_t pair_stride,
+                                                                     Py_ssize_t num_rows, const void *w,
+                                                                     Py_ssize_t stride, Py_ssize_t first,
+                                                                     Py_ssize_t width, int paired, Py_ssize_t count,
+                                                                     float *out, Py_ssize_t out_stride) {
+    for (Py_ssize_t m = 0; m < num_rows; m += 8) {
+        const Py_ssize_t left = num_rows - m < 8 ? num_rows - m : 8;
+        pass(pairs_at + m / 2 * pair_stride * 16, pair_stride, (int)((left + 1) / 2), w, stride, first, width, paired,
+             count, left, out + m * out_stride, out_stride);
+    }
+}
+
+KERNEL int wide_machine(void) { return __builtin_cpu_supports("x86-64-v4"); }
+
+#endif
