@@ -20,8 +20,9 @@ step_plan(model, layers) -> a capsule of the weights' and caches' addresses and 
             values, o_splits, o_step, router_splits, router_step, top_k, normalize, eps)]
 step_run(plan, token_ids, positions, slots, live, num_rows, logits, hidden, threads, greedy_ids)
   token_ids, positions, slots [T] int64, live [T] int64 or 0 (the router's padding rows); writes
-  logits [T, vocab] float32, hidden [T, H] (the final norm's rows, of the model's type), greedy_ids
-  [T] int64 unless 0 (argmax's rule: the first largest, NaN largest) and the rows' K and V into
+  logits [T, vocab] float32 unless 0 (prompt rows: then no greedy ids either), hidden [T, H] (the
+  final norm's rows, of the model's type), greedy_ids [T] int64 unless 0 (argmax's rule: the first
+  largest, NaN largest) and the rows' K and V into
   the cache. Raises IndexError / ValueError (the lock held) for a token id
   outside the vocabulary or a position or slot outside the tables, as the per-op path does. */
 
@@ -373,11 +374,12 @@ static void run_step(const struct step_plan *p, const struct step_rows *r, struc
                (const unsigned char *)p->embed + (size_t)(r->token_ids[t] * p->embed_stride) * es, (size_t)H * es);
     norm(b->residual, 0, 1, NULL, NULL, p->layers[0].input_norm, b->normed, p, T, p->layers[0].eps, b->scratch);
     for (Py_ssize_t i = 0; i < p->num_layers; i++) layer_rows(p, &p->layers[i], r, b);
+    memcpy(r->hidden, b->normed, (size_t)(T * H) * es);
+    if (!r->logits) return;  /* (prompt rows: no logits) */
     /* the logits: `linear` to float32 rounds through the model's type first */
     product(b->normed, T, H, p->lm_head, p->vocab, p->lm_head_stride, 1, H, r->logits, p->type, p->wtype, b);
     if (p->type == BF16)
         for (size_t j = 0; j < (size_t)(T * p->vocab); j++) r->logits[j] = round_bf16(r->logits[j]);
-    memcpy(r->hidden, b->normed, (size_t)(T * H) * es);
     if (r->greedy_ids) argmax_rows(r->logits, r->greedy_ids, T, p->vocab);
 }
 
@@ -402,6 +404,10 @@ KERNEL PyObject *step_run(PyObject *self, PyObject *args) {
     r.token_ids = address(token_ids), r.positions = address(positions), r.slots = address(slots);
     r.live = address(live), r.logits = address(logits), r.hidden = address(hidden);
     r.greedy_ids = address(greedy_ids);
+    if (r.greedy_ids && !r.logits) {
+        PyErr_SetString(PyExc_ValueError, "step_run: greedy ids need the logits");
+        return NULL;
+    }
     const Py_ssize_t position_limit = MAX(0, p->max_positions < p->max_blocks * p->block_size
                                                  ? p->max_positions : p->max_blocks * p->block_size);
     r.max_length = 0;

@@ -111,6 +111,25 @@ class StepPlan:
                               torch.get_num_threads() if threads is None else threads, out.greedy_ids_address)
         return logits, hidden, greedy_ids
 
+    def prompt_rows(self, token_ids: list[int], positions: list[int], slots: list[int],
+                    threads: int | None = None) -> Tensor:
+        """Final-norm hidden [T, H] of prompt rows at (slot, position), their K and V written to
+        the cache; no logits. Rows go in steps of at most MAX_ROWS in the order given, so a row
+        attends to the rows given before it; a row's bits are its one-row step's whatever the
+        others (DESIGN §11), so a prompt's rows do not depend on how it is chunked or batched."""
+        num_rows = len(token_ids)
+        if len(positions) != num_rows or len(slots) != num_rows:
+            raise ValueError("step: token_ids, positions and slots must have one entry a row each")
+        hidden = torch.empty((num_rows, self.hidden), dtype=self.dtype)  # [T, H]
+        ids, at, where = array("q", token_ids), array("q", positions), array("q", slots)
+        size = ids.itemsize
+        for first in range(0, num_rows, MAX_ROWS):
+            count = min(MAX_ROWS, num_rows - first)
+            self._native.step_run(self._capsule, ids.buffer_info()[0] + first * size, at.buffer_info()[0] + first * size,
+                                  where.buffer_info()[0] + first * size, 0, count, 0, hidden[first].data_ptr(),
+                                  torch.get_num_threads() if threads is None else threads, 0)
+        return hidden
+
 
 class StepOutput:
     """Output buffers of steps of up to `max_rows` rows, written step after step (`run_into`):

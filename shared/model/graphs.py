@@ -35,6 +35,14 @@ from shared.model.kv_cache import CacheLength, KVPool
 from shared.model.runner import Window, WindowOutput, check_windows
 from shared.model.segments import SegmentedForward
 
+# On the CPU, prompt rows at positions below this go through the native step (kernels.fused.cpu_step):
+# a short prompt's rows are cheaper there than as one eager forward of torch ops, a long prompt's
+# later rows (whose attention spans more keys) cheaper as that forward (docs/PERFORMANCE.md). A
+# row's position decides, so a prompt's rows take the same way however it is chunked or batched;
+# the step's rows are their own bits whatever shares the call, where the forward's torch products
+# follow the rows beside them.
+STEPPED_PROMPT_ROWS = 256
+
 # Offloaded models: the most step shapes captured as graph segments (each holds a graph per MoE
 # layer and its buffers); shapes beyond them run eagerly. Windows of 1..17 rows and the common
 # decode batches fit.
@@ -163,7 +171,40 @@ class FusedRunner:
 
     def prefill(self, chunks: list[Window]) -> Tensor:
         """Prompt chunks of several sequences as one eager forward (long chunks are compute-bound;
-        per-kernel host work is amortised): final-norm hidden [rows, hidden]."""
+        per-kernel host work is amortised): final-norm hidden [rows, hidden]. On the CPU the rows
+        at positions below STEPPED_PROMPT_ROWS go through the step first."""
+        step = self.fused.step_plan(self.kv)  # (None off the CPU)
+        if step is None:
+            return self._prefill_forward(chunks)
+        stepped, rest, heads = [], [], []
+        for slot, ids, start in chunks:
+            head = max(0, min(len(ids), STEPPED_PROMPT_ROWS - start))
+            heads.append(head)
+            stepped.extend((slot, token_id, start + i) for i, token_id in enumerate(ids[:head]))
+            if head < len(ids):
+                rest.append(Window(slot, ids[head:], start + head))
+        if not rest:
+            return self._prompt_rows(step, stepped)
+        if not stepped:
+            return self._prefill_forward(rest)
+        # (the stepped rows first: a chunk's later rows attend to their keys)
+        stepped_rows = iter(self._prompt_rows(step, stepped).split([head for head in heads if head]))
+        forward_rows = iter(self._prefill_forward(rest).split([len(window.token_ids) for window in rest]))
+        order = []  # each chunk's stepped rows, then its forward's
+        for (_, ids, _), head in zip(chunks, heads):
+            if head:
+                order.append(next(stepped_rows))
+            if head < len(ids):
+                order.append(next(forward_rows))
+        return torch.cat(order)
+
+    def _prompt_rows(self, step: cpu_step.StepPlan, rows: list[tuple[int, int, int]]) -> Tensor:
+        """Prompt rows (slot, token id, position) through the CPU step: final-norm hidden [rows, hidden]."""
+        slots, token_ids, positions = zip(*rows)
+        return step.prompt_rows(list(token_ids), list(positions), list(slots))
+
+    def _prefill_forward(self, chunks: list[Window]) -> Tensor:
+        """Prompt chunks as one eager forward: final-norm hidden [rows, hidden]."""
         token_ids = [t for _, ids, _ in chunks for t in ids]
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         return self.fused.prefill(ids, [(start, len(ids), slot) for slot, ids, start in chunks], self.kv)

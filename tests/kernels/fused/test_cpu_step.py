@@ -7,6 +7,7 @@ import torch
 from kernels.fused import cpu_rows, cpu_step
 from shared.model import ModelConfig, RoutingOptions, load_model
 from shared.model.families.qwen3_moe.fused import FusedModel
+from shared.model import graphs
 from shared.model.graphs import FusedRunner
 from shared.model.kv_cache import KVPool
 
@@ -49,6 +50,7 @@ def test_steps_are_the_per_op_paths_bits(step_model, block_size, monkeypatch, lo
     # one op by op: every step's logits, hidden rows, greedy ids and the whole KV pool after it
     # are equal bit for bit.
     calls = []
+    monkeypatch.setattr(graphs, "STEPPED_PROMPT_ROWS", 0)  # (every arm prefills by the forward: the pools start equal)
     run, run_into = cpu_step.StepPlan.run, cpu_step.StepPlan.run_into
     monkeypatch.setattr(cpu_step.StepPlan, "run", lambda self, *a: calls.append("run") or run(self, *a))
     monkeypatch.setattr(cpu_step.StepPlan, "run_into", lambda self, *a: calls.append("into") or run_into(self, *a))
@@ -192,3 +194,60 @@ def test_argmax_is_torchs():
     assert torch.equal(cpu_rows.argmax(logits), logits.argmax(dim=-1))
     assert cpu_rows.argmax(logits[:0]).shape == (0,)
     assert cpu_rows.argmax(logits.double()) is None
+
+
+def test_prompt_rows_are_the_steps_rows_without_logits(step_model):
+    # Prompt rows through the step (no logits) against the same rows as a step with logits: the
+    # hidden rows and the KV written, bit for bit; more rows than one call takes go in order.
+    def pool_and_plan():
+        runner, pool = runner_over(step_model, True, 4)
+        return pool, runner.fused.step_plan(runner.kv), pool.acquire(64)[0]
+
+    (pool_a, plan_a, slot_a), (pool_b, plan_b, slot_b) = pool_and_plan(), pool_and_plan()
+    ids = torch.randint(0, 101, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+    hidden = plan_a.prompt_rows(ids, list(range(60)), [slot_a] * 60)
+    expected = []
+    for start in range(0, 60, 20):  # (windows of 20: each row's bits are its one-row step's)
+        _, rows = plan_b.run(torch.tensor(ids[start : start + 20]), torch.arange(start, start + 20),
+                             torch.full((20,), slot_b), None)
+        expected.append(rows)
+    assert hidden.dtype == step_model.dtype and torch.equal(hidden, torch.cat(expected))
+    for ours, theirs in zip(pool_a.read(slot_a, 60), pool_b.read(slot_b, 60)):
+        assert torch.equal(ours, theirs)
+    with pytest.raises(ValueError, match="greedy ids need the logits"):
+        plan_a._native.step_run(plan_a._capsule, 0, 0, 0, 0, 0, 0, hidden.data_ptr(), 1, hidden.data_ptr())
+
+
+def test_a_prompt_prefills_to_the_same_bits_however_it_is_chunked_or_batched(step_model, monkeypatch):
+    # The runner's prefill: rows at positions below STEPPED_PROMPT_ROWS through the step, the rest
+    # by the forward. The stepped rows (and their KV) are the same bits however the prompt is
+    # chunked and whatever prompts share its jobs; the forward's rows are the same where the
+    # forward gets the same chunk (its torch products on the CPU do not promise more).
+    monkeypatch.setattr(graphs, "STEPPED_PROMPT_ROWS", 9)
+    gen = torch.Generator().manual_seed(8)
+    prompt, other = torch.randint(0, 101, (23,), generator=gen).tolist(), torch.randint(0, 101, (12,), generator=gen).tolist()
+
+    def prefilled(length, chunkings):
+        runner, pool = runner_over(step_model, True, 4)
+        slot, slot_other = pool.acquire(64)[0], pool.acquire(64)[0]
+        rows = []
+        for start, count, beside in chunkings:  # (beside: with the other prompt's rows at the same positions)
+            windows = [(slot, prompt[start : start + count], start)]
+            if beside:
+                windows.insert(0, (slot_other, other[start : start + count], start))
+            hidden = runner.prefill(windows)
+            rows.append(hidden[-count:] if beside else hidden)
+        return torch.cat(rows), pool.read(slot, length), runner, slot
+
+    for length, chunkings in [
+        (23, [[(0, 5, True), (5, 18, False)], [(0, 9, True), (9, 14, False)], [(0, 3, False), (3, 4, True), (7, 16, False)]]),
+        (8, [[(0, 3, True), (3, 5, True)], [(0, 1, False), (1, 7, True)]]),  # (every row stepped)
+    ]:
+        whole, kv, runner, slot = prefilled(length, [(0, length, False)])
+        for chunking in chunkings:
+            hidden, theirs, _, _ = prefilled(length, chunking)
+            assert torch.equal(hidden, whole), chunking
+            assert all(torch.equal(a, b) for a, b in zip(theirs, kv)), chunking
+        head = min(length, 9)
+        stepped = runner.fused.step_plan(runner.kv).prompt_rows(prompt[:head], list(range(head)), [slot] * head)
+        assert torch.equal(stepped, whole[:head])
