@@ -528,7 +528,11 @@ KERNEL void partial_rows(const void *call, float *buf) {
     /* the wide kernel's input pairs (_cpu_wide.c): pair p's eight columns j at pairs + (p * eights + j / 8) * 16 */
     const Py_ssize_t eights = (num_in + 7) / 8;
     float *pairs = weights + ROW_BLOCK * num_in;
-    const int wide = WIDE_PRODUCTS && !c->narrow && c->num_rows >= WIDE_MIN_ROWS && c->wtype != BF16 && wide_machine();
+#if WIDE_PRODUCTS
+    const int wide = !c->narrow && c->num_rows >= WIDE_MIN_ROWS && c->wtype != BF16 && wide_machine();
+#else
+    const int wide = 0;
+#endif
     if (wide)
         for (Py_ssize_t m = 0; m < c->num_rows + c->num_rows % 2; m++)
             for (Py_ssize_t j = 0; j < 8 * eights; j++)
