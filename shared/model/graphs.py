@@ -176,19 +176,21 @@ class FusedRunner:
         step = self.fused.step_plan(self.kv)  # (None off the CPU)
         if step is None:
             return self._prefill_forward(chunks)
-        stepped, rest, heads = [], [], []
+        token_ids, positions, slots, rest, heads = [], [], [], [], []  # (the stepped rows; the rest's windows)
         for slot, ids, start in chunks:
             head = max(0, min(len(ids), STEPPED_PROMPT_ROWS - start))
             heads.append(head)
-            stepped.extend((slot, token_id, start + i) for i, token_id in enumerate(ids[:head]))
+            token_ids.extend(ids[:head])
+            positions.extend(range(start, start + head))
+            slots.extend([slot] * head)
             if head < len(ids):
                 rest.append(Window(slot, ids[head:], start + head))
         if not rest:
-            return self._prompt_rows(step, stepped)
-        if not stepped:
+            return step.prompt_rows(token_ids, positions, slots)
+        if not token_ids:
             return self._prefill_forward(rest)
         # (the stepped rows first: a chunk's later rows attend to their keys)
-        stepped_rows = iter(self._prompt_rows(step, stepped).split([head for head in heads if head]))
+        stepped_rows = iter(step.prompt_rows(token_ids, positions, slots).split([head for head in heads if head]))
         forward_rows = iter(self._prefill_forward(rest).split([len(window.token_ids) for window in rest]))
         order = []  # each chunk's stepped rows, then its forward's
         for (_, ids, _), head in zip(chunks, heads):
@@ -197,11 +199,6 @@ class FusedRunner:
             if head < len(ids):
                 order.append(next(forward_rows))
         return torch.cat(order)
-
-    def _prompt_rows(self, step: cpu_step.StepPlan, rows: list[tuple[int, int, int]]) -> Tensor:
-        """Prompt rows (slot, token id, position) through the CPU step: final-norm hidden [rows, hidden]."""
-        slots, token_ids, positions = zip(*rows)
-        return step.prompt_rows(list(token_ids), list(positions), list(slots))
 
     def _prefill_forward(self, chunks: list[Window]) -> Tensor:
         """Prompt chunks as one eager forward: final-norm hidden [rows, hidden]."""
