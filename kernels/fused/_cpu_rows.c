@@ -203,9 +203,19 @@ HELPER void paired_group(const float *x0, const float *x1, const uint16_t *w, Py
     }
 }
 
-/* dots (x1 NULL) or dots2 over `count` paired weight rows, columns first .. first + n - 1. */
+/* dots (x1 NULL) or dots2 over `count` paired weight rows, columns first .. first + n - 1. wide (a
+   machine with AVX-512, _cpu_wide.c): two weight rows a register where the columns are whole chunks
+   (the same sums). */
 HELPER void paired_dots(const float *x0, const float *x1, const uint16_t *w, Py_ssize_t stride, Py_ssize_t first,
-                        Py_ssize_t n, Py_ssize_t n16, Py_ssize_t count, float *out0, float *out1) {
+                        Py_ssize_t n, Py_ssize_t n16, Py_ssize_t count, float *out0, float *out1, int wide) {
+#if WIDE_PRODUCTS
+    if (wide && !(first & 15) && !(n & 15) && first + n <= n16) {
+        wide_paired_dots(x0, x1, w, stride, first, n, count, out0, x1 ? out1 : out0);
+        return;
+    }
+#else
+    (void)wide;
+#endif
     Py_ssize_t i = 0;
     if (x1) {
         for (; i + 4 <= count; i += 4)
@@ -421,6 +431,11 @@ KERNEL void expert_routes(const void *call, float *buf) {
     float *inputs = buf, *gate_up_out = inputs + num_routes * hidden, *acts = gate_up_out + num_routes * 2 * inter;
     float *weights = acts + num_routes * inter;
     Py_ssize_t *order = (Py_ssize_t *)(buf + experts_floats(c)), *starts = order + num_routes + 1;
+#if WIDE_PRODUCTS
+    const int wide = c->wtype == PAIRED && wide_machine();
+#else
+    const int wide = 0;
+#endif
     /* counting sort of the routes by expert (stable) */
     for (Py_ssize_t e = 0; e <= c->num_experts + 1; e++) starts[e] = 0;
     for (Py_ssize_t r = 0; r < num_routes; r++)
@@ -449,7 +464,7 @@ KERNEL void expert_routes(const void *call, float *buf) {
                 const Py_ssize_t r0 = order[first], r1 = order[last - 1];
                 paired_dots(inputs + r0 * hidden, last - first == 2 ? inputs + r1 * hidden : NULL,
                             (const uint16_t *)c->gate_up + at, hidden, 0, hidden, hidden & ~(Py_ssize_t)15, count,
-                            gate_up_out + r0 * 2 * inter + n, gate_up_out + r1 * 2 * inter + n);
+                            gate_up_out + r0 * 2 * inter + n, gate_up_out + r1 * 2 * inter + n, wide);
                 continue;
             }
             const float *w = weight_rows(c->gate_up, at, hidden, hidden, count, c->wtype, weights);
@@ -478,7 +493,7 @@ KERNEL void expert_routes(const void *call, float *buf) {
                 const Py_ssize_t r0 = order[first], r1 = order[last - 1];
                 paired_dots(acts + r0 * inter, last - first == 2 ? acts + r1 * inter : NULL,
                             (const uint16_t *)c->down + at, inter, 0, inter, inter & ~(Py_ssize_t)15, count,
-                            c->out + r0 * hidden + n, c->out + r1 * hidden + n);
+                            c->out + r0 * hidden + n, c->out + r1 * hidden + n, wide);
                 i = last;
             }
             const float *w = i < last ? weight_rows(c->down, at, inter, inter, count, c->wtype, weights) : NULL;
@@ -514,9 +529,10 @@ static PyObject *experts(PyObject *self, PyObject *args) {
    x of `type`, weight of `wtype` (`type`, or PAIRED under float32 rows); out [M, splits, N] float32, partial s = x[:, s*step : (s+1)*step] @ weight[:, same]^T (empty past
    K: zeros), each sum in lanes_total's order — linear_partials' split-K products, and with one
    split rowwise_linear's. A block of weight rows at a time, for every row of x (the weight read
-   once for all of them); two or more rows on a machine with AVX-512 through the wide kernel
+   once for all of them); on a machine with AVX-512 two or more rows through the wide kernel
    (_cpu_wide.c: the same sums, two rows a register) where a split's columns are whole eights
-   (paired weights: whole chunks). Optional last argument `narrow`: never the wide kernel. */
+   (paired weights: whole chunks), and one row over paired weights two weight rows a register.
+   Optional last argument `narrow`: never the wide kernels. */
 
 MACHINE_CLONES
 KERNEL void partial_rows(const void *call, float *buf) {
@@ -529,10 +545,11 @@ KERNEL void partial_rows(const void *call, float *buf) {
     const Py_ssize_t eights = (num_in + 7) / 8;
     float *pairs = weights + ROW_BLOCK * num_in;
 #if WIDE_PRODUCTS
-    const int wide = !c->narrow && c->num_rows >= WIDE_MIN_ROWS && c->wtype != BF16 && wide_machine();
+    const int wide_ok = !c->narrow && c->wtype != BF16 && wide_machine();
 #else
-    const int wide = 0;
+    const int wide_ok = 0;
 #endif
+    const int wide = wide_ok && c->num_rows >= WIDE_MIN_ROWS;  /* (fewer rows: paired_dots' wide way) */
     if (wide)
         for (Py_ssize_t m = 0; m < c->num_rows + c->num_rows % 2; m++)
             for (Py_ssize_t j = 0; j < 8 * eights; j++)
@@ -566,7 +583,7 @@ KERNEL void partial_rows(const void *call, float *buf) {
                 if (c->num_rows <= 2 && !(first & 7)) {  /* (more rows: the block converted once, below) */
                     paired_dots(inputs + first, c->num_rows == 2 ? inputs + num_in + first : NULL, rows,
                                 c->weight_stride, first, width, n16, count, c->out + sp * c->num_out + n,
-                                c->out + (splits + sp) * c->num_out + n);
+                                c->out + (splits + sp) * c->num_out + n, wide_ok);
                     continue;
                 }
                 for (Py_ssize_t r = 0; r < count; r++)
@@ -858,6 +875,15 @@ static PyObject *wide_products_here(PyObject *self, PyObject *args) {
 #endif
 }
 
+static PyObject *set_wide_here(PyObject *self, PyObject *args) {
+    int allowed;
+    if (!PyArg_ParseTuple(args, "p", &allowed)) return NULL;
+#if WIDE_PRODUCTS
+    set_wide(allowed);
+#endif
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"attention", attention, METH_VARARGS, "Paged decode attention, row by row (see kernels/fused/cpu_rows.py)."},
     {"experts", experts, METH_VARARGS, "Routed experts' outputs, route by route (see kernels/fused/cpu_rows.py)."},
@@ -865,7 +891,8 @@ static PyMethodDef methods[] = {
     {"add_norm", add_norm, METH_VARARGS, "Residual add and RMS norm, row by row (see kernels/fused/cpu_rows.py)."},
     {"qk_rope", qk_rope, METH_VARARGS, "q/k norms, RoPE and the KV write, row by row (see kernels/fused/cpu_rows.py)."},
     {"route", route, METH_VARARGS, "The router's plain top-k, row by row (see kernels/fused/cpu_rows.py)."},
-    {"wide_products", wide_products_here, METH_NOARGS, "Whether products of several rows take the wide kernel here."},
+    {"wide_products", wide_products_here, METH_NOARGS, "Whether products take the wide kernels here."},
+    {"set_wide", set_wide_here, METH_VARARGS, "Allow (or forbid) the wide kernels, for every call from now on."},
     {"argmax", argmax, METH_VARARGS, "Greedy ids of float32 rows (see kernels/fused/cpu_rows.py)."},
     {"step_plan", step_plan, METH_VARARGS, "A qwen3_moe step's plan (see kernels/fused/cpu_step.py)."},
     {"step_run", step_run, METH_VARARGS, "A qwen3_moe step as one call (see kernels/fused/cpu_step.py)."},

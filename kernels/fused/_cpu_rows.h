@@ -188,7 +188,8 @@ HELPER size_t rope_scratch(const struct rope_call *c) { return (size_t)(4 * c->h
 HELPER size_t route_scratch(const struct route_call *c) { return (size_t)(2 * c->num_experts + 1); }
 
 /* The wide products (_cpu_wide.c): on x86-64 with GCC, taken where the machine has AVX-512
-   (x86-64-v4) and a call has at least WIDE_MIN_ROWS input rows. */
+   (x86-64-v4): two input rows a register for calls of at least WIDE_MIN_ROWS rows, two weight rows
+   a register for one or two input rows over paired weights (`wide_paired_dots`). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__GLIBC__)
 #define WIDE_PRODUCTS 1
 #else
@@ -197,6 +198,9 @@ HELPER size_t route_scratch(const struct route_call *c) { return (size_t)(2 * c-
 #define WIDE_MIN_ROWS 2
 #if WIDE_PRODUCTS
 KERNEL int wide_machine(void);
+KERNEL void set_wide(int allowed);
+KERNEL void wide_paired_dots(const float *x0, const float *x1, const uint16_t *w, Py_ssize_t stride, Py_ssize_t first,
+                             Py_ssize_t n, Py_ssize_t count, float *out0, float *out1);
 KERNEL void wide_products(const float *pairs_at, Py_ssize_t pair_stride, Py_ssize_t num_rows, const void *w,
                           Py_ssize_t stride, Py_ssize_t first, Py_ssize_t width, int paired, Py_ssize_t count,
                           float *out, Py_ssize_t out_stride);

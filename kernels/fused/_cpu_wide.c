@@ -8,7 +8,13 @@ way (one fused multiply-add a term, as the 8-lane kernels' AVX2 + FMA clone take
 with AVX-512 takes that clone). So a row's product has the same bits whether one row or eight
 share the call (DESIGN §11), and the inputs, paired two by two once a call, are read from L1 while
 each weight value is read once for up to eight rows: with eight rows the 8-lane kernels are bound
-by their multiply-adds, not by the weights' bytes (docs/PERFORMANCE.md). */
+by their multiply-adds, not by the weights' bytes (docs/PERFORMANCE.md).
+
+One or two input rows (a request's own decode step; an expert with one or two routes) take the
+other way round: two paired weight rows side by side in a register (row i's eight lanes, then row
+i + 1's) and the input's eight values in both halves — again one multiply-add a term, in each sum's
+8-lane order: the same bits. `set_wide(0)` turns both ways off (the tests compare them with the
+8-lane kernels). */
 
 #include "_cpu_rows.h"
 
@@ -135,6 +141,76 @@ __attribute__((target("arch=x86-64-v4"))) KERNEL void wide_products(const float 
     }
 }
 
-KERNEL int wide_machine(void) { return __builtin_cpu_supports("x86-64-v4"); }
+/* Two paired weight rows' chunks at p and q (_cpu_rows.h: PAIRED): values 0..7 of p's in the low half of
+   *first and of q's in its high half, values 8..15 likewise in *second. */
+WIDE void chunks_side_by_side(const uint16_t *p, const uint16_t *q, wide *first, wide *second) {
+    eight_bits a, b;
+    memcpy(&a, p, sizeof a);
+    memcpy(&b, q, sizeof b);
+    const wide_bits v = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const wide_bits low = v << 16, high = v & 0xffff0000u;
+    memcpy(first, &low, sizeof low);
+    memcpy(second, &high, sizeof high);
+}
+
+/* `pairs` (1..8) pairs of weight rows at w (rows 2i and 2i + 1 of the group, `stride` apart; with
+   `single`, the group's last pair is one row, read twice, whose high half is dropped) against `inputs`
+   (1 or 2) input rows, columns first .. first + n - 1 (whole chunks): each weight row's eight lanes a
+   half of a register, the input's eight in both halves. Constant pairs and inputs: unrolled. */
+WIDE void side_by_side_group(const float *x0, const float *x1, const uint16_t *w, Py_ssize_t stride,
+                             Py_ssize_t first, Py_ssize_t n, int pairs, int inputs, int single, float *out0,
+                             float *out1) {
+    wide a[8] = {{0}}, b[8] = {{0}};
+    for (Py_ssize_t j = 0; j < n; j += 16) {
+        const wide xa = eight_twice(x0 + j), xa2 = eight_twice(x0 + j + 8);
+        const wide xb = inputs > 1 ? eight_twice(x1 + j) : xa, xb2 = inputs > 1 ? eight_twice(x1 + j + 8) : xa2;
+        for (int i = 0; i < pairs; i++) {
+            const uint16_t *row = w + 2 * i * stride + first + j;
+            wide low, high;
+            chunks_side_by_side(row, single && i == pairs - 1 ? row : row + stride, &low, &high);
+            a[i] += xa * low;
+            if (inputs > 1) b[i] += xb * low;
+            a[i] += xa2 * high;
+            if (inputs > 1) b[i] += xb2 * high;
+        }
+    }
+    for (int i = 0; i < pairs; i++) {
+        const int both = !(single && i == pairs - 1);
+        float low, high;
+        halves_total(a[i], &low, &high);
+        out0[2 * i] = low;
+        if (both) out0[2 * i + 1] = high;
+        if (inputs > 1) {
+            halves_total(b[i], &low, &high);
+            out1[2 * i] = low;
+            if (both) out1[2 * i + 1] = high;
+        }
+    }
+}
+
+#define SIDE(PAIRS, INPUTS, SINGLE) \
+    side_by_side_group(x0, x1, w + i * stride, stride, first, n, PAIRS, INPUTS, SINGLE, out0 + i, out1 + i)
+
+__attribute__((target("arch=x86-64-v4"))) KERNEL void wide_paired_dots(const float *x0, const float *x1,
+                                                                        const uint16_t *w, Py_ssize_t stride,
+                                                                        Py_ssize_t first, Py_ssize_t n,
+                                                                        Py_ssize_t count, float *out0, float *out1) {
+    Py_ssize_t i = 0;
+    if (x1 == NULL) {
+        for (; i + 16 <= count; i += 16) SIDE(8, 1, 0);
+        for (; i + 2 <= count; i += 2) SIDE(1, 1, 0);
+        if (i < count) SIDE(1, 1, 1);
+    } else {
+        for (; i + 8 <= count; i += 8) SIDE(4, 2, 0);
+        for (; i + 2 <= count; i += 2) SIDE(1, 2, 0);
+        if (i < count) SIDE(1, 2, 1);
+    }
+}
+
+static int wide_allowed = 1;  /* (set_wide: the tests' comparison of the two ways) */
+
+KERNEL int wide_machine(void) { return wide_allowed && __builtin_cpu_supports("x86-64-v4"); }
+
+KERNEL void set_wide(int allowed) { wide_allowed = allowed; }
 
 #endif

@@ -165,11 +165,19 @@ def partials(
 
 
 def wide_products() -> bool:
-    """Whether products of several input rows take the wide kernel on this machine (AVX-512:
-    two rows a register, each sum in the 8-lane kernels' order — the same bits, fewer
-    multiply-adds)."""
+    """Whether products take the wide kernels on this machine (AVX-512: two input rows a
+    register, or for one or two input rows over paired weights two weight rows a register; each
+    sum in the 8-lane kernels' order — the same bits, fewer multiply-adds)."""
     native = _native()
     return native is not None and native.wide_products()
+
+
+def set_wide(allowed: bool) -> None:
+    """Allow (the default) or forbid the wide kernels for every call in this process from now on:
+    the tests compare the two ways, whose bits are the same."""
+    native = _native()
+    if native is not None:
+        native.set_wide(allowed)
 
 
 def add_rmsnorm(
