@@ -1,5 +1,5 @@
 """How many CPU threads a service's model runs torch ops on (`--cpu-threads`), and the CPU's
-native step (kernels.fused.cpu_step reads torch's count).
+native step (kernels.fused.cpu_step; its count: `step_threads`).
 
 On the CPU a drafter and a verifier on one host share its cores, and torch's threads wait
 for each other by spinning: two processes of as many threads as there are cores, both
@@ -11,11 +11,18 @@ address) takes every core while none of its requests speculates (the drafter the
 leaves the drafter one core while any does (the engine loop says when: EngineLoop's
 on_drafting). A verifier whose drafter is elsewhere takes all of them, as torch does. On a GPU
 torch's default stands (the host threads only launch work).
+
+Only the native step follows a drafter's work (`set_step_threads`): its rows' bits do not depend
+on its threads (DESIGN §11). torch's own ops keep the model's one count: on some machines their
+sums follow the thread count (torch 2.13's CPU build on AMD Zen 5: a prompt prefilled on one
+thread and on two differ in low bits), and a request's tokens may not depend on whether another
+request was drafting while it ran (exact mode, DESIGN §2).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
@@ -96,3 +103,19 @@ def use_device(device: str) -> None:
     target = torch.device(device)
     if target.type == "cuda":
         torch.cuda.set_device(target.index or 0)
+
+
+_step = threading.local()
+
+
+def set_step_threads(count: int | None) -> None:
+    """Run on the model's thread: its native steps take `count` threads from now on (None:
+    torch's count)."""
+    if count is not None and count < 1:
+        raise ValueError(f"step threads {count} must be >= 1")
+    _step.count = count
+
+
+def step_threads() -> int | None:
+    """The calling thread's native-step threads (None: torch's count)."""
+    return getattr(_step, "count", None)

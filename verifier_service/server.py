@@ -21,13 +21,12 @@ from dataclasses import replace
 
 import grpc
 import structlog
-import torch
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kernels.speculative import Gate, Mode
 from shared import security, telemetry
-from shared.threads import model_threads, use_device, use_threads
+from shared.threads import model_threads, set_step_threads, use_device, use_threads
 from shared.metrics import VerifierMetrics
 from shared.model import resident_bytes
 from shared.model.registry import resolve_model
@@ -94,10 +93,10 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.metrics.drafter_reachable.set(-1 if self.channel is None else 0)
 
     def _drafting(self, drafting: bool) -> None:
-        """On the engine loop's thread: a drafter on this host works (or stopped): yield it a core.
-        (The thread's count was taken at load, so setting it is all; nothing here may raise into
-        the loop.)"""
-        torch.set_num_threads(self.threads.drafting if drafting else self.threads.full)
+        """On the engine loop's thread: a drafter on this host works (or stopped): the native step
+        yields it a core (torch's ops keep their count: shared/threads.py). Nothing here may
+        raise into the loop."""
+        set_step_threads(self.threads.drafting if drafting else self.threads.full)
 
     def metrics_step(self, num_rounds: int) -> None:
         self.metrics.batch_rounds.observe(num_rounds)

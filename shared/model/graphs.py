@@ -34,6 +34,7 @@ from shared.model.rows import Rows
 from shared.model.kv_cache import CacheLength, KVPool
 from shared.model.runner import Window, WindowOutput, check_windows
 from shared.model.segments import SegmentedForward
+from shared.threads import step_threads
 
 # On the CPU, prompt rows at positions below this go through the native step (kernels.fused.cpu_step):
 # a short prompt's rows are cheaper there than as one eager forward of torch ops, a long prompt's
@@ -186,11 +187,11 @@ class FusedRunner:
             if head < len(ids):
                 rest.append(Window(slot, ids[head:], start + head))
         if not rest:
-            return step.prompt_rows(token_ids, positions, slots)
+            return step.prompt_rows(token_ids, positions, slots, step_threads())
         if not token_ids:
             return self._prefill_forward(rest)
         # (the stepped rows first: a chunk's later rows attend to their keys)
-        stepped_rows = iter(step.prompt_rows(token_ids, positions, slots).split([head for head in heads if head]))
+        stepped_rows = iter(step.prompt_rows(token_ids, positions, slots, step_threads()).split([head for head in heads if head]))
         forward_rows = iter(self._prefill_forward(rest).split([len(window.token_ids) for window in rest]))
         order = []  # each chunk's stepped rows, then its forward's
         for (_, ids, _), head in zip(chunks, heads):
@@ -389,7 +390,7 @@ class FusedRunner:
         if out is None:
             out = self._step_output = cpu_step.StepOutput(self.max_batch_rows, step.vocab, step.hidden, step.dtype)
         self.last_shape = self.last_decode = None
-        return WindowOutput(*step.run_into(token_ids, positions, slots, out))
+        return WindowOutput(*step.run_into(token_ids, positions, slots, out, step_threads()))
 
     def last_graph(self) -> torch.cuda.CUDAGraph | None:
         """The graph the last `run` replayed (None: it ran eagerly); benchmarks replay it."""

@@ -51,3 +51,21 @@ def test_a_gpu_named_by_index_becomes_the_model_thread_s_device(monkeypatch):
     use_device("cuda")
     use_device("cuda:1")
     assert chosen == [0, 1]
+
+
+def test_the_native_step_s_threads_are_the_calling_thread_s_own():
+    import threading
+
+    from shared.threads import set_step_threads, step_threads
+
+    assert step_threads() is None  # (torch's count until the model thread says otherwise)
+    set_step_threads(1)
+    seen = []
+    other = threading.Thread(target=lambda: seen.append(step_threads()))
+    other.start()
+    other.join()
+    assert step_threads() == 1 and seen == [None]  # (another service's model thread keeps its own)
+    set_step_threads(None)
+    assert step_threads() is None
+    with pytest.raises(ValueError, match="step threads 0"):
+        set_step_threads(0)

@@ -46,6 +46,7 @@ from shared.model.moe import MoceOptions, MoeBlock
 from shared.model.mtp import fused_mtp_inputs
 from shared.model.families.qwen3_moe.model import Qwen3MoeModel
 from shared.model.layers import RoutingOptions, fuse_linear_rows
+from shared.threads import step_threads
 from shared.model.offload import Offload, offload_over
 from shared.model.parallel.group import ModelGroup
 from shared.model.parallel.shard import expert_table
@@ -240,7 +241,7 @@ class FusedModel(LayerwiseForward):
         """
         step = self.step_plan(kv) if routing is None and token_ids.shape[0] <= cpu_step.MAX_ROWS else None
         if step is not None:
-            return step.run(token_ids, rows.positions, rows.slots, rows.live)
+            return step.run(token_ids, rows.positions, rows.slots, rows.live, step_threads())
         return self.trunk_rows(token_ids, rows, kv, routing)
 
     def step_plan(self, kv: PagedKV) -> cpu_step.StepPlan | None:
