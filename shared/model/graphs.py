@@ -191,7 +191,8 @@ class FusedRunner:
         if not token_ids:
             return self._prefill_forward(rest)
         # (the stepped rows first: a chunk's later rows attend to their keys)
-        stepped_rows = iter(step.prompt_rows(token_ids, positions, slots, step_threads()).split([head for head in heads if head]))
+        stepped = step.prompt_rows(token_ids, positions, slots, step_threads())
+        stepped_rows = iter(stepped.split([head for head in heads if head]))
         forward_rows = iter(self._prefill_forward(rest).split([len(window.token_ids) for window in rest]))
         order = []  # each chunk's stepped rows, then its forward's
         for (_, ids, _), head in zip(chunks, heads):

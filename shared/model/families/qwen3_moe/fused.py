@@ -46,12 +46,12 @@ from shared.model.moe import MoceOptions, MoeBlock
 from shared.model.mtp import fused_mtp_inputs
 from shared.model.families.qwen3_moe.model import Qwen3MoeModel
 from shared.model.layers import RoutingOptions, fuse_linear_rows
-from shared.threads import step_threads
 from shared.model.offload import Offload, offload_over
 from shared.model.parallel.group import ModelGroup
 from shared.model.parallel.shard import expert_table
 from shared.model.quantize import fp8_unsupported, weight_of
 from shared.model.rows import Rows, prefill_attention, prefill_rows
+from shared.threads import step_threads
 
 
 def unsupported_reason(model: Qwen3MoeModel) -> str | None:
