@@ -460,11 +460,14 @@ KERNEL void expert_routes(const void *call, float *buf) {
         for (Py_ssize_t n = 0; n < 2 * inter; n += ROW_BLOCK) {
             const Py_ssize_t count = 2 * inter - n < ROW_BLOCK ? 2 * inter - n : ROW_BLOCK;
             const Py_ssize_t at = (e * 2 * inter + n) * hidden;
-            if (c->wtype == PAIRED && last - first <= 2) {  /* (more routes: the block converted once, below) */
-                const Py_ssize_t r0 = order[first], r1 = order[last - 1];
-                paired_dots(inputs + r0 * hidden, last - first == 2 ? inputs + r1 * hidden : NULL,
-                            (const uint16_t *)c->gate_up + at, hidden, 0, hidden, hidden & ~(Py_ssize_t)15, count,
-                            gate_up_out + r0 * 2 * inter + n, gate_up_out + r1 * 2 * inter + n, wide);
+            /* (8-lane, more routes: the block converted once, below; wide: two routes a pass) */
+            if (c->wtype == PAIRED && (last - first <= 2 || (wide && !(hidden & 15)))) {
+                for (Py_ssize_t i = first; i < last; i += 2) {
+                    const Py_ssize_t r0 = order[i], r1 = order[i + 1 < last ? i + 1 : i];
+                    paired_dots(inputs + r0 * hidden, i + 1 < last ? inputs + r1 * hidden : NULL,
+                                (const uint16_t *)c->gate_up + at, hidden, 0, hidden, hidden & ~(Py_ssize_t)15,
+                                count, gate_up_out + r0 * 2 * inter + n, gate_up_out + r1 * 2 * inter + n, wide);
+                }
                 continue;
             }
             const float *w = weight_rows(c->gate_up, at, hidden, hidden, count, c->wtype, weights);
@@ -489,11 +492,13 @@ KERNEL void expert_routes(const void *call, float *buf) {
             const Py_ssize_t count = hidden - n < ROW_BLOCK ? hidden - n : ROW_BLOCK;
             const Py_ssize_t at = (e * hidden + n) * inter;
             Py_ssize_t i = first;
-            if (c->wtype == PAIRED && last - first <= 2) {
-                const Py_ssize_t r0 = order[first], r1 = order[last - 1];
-                paired_dots(acts + r0 * inter, last - first == 2 ? acts + r1 * inter : NULL,
-                            (const uint16_t *)c->down + at, inter, 0, inter, inter & ~(Py_ssize_t)15, count,
-                            c->out + r0 * hidden + n, c->out + r1 * hidden + n, wide);
+            if (c->wtype == PAIRED && (last - first <= 2 || (wide && !(inter & 15)))) {
+                for (; i < last; i += 2) {
+                    const Py_ssize_t r0 = order[i], r1 = order[i + 1 < last ? i + 1 : i];
+                    paired_dots(acts + r0 * inter, i + 1 < last ? acts + r1 * inter : NULL,
+                                (const uint16_t *)c->down + at, inter, 0, inter, inter & ~(Py_ssize_t)15, count,
+                                c->out + r0 * hidden + n, c->out + r1 * hidden + n, wide);
+                }
                 i = last;
             }
             const float *w = i < last ? weight_rows(c->down, at, inter, inter, count, c->wtype, weights) : NULL;

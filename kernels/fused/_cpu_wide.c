@@ -10,7 +10,7 @@ share the call (DESIGN §11), and the inputs, paired two by two once a call, are
 each weight value is read once for up to eight rows: with eight rows the 8-lane kernels are bound
 by their multiply-adds, not by the weights' bytes (docs/PERFORMANCE.md).
 
-One or two input rows (a request's own decode step; an expert with one or two routes) take the
+One or two input rows (a request's own decode step; an expert's routes, two at a time) take the
 other way round: two paired weight rows side by side in a register (row i's eight lanes, then row
 i + 1's) and the input's eight values in both halves — again one multiply-add a term, in each sum's
 8-lane order: the same bits. `set_wide(0)` turns both ways off (the tests compare them with the
