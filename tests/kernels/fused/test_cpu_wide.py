@@ -94,8 +94,9 @@ def test_one_or_two_rows_over_paired_weights_are_the_8_lane_kernels_bits(num_out
 @needs_wide
 @pytest.mark.parametrize("num_tokens, hidden, inter", [(1, 64, 32), (2, 64, 32), (3, 256, 128), (8, 48, 16), (4, 40, 24)])
 def test_experts_are_the_8_lane_kernels_bits(num_tokens, hidden, inter, eight_lanes):
-    # An expert's one or two routes take two paired weight rows a register (hidden and intermediate
-    # sizes that are whole chunks; others: the 8-lane kernels, the last two cases' partly).
+    # An expert's routes take two paired weight rows a register, two routes a pass (hidden and
+    # intermediate sizes that are whole chunks; others, as the last case's: the 8-lane kernels;
+    # 8 tokens: experts of three routes and more).
     num_experts, top_k = 6, 2
     x = torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(hidden))
     gate_up = pair_bf16(halves(num_experts * 2 * inter, hidden, seed=1)).view(num_experts, 2 * inter, hidden)
