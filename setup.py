@@ -54,11 +54,16 @@ CONTEXT_TABLE = Extension("drafter_service.proposers._context_table",
 # The CPU's row-invariant step kernels (kernels/fused/cpu_rows.py) and the step as one call
 # (kernels/fused/cpu_step.py); likewise C99, no dependency.
 # (-Wno-psabi: its 32-byte vector type is passed between inlined functions only. -fno-trapping-math:
-# no FP exception flags are read, so the softmax's selects may be vectorised; no result changes.)
+# no FP exception flags are read, so the softmax's selects may be vectorised; no result changes.
+# -ffp-contract=off: a multiply, then an add, wherever the code says so — no fused multiply-add the
+# compiler picks. GCC's default (fast) contracts where its passes find a product beside a sum, and
+# GCC 13.3 found them differently in the 8-lane, paired and wide kernels: on the GPU machine's Xeon
+# a row's product differed by how many rows shared the call. Off, the bits follow the code alone:
+# the same on every clone, machine and compiler.)
 CPU_ROWS = Extension("kernels.fused._cpu_rows", sources=["kernels/fused/_cpu_rows.c", "kernels/fused/_cpu_step.c",
                                                         "kernels/fused/_cpu_wide.c"],
                      libraries=["m"], depends=["kernels/_machine_clones.h", "kernels/fused/_cpu_rows.h"],
-                     extra_compile_args=["-std=gnu11", "-O3", "-Wno-psabi", "-fno-trapping-math"])
+                     extra_compile_args=["-std=gnu11", "-O3", "-Wno-psabi", "-fno-trapping-math", "-ffp-contract=off"])
 
 # The processed distribution of sampled rows on the CPU (kernels/sampling.py); likewise.
 # (-fno-trapping-math: no FP exception flags are read, so the normaliser's selects may be

@@ -3,17 +3,17 @@
 A product's sum takes lanes_total's order (_cpu_rows.c: eight lanes, lane l summing the columns
 j = l mod 8 in column order, then ((0+4) + (1+5)) + ((2+6) + (3+7))). Here two input rows share a
 16-lane register — row a's eight lanes, then row b's — and each weight row's eight values go to
-both halves, so one multiply-add serves two sums, each still in that order and rounded the same
-way (one fused multiply-add a term, as the 8-lane kernels' AVX2 + FMA clone takes it; a machine
-with AVX-512 takes that clone). So a row's product has the same bits whether one row or eight
+both halves, so one multiply and one add serve two sums, each still in that order and rounded the
+same way (a product rounded, then added: setup.py builds these kernels without contraction, so no
+clone or compiler fuses some of them and not others). So a row's product has the same bits whether one row or eight
 share the call (DESIGN §11), and the inputs, paired two by two once a call, are read from L1 while
 each weight value is read once for up to eight rows: with eight rows the 8-lane kernels are bound
 by their multiply-adds, not by the weights' bytes (docs/PERFORMANCE.md).
 
 One or two input rows (a request's own decode step; an expert's routes, two at a time) take the
 other way round: two paired weight rows side by side in a register (row i's eight lanes, then row
-i + 1's) and the input's eight values in both halves — again one multiply-add a term, in each sum's
-8-lane order: the same bits. `set_wide(0)` turns both ways off (the tests compare them with the
+i + 1's) and the input's eight values in both halves — again a multiply and an add a term, in each
+sum's 8-lane order: the same bits. `set_wide(0)` turns both ways off (the tests compare them with the
 8-lane kernels). */
 
 #include "_cpu_rows.h"
