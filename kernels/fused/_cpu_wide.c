@@ -4,9 +4,9 @@ A product's sum takes lanes_total's order (_cpu_rows.c: eight lanes, lane l summ
 j = l mod 8 in column order, then ((0+4) + (1+5)) + ((2+6) + (3+7))). Here two input rows share a
 16-lane register — row a's eight lanes, then row b's — and each weight row's eight values go to
 both halves, so one multiply and one add serve two sums, each still in that order and rounded the
-same way (a product rounded, then added: setup.py builds these kernels without contraction, so no
-clone or compiler fuses some of them and not others). So a row's product has the same bits whether one row or eight
-share the call (DESIGN §11), and the inputs, paired two by two once a call, are read from L1 while
+same way (a product rounded, then added: setup.py builds these kernels without contraction, so
+no clone or compiler fuses some of them and not others). So a row's product has the same bits
+whether one row or eight share the call (DESIGN §11), and the inputs, paired two by two once a call, are read from L1 while
 each weight value is read once for up to eight rows: with eight rows the 8-lane kernels are bound
 by their multiply-adds, not by the weights' bytes (docs/PERFORMANCE.md).
 
@@ -42,15 +42,21 @@ WIDE wide eight_twice(const float *p) {
     return __builtin_shufflevector(h, h, BOTH_HALVES);
 }
 
-/* A paired chunk at p (_cpu_rows.h: PAIRED): its values 0..7 in both halves of *first, 8..15 of *second. */
-WIDE void chunk_twice(const uint16_t *p, wide *first, wide *second) {
-    eight_bits h;
-    memcpy(&h, p, sizeof h);
-    const wide_bits v = __builtin_shufflevector(h, h, BOTH_HALVES);
+/* Two paired weight rows' chunks at p and q (_cpu_rows.h: PAIRED): values 0..7 of p's in the low half of
+   *first and of q's in its high half, values 8..15 likewise in *second. */
+WIDE void chunks_side_by_side(const uint16_t *p, const uint16_t *q, wide *first, wide *second) {
+    eight_bits a, b;
+    memcpy(&a, p, sizeof a);
+    memcpy(&b, q, sizeof b);
+    const wide_bits v = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const wide_bits low = v << 16, high = v & 0xffff0000u;
     memcpy(first, &low, sizeof low);
     memcpy(second, &high, sizeof high);
 }
+
+/* A paired chunk at p in both halves: its values 0..7 in each half of *first, 8..15 of *second. */
+WIDE void chunk_twice(const uint16_t *p, wide *first, wide *second) { chunks_side_by_side(p, p, first, second); }
+
 
 /* lanes_total of each half, in its order (a sum is commutative bit for bit: a + b == b + a). */
 WIDE void halves_total(wide a, float *low, float *high) {
@@ -139,18 +145,6 @@ __attribute__((target("arch=x86-64-v4"))) KERNEL void wide_products(const float 
         pass(pairs_at + m / 2 * pair_stride * 16, pair_stride, (int)((left + 1) / 2), w, stride, first, width, paired,
              count, left, out + m * out_stride, out_stride);
     }
-}
-
-/* Two paired weight rows' chunks at p and q (_cpu_rows.h: PAIRED): values 0..7 of p's in the low half of
-   *first and of q's in its high half, values 8..15 likewise in *second. */
-WIDE void chunks_side_by_side(const uint16_t *p, const uint16_t *q, wide *first, wide *second) {
-    eight_bits a, b;
-    memcpy(&a, p, sizeof a);
-    memcpy(&b, q, sizeof b);
-    const wide_bits v = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const wide_bits low = v << 16, high = v & 0xffff0000u;
-    memcpy(first, &low, sizeof low);
-    memcpy(second, &high, sizeof high);
 }
 
 /* `pairs` (1..8) pairs of weight rows at w (rows 2i and 2i + 1 of the group, `stride` apart; with

@@ -64,6 +64,11 @@ def _contiguous(dtype: torch.dtype, *tensors: Tensor) -> bool:
                for t in tensors)
 
 
+def _threads(threads: int | None) -> int:
+    """A step's threads: those given, else torch's count (which the service sets)."""
+    return torch.get_num_threads() if threads is None else threads
+
+
 class StepPlan:
     def __init__(self, native, capsule, keep: tuple, hidden: int, vocab: int, dtype: torch.dtype) -> None:
         self._native, self._capsule, self._keep = native, capsule, keep
@@ -89,7 +94,7 @@ class StepPlan:
         hidden = torch.empty((num_rows, self.hidden), dtype=self.dtype)
         self._native.step_run(self._capsule, token_ids.data_ptr(), positions.data_ptr(), slots.data_ptr(),
                               0 if live is None else live.data_ptr(), num_rows, logits.data_ptr(), hidden.data_ptr(),
-                              torch.get_num_threads() if threads is None else threads, 0)
+                              _threads(threads), 0)
         return logits, hidden
 
     def run_into(self, token_ids: list[int], positions: list[int], slots: list[int], out: StepOutput,
@@ -108,7 +113,7 @@ class StepPlan:
         logits, hidden, greedy_ids = out.rows(num_rows)
         self._native.step_run(self._capsule, ids.buffer_info()[0], at.buffer_info()[0], where.buffer_info()[0], 0,
                               num_rows, out.logits_address, out.hidden_address,
-                              torch.get_num_threads() if threads is None else threads, out.greedy_ids_address)
+                              _threads(threads), out.greedy_ids_address)
         return logits, hidden, greedy_ids
 
     def prompt_rows(self, token_ids: list[int], positions: list[int], slots: list[int],
@@ -127,7 +132,7 @@ class StepPlan:
             count = min(MAX_ROWS, num_rows - first)
             self._native.step_run(self._capsule, ids.buffer_info()[0] + first * size, at.buffer_info()[0] + first * size,
                                   where.buffer_info()[0] + first * size, 0, count, 0, hidden[first].data_ptr(),
-                                  torch.get_num_threads() if threads is None else threads, 0)
+                                  _threads(threads), 0)
         return hidden
 
 
