@@ -6,9 +6,9 @@ j = l mod 8 in column order, then ((0+4) + (1+5)) + ((2+6) + (3+7))). Here two i
 both halves, so one multiply and one add serve two sums, each still in that order and rounded the
 same way (a product rounded, then added: setup.py builds these kernels without contraction, so
 no clone or compiler fuses some of them and not others). So a row's product has the same bits
-whether one row or eight share the call (DESIGN §11), and the inputs, paired two by two once a call, are read from L1 while
-each weight value is read once for up to eight rows: with eight rows the 8-lane kernels are bound
-by their multiply-adds, not by the weights' bytes (docs/PERFORMANCE.md).
+whether one row or eight share the call (DESIGN §11), and the inputs, paired two by two once a
+call, are read from L1 while each weight value is read once for up to eight rows: with eight rows
+the 8-lane kernels are bound by their multiply-adds, not by the weights' bytes (docs/PERFORMANCE.md).
 
 One or two input rows (a request's own decode step; an expert's routes, two at a time) take the
 other way round: two paired weight rows side by side in a register (row i's eight lanes, then row
