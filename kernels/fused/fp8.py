@@ -16,8 +16,9 @@ projection) keep their blocks when every part's row count is a multiple of the b
 and otherwise carry one scale per row (block (1, columns)); either way the values are the
 checkpoint's, never re-quantised.
 
-The CPU's reference dequantises (`dequantize`) and runs the plain path; `quantize` makes the
-scheme from full-precision weights (`--quantize fp8`, tests).
+The CPU's reference dequantises (`dequantize`) and runs the plain path; prefill's dequantised
+weights come from one kernel where Triton runs (`dequantize_fast`, the same values); `quantize`
+makes the scheme from full-precision weights (`--quantize fp8`, tests).
 """
 
 from __future__ import annotations
@@ -105,6 +106,31 @@ class Fp8Weight:
             q = torch.nn.functional.pad(q, (0, block_cols * columns - num_cols, 0, block_rows * rows - num_rows))
         w = q.view(*q.shape[:-2], block_rows, rows, block_cols, columns).mul_(self.scale[..., :, None, :, None].float())
         return w.view(*q.shape[:-2], block_rows * rows, block_cols * columns)[..., :num_rows, :num_cols].to(dtype)
+
+
+DEQUANT_TILE = (16, 256)  # (rows, columns) a program of dequantize_fast writes
+
+
+def dequantize_fast(weight: Fp8Weight, dtype: torch.dtype) -> Tensor:
+    """Fp8Weight.dequantize's values (q × scale in float32, rounded once to dtype) by one kernel
+    (fp8_kernels.dequantize_kernel): a value read as its byte and written once, where the
+    reference's torch ops make and read float32 copies of the whole weight — prefill's view of
+    every expert of a layer (kernels.fused.linear.dense). Its caller picks it where Triton runs."""
+    from kernels.fused.fp8_kernels import dequantize_kernel
+
+    q, scale = weight.q.contiguous(), weight.scale.contiguous()
+    num_out, num_in = q.shape[-2:]
+    num_rows = q.numel() // num_in if num_in else 0
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    if num_rows:
+        block_rows, block_cols = weight.block
+        tile_rows, tile_cols = DEQUANT_TILE
+        grid = (-(-num_rows // tile_rows), -(-num_in // tile_cols))
+        bf16 = dtype == torch.bfloat16
+        dequantize_kernel[grid](q, scale, out.view(torch.int16) if bf16 else out, num_rows, num_out, num_in,
+                                scale.shape[-2], scale.shape[-1], SBN=block_rows, SBK=block_cols, BF16=bf16,
+                                BLOCK_R=tile_rows, BLOCK_K=tile_cols)
+    return out
 
 
 def e4m3_bits_as_bf16(q: Tensor) -> Tensor:

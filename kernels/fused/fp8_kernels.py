@@ -99,3 +99,27 @@ def exact_bf16_kernel(q_ptr, out_ptr, n, BLOCK: tl.constexpr):
     ok = i < n
     q = tl.load(q_ptr + i, mask=ok, other=0.0)
     tl.store(out_ptr + i, e4m3_as_bf16(q), mask=ok)
+
+
+@triton.jit
+def dequantize_kernel(q_ptr, s_ptr, out_ptr, num_rows, N, K, NB, KB, SBN: tl.constexpr, SBK: tl.constexpr,
+                      BF16: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out = q × its block's scale in float32, rounded once to out's dtype (kernels.fused.fp8.
+    dequantize_fast: Fp8Weight.dequantize's values). q and out [num_rows, K] with num_rows = L × N (a
+    stack of L weights [N, K]); the scales [L, NB, KB] in blocks of SBN × SBK. BF16: out holds
+    bfloat16 bit patterns (int16), rounded to nearest even by integer arithmetic — as torch rounds,
+    on any backend (Triton's interpreter truncates its own conversion)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (r < num_rows)[:, None] & (k < K)[None, :]
+    s_rows = (r // N) * (NB * KB) + (r % N) // SBN * KB  # [BLOCK_R]: each row's scale row
+    at = r.to(tl.int64)[:, None] * K + k[None, :]
+    q = tl.load(q_ptr + at, mask=ok, other=0.0)
+    s = tl.load(s_ptr + s_rows[:, None] + (k // SBK)[None, :], mask=ok, other=0.0)
+    w = q.to(tl.float32) * s  # (finite: a product of finite values, or ±inf past float32's range)
+    if BF16:
+        bits = w.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(out_ptr + at, bits.to(tl.int16), mask=ok)
+    else:
+        tl.store(out_ptr + at, w.to(out_ptr.dtype.element_ty), mask=ok)

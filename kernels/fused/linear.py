@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kernels.fused import cdiv, cpu_rows, launch_options, next_power_of_2, use_triton
-from kernels.fused.fp8 import Fp8Weight
+from kernels.fused.fp8 import Fp8Weight, dequantize_fast
 
 Weight = Tensor | Fp8Weight  # [N, K]: full precision, or block-scaled FP8 (kernels.fused.fp8)
 
@@ -107,8 +107,11 @@ def weight_config(weight: Weight, x_dtype: torch.dtype) -> tuple[int, int, int, 
 
 
 def dense(weight: Weight, dtype: torch.dtype) -> Tensor:
-    """The weight in full precision (an FP8 weight dequantised: the references' and prefill's view)."""
-    return weight.dequantize(dtype) if isinstance(weight, Fp8Weight) else weight
+    """The weight in full precision (an FP8 weight dequantised: the references' and prefill's view;
+    by one kernel where Triton runs, the same values)."""
+    if not isinstance(weight, Fp8Weight):
+        return weight
+    return dequantize_fast(weight, dtype) if use_triton(weight.q) else weight.dequantize(dtype)
 
 
 def _check(name: str, x: Tensor, weight: Weight) -> None:

@@ -8,8 +8,8 @@ window."""
 import pytest
 import torch
 
-from kernels.fused.fp8 import (FP8_MAX, FP8_DTYPE, Fp8Weight, cat_rows, e4m3_bits_as_bf16, exact_bf16, per_row,
-                               quantize, row_slice, take_rows)
+from kernels.fused.fp8 import (FP8_MAX, FP8_DTYPE, Fp8Weight, cat_rows, dequantize_fast, e4m3_bits_as_bf16, exact_bf16,
+                               per_row, quantize, row_slice, take_rows)
 from kernels.fused.linear import linear, linear_partials, prefill_linear, rowwise_linear
 from kernels.fused.moe import experts_reference, fused_experts
 
@@ -61,6 +61,28 @@ def test_the_kernels_bit_moves_on_the_gpu_match_their_reference():
     codes = every_finite_code("cuda").repeat(7)  # several elements a thread, odd total
     got = exact_bf16(codes[:-3])
     assert torch.equal(got.view(torch.int16).cpu(), codes[:-3].to(torch.bfloat16).view(torch.int16).cpu())
+
+
+@pytest.mark.parametrize("lead,num_out,num_in,block", [((), 200, 96, (32, 32)), ((3,), 70, 300, (16, 32)),
+                                                      ((2,), 40, 272, (1, 16)), ((5,), 24, 8, (128, 128))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_dequantizing_kernel_makes_the_references_values(lead, num_out, num_in, block, dtype):
+    # prefill's dequantised weights (kernels.fused.linear.dense) come from one kernel where Triton
+    # runs: bit for bit the reference's q × scale rounded once — over every finite code (its
+    # subnormals, ±0, the largest) and scales that are not powers of two (a product rounded in
+    # another dtype, or rounded twice, differs); stacks of experts, partial blocks, a scale a row
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(num_in)
+    codes = every_finite_code("cpu")
+    q = codes[torch.randint(0, codes.numel(), (*lead, num_out, num_in), generator=g)]
+    scale_shape = (*lead, -(-num_out // block[0]), -(-num_in // block[1]))
+    scale = torch.exp(torch.randn(scale_shape, generator=g) * 8)  # magnitudes 1e-10 .. 1e10 (bf16 overflows to inf)
+    weight = Fp8Weight(q.to(device), scale.to(device), block)
+    got, expected = dequantize_fast(weight, dtype), weight.dequantize(dtype)
+    assert got.dtype == dtype and got.shape == expected.shape
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(got.view(bits).cpu(), expected.view(bits).cpu()), \
+        f"{int((got.view(bits) != expected.view(bits)).sum())} values differ"
 
 
 def test_rows_concatenate_keeping_blocks_only_when_whole():
