@@ -317,8 +317,8 @@ def report(results: dict, levels: list[int], rates: list[float], args) -> None:
     if args.against_tree is not None or args.other_arg:
         print(f"\nthis tree against `{' '.join(filter(None, [str(args.against_tree or ''), *args.other_arg]))}` "
               f"(median of per-block ratios, {args.blocks} blocks):\n")
-        print("| arm | tokens/s, this | tokens/s, that | this / that | TPOT p50 that / this |")
-        print("| --- | ---: | ---: | ---: | ---: |")
+        print("| arm | tokens/s, this | tokens/s, that | this / that | TPOT p50 that / this | TTFT p50 ms, this / that |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
         for c in levels:
             for kind in ("plain", "spec"):
                 this, that = results["closed"].get(f"{kind}@{c}"), results["closed"].get(f"before:{kind}@{c}")
@@ -326,8 +326,10 @@ def report(results: dict, levels: list[int], rates: list[float], args) -> None:
                     continue
                 ratio = statistics.median(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(this, that))
                 tpot = statistics.median(b["tpot_ms"]["p50"] / a["tpot_ms"]["p50"] for a, b in zip(this, that))
+                ttft = [statistics.median(arm["ttft_ms"]["p50"] for arm in runs) for runs in (this, that)]
                 print(f"| {kind}, concurrency {c} | {statistics.median(a['tokens_per_s'] for a in this):.1f} | "
-                      f"{statistics.median(b['tokens_per_s'] for b in that):.1f} | {ratio:.3f} | {tpot:.3f} |")
+                      f"{statistics.median(b['tokens_per_s'] for b in that):.1f} | {ratio:.3f} | {tpot:.3f} | "
+                      f"{ttft[0]:.0f} / {ttft[1]:.0f} |")
         if args.alpha is not None:
             print("\nspeculative / plain, the tree before:")
             for c in levels:
