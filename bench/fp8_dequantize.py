@@ -26,22 +26,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.model_baseline import cuda_time  # noqa: E402  (per-call ms by CUDA events)
 from kernels.fused.fp8 import Fp8Weight, dequantize_fast, quantize  # noqa: E402
 
 H, I, BLOCK = 2048, 768, (128, 128)
-
-
-def timed(fn, reps: int) -> float:
-    """Median ms of one call over `reps` calls, each between CUDA events."""
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -67,7 +55,7 @@ def main() -> None:
         for name, w in weights.items():
             for way in order:
                 ways[way](w)  # (warm: the allocator's blocks, the kernel's compile)
-                ms.setdefault((name, way), []).append(timed(lambda: ways[way](w), args.reps))
+                ms.setdefault((name, way), []).append(statistics.median(cuda_time(lambda: ways[way](w), args.reps)))
         print(f"  block {block + 1}/{args.blocks}", file=sys.stderr, flush=True)
     print(f"\n{torch.cuda.get_device_name()}: a layer's experts dequantised to bf16 ({args.experts} experts, "
           f"H {H}, I {I}, blocks {list(BLOCK)}; median of {args.blocks} blocks × {args.reps} calls)\n")
