@@ -115,9 +115,12 @@ def dequantize_fast(weight: Fp8Weight, dtype: torch.dtype) -> Tensor:
     """Fp8Weight.dequantize's values (q × scale in float32, rounded once to dtype) by one kernel
     (fp8_kernels.dequantize_kernel): a value read as its byte and written once, where the
     reference's torch ops make and read float32 copies of the whole weight — prefill's view of
-    every expert of a layer (kernels.fused.linear.dense). Its caller picks it where Triton runs."""
+    every expert of a layer (kernels.fused.linear.dense). Its caller picks it where Triton runs;
+    dtype: bfloat16 or float32."""
     from kernels.fused.fp8_kernels import dequantize_kernel
 
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"dequantize_fast: dtype {dtype} (bfloat16 or float32)")
     q, scale = weight.q.contiguous(), weight.scale.contiguous()
     num_out, num_in = q.shape[-2:]
     num_rows = q.numel() // num_in if num_in else 0

@@ -111,7 +111,9 @@ def dense(weight: Weight, dtype: torch.dtype) -> Tensor:
     by one kernel where Triton runs, the same values)."""
     if not isinstance(weight, Fp8Weight):
         return weight
-    return dequantize_fast(weight, dtype) if use_triton(weight.q) else weight.dequantize(dtype)
+    if use_triton(weight.q) and dtype in (torch.bfloat16, torch.float32):  # (the kernel's tested dtypes)
+        return dequantize_fast(weight, dtype)
+    return weight.dequantize(dtype)
 
 
 def _check(name: str, x: Tensor, weight: Weight) -> None:
