@@ -24,6 +24,8 @@ alternating block by block (order reversed each block); the report adds this / t
 (median of per-block ratios of output tokens/s, and of TPOT p50). --other-arg FLAG (repeatable)
 gives the second verifier flags of its own, from this tree when no --against-tree is given
 (e.g. `--other-arg=--quantize --other-arg=fp8`: FP8 against the defaults at each concurrency).
+With --one-at-a-time only one of the two is up at a time (each block starts and stops each, in
+alternating order: two 30B verifiers do not fit an 80 GB GPU together).
 
 Usage: python bench/serve_load.py [--small | --shapes qwen3.5-35b-a3b] [--concurrency 1,8,32,64] [--rates ...] [--alpha 0.8]
 """
@@ -195,6 +197,9 @@ def main() -> None:
     parser.add_argument("--other-arg", action="append", default=[],
                         help="a flag of the second verifier only (repeatable; without --against-tree it runs from "
                              "this tree: e.g. --other-arg=--quantize --other-arg=fp8 pairs FP8 with the defaults)")
+    parser.add_argument("--one-at-a-time", action="store_true",
+                        help="with --against-tree / --other-arg: one verifier up at a time (each block starts and stops "
+                             "each, in alternating order), for two that do not fit the GPU together")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -221,6 +226,10 @@ def main() -> None:
     other_port, other_metrics_port = free_port(), free_port()
     other_argv = argv_for(other_port, other_metrics_port) + args.other_arg
     paired = args.against_tree is not None or bool(args.other_arg)
+    if args.one_at_a_time and not paired:
+        parser.error("--one-at-a-time pairs two verifiers: give --against-tree or --other-arg")
+    if args.one_at_a_time and rates:
+        parser.error("--one-at-a-time runs closed loops only (no --rates)")
     results: dict = {"args": vars(args) | {"out": str(args.out)}, "closed": {}, "open": {}}
     try:
         if args.alpha is not None:
@@ -235,27 +244,45 @@ def main() -> None:
             asyncio.run(children.wait_serving("replay-drafter", f"127.0.0.1:{drafter_port}", timeout=120))
             verifier_argv += ["--drafter", f"127.0.0.1:{drafter_port}"]
             other_argv += ["--drafter", f"127.0.0.1:{drafter_port}"]
-        children.start("verifier", verifier_argv)
-        asyncio.run(children.wait_serving("verifier", address, timeout=900))
-        load = Load(address, prompts, args.new_tokens, metrics_port, args.temperature, args.draft_tokens)
-        asyncio.run(load.closed_loop(1, 1, False))  # warm-up
-        services = {"": load}  # key prefix -> service
+        # key prefix -> (child name, argv, tree, port, metrics port)
+        verifiers = {"": ("verifier", verifier_argv, None, port, metrics_port)}
         if paired:
-            children.start("other-verifier", other_argv, tree=args.against_tree)
-            asyncio.run(children.wait_serving("other-verifier", f"127.0.0.1:{other_port}", timeout=900))
-            services["before:"] = Load(f"127.0.0.1:{other_port}", prompts, args.new_tokens, other_metrics_port,
-                                       args.temperature, args.draft_tokens)
-            asyncio.run(services["before:"].closed_loop(1, 1, False))  # warm-up
+            verifiers["before:"] = ("other-verifier", other_argv, args.against_tree, other_port, other_metrics_port)
+
+        def start(prefix: str) -> Load:
+            name, argv, tree, at_port, at_metrics = verifiers[prefix]
+            children.start(name, argv, tree=tree)
+            asyncio.run(children.wait_serving(name, f"127.0.0.1:{at_port}", timeout=900))
+            service = Load(f"127.0.0.1:{at_port}", prompts, args.new_tokens, at_metrics, args.temperature,
+                           args.draft_tokens)
+            asyncio.run(service.closed_loop(1, 1, False))  # warm-up
+            return service
+
+        services = {} if args.one_at_a_time else {prefix: start(prefix) for prefix in verifiers}
         arms = [False, True] if args.alpha is not None else [False]
+
+        def measure(prefix: str, c: int, speculation: bool, block: int) -> None:
+            key = f"{prefix}{'spec' if speculation else 'plain'}@{c}"
+            s = asyncio.run(services[prefix].closed_loop(c, args.requests_per_client, speculation))
+            results["closed"].setdefault(key, []).append(s)
+            log(f"  block {block} {key}: {s['tokens_per_s']:.1f} tok/s, mean batch {s['mean_batch']:.1f}, "
+                f"TPOT p50 {s['tpot_ms']['p50']:.2f} ms")
+
         for block in range(args.blocks):
+            order = list(verifiers) if block % 2 == 0 else list(verifiers)[::-1]
+            if args.one_at_a_time:  # each verifier in turn, alone on the GPU, every arm
+                for prefix in order:
+                    services[prefix] = start(prefix)
+                    for c in levels:
+                        for speculation in (arms if block % 2 == 0 else arms[::-1]):
+                            measure(prefix, c, speculation, block)
+                    children.stop(verifiers[prefix][0])
+                continue
             for c in levels:
                 for speculation in (arms if block % 2 == 0 else arms[::-1]):
-                    for prefix in (list(services) if block % 2 == 0 else list(services)[::-1]):
-                        key = f"{prefix}{'spec' if speculation else 'plain'}@{c}"
-                        s = asyncio.run(services[prefix].closed_loop(c, args.requests_per_client, speculation))
-                        results["closed"].setdefault(key, []).append(s)
-                        log(f"  block {block} {key}: {s['tokens_per_s']:.1f} tok/s, mean batch {s['mean_batch']:.1f}, "
-                            f"TPOT p50 {s['tpot_ms']['p50']:.2f} ms")
+                    for prefix in order:
+                        measure(prefix, c, speculation, block)
+        load = services.get("")
         for i, rate in enumerate(rates):
             for speculation in (arms if i % 2 == 0 else arms[::-1]):  # (the same arrival times for both)
                 key = f"{'spec' if speculation else 'plain'}@{rate:g}/s"
