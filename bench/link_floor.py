@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import mmap
 import multiprocessing as mp
@@ -82,7 +83,7 @@ async def grpc_client(address: str, payload: bytes, count: int) -> list[int]:
 def stream_server(path: str, ready) -> None:
     async def main() -> None:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            with _quiet():
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):  # (the client left)
                 while True:
                     head = await reader.readexactly(4)
                     writer.write(head + await reader.readexactly(int.from_bytes(head, "little")))
@@ -181,14 +182,6 @@ def shm_thread_client(boxes: Mailboxes, wake_out: int, wake_in: int, payload: by
 
 
 # --- one block of one transport ---------------------------------------------------------------------
-
-class _quiet:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, value, tb):
-        return kind is not None and issubclass(kind, (asyncio.IncompleteReadError, ConnectionError))
-
 
 def run_block(transport: str, payload: bytes, count: int, workdir: Path) -> list[int]:
     ctx = mp.get_context("spawn")  # (the servers: a fresh interpreter, no gRPC state of this one's)
