@@ -227,6 +227,17 @@ HELPER void paired_dots(const float *x0, const float *x1, const uint16_t *w, Py_
     }
 }
 
+/* paired_dots for an expert's routes order[first .. last), two a pass: route r's input row at
+   x + r * n, its outputs from out + r * out_stride; `count` paired weight rows at w, n columns each. */
+HELPER void routes_by_twos(const Py_ssize_t *order, Py_ssize_t first, Py_ssize_t last, const float *x, Py_ssize_t n,
+                           const uint16_t *w, Py_ssize_t count, float *out, Py_ssize_t out_stride, int wide) {
+    for (Py_ssize_t i = first; i < last; i += 2) {
+        const Py_ssize_t r0 = order[i], r1 = order[i + 1 < last ? i + 1 : i];
+        paired_dots(x + r0 * n, i + 1 < last ? x + r1 * n : NULL, w, n, 0, n, n & ~(Py_ssize_t)15, count,
+                    out + r0 * out_stride, out + r1 * out_stride, wide);
+    }
+}
+
 /* `count` rows of n values, `stride` apart, of `type` at p (offset i elements), as float32:
    the rows themselves for float32 (no copy), else converted into buf (count * n floats). */
 HELPER const float *rows_f32(const void *p, Py_ssize_t i, Py_ssize_t stride, Py_ssize_t n, Py_ssize_t count,
@@ -462,12 +473,8 @@ KERNEL void expert_routes(const void *call, float *buf) {
             const Py_ssize_t at = (e * 2 * inter + n) * hidden;
             /* (8-lane, more routes: the block converted once, below; wide: two routes a pass) */
             if (c->wtype == PAIRED && (last - first <= 2 || (wide && !(hidden & 15)))) {
-                for (Py_ssize_t i = first; i < last; i += 2) {
-                    const Py_ssize_t r0 = order[i], r1 = order[i + 1 < last ? i + 1 : i];
-                    paired_dots(inputs + r0 * hidden, i + 1 < last ? inputs + r1 * hidden : NULL,
-                                (const uint16_t *)c->gate_up + at, hidden, 0, hidden, hidden & ~(Py_ssize_t)15,
-                                count, gate_up_out + r0 * 2 * inter + n, gate_up_out + r1 * 2 * inter + n, wide);
-                }
+                routes_by_twos(order, first, last, inputs, hidden, (const uint16_t *)c->gate_up + at, count,
+                               gate_up_out + n, 2 * inter, wide);
                 continue;
             }
             const float *w = weight_rows(c->gate_up, at, hidden, hidden, count, c->wtype, weights);
@@ -493,12 +500,8 @@ KERNEL void expert_routes(const void *call, float *buf) {
             const Py_ssize_t at = (e * hidden + n) * inter;
             Py_ssize_t i = first;
             if (c->wtype == PAIRED && (last - first <= 2 || (wide && !(inter & 15)))) {
-                for (; i < last; i += 2) {
-                    const Py_ssize_t r0 = order[i], r1 = order[i + 1 < last ? i + 1 : i];
-                    paired_dots(acts + r0 * inter, i + 1 < last ? acts + r1 * inter : NULL,
-                                (const uint16_t *)c->down + at, inter, 0, inter, inter & ~(Py_ssize_t)15, count,
-                                c->out + r0 * hidden + n, c->out + r1 * hidden + n, wide);
-                }
+                routes_by_twos(order, first, last, acts, inter, (const uint16_t *)c->down + at, count, c->out + n,
+                               hidden, wide);
                 i = last;
             }
             const float *w = i < last ? weight_rows(c->down, at, inter, inter, count, c->wtype, weights) : NULL;

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kernels.fused import cdiv
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3fn's largest finite value
 MIN_TILE = 16  # tl.dot's smallest K: a block's columns must be a multiple of it for the kernels
@@ -128,7 +130,7 @@ def dequantize_fast(weight: Fp8Weight, dtype: torch.dtype) -> Tensor:
     if num_rows:
         block_rows, block_cols = weight.block
         tile_rows, tile_cols = DEQUANT_TILE
-        grid = (-(-num_rows // tile_rows), -(-num_in // tile_cols))
+        grid = (cdiv(num_rows, tile_rows), cdiv(num_in, tile_cols))
         bf16 = dtype == torch.bfloat16
         dequantize_kernel[grid](q, scale, out.view(torch.int16) if bf16 else out, num_rows, num_out, num_in,
                                 scale.shape[-2], scale.shape[-1], SBN=block_rows, SBK=block_cols, BF16=bf16,
