@@ -94,7 +94,10 @@ async def test_auth_capacity_and_health(edge, embedded):
     anonymous = openai.AsyncOpenAI(base_url=f"{edge.base_url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         await anonymous.models.list()
-    first = await client.completions.create(model="tandem-demo-moe", prompt=PROMPT, max_tokens=200, stream=True)
+    # Greedy, so it cannot draw the end-of-text token early (sampled, 1 seed in 30 stopped after 4
+    # tokens and freed the session); long, so it is still decoding when the second request comes.
+    first = await client.completions.create(model="tandem-demo-moe", prompt=PROMPT, max_tokens=1000,
+                                            temperature=0, stream=True)
     await anext(aiter(first))  # holds the verifier's one session
     with pytest.raises(openai.RateLimitError):
         await client.completions.create(model="tandem-demo-moe", prompt=PROMPT, max_tokens=4)
