@@ -58,6 +58,7 @@ try:
 except ImportError:  # run as a script from anywhere: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, drafter_pb2_grpc
+from shared.local_stream import LocalStreamServer  # noqa: E402
 
 LABEL = "synthetic"
 MAX_DRAFTS = 16
@@ -312,12 +313,17 @@ async def serve(args: argparse.Namespace) -> None:
                             vocab_size=args.vocab_size or file_vocab)
     health_servicer = health.aio.HealthServicer()
     server = grpc.aio.server(options=OPTIONS)
-    drafter_pb2_grpc.add_DrafterServicer_to_server(ReplayDrafterService(drafter, args.stats, args.delay_ms / 1e3), server)
+    service = ReplayDrafterService(drafter, args.stats, args.delay_ms / 1e3)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port(f"{args.host}:{args.port}")
     if port == 0:
         raise RuntimeError(f"could not bind {args.host}:{args.port}")
     await server.start()
+    local = None
+    if args.local_socket:  # the same servicer's Draft streams on a Unix socket (shared.local_stream)
+        local = LocalStreamServer(args.local_socket, service.Draft, drafter_pb2.DraftUp, limit=MAX_MESSAGE_BYTES)
+        await local.start()
     for name in ("", "tandem.v1.Drafter"):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     print(f"{LABEL} replay drafter listening on {args.host}:{port}: {len(references)} reference(s), "
@@ -329,6 +335,8 @@ async def serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await health_servicer.enter_graceful_shutdown()
+    if local is not None:
+        await local.close()
     await server.stop(2.0)
 
 
@@ -342,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-drafts", type=int, default=MAX_DRAFTS, help="most drafts per chain (also capped by the verifier's max_draft_tokens)")
     parser.add_argument("--vocab-size", type=int, default=0, help="0 = the reference file's vocab_size, else corrupt t to t-1")
     parser.add_argument("--stats", default=None, help="append one JSON line per finished stream to this file")
+    parser.add_argument("--local-socket", default=None, help="also serve Draft streams on this Unix socket (a verifier's --drafter-socket)")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="a slow drafter: send each chain this long after the message it answers")
     args = parser.parse_args(argv)
     if not 0.0 <= args.alpha <= 1.0:

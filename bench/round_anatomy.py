@@ -24,7 +24,7 @@ Each prompt runs speculative and plain (`speculation` off) back to back, alterna
 order, `--concurrency` requests at a time; greedy (or sampled: --temperature); medians over the rounds after each
 request's first. The timers cost a few µs a round themselves.
 
-    python bench/round_anatomy.py [--device cuda] [--prompts 4] [--max-new-tokens 128]
+    python bench/round_anatomy.py [--device cuda] [--prompts 4] [--max-new-tokens 128] [--link local]
         [--random-shapes qwen3-30b-a3b --alpha 0.8] [--concurrency 8]
 """
 
@@ -200,7 +200,8 @@ async def main_async(args) -> None:
         log("loading the verifier's model ...")
         model = load_model(model_dir, device=args.device, dtype=dtype, random_weights=bool(args.random_shapes),
                            parts="trunk")
-        settings = VerifierSettings(port=0, device=args.device, drafter=f"127.0.0.1:{d_port}",
+        link = str(workdir / "d.sock") if args.link == "local" else None  # (shared.local_stream)
+        settings = VerifierSettings(port=0, device=args.device, drafter=f"127.0.0.1:{d_port}", drafter_socket=link,
                                     max_draft_tokens=args.max_draft_tokens, governor=False,
                                     max_sessions=max(8, *args.levels),
                                     max_context=args.prompt_length + args.max_new_tokens + 64 if args.random_shapes else 0)
@@ -222,11 +223,13 @@ async def main_async(args) -> None:
                 {"prompt_ids": p, "token_ids": list(o.token_ids)} for p, o in zip(prompts, outs)]}))
             children.start("drafter", [sys.executable, str(REPO / "bench" / "replay_drafter.py"), "--port", str(d_port),
                                        "--reference", str(reference), "--alpha", str(args.alpha),
-                                       "--max-drafts", str(args.max_draft_tokens)])
+                                       "--max-drafts", str(args.max_draft_tokens),
+                                       *(["--local-socket", link] if link else [])])
         else:
             children.start("drafter", [sys.executable, "-m", "shared.cli", "drafter", "--model", str(model_dir),
                                        "--device", args.device, "--dtype", args.dtype, "--port", str(d_port),
-                                       "--planner", args.planner, "--global-index-mb", "0"])
+                                       "--planner", args.planner, "--global-index-mb", "0",
+                                       *(["--local-socket", link] if link else [])])
         await children.wait_serving("drafter", f"127.0.0.1:{d_port}", timeout=600)
         results: dict[int, dict] = {}
         for level in args.levels:
@@ -301,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-draft-tokens", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above: sampled (top-p 0.95, seed 7)")
     parser.add_argument("--planner", default="adaptive", choices=("adaptive", "mtp", "suffix"))
+    parser.add_argument("--link", default="grpc", choices=("grpc", "local"),
+                        help="the drafter's Draft streams: gRPC, or its Unix socket (--drafter-socket)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     args = parser.parse_args(argv)
     args.levels = [int(c) for c in args.concurrency.split(",")]

@@ -16,6 +16,7 @@ class DrafterSettings:
     model: str | None = field(default=None, metadata={"help": "checkpoint directory or model name; none = the embedded demo model"})
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind (loopback unless told otherwise)"})
     port: int = field(default=50052, metadata={"help": "port to bind; 0 picks a free one"})
+    local_socket: str | None = field(default=None, metadata={"help": "also serve Draft streams on this Unix socket path (created owner-only) for a verifier on this host (its --drafter-socket): no gRPC on the speculative round's path; --auth-token, if set, is checked there too"})
     random_weights: bool = field(default=False, metadata={"help": "benchmarks: random weights from the model directory's config.json (no safetensors needed; drafts are then noise, their cost is real)"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     dtype: str = field(default="float32", metadata={"help": "model dtype: float32, bfloat16 or float16"})
@@ -40,6 +41,8 @@ class DrafterSettings:
 
     def __post_init__(self) -> None:
         base.validate_service(self)
+        if self.local_socket is not None and not self.local_socket:
+            raise ValueError("local_socket must not be empty (leave it unset for gRPC only)")
         if self.planner not in ("adaptive", "mtp", "suffix"):
             raise ValueError(f"planner {self.planner!r} must be adaptive, mtp or suffix")
         if self.max_sessions < 1:

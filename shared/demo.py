@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 from shared.client import GenerationConfig, VerifierClient, VerifierError
 from shared.health import wait_serving
@@ -71,9 +73,13 @@ def _run(args: argparse.Namespace, model_dir) -> int:
     prompt = args.prompt.encode().decode("unicode_escape")
     drafter_port, verifier_port = _free_port(), _free_port()
     model_args = ["--model", str(model_dir)]
+    # Both on this host: their Draft streams take the drafter's Unix socket, not gRPC.
+    socket_dir = tempfile.mkdtemp(prefix="tandem-demo-")
+    link = f"{socket_dir}/drafter.sock"
     print(f"starting drafter on :{drafter_port} and verifier on :{verifier_port} ({model_dir.name}) ...", file=sys.stderr)
-    drafter = _start("drafter", [*model_args, "--port", str(drafter_port)])
-    verifier = _start("verifier", [*model_args, "--port", str(verifier_port), "--drafter", f"127.0.0.1:{drafter_port}"])
+    drafter = _start("drafter", [*model_args, "--port", str(drafter_port), "--local-socket", link])
+    verifier = _start("verifier", [*model_args, "--port", str(verifier_port), "--drafter", f"127.0.0.1:{drafter_port}",
+                                   "--drafter-socket", link])
     markers = args.markers if args.markers != "auto" else ("color" if sys.stdout.isatty() else "none")
     try:
         wait_serving(f"127.0.0.1:{drafter_port}", name="drafter", process=drafter)
@@ -130,3 +136,4 @@ def _run(args: argparse.Namespace, model_dir) -> int:
                 process.wait(15)
             except subprocess.TimeoutExpired:
                 process.kill()
+        shutil.rmtree(socket_dir, ignore_errors=True)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from shared import security
+from shared.local_stream import LocalCall
 from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, drafter_pb2_grpc, encode_hidden
 from shared.service import MESSAGE_OPTIONS
 from verifier_service.chains import max_chain_bytes
@@ -62,6 +63,25 @@ def drafter_channel(settings: VerifierSettings) -> grpc.aio.Channel:
     options = [*[o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"],
                ("grpc.max_receive_message_length", limit), ("grpc.service_config", config)]
     return security.open_channel(settings.drafter, credentials, options)
+
+
+class LocalDrafterStub:
+    """The drafter's Draft streams over its Unix socket (shared.local_stream), in place of the
+    gRPC stub's Draft: the link cannot tell them apart."""
+
+    def __init__(self, path: str, limit: int) -> None:
+        self.path, self.limit = path, limit
+
+    def Draft(self, metadata=()) -> LocalCall:  # noqa: N802 (the gRPC stub's name)
+        return LocalCall(self.path, drafter_pb2.DraftDown, metadata, self.limit)
+
+
+def draft_stub(settings: VerifierSettings, channel: grpc.aio.Channel):
+    """Where the link opens its Draft streams: the drafter's local socket, else its channel."""
+    if settings.drafter_socket:
+        return LocalDrafterStub(settings.drafter_socket, max_chain_bytes(settings.max_draft_tokens_limit,
+                                                                         settings.max_support_limit))
+    return drafter_pb2_grpc.DrafterStub(channel)
 
 
 class DeadlineTracker:
@@ -122,7 +142,7 @@ class DrafterHealth:
 
 
 class DrafterLink:
-    def __init__(self, stub: drafter_pb2_grpc.DrafterStub, deadlines: DeadlineTracker, metadata=(),
+    def __init__(self, stub: drafter_pb2_grpc.DrafterStub | LocalDrafterStub, deadlines: DeadlineTracker, metadata=(),
                  health: DrafterHealth | None = None) -> None:
         self.stub = stub
         self.health = health

@@ -35,7 +35,8 @@ from shared.service import ServiceServer, require_model, run_until_signalled
 from shared.tokenizer import load_tokenizer
 from verifier_service.admission import Admission, AdmissionLimits, AdmissionRefused
 from verifier_service.audit import HonestyAudit
-from verifier_service.drafter_link import DeadlineTracker, DrafterHealth, DrafterLink, drafter_channel, open_message
+from verifier_service.drafter_link import (DeadlineTracker, DrafterHealth, DrafterLink, draft_stub, drafter_channel,
+                                          open_message)
 from verifier_service.governor import Governor, GovernorSettings, Ledgers, Load
 from verifier_service.engine import Engine
 from verifier_service.lane import Lane
@@ -83,6 +84,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.metrics = VerifierMetrics()
         self.channel = drafter_channel(settings) if settings.drafter else None
         self.drafter = drafter_pb2_grpc.DrafterStub(self.channel) if self.channel else None
+        self.draft_stub = draft_stub(settings, self.channel) if self.channel else None  # (Draft streams)
         # every finished request that may draft teaches the drafter's index of outputs its output
         self.recorder = Recorder(self.drafter, security.bearer_metadata(settings.drafter_token), self.metrics) \
             if self.drafter is not None else None
@@ -256,7 +258,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     # Chunked and batched with other prompts: a job per chunk, rounds run between.
                     prefill_span.set_attribute("tandem.prefill_chunks", await self.prefiller.prefill(session))
                 if self.drafter is not None and spec.speculate and self._may_draft(spec):
-                    link = DrafterLink(self.drafter, self.deadlines, security.bearer_metadata(self.settings.drafter_token),
+                    link = DrafterLink(self.draft_stub, self.deadlines, security.bearer_metadata(self.settings.drafter_token),
                                        self.drafter_health)
                 governor = Governor(self.governor_settings, self.ledgers, drafting=link is not None,
                                     load=self.round_load(), sampled=not spec.sampling.greedy) \

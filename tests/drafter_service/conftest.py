@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
+import tempfile
 
 import grpc
 import pytest
@@ -25,13 +27,21 @@ def demo_model():
 
 
 class Pair:
+    """link: "grpc" (Draft streams on the drafter's port) or "local" (on its Unix socket:
+    --local-socket / --drafter-socket)."""
+
     def __init__(self):
         self.drafter: DrafterServer | None = None
         self.verifier: VerifierServer | None = None
         self.channel = None
+        self.socket_dir: str | None = None
 
-    async def start(self, model, /, *, tokenizer=None, drafter_settings=None, **verifier_settings):
-        self.drafter = DrafterServer(DrafterSettings(port=0, **(drafter_settings or {})), model=model)
+    async def start(self, model, /, *, tokenizer=None, drafter_settings=None, link="grpc", **verifier_settings):
+        drafter_settings = dict(drafter_settings or {})
+        if link == "local":  # (a short path: a Unix socket's is at most 107 bytes)
+            self.socket_dir = tempfile.mkdtemp(prefix="tandem-test-")
+            drafter_settings["local_socket"] = verifier_settings["drafter_socket"] = f"{self.socket_dir}/d.sock"
+        self.drafter = DrafterServer(DrafterSettings(port=0, **drafter_settings), model=model)
         port = await self.drafter.start()
         await self.drafter.wait_loaded()
         # A fixed generous deadline: the adaptive one (recent p95 + 5 ms) turns a slow CPU
@@ -47,6 +57,10 @@ class Pair:
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{vport}")
         return verifier_pb2_grpc.VerifierStub(self.channel)
 
+    def local_streams(self) -> int | None:
+        """Draft streams the drafter's local socket served (None: it has none)."""
+        return self.drafter.local.served if self.drafter.local is not None else None
+
     async def stop(self):
         if self.channel is not None:
             await self.channel.close()
@@ -54,6 +68,8 @@ class Pair:
             await self.verifier.stop(0)
         if self.drafter is not None:
             await self.drafter.stop(0)
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 @pytest.fixture

@@ -19,13 +19,16 @@ from ..verifier_service.conftest import generate, request
 PROMPT = [3, 14, 15, 92, 65]
 
 
+@pytest.mark.parametrize("link", ["grpc", "local"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-async def test_exact_mode_identical_random_weight_checkpoint(pair, tiny_mtp_model, temperature, same_with_and_without):
-    stub = await pair.start(tiny_mtp_model, drafter_settings={"planner": "mtp"})  # always draft
+async def test_exact_mode_identical_random_weight_checkpoint(pair, tiny_mtp_model, temperature, link,
+                                                             same_with_and_without):
+    stub = await pair.start(tiny_mtp_model, drafter_settings={"planner": "mtp"}, link=link)  # always draft
     for seed in range(3):
         spec, plain, final, _ = await same_with_and_without(stub, PROMPT, 24, temperature, seed)
         assert spec == plain
         assert final.stats.proposed > 0 and final.stats.drafter_faults == 0
+    assert pair.local_streams() == (3 if link == "local" else None)  # each request's stream took the link asked for
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -161,8 +164,9 @@ async def test_probabilistic_mode_through_the_pair_matches_the_target_law(pair, 
     assert p_value > 1e-3, (observed.tolist(), expected.round(1).tolist())
 
 
-async def test_session_eviction_resyncs_transparently(pair, tiny_mtp_model):
-    stub = await pair.start(tiny_mtp_model, drafter_settings={"max_sessions": 1, "planner": "mtp"})
+@pytest.mark.parametrize("link", ["grpc", "local"])
+async def test_session_eviction_resyncs_transparently(pair, tiny_mtp_model, link):
+    stub = await pair.start(tiny_mtp_model, drafter_settings={"max_sessions": 1, "planner": "mtp"}, link=link)
     reqs = [request(PROMPT, 20, temperature=0.8, seed=s) for s in range(3)]
     results = await asyncio.gather(*(generate(stub, r) for r in reqs))
     for req, (tokens, final, _) in zip(reqs, results):
@@ -172,8 +176,9 @@ async def test_session_eviction_resyncs_transparently(pair, tiny_mtp_model):
     assert pair.drafter.service.sessions.evictions > 0
 
 
-async def test_drafter_killed_mid_request_completes(pair, tiny_mtp_model):
-    stub = await pair.start(tiny_mtp_model, drafter_settings={"planner": "mtp"}, drafter_deadline_ms=200)
+@pytest.mark.parametrize("link", ["grpc", "local"])
+async def test_drafter_killed_mid_request_completes(pair, tiny_mtp_model, link):
+    stub = await pair.start(tiny_mtp_model, drafter_settings={"planner": "mtp"}, drafter_deadline_ms=200, link=link)
     req = request(PROMPT, 120, temperature=0.8, seed=4)
     call = stub.Generate(req)
     tokens = list((await call.read()).token_ids)

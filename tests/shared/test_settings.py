@@ -46,6 +46,8 @@ def test_none_unsets_an_optional_setting_as_help_shows_its_default():
         (["--max-draft-tokens", "20"], {}, "max_draft_tokens 20 must lie in [0, max_draft_tokens_limit = 16]"),
         (["--tls-cert", "c.pem"], {}, "tls_cert and tls_key must be given together"),
         (["--drafter-deadline-ms", "nan"], {}, "drafter_deadline_ms nan must be finite"),
+        (["--drafter-socket", "/tmp/d.sock"], {}, "drafter_socket needs drafter too"),
+        (["--drafter", "127.0.0.1:1", "--drafter-socket", ""], {}, "drafter_socket must not be empty"),
     ],
 )
 def test_bad_verifier_settings_are_named(argv, environ, message):
@@ -58,7 +60,8 @@ def test_bad_verifier_settings_are_named(argv, environ, message):
     "argv,message",
     [(["--planner", "random"], "planner 'random' must be adaptive, mtp or suffix"),
      (["--moce-scale", "-1"], "moce_scale -1.0 must be finite and > 0"),
-     (["--device", "tpu"], "device 'tpu' must be cpu, cuda or cuda:N")],
+     (["--device", "tpu"], "device 'tpu' must be cpu, cuda or cuda:N"),
+     (["--local-socket", ""], "local_socket must not be empty")],
 )
 def test_bad_drafter_settings_are_named(argv, message):
     with pytest.raises(ValueError) as error:

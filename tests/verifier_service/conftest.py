@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import pytest
@@ -12,8 +15,10 @@ import torch
 from kernels.retention import RetentionPolicy
 from kernels.sampling import SamplingParams, SparseRows, draw
 from kernels.speculative import Gate, Mode
+from shared.local_stream import LocalStreamServer
 from shared.model import ModelConfig, load_model
 from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from shared.service import MAX_MESSAGE_BYTES
 from verifier_service.requests import RequestSpec
 from verifier_service.server import VerifierServer
 from verifier_service.settings import VerifierSettings
@@ -104,14 +109,17 @@ def sampled_chain(state: DrafterState, q: dict[int, float], k: int):
 
 
 class Servers:
-    """A verifier (and optionally a scripted drafter) on real loopback ports."""
+    """A verifier (and optionally a scripted drafter) on real loopback ports; link "local": the
+    drafter's Draft streams on a Unix socket too, and the verifier's over it (--drafter-socket)."""
 
     def __init__(self):
         self.verifier: VerifierServer | None = None
         self.drafter_server = None
+        self.local: LocalStreamServer | None = None
         self.channel = None
 
-    async def start(self, model, /, *, drafter: ScriptedDrafter | None = None, tokenizer=None, **settings):
+    async def start(self, model, /, *, drafter: ScriptedDrafter | None = None, tokenizer=None, link="grpc",
+                    **settings):
         target = None
         if drafter is not None:
             self.drafter_server = grpc.aio.server()
@@ -119,6 +127,11 @@ class Servers:
             port = self.drafter_server.add_insecure_port("127.0.0.1:0")
             await self.drafter_server.start()
             target = f"127.0.0.1:{port}"
+            if link == "local":  # (a short path: a Unix socket's is at most 107 bytes)
+                settings["drafter_socket"] = f"{tempfile.mkdtemp(prefix='tandem-test-')}/d.sock"
+                self.local = LocalStreamServer(settings["drafter_socket"], drafter.Draft, drafter_pb2.DraftUp,
+                                               limit=MAX_MESSAGE_BYTES)
+                await self.local.start()
         # A fixed generous deadline unless a test sets one: the adaptive deadline (recent p95
         # + 5 ms) turns a slow CPU moment into a plain round — correct, but it makes "no
         # faults" assertions flaky on a loaded 2-core machine.
@@ -139,6 +152,9 @@ class Servers:
             await self.verifier.stop(0)
         if self.drafter_server is not None:
             await self.drafter_server.stop(0)
+        if self.local is not None:
+            await self.local.close()
+            shutil.rmtree(Path(self.local.path).parent, ignore_errors=True)
 
 
 @pytest.fixture

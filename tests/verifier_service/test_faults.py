@@ -56,8 +56,9 @@ async def test_malformed_chains_are_dropped(servers, tiny_model, kind, mode):
     assert final.stats.retained == 0 and all(r.retained == 0 for r in rounds)
 
 
-async def test_a_stalled_drafter_costs_plain_rounds(servers, tiny_model):
-    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(lambda s: STALL), drafter_deadline_ms=30)
+@pytest.mark.parametrize("link", ["grpc", "local"])
+async def test_a_stalled_drafter_costs_plain_rounds(servers, tiny_model, link):
+    stub = await servers.start(tiny_model, drafter=ScriptedDrafter(lambda s: STALL), drafter_deadline_ms=30, link=link)
     req = request(PROMPT, 5, temperature=0.9, seed=3)
     tokens, final, rounds = await generate(stub, req)
     req.speculation.disable = True
@@ -67,14 +68,15 @@ async def test_a_stalled_drafter_costs_plain_rounds(servers, tiny_model):
     assert all(25 <= r.draft_wait_ms < 1000 for r in rounds)
 
 
-async def test_stream_closed_mid_request_resyncs_and_completes(servers, tiny_model):
+@pytest.mark.parametrize("link", ["grpc", "local"])
+async def test_stream_closed_mid_request_resyncs_and_completes(servers, tiny_model, link):
     def propose(state):
         if drafter.sessions.index(state) == 0 and state.round_id == 2:
             return CLOSE
         return chain(state, [1])
 
     drafter = ScriptedDrafter(propose)
-    stub = await servers.start(tiny_model, drafter=drafter)
+    stub = await servers.start(tiny_model, drafter=drafter, link=link)
     req = request(PROMPT, 8, temperature=0.9, seed=5)
     tokens, final, _ = await generate(stub, req)
     req.speculation.disable = True

@@ -25,16 +25,19 @@ ALPHA = 1e-3
 IN_FLIGHT = 32  # requests at once (the verifier's max_sessions; each one's draws are its own)
 
 
+@pytest.mark.parametrize("link", ["grpc", "local"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-async def test_exact_mode_identical_with_and_without_drafter(servers, tiny_model, temperature, greedy_continuation):
+async def test_exact_mode_identical_with_and_without_drafter(servers, tiny_model, temperature, link,
+                                                             greedy_continuation):
     q = {t: 1 / 8 for t in range(0, 96, 12)}
     drafter = ScriptedDrafter(lambda s: sampled_chain(s, q, 3) if s.round_id % 3 else chain(
         s, greedy_continuation(tiny_model, s.tokens, 3)))
-    stub = await servers.start(tiny_model, drafter=drafter)
+    stub = await servers.start(tiny_model, drafter=drafter, link=link)
     for final in await drafted_as_plain(stub, PROMPT, 20, temperature=temperature, seeds=range(4)):
         assert final.stats.accepted > 0 and final.stats.proposed > 0
         assert final.stats.rounds < 20  # drafts were really accepted
         assert final.stats.drafter_faults == 0
+    assert (servers.local.served if servers.local else 0) == (4 if link == "local" else 0)
 
 
 async def run_many(stub, make_request, n):

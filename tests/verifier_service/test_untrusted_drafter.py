@@ -50,8 +50,9 @@ def test_the_chain_queue_is_bounded_and_drops_the_oldest():
     assert all(r >= 5 for r in kept)  # the newest usable ones
 
 
-async def test_a_flooding_drafter_costs_nothing_but_its_chains(servers, tiny_model):
-    stub = await servers.start(tiny_model, drafter=Flooder(burst=500), max_draft_tokens=4)
+@pytest.mark.parametrize("link", ["grpc", "local"])
+async def test_a_flooding_drafter_costs_nothing_but_its_chains(servers, tiny_model, link):
+    stub = await servers.start(tiny_model, drafter=Flooder(burst=500), max_draft_tokens=4, link=link)
     req = request(PROMPT, 12, temperature=0.9, seed=2)
     tokens, final, _ = await generate(stub, req)
     req.speculation.disable = True
@@ -134,12 +135,13 @@ def oversized(state, kind):
     return chain(state, drafts, q_rows=[q_row({t: 1 / 100_000 for t in range(100_000)})] * 2)
 
 
+@pytest.mark.parametrize("link", ["grpc", "local"])
 @pytest.mark.parametrize("kind", ["10,000 confidences", "64 q rows for 2 drafts", "a 2.6 MB message"])
-async def test_oversized_chains_are_faults_and_cost_nothing_else(servers, tiny_model, kind):
+async def test_oversized_chains_are_faults_and_cost_nothing_else(servers, tiny_model, kind, link):
     """Chains bigger than a valid one are dropped (a fault each; a message past the link's limit
     breaks the stream, which reopens): every round goes plain, the output is decoding's own."""
     stub = await servers.start(tiny_model, drafter=ScriptedDrafter(lambda state: oversized(state, kind)),
-                               max_draft_tokens=4, drafter_deadline_ms=200.0)
+                               max_draft_tokens=4, drafter_deadline_ms=200.0, link=link)
     req = request(PROMPT, 5, temperature=0.9, seed=2)
     tokens, final, rounds = await generate(stub, req)
     req.speculation.disable = True
