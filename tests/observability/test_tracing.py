@@ -24,15 +24,18 @@ def spans():
     return exporter
 
 
-async def test_one_trace_from_client_to_drafter(spans, tiny_mtp_model):
+@pytest.mark.parametrize("link", ["grpc", "local"])
+async def test_one_trace_from_client_to_drafter(spans, tiny_mtp_model, link):
+    """Over either link: the drafter's proposals join the request's trace by the context each
+    message carries (a local stream has no gRPC instrumentation to carry it)."""
     pair = Pair()
     try:
-        await pair.start(tiny_mtp_model, drafter_settings={"planner": "mtp"})
+        await pair.start(tiny_mtp_model, drafter_settings={"planner": "mtp"}, link=link)
         port = pair.verifier.port
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:  # instrumented client
             stub = verifier_pb2_grpc.VerifierStub(channel)
             req = request([3, 14, 15, 92, 65], 12, temperature=0.8, seed=1)
-            req.request_id = "trace-me"
+            req.request_id = f"trace-me-{link}"
             with telemetry.tracer("test-client").start_as_current_span("client") as client_span:
                 final = None
                 async for event in stub.Generate(req):
@@ -51,7 +54,7 @@ async def test_one_trace_from_client_to_drafter(spans, tiny_mtp_model):
     generate = by_name["Generate"][0]
     a = generate.attributes
     stats = final.stats
-    assert a["tandem.request_id"] == "trace-me"
+    assert a["tandem.request_id"] == f"trace-me-{link}"
     assert a["tandem.completion_tokens"] == stats.completion_tokens == 12
     assert a["tandem.rounds"] == stats.rounds == len(by_name["round"])
     assert a["tandem.accepted"] == stats.accepted == sum(r.attributes["tandem.accepted"] for r in by_name["round"])
@@ -72,14 +75,14 @@ async def test_one_trace_from_client_to_drafter(spans, tiny_mtp_model):
     assert drafted and all(r.attributes["tandem.bytes_down"] > 0 for r in drafted)
     proposals = by_name["propose"]
     assert len(proposals) >= stats.rounds - 1
-    assert all(p.attributes["tandem.request_id"] == "trace-me" for p in proposals)
+    assert all(p.attributes["tandem.request_id"] == f"trace-me-{link}" for p in proposals)
     # each proposal hangs under a verifier span of the same trace (open: Generate; commits: rounds)
     verifier_span_ids = {s.context.span_id for s in by_name["round"]} | {generate.context.span_id}
     assert all(p.parent.span_id in verifier_span_ids for p in proposals)
     # the request's record (its output for the drafter's index), sent after its end, joins it too
     (record,) = by_name["record"]
     assert record.parent.span_id == generate.context.span_id
-    assert record.attributes["tandem.request_id"] == "trace-me" and record.attributes["tandem.output_tokens"] >= 12
+    assert record.attributes["tandem.request_id"] == f"trace-me-{link}" and record.attributes["tandem.output_tokens"] >= 12
 
 
 def test_tracing_off_installs_nothing():
