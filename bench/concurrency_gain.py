@@ -1,8 +1,8 @@
 """What concurrent requests gain over one at a time, as a newcomer runs tandem (issue 35's CPU bar).
 
 The service pair with its default flags (tandem's drafter: MTP and suffix drafts; the verifier
-as `scripts/demo` starts it) on the embedded model, and N mixed requests — even indices greedy,
-odd ones sampled (temperature 0.8, top-p 0.95, seed = index) — over the built-in code prompts.
+as `scripts/demo` starts it, Draft streams on the drafter's Unix socket unless --link grpc) on
+the embedded model, and N mixed requests — even indices greedy, odd ones sampled (temperature 0.8, top-p 0.95, seed = index) — over the built-in code prompts.
 Each block runs the N requests alone (one after another) and together (all N at once), in
 alternating order. Reported per block: one request's tokens/s (the alone phase's tokens over its
 summed walls), the together phase's aggregate tokens/s (its tokens over its wall), their ratio,
@@ -13,7 +13,7 @@ The claim is the median of the blocks' ratios. With --baseline-tree the same is 
 from another checkout first (services from that tree), alternating trees per block.
 
     python bench/concurrency_gain.py [--device cpu] [--requests 8] [--max-new-tokens 64] [--blocks 3]
-        [--baseline-tree /tmp/base]
+        [--link local|grpc] [--baseline-tree /tmp/base [--baseline-link grpc|local]]
 """
 
 from __future__ import annotations
@@ -88,6 +88,14 @@ class Pair(ServicePair):
                 "wait_ms": sum(stats["wait_ms"] for _, _, stats in results), "cpu": cpu}
 
 
+def link_args(link: str, socket: Path) -> tuple[list[str], list[str]]:
+    """(verifier flags, drafter flags) of a pair's drafter link: "local" as `tandem demo` starts
+    the pair (Draft streams on the drafter's Unix socket), "grpc" over its port."""
+    if link == "grpc":
+        return [], []
+    return [f"--drafter-socket={socket}"], [f"--local-socket={socket}"]
+
+
 async def main_async(args) -> None:
     from shared.model.registry import resolve_model
 
@@ -98,9 +106,12 @@ async def main_async(args) -> None:
     pairs: list[Pair] = []
     try:
         if args.baseline_tree:
+            v_args, d_args = link_args(args.baseline_link, workdir / "baseline.sock")
             pairs.append(Pair("baseline", children, model_dir, args.device, Path(args.baseline_tree),
-                              args.baseline_verifier_arg, args.baseline_drafter_arg))
-        pairs.append(Pair("this-tree", children, model_dir, args.device, None, args.verifier_arg, args.drafter_arg))
+                              [*v_args, *args.baseline_verifier_arg], [*d_args, *args.baseline_drafter_arg]))
+        v_args, d_args = link_args(args.link, workdir / "this-tree.sock")
+        pairs.append(Pair("this-tree", children, model_dir, args.device, None, [*v_args, *args.verifier_arg],
+                          [*d_args, *args.drafter_arg]))
         log("starting services ...")
         for pair in pairs:
             await pair.ready()
@@ -137,7 +148,8 @@ async def main_async(args) -> None:
         children.stop()
     print(f"\n### concurrency_gain: {datetime.date.today()}, {platform.node()}, device {args.device}, "
           f"model {model_dir.name}, {len(prompts)} requests (greedy and sampled alternating), "
-          f"{args.max_new_tokens} new tokens, verifier flags: this tree {' '.join(args.verifier_arg) or 'defaults'}"
+          f"{args.max_new_tokens} new tokens, links: this tree {args.link}"
+          + (f", baseline {args.baseline_link}" if args.baseline_tree else "") + f"; verifier flags: this tree {' '.join(args.verifier_arg) or 'defaults'}"
           + (f", baseline {' '.join(args.baseline_verifier_arg) or 'defaults'}" if args.baseline_tree else "")
           + (f"; drafter flags: this tree {' '.join(args.drafter_arg) or 'defaults'}"
              + (f", baseline {' '.join(args.baseline_drafter_arg) or 'defaults'}" if args.baseline_tree else "")
@@ -176,6 +188,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads per service (0: torch's default)")
+    parser.add_argument("--link", default="local", choices=("local", "grpc"),
+                        help="this tree's drafter link: local (as `tandem demo` starts the pair) or grpc")
+    parser.add_argument("--baseline-link", default="grpc", choices=("local", "grpc"),
+                        help="the baseline's (grpc: a tree before session 40 has no local socket)")
     parser.add_argument("--baseline-tree", default=None, help="another checkout, measured alongside (may be this one)")
     parser.add_argument("--verifier-arg", action="append", default=[], help="a verifier flag for this tree (repeat)")
     parser.add_argument("--baseline-verifier-arg", action="append", default=[], help="a verifier flag for the baseline (repeat)")
