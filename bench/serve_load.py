@@ -23,7 +23,9 @@ change) on the same weights and drafter, runs every closed-loop arm too, the two
 alternating block by block (order reversed each block); the report adds this / that per arm
 (median of per-block ratios of output tokens/s, and of TPOT p50). --other-arg FLAG (repeatable)
 gives the second verifier flags of its own, from this tree when no --against-tree is given
-(e.g. `--other-arg=--quantize --other-arg=fp8`: FP8 against the defaults at each concurrency).
+(e.g. `--other-arg=--quantize --other-arg=fp8`: FP8 against the defaults at each concurrency);
+with --alpha, `--other-link local` pairs the drafter link over the replay drafter's Unix socket
+against gRPC (`--drafter-socket`, DESIGN §9).
 With --one-at-a-time only one of the two is up at a time (each block starts and stops each, in
 alternating order: two 30B verifiers do not fit an 80 GB GPU together).
 
@@ -187,6 +189,10 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampled requests at this temperature (top-p 0.95, a seed per prompt); 0 = greedy")
     parser.add_argument("--alpha", type=float, default=None, help="add a synthetic replay drafter at this acceptance")
+    parser.add_argument("--link", default="grpc", choices=("grpc", "local"),
+                        help="with --alpha: the verifier's Draft streams over gRPC or the drafter's Unix socket")
+    parser.add_argument("--other-link", default="grpc", choices=("grpc", "local"),
+                        help="the same for the second verifier (--other-link local alone pairs the two links)")
     parser.add_argument("--draft-tokens", type=int, default=4, help="max_draft_tokens of the speculative requests")
     parser.add_argument("--blocks", type=int, default=1, help="repeats of the whole concurrency sweep")
     parser.add_argument("--max-position-embeddings", type=int, default=0,
@@ -225,7 +231,9 @@ def main() -> None:
     verifier_argv = argv_for(port, metrics_port)
     other_port, other_metrics_port = free_port(), free_port()
     other_argv = argv_for(other_port, other_metrics_port) + args.other_arg
-    paired = args.against_tree is not None or bool(args.other_arg)
+    paired = args.against_tree is not None or bool(args.other_arg) or args.other_link != args.link
+    if args.other_link != args.link and args.alpha is None:
+        parser.error("--link / --other-link choose the replay drafter's link: give --alpha")
     if args.one_at_a_time and not paired:
         parser.error("--one-at-a-time pairs two verifiers: give --against-tree or --other-arg")
     if args.one_at_a_time and rates:
@@ -238,12 +246,16 @@ def main() -> None:
             reference_path.write_text(json.dumps({"references": results.pop("references"),
                                                   "vocab_size": shapes["vocab_size"]}))
             drafter_port = free_port()
+            link = workdir / "replay.sock"  # (its Draft streams on a Unix socket too: --link / --other-link local)
             children.start("replay-drafter", [sys.executable, str(Path(__file__).parent / "replay_drafter.py"),
                                               "--port", str(drafter_port), "--reference", str(reference_path),
-                                              "--alpha", str(args.alpha), "--vocab-size", str(shapes["vocab_size"])])
+                                              "--alpha", str(args.alpha), "--vocab-size", str(shapes["vocab_size"]),
+                                              "--local-socket", str(link)])
             asyncio.run(children.wait_serving("replay-drafter", f"127.0.0.1:{drafter_port}", timeout=120))
-            verifier_argv += ["--drafter", f"127.0.0.1:{drafter_port}"]
-            other_argv += ["--drafter", f"127.0.0.1:{drafter_port}"]
+            verifier_argv += ["--drafter", f"127.0.0.1:{drafter_port}",
+                              *(["--drafter-socket", str(link)] if args.link == "local" else [])]
+            other_argv += ["--drafter", f"127.0.0.1:{drafter_port}",
+                           *(["--drafter-socket", str(link)] if args.other_link == "local" else [])]
         # key prefix -> (child name, argv, tree, port, metrics port)
         verifiers = {"": ("verifier", verifier_argv, None, port, metrics_port)}
         if paired:
