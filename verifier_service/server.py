@@ -261,7 +261,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                     link = DrafterLink(self.draft_stub, self.deadlines, security.bearer_metadata(self.settings.drafter_token),
                                        self.drafter_health)
                 governor = Governor(self.governor_settings, self.ledgers, drafting=link is not None,
-                                    load=self.round_load(), sampled=not spec.sampling.greedy) \
+                                    load=self.round_load(), sampled=not spec.sampling.greedy,
+                                    max_tokens=spec.max_new_tokens) \
                     if self.settings.governor else None
                 if link is not None and (governor is None or governor.next_speculates):  # else at its first probe
                     await link.open(open_message(session, 0, self.settings.draft_ahead), trace_context())

@@ -7,7 +7,9 @@ round's start (wait, verify, streaming: everything) per committed token. Specula
 are compared with plain ones:
 
 - a request starts speculating, unless the server's recent rounds say speculation does not
-  pay (then it starts plain, detached); while they do not say either way yet (a fresh
+  pay, or say it pays too little a token for the tokens the request may still commit to repay
+  the drafter's opening (the first speculative round's loss: the stream's open and the
+  drafter's catch-up) — then it starts plain, detached; while they do not say either way yet (a fresh
   server, a new drafter), at most `max_explorers` requests at a time speculate to find out and
   the others start plain, looking again every few rounds: a drafter that does not pay is then
   learned by a few requests, not paid for by every request that arrives together (their plain
@@ -75,9 +77,11 @@ class Governor:
     the tokens it committed (its cost is closed by the next `begin`)."""
 
     def __init__(self, settings: GovernorSettings, ledgers: Ledgers, drafting: bool = True,
-                 load: Load = Load.ALONE, sampled: bool = False) -> None:
+                 load: Load = Load.ALONE, sampled: bool = False, max_tokens: int | None = None) -> None:
         self.settings = settings
         self.ledgers = ledgers
+        self.max_tokens = max_tokens  # the most tokens the request may commit (None: no bound known)
+        self.committed = 0  # tokens its rounds committed so far
         self.sampled = sampled  # (its ledgers are the sampled requests')
         self.drafting = drafting  # False: the request never drafts; its plain rounds still teach the ledger
         self.speculative = CostWindow(settings.window)
@@ -106,6 +110,8 @@ class Governor:
         self.load, self.ledger = load, self.ledgers[load, self.sampled]  # (the ledger its estimates and decisions use)
         self.exploring = self.awaiting = False
         verdict = self.ledger.pays() if self.drafting else False
+        if verdict is True and not self._repays_opening():
+            verdict = False  # (as a detached request: a probe may still come, paid from the budget)
         if verdict is None:
             self.exploring = self.ledger.explore()
             self.awaiting = not self.exploring
@@ -166,6 +172,7 @@ class Governor:
         """The current round committed `tokens`, cost the other lanes `cost_to_others_s` and was
         made longer by them by `cost_from_others_s` (RoundOutcome's fields of those names)."""
         self.tokens = tokens
+        self.committed += tokens
         self.cost_to_others_s = cost_to_others_s
         self.cost_from_others_s = cost_from_others_s
 
@@ -199,6 +206,21 @@ class Governor:
         """Seconds per committed token: the request's own recent rounds, else the server's."""
         own, server = (self.speculative, self.ledger.speculative) if speculative else (self.plain, self.ledger.plain)
         return own.per_token() if len(own) else server.per_token()
+
+    def _repays_opening(self) -> bool:
+        """Whether the tokens this request may still commit can repay the drafter's opening (what
+        a speculative phase's first round loses: the stream's open and the drafter's catch-up) at
+        the per-token saving speculation has shown. The verdict that speculation pays is per
+        token, and a tie within the margin counts as paying: a short request, or one whose
+        drafts only tie, would pay the opening and never get it back (on a 2-core CPU, 64-token
+        requests lost 9–31% so: docs/PERFORMANCE.md, session 40)."""
+        opening = self.ledger.opening_excess_s
+        if self.max_tokens is None or opening <= 0:
+            return True
+        speculative, plain = self.estimate(True), self.estimate(False)
+        if speculative is None or plain is None:
+            return True
+        return (plain - speculative) * max(self.max_tokens - self.committed, 0) >= opening
 
     def _slower(self, plain: float) -> bool:
         """Whether speculating is slower than plain decoding (by the margin, beyond noise)."""
@@ -269,7 +291,7 @@ class Governor:
             self.phase_rounds = 0  # look again in verdict_rounds
             return
         self.awaiting = False
-        if verdict is False:
+        if verdict is False or (verdict is True and not self._repays_opening()):
             self._switch(False, self.settings.min_hold)
             return
         self.exploring = verdict is None

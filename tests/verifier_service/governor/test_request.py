@@ -397,3 +397,39 @@ def test_one_request_rechecks_at_a_time_and_an_ended_one_gives_the_place_back():
     assert not ledgers[ALONE, False].rechecking and ledgers[ALONE, False].since_plain == 0
     ledgers[ALONE, False].since_plain = settings.recheck_rounds
     assert ledgers[ALONE, False].take_recheck()
+
+
+def server_ledgers(plain_s: float, speculative_s: float, opening_s: float) -> Ledgers:
+    """Ledgers whose alone greedy rounds say: plain costs `plain_s` a token, a speculative round
+    commits 3 tokens in `speculative_s`, opening the drafter loses `opening_s`."""
+    ledgers = Ledgers(SETTINGS)
+    ledger = ledgers[ALONE, False]
+    for _ in range(8):
+        ledger.plain.add(plain_s, 1)
+        ledger.speculative.add(speculative_s, 3)
+    ledger.opening_excess_s = opening_s
+    return ledgers
+
+
+def test_a_request_too_short_to_repay_the_drafter_s_opening_starts_plain():
+    """Speculation pays 0.5 ms a token (2.5 against 3) and opening the drafter loses 20 ms: a
+    request of 64 tokens repays it (32 ms), one of 30 cannot (15 ms) and starts plain; one with
+    no bound known speculates as before."""
+    ledgers = server_ledgers(0.003, 0.0075, 0.020)
+    assert ledgers[ALONE, False].pays()
+    assert Governor(SETTINGS, ledgers, max_tokens=64).next_speculates
+    assert not Governor(SETTINGS, ledgers, max_tokens=30).next_speculates
+    assert Governor(SETTINGS, ledgers).next_speculates
+    # drafts that only tie (3 ms a token either way) count as paying, yet repay no opening at all
+    tie = server_ledgers(0.003, 0.009, 0.001)
+    assert tie[ALONE, False].pays() and not Governor(SETTINGS, tie, max_tokens=4096).next_speculates
+    tie[ALONE, False].opening_excess_s = 0.0  # no opening cost seen: a tie speculates as before
+    assert Governor(SETTINGS, tie, max_tokens=4096).next_speculates
+
+
+def test_the_tokens_left_decide_as_the_request_goes_on():
+    """The bound is the tokens the request has left, not those it started with."""
+    governor = Governor(SETTINGS, server_ledgers(0.003, 0.0075, 0.020), max_tokens=100)
+    assert governor._repays_opening()  # 50 ms >= 20
+    run(governor, 1, lambda speculative: (0.0075, 70) if speculative else (0.003, 70))  # a round of 70 tokens
+    assert governor.committed == 70 and not governor._repays_opening()  # 15 ms < 20
