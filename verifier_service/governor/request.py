@@ -212,8 +212,8 @@ class Governor:
         a speculative phase's first round loses: the stream's open and the drafter's catch-up) at
         the per-token saving speculation has shown. The verdict that speculation pays is per
         token, and a tie within the margin counts as paying: a short request, or one whose
-        drafts only tie, would pay the opening and never get it back (on a 2-core CPU, 64-token
-        requests lost 9–31% so: docs/PERFORMANCE.md, session 40)."""
+        drafts only tie, would pay the opening and never get it back (docs/PERFORMANCE.md,
+        session 40)."""
         opening = self.ledger.opening_excess_s
         if self.max_tokens is None or opening <= 0:
             return True
