@@ -1,12 +1,11 @@
 """A bidirectional message stream between two processes of one host, over a Unix-domain socket
-and without gRPC: the drafter link's same-host transport (DESIGN §9, "The drafter link").
+and without gRPC: the drafter link's same-host transport (DESIGN §9, "The same-host link").
 
 A gRPC stream's round trip costs more than twice what length-prefixed frames on a Unix socket
 cost (bench/link_floor.py, docs/PERFORMANCE.md: HTTP/2 and gRPC's own machinery, not the
 socket), and a speculative round pays it once. Where the drafter runs beside the verifier, the
-Draft stream can take this path;
-the messages are the same protobuf messages, and everything else (Record, health, metrics,
-trace context inside the messages) stays on gRPC.
+Draft stream can take this path; the messages are the same protobuf messages, and everything
+else (Record, health, metrics, trace context inside the messages) stays on gRPC.
 
 One connection is one stream, with gRPC's semantics as the two sides use them:
 
