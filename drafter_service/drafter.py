@@ -84,11 +84,8 @@ class Drafter:
     # -- a session's life: open (worker), commit (loop), settle (loop or worker) ------------------
 
     def open(self, message: drafter_pb2.DraftOpen, snapshot: Estimates | None = None) -> DraftSession:
-        """A new session (worker: its MTP slot). The prompt's rows join the session's MTP debt
-        rather than running at once: a first chain from the suffix index goes out without them
-        (the debt is paid after it, while the verifier verifies), an MTP chain pays it in its own
-        job, batched with other sessions' work — the same forwards either way. `snapshot`:
-        snapshot_for(its id), which the service takes on the loop (None: taken here)."""
+        """A new session (worker: the prompt's MTP catch-up). `snapshot`: snapshot_for(its id),
+        which the service takes on the loop (None: taken here)."""
         if snapshot is None:
             snapshot = self.snapshot_for(message.session_id)
         sampling, mode, gate, policy = session_params(message)
@@ -107,7 +104,11 @@ class Drafter:
             if hidden.shape[0] != len(tokens) - 1:
                 raise ValueError(f"open.hidden has {hidden.shape[0]} rows for {len(tokens)} tokens (need {len(tokens) - 1})")
             mtp_state = self.mtp.new_state(length)
-            self.mtp.defer(mtp_state, hidden, tokens[1:])
+            try:
+                self.mtp.catch_up(mtp_state, hidden, tokens[1:])
+            except BaseException:
+                self.mtp.release(mtp_state)
+                raise
         return DraftSession(
             session_id=message.session_id, sampling=sampling, seed=message.sampling.seed, mode=mode, gate=gate,
             coupled=message.speculation.coupled, policy=policy, max_drafts=max_drafts,
