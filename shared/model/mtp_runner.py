@@ -5,7 +5,8 @@ the rows of several sessions in one call — the MTP half of shared.model.runner
   draft rows back with `truncate`), `release(slot)` gives it back;
 - `run(items)` appends each item's rows (hidden [m, H]: trunk final-norm rows or the MTP's own
   output when chaining; the token after each [m]) to its slot and returns, per item, logits
-  [m, vocab] (the token after next) and the MTP output hidden [m, H].
+  (the token after next) whose last row is its last row's — [m, vocab], or [1, vocab] where the
+  runner computed that row's alone — and the MTP output hidden [m, H].
 
 Two runners. `PooledMtpRunner` (the fused path): every session's rows live in one paged pool
 (a slot each) and one call's items run as one ragged forward; the kernels are row-invariant, so
@@ -185,10 +186,13 @@ class PooledMtpRunner:
         )
         hidden = torch.cat([items[i].hidden.to(device) for i in indices])
         ids = torch.cat([items[i].next_token_ids.to(device) for i in indices])
+        # logits of each item's last row only: its next draft reads no other (a catch-up's rows
+        # would otherwise pay the lm_head, the layer's largest product, for nothing)
+        last = None if starts[-1] == len(indices) else torch.tensor(starts[1:], device=device) - 1
         logits, out = self.fused.forward_mtp(hidden, ids, rows, self.pool.paged(),
-                                             routing=draft_routing(self.routing, ids.shape[0], device))
-        for index, start, end in zip(indices, starts, starts[1:]):
-            results[index] = (logits[start:end], out[start:end])
+                                             routing=draft_routing(self.routing, ids.shape[0], device), logit_rows=last)
+        for k, (index, start, end) in enumerate(zip(indices, starts, starts[1:])):
+            results[index] = (logits[start:end] if last is None else logits[k : k + 1], out[start:end])
 
     def _step(self, items: list[MtpRows]) -> list[tuple[Tensor, Tensor]] | None:
         """A chain step (one row a session) by its session count's graph; None where that count

@@ -137,6 +137,19 @@ def test_fused_mtp_matches_reference(model, fused, moce):
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
 
 
+def test_fused_mtp_logits_of_chosen_rows_are_those_rows_bits(model, fused):
+    """logit_rows: the lm_head on those rows alone gives each the bits it has among all rows (a
+    catch-up reads only its last row's logits, shared.model.mtp_runner)."""
+    ids = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(2))
+    _, hidden = model(ids, model.new_cache(16))
+    every, out = fused.forward_mtp(hidden[:11], ids[1:], Rows.window(0, 11, 0, "cpu"), model.new_mtp_cache(16).paged())
+    chosen = torch.tensor([3, 10])
+    some, same_out = fused.forward_mtp(hidden[:11], ids[1:], Rows.window(0, 11, 0, "cpu"),
+                                       model.new_mtp_cache(16).paged(), logit_rows=chosen)
+    assert some.shape == (2, every.shape[1])
+    assert torch.equal(some, every[chosen]) and torch.equal(same_out, out)
+
+
 def test_window_runner_decodes_like_the_reference(model, fused):
     """Greedy decoding through FusedRunner over a paged pool slot (blocks of 4, shuffled by an
     earlier tenant) equals the reference, and a verify window's rows agree with the single-row

@@ -395,16 +395,17 @@ class HybridFused(LayerwiseForward):
 
     @torch.inference_mode()
     def forward_mtp(self, hidden: Tensor, next_token_ids: Tensor, rows: Rows, kv: PagedKV,
-                    routing: RoutingOptions | None = None) -> tuple[Tensor, Tensor]:
-        """MTP rows (see Qwen3NextModel.forward_mtp): logits [T, vocab] float32, MTP output
-        hidden [T, hidden]; kv: the MTP layer's paged cache (one layer); routing: MoCE on draft rows."""
+                    routing: RoutingOptions | None = None, logit_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """MTP rows (see Qwen3NextModel.forward_mtp): logits [T, vocab] float32 (logit_rows: of
+        those rows only, as the qwen3_moe family's), MTP output hidden [T, hidden]; kv: the MTP
+        layer's paged cache (one layer); routing: MoCE on draft rows."""
         mtp = self.model._require_mtp()
         layer, pdl = self.mtp_layer, self.pdl
         normed, residual = fused_mtp_inputs(mtp, self.model.embed_tokens(next_token_ids), hidden, layer.input_norm,
                                             layer.eps, centred=True, pdl=pdl)
         normed, _ = self.decoder_layer(layer, normed, residual, mtp.norm.weight, rows, kv, routing,
                                        None if self.mtp_offload is None else (self.mtp_offload, 0))
-        return self.logits(normed), normed
+        return self.logits(normed if logit_rows is None else normed.index_select(0, logit_rows)), normed
 
 
 def _ranks_table(num_experts: int, shard, device: torch.device) -> Tensor:

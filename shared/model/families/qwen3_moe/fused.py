@@ -360,9 +360,11 @@ class FusedModel(LayerwiseForward):
 
     @torch.inference_mode()
     def forward_mtp(self, hidden: Tensor, next_token_ids: Tensor, rows: Rows, kv: PagedKV,
-                    routing: RoutingOptions | None = None) -> tuple[Tensor, Tensor]:
-        """MTP rows (see Qwen3MoeModel.forward_mtp): logits [T, vocab] float32, MTP output hidden
-        [T, hidden]; kv: the MTP layer's paged cache (one layer)."""
+                    routing: RoutingOptions | None = None, logit_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """MTP rows (see Qwen3MoeModel.forward_mtp): logits [T, vocab] float32 (logit_rows: of
+        those rows only, [len(logit_rows), vocab]: a catch-up reads its last row's alone, and the
+        lm_head's row-invariant product gives that row the same bits), MTP output hidden [T,
+        hidden]; kv: the MTP layer's paged cache (one layer)."""
         model = self.model
         mtp = model._require_mtp()
         layer = self.mtp_layer
@@ -371,5 +373,6 @@ class FusedModel(LayerwiseForward):
                                             layer.eps, centred=False, pdl=pdl)
         normed, _ = self.decoder_layer(layer, normed, residual, mtp.norm.weight, rows, kv, routing,
                                        None if self.mtp_offload is None else (self.mtp_offload, 0))
-        return linear(normed, model.lm_head.weight, out_dtype=torch.float32, pdl=pdl), normed
+        heads = normed if logit_rows is None else normed.index_select(0, logit_rows)
+        return linear(heads, model.lm_head.weight, out_dtype=torch.float32, pdl=pdl), normed
 
