@@ -2,7 +2,8 @@
 
 The service pair with its default flags (tandem's drafter: MTP and suffix drafts; the verifier
 as `scripts/demo` starts it, Draft streams on the drafter's Unix socket unless --link grpc) on
-the embedded model, and N mixed requests — even indices greedy, odd ones sampled (temperature 0.8, top-p 0.95, seed = index) — over the built-in code prompts.
+the embedded model, and N mixed requests — even indices greedy, odd ones sampled (temperature
+0.8, top-p 0.95, seed = index) — over the built-in code prompts.
 Each block runs the N requests alone (one after another) and together (all N at once), in
 alternating order. Reported per block: one request's tokens/s (the alone phase's tokens over its
 summed walls), the together phase's aggregate tokens/s (its tokens over its wall), their ratio,
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pairbench import REPO  # noqa: E402  (puts the repository and protocol modules on sys.path)
 from pairbench.common import log  # noqa: E402
-from pairbench.services import Children, ServicePair  # noqa: E402
+from pairbench.services import Children, ServicePair, link_flags  # noqa: E402
 from pairbench.setups import code_prompts  # noqa: E402
 
 
@@ -88,14 +89,6 @@ class Pair(ServicePair):
                 "wait_ms": sum(stats["wait_ms"] for _, _, stats in results), "cpu": cpu}
 
 
-def link_args(link: str, socket: Path) -> tuple[list[str], list[str]]:
-    """(verifier flags, drafter flags) of a pair's drafter link: "local" as `tandem demo` starts
-    the pair (Draft streams on the drafter's Unix socket), "grpc" over its port."""
-    if link == "grpc":
-        return [], []
-    return [f"--drafter-socket={socket}"], [f"--local-socket={socket}"]
-
-
 async def main_async(args) -> None:
     from shared.model.registry import resolve_model
 
@@ -106,10 +99,10 @@ async def main_async(args) -> None:
     pairs: list[Pair] = []
     try:
         if args.baseline_tree:
-            v_args, d_args = link_args(args.baseline_link, workdir / "baseline.sock")
+            v_args, d_args = link_flags(args.baseline_link, workdir / "baseline.sock")
             pairs.append(Pair("baseline", children, model_dir, args.device, Path(args.baseline_tree),
                               [*v_args, *args.baseline_verifier_arg], [*d_args, *args.baseline_drafter_arg]))
-        v_args, d_args = link_args(args.link, workdir / "this-tree.sock")
+        v_args, d_args = link_flags(args.link, workdir / "this-tree.sock")
         pairs.append(Pair("this-tree", children, model_dir, args.device, None, [*v_args, *args.verifier_arg],
                           [*d_args, *args.drafter_arg]))
         log("starting services ...")

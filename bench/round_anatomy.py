@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pairbench import REPO  # noqa: E402  (puts the repository and protocol modules on sys.path)
 from pairbench.common import SHAPES, free_port, log  # noqa: E402
-from pairbench.services import Children  # noqa: E402
+from pairbench.services import Children, link_flags  # noqa: E402
 from pairbench.setups import text_prompts  # noqa: E402
 
 import verifier_service.request_rounds as rounds_module  # noqa: E402
@@ -201,6 +201,7 @@ async def main_async(args) -> None:
         model = load_model(model_dir, device=args.device, dtype=dtype, random_weights=bool(args.random_shapes),
                            parts="trunk")
         link = str(workdir / "d.sock") if args.link == "local" else None  # (shared.local_stream)
+        drafter_link = link_flags(args.link, workdir / "d.sock")[1]
         settings = VerifierSettings(port=0, device=args.device, drafter=f"127.0.0.1:{d_port}", drafter_socket=link,
                                     max_draft_tokens=args.max_draft_tokens, governor=False,
                                     max_sessions=max(8, *args.levels),
@@ -223,13 +224,11 @@ async def main_async(args) -> None:
                 {"prompt_ids": p, "token_ids": list(o.token_ids)} for p, o in zip(prompts, outs)]}))
             children.start("drafter", [sys.executable, str(REPO / "bench" / "replay_drafter.py"), "--port", str(d_port),
                                        "--reference", str(reference), "--alpha", str(args.alpha),
-                                       "--max-drafts", str(args.max_draft_tokens),
-                                       *(["--local-socket", link] if link else [])])
+                                       "--max-drafts", str(args.max_draft_tokens), *drafter_link])
         else:
             children.start("drafter", [sys.executable, "-m", "shared.cli", "drafter", "--model", str(model_dir),
                                        "--device", args.device, "--dtype", args.dtype, "--port", str(d_port),
-                                       "--planner", args.planner, "--global-index-mb", "0",
-                                       *(["--local-socket", link] if link else [])])
+                                       "--planner", args.planner, "--global-index-mb", "0", *drafter_link])
         await children.wait_serving("drafter", f"127.0.0.1:{d_port}", timeout=600)
         results: dict[int, dict] = {}
         for level in args.levels:

@@ -47,7 +47,7 @@ from urllib.request import urlopen
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pairbench.common import SHAPES, free_port, log  # noqa: E402  (puts the repo and protocol modules on sys.path)
-from pairbench.services import Children  # noqa: E402
+from pairbench.services import Children, link_flags  # noqa: E402
 
 from bench.model_baseline import SMALL  # noqa: E402
 import grpc  # noqa: E402
@@ -250,12 +250,10 @@ def main() -> None:
             children.start("replay-drafter", [sys.executable, str(Path(__file__).parent / "replay_drafter.py"),
                                               "--port", str(drafter_port), "--reference", str(reference_path),
                                               "--alpha", str(args.alpha), "--vocab-size", str(shapes["vocab_size"]),
-                                              "--local-socket", str(link)])
+                                              *link_flags("local", link)[1]])
             asyncio.run(children.wait_serving("replay-drafter", f"127.0.0.1:{drafter_port}", timeout=120))
-            verifier_argv += ["--drafter", f"127.0.0.1:{drafter_port}",
-                              *(["--drafter-socket", str(link)] if args.link == "local" else [])]
-            other_argv += ["--drafter", f"127.0.0.1:{drafter_port}",
-                           *(["--drafter-socket", str(link)] if args.other_link == "local" else [])]
+            verifier_argv += ["--drafter", f"127.0.0.1:{drafter_port}", *link_flags(args.link, link)[0]]
+            other_argv += ["--drafter", f"127.0.0.1:{drafter_port}", *link_flags(args.other_link, link)[0]]
         # key prefix -> (child name, argv, tree, port, metrics port)
         verifiers = {"": ("verifier", verifier_argv, None, port, metrics_port)}
         if paired:

@@ -313,17 +313,14 @@ class DrafterServer(ServiceServer):
     service_name = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 
     def __init__(self, settings: DrafterSettings, *, model=None) -> None:
-        interceptors = []
-        if settings.auth_token:
-            interceptors.append(security.BearerTokenInterceptor(settings.auth_token,
-                                                                protected_methods=(DRAFT_METHOD, RECORD_METHOD)))
-        super().__init__(settings, interceptors=interceptors)
+        token = security.BearerTokenInterceptor(settings.auth_token, protected_methods=(DRAFT_METHOD, RECORD_METHOD)) \
+            if settings.auth_token else None
+        super().__init__(settings, interceptors=[token] if token else [])
         self.service = DrafterService(settings, model=model)
         self.local: LocalStreamServer | None = None
-        if settings.local_socket:
-            check = interceptors[0].check if interceptors else None
+        if settings.local_socket:  # (the same token, checked on a local stream's metadata)
             self.local = LocalStreamServer(settings.local_socket, self.service.Draft, drafter_pb2.DraftUp,
-                                           limit=MAX_MESSAGE_BYTES, check=check)
+                                           limit=MAX_MESSAGE_BYTES, check=token.check if token else None)
 
     async def start(self) -> int:
         port = await super().start()

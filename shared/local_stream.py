@@ -136,9 +136,6 @@ class LocalContext:
     def peer(self) -> str:
         return PEER
 
-    def invocation_metadata(self) -> list[tuple[str, str]]:
-        return list(self.metadata)
-
 
 Handler = Callable[[Any, LocalContext], AsyncIterator[Any]]
 

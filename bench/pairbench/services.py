@@ -98,6 +98,14 @@ class Children:
 # --- the byte-counting tap (real drafter) -------------------------------------------------
 
 
+def link_flags(link: str, socket: Path) -> tuple[list[str], list[str]]:
+    """(verifier flags, drafter flags) of a drafter link: "local" Draft streams on the drafter's
+    Unix socket `socket` (shared.local_stream, as `tandem demo` starts the pair), "grpc" its port."""
+    if link == "grpc":
+        return [], []
+    return ["--drafter-socket", str(socket)], ["--local-socket", str(socket)]
+
+
 class ServicePair:
     """A drafter and a verifier of one tree (another checkout's, or this one's: None) started as
     children, default flags plus `verifier_args` (and `drafter_args`); `ready()` waits until both
