@@ -1,4 +1,5 @@
-"""Speedup of speculation through the two services (verifier + drafter over loopback gRPC).
+"""Speedup of speculation through the two services (verifier + drafter over loopback gRPC, or
+the drafter's Unix socket: --link local).
 
 Method (DESIGN §7): interleaved paired blocks. Each block runs the same prompts and seeds
 once per arm — with speculation (the verifier configured with a drafter) and without (the
@@ -29,8 +30,10 @@ Also reported (all from the timed runs unless said otherwise):
   per-round host overhead): C1 = mean verify_ms of the plain arm's 1-row rounds, C(w) =
   mean verify_ms of the spec arm's w-row windows; ideal = (spec tokens / spec verify ms) /
   (plain tokens / plain verify ms), i.e. R / (C_mix / C1); fraction realised = measured
-  median ratio / ideal. Per k, R_k = 1 + sum_i prod_{j<=i} a_j from the measured per-step
-  acceptance a_j, and R_k / (C(k+1) / C1) where C(k+1) was measured.
+  median ratio / ideal; the same from each request's first tokens on ("from the first token":
+  tokens after the first event / the wall after it, both arms — the prompt's prefill, the same
+  work in both and left out of the ideal, weighs on short requests' ratio). Per k,
+  R_k = 1 + sum_i prod_{j<=i} a_j from the measured per-step acceptance a_j, and R_k / (C(k+1) / C1) where C(k+1) was measured.
 
 Setups:
   cpu-embedded (default)  tandem drafter + tandem verifier --drafter, embedded model, CPU
@@ -150,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch intra-op threads per service (OMP_NUM_THREADS); default 1 on CPU setups "
                              "(two services on a small shared CPU: OpenMP barriers stall under oversubscription), "
                              "torch's default on GPU setups; 0 = torch's default")
+    parser.add_argument("--link", default="grpc", choices=("grpc", "local"),
+                        help="the verifier's Draft streams: over gRPC, or the drafter's Unix socket (--drafter-socket, as "
+                             "`tandem demo` starts the pair); the tap pass stays on gRPC")
     parser.add_argument("--global-index", action="store_true", help="keep the drafter's cross-session suffix index")
     parser.add_argument("--no-tap", action="store_true", help="embedded setups: skip the tap pass (no bytes/compute)")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds a service gets to become SERVING")

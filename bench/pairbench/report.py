@@ -17,6 +17,15 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
 
 
+def decode_tps(records: list[dict]) -> float | None:
+    """Tokens/s from each request's first tokens on (its prompt's prefill left out: the same work in
+    both arms, which the verify-only ideal leaves out too); None without first-token times."""
+    if any(r.get("first_s") is None for r in records):
+        return None
+    seconds = sum(r["wall_s"] - r["first_s"] for r in records)
+    return sum(r["tokens"] - r["first_tokens"] for r in records) / seconds if seconds > 0 else None
+
+
 def block_ratios(records: list[dict], spec: Arm, plain: Arm, blocks: int) -> list[dict]:
     rows = []
     for block in range(blocks):
@@ -32,9 +41,11 @@ def block_ratios(records: list[dict], spec: Arm, plain: Arm, blocks: int) -> lis
             return sum(r["stats"]["completion_tokens"] for r in rs) / seconds if seconds else None
 
         ss, ps = server_tps(s), server_tps(p)
+        s_dec, p_dec = decode_tps(s), decode_tps(p)
         rows.append({
             "block": block, "spec_first": s[0]["position"] < p[0]["position"], "spec_tps": s_tps, "plain_tps": p_tps,
             "ratio": s_tps / p_tps, "server_ratio": ss / ps if ss and ps else None,
+            "decode_ratio": s_dec / p_dec if s_dec and p_dec else None,
         })
     return rows
 
@@ -82,6 +93,9 @@ def analyse(records: list[dict], spec: Arm, plain: Arm, blocks: int, k_max: int)
     p_tokens = sum(r["tokens"] for r in p_recs)
     ideal = (tokens / s_verify) / (p_tokens / p_verify) if s_verify and p_verify and p_tokens else None
     mid = statistics.median(ratios) if ratios else None
+    decode_ratios = [row["decode_ratio"] for row in per_block if row["decode_ratio"] is not None]
+    mid_decode = statistics.median(decode_ratios) if decode_ratios else None
+    s_decode_s = sum(r["wall_s"] - r["first_s"] for r in s_recs if r.get("first_s") is not None)
     # waits of the rounds that asked the drafter (the governor may have decoded the rest plainly)
     waits = [x["draft_wait_ms"] for x in s_rounds if x["round_id"] >= 1 and x.get("speculative", True)]
     identical = sum(
@@ -109,6 +123,11 @@ def analyse(records: list[dict], spec: Arm, plain: Arm, blocks: int, k_max: int)
         "plain_wall_ms_per_round": 1e3 * sum(r["wall_s"] for r in p_recs) / len(p_rounds) if p_rounds else None,
         "c1_ms": c1, "curve": curve, "ideal": ideal,
         "fraction_realised": mid / ideal if mid and ideal else None,
+        "median_decode_ratio": mid_decode,
+        "min_decode_ratio": min(decode_ratios) if decode_ratios else None,
+        "max_decode_ratio": max(decode_ratios) if decode_ratios else None,
+        "fraction_realised_decode": mid_decode / ideal if mid_decode and ideal else None,
+        "spec_decode_wall_ms_per_round": 1e3 * s_decode_s / rounds if rounds and s_decode_s else None,
         "identical_outputs": f"{identical}/{len(s_recs)}",
     }
 
@@ -122,19 +141,21 @@ def report(setup: str, header: dict, summaries: list[dict], costs: dict[str, dic
     out.append("")
     out.append("Per block (tokens/s = completion tokens / client wall time of the block's requests):")
     out.append("")
-    out.append("| arm | block | order | spec tokens/s | plain tokens/s | ratio | ratio (server tokens/s) |")
-    out.append("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    out.append("| arm | block | order | spec tokens/s | plain tokens/s | ratio | ratio (server tokens/s) "
+               "| ratio from the first token |")
+    out.append("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for s in summaries:
         for row in s["per_block"]:
             order = "spec first" if row["spec_first"] else "plain first"
             out.append(f"| {s['name']} | {row['block'] + 1} | {order} | {row['spec_tps']:.1f} | {row['plain_tps']:.1f} | "
-                       f"{row['ratio']:.3f} | {fmt(row['server_ratio'], '.3f')} |")
+                       f"{row['ratio']:.3f} | {fmt(row['server_ratio'], '.3f')} | {fmt(row['decode_ratio'], '.3f')} |")
     out.append("")
     out.append("| arm | median of paired ratios [min, max] | same, server tokens/s | mean accepted length (bonus incl.) "
                "| acceptance by source | per-step acceptance a_1..a_k | drafts retained/round | rounds/request "
                "| faults | rounds that waited for a chain | rounds on a chain drafted ahead | drafter detaches "
-               "| spec = plain outputs | ideal (verify-only) | fraction realised |")
-    out.append("| --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+               "| spec = plain outputs | ideal (verify-only) | fraction realised "
+               "| from the first token: median ratio [min, max], fraction realised |")
+    out.append("| --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for s in summaries:
         sources = ", ".join(f"{k} {v:.2f}" for k, v in s["acceptance_by_source"].items()) or "-"
         steps = " ".join(fmt(a, ".2f", "-") for a in s["per_step_acceptance"])
@@ -143,23 +164,26 @@ def report(setup: str, header: dict, summaries: list[dict], costs: dict[str, dic
             f"| {fmt(s['median_server_ratio'], '.3f')} | {fmt(s['mean_accepted_length'])} | {sources} | {steps} "
             f"| {fmt(s['drafts_retained_per_round'])} | {s['rounds'] / max(s['requests'], 1):.1f} | {s['faults']} "
             f"| {fmt(s['waited_share'], '.2f')} | {fmt(s['ahead_hit_share'], '.2f')} | {s['detaches']} "
-            f"| {s['identical_outputs']} | {fmt(s['ideal'], '.3f')} | {fmt(s['fraction_realised'], '.2f')} |")
+            f"| {s['identical_outputs']} | {fmt(s['ideal'], '.3f')} | {fmt(s['fraction_realised'], '.2f')} "
+            f"| {fmt(s['median_decode_ratio'], '.3f')} [{fmt(s['min_decode_ratio'], '.3f')}, "
+            f"{fmt(s['max_decode_ratio'], '.3f')}], {fmt(s['fraction_realised_decode'], '.2f')} |")
     out.append("")
     out.append("Per round (ms; means over all timed rounds unless 'median'; 'draft wait' = RoundInfo.draft_wait_ms of "
                "rounds >= 1, round 0's wait includes the drafter's open; hop + service overhead = median draft wait - "
                "median drafter compute):")
     out.append("")
-    out.append("| arm | spec wall/round | spec verify | draft wait (mean / median / p95) | round-0 wait "
+    out.append("| arm | spec wall/round | from the first token | spec verify | draft wait (mean / median / p95) | round-0 wait "
                "| drafter compute (median) | hop + service overhead "
                "| plain wall/round | plain verify (C1) | bytes up/commit | bytes down/chain | bytes up/open | cost method |")
-    out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    out.append("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for s in summaries:
         c = costs.get(s["name"], {})
         compute = c.get("commit_ms")
         wait = s["draft_wait_median_ms"]
         hop = wait - compute if wait is not None and compute is not None else None
         out.append(
-            f"| {s['name']} | {fmt(s['spec_wall_ms_per_round'])} | {fmt(s['spec_verify_ms'])} "
+            f"| {s['name']} | {fmt(s['spec_wall_ms_per_round'])} | {fmt(s['spec_decode_wall_ms_per_round'])} "
+            f"| {fmt(s['spec_verify_ms'])} "
             f"| {fmt(s['draft_wait_ms'])} / {fmt(wait)} / {fmt(s['draft_wait_p95_ms'])} "
             f"| {fmt(s['open_wait_ms'])} | {fmt(compute, '.3f')} | {fmt(hop)} | {fmt(s['plain_wall_ms_per_round'])} "
             f"| {fmt(s['c1_ms'])} | {fmt(c.get('commit_bytes'), '.0f')} | {fmt(c.get('chain_bytes'), '.0f')} "

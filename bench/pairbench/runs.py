@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.client import AsyncVerifierClient, GenerationConfig, VerifierError
+from shared.client import AsyncVerifierClient, GenerationAccumulator, GenerationConfig, VerifierError
 
 from .common import ServiceError, log
 from .services import Children
@@ -42,15 +42,22 @@ class Run:
 
     async def request(self, client: AsyncVerifierClient, arm: Arm, index: int, tag: str) -> dict:
         rid = self.request_id(arm, tag, index)
+        accumulator = GenerationAccumulator()
+        first_s, first_tokens = None, 0  # when the first tokens arrived (the prompt's prefill and its token)
         started = time.perf_counter()
         try:
-            generation = await client.generate(self.prompts[index], self.config(arm, index, rid))
+            async for event in client.stream(self.prompts[index], self.config(arm, index, rid)):
+                if first_s is None and event.token_ids:
+                    first_s, first_tokens = time.perf_counter() - started, len(event.token_ids)
+                accumulator.add(event)
         except VerifierError as error:
             raise ServiceError(f"request {rid} failed: {error}") from error
         wall = time.perf_counter() - started
+        generation = accumulator.result()
         return {
             "request_id": rid, "arm": arm.name, "speculation": arm.speculation, "alpha": arm.alpha, "prompt": index,
-            "wall_s": wall, "token_ids": generation.token_ids, "tokens": len(generation.token_ids),
+            "wall_s": wall, "first_s": first_s, "first_tokens": first_tokens,
+            "token_ids": generation.token_ids, "tokens": len(generation.token_ids),
             "finish_reason": generation.finish_reason, "stats": generation.stats, "rounds": generation.rounds,
         }
 

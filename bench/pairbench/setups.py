@@ -17,7 +17,7 @@ from . import REPO
 from .common import PROMPTS, SHAPES, ServiceError, free_port, log
 from .costs import replay_real_drafter, replay_stats, synthetic_costs, tap_costs
 from .runs import Arm, Run
-from .services import Children, Tap
+from .services import Children, Tap, link_flags
 
 
 def text_prompts(model_dir: Path, count: int, prompt_set: str = "code") -> list[list[int]]:
@@ -80,12 +80,13 @@ async def run_embedded(args, children: Children, workdir: Path) -> tuple[list[di
     drafter_args = [*common, "--port", str(d_port)]
     if not args.global_index:
         drafter_args += ["--global-index-mb", "0"]
-    drafter_args += args.drafter_arg
+    verifier_link, drafter_link = link_flags(args.link, workdir / "drafter.sock")
+    drafter_args += [*drafter_link, *args.drafter_arg]
     verifier_args = [*common, "--max-draft-tokens", str(args.max_draft_tokens), "--grace-s", "2", *args.verifier_arg]
     log("starting services ...")
     children.start("drafter", [sys.executable, "-m", "shared.cli", "drafter", *drafter_args])
     children.start("verifier", [sys.executable, "-m", "shared.cli", "verifier", *verifier_args, "--port", str(v_port),
-                                "--drafter", f"127.0.0.1:{d_port}"])
+                                "--drafter", f"127.0.0.1:{d_port}", *verifier_link])
     tap = None
     spec, plain = Arm("spec", True), Arm("plain", False)
     arms = [spec, plain]
@@ -133,6 +134,7 @@ async def run_embedded(args, children: Children, workdir: Path) -> tuple[list[di
         if tap is not None:
             await tap.stop()
     header = {"model": model_dir.name, "device": device, "dtype": args.dtype, "verifier flags": " ".join(args.verifier_arg) or "defaults",
+              "drafter link": args.link,
               "drafter": "tandem drafter (MTP + suffix)" + ("" if args.global_index else ", cross-session index off")}
     if tap_records:
         header["tap-pass outputs equal to the timed spec arm"] = (
@@ -164,9 +166,10 @@ async def run_synthetic(args, children: Children, workdir: Path) -> tuple[list[d
         model_name = model_dir.name
     run = Run(args, prompts)
     r_port, v_port = free_port(), free_port()
+    verifier_link, drafter_link = link_flags(args.link, workdir / "replay.sock")
     log("starting the verifier ...")
     children.start("verifier", [sys.executable, "-m", "shared.cli", "verifier", *model_args, "--device", device,
-                                "--dtype", dtype, "--port", str(v_port), "--drafter", f"127.0.0.1:{r_port}",
+                                "--dtype", dtype, "--port", str(v_port), "--drafter", f"127.0.0.1:{r_port}", *verifier_link,
                                 "--max-draft-tokens", str(args.max_draft_tokens), "--grace-s", "2", *args.verifier_arg])
     await children.wait_serving("verifier", f"127.0.0.1:{v_port}", args.startup_timeout)
     plain = Arm("plain", False)
@@ -187,7 +190,7 @@ async def run_synthetic(args, children: Children, workdir: Path) -> tuple[list[d
         children.start("replay-drafter", [sys.executable, str(REPO / "bench" / "replay_drafter.py"), "--port", str(r_port),
                                           "--reference", str(reference_path), "--alpha", str(args.alpha[0]),
                                           "--seed", str(args.seed), "--max-drafts", str(args.max_draft_tokens),
-                                          "--stats", str(stats_path), "--delay-ms", str(args.drafter_delay_ms)])
+                                          "--stats", str(stats_path), "--delay-ms", str(args.drafter_delay_ms), *drafter_link])
         await children.wait_serving("replay-drafter", f"127.0.0.1:{r_port}", args.startup_timeout)
         log(f"warm-up ({len(arms)} requests) ...")
         seconds = await run.warm_up(client, arms)
@@ -205,6 +208,6 @@ async def run_synthetic(args, children: Children, workdir: Path) -> tuple[list[d
     reference_ok = sum(1 for r in run.records if r["speculation"] and r["token_ids"] == references[r["prompt"]]["token_ids"])
     header = {"model": model_name, "device": device, "dtype": dtype, "drafter": "bench/replay_drafter.py (synthetic)"
               + (f", chains {args.drafter_delay_ms:g} ms late" if args.drafter_delay_ms else ""),
-              "verifier flags": " ".join(args.verifier_arg) or "defaults",
+              "verifier flags": " ".join(args.verifier_arg) or "defaults", "drafter link": args.link,
               "spec outputs equal to the reference": f"{reference_ok}/{sum(1 for r in run.records if r['speculation'])}"}
     return run.records, header, arms, plain, {"costs": costs, "extra": {"replay_stats": stats, "references": references}}
