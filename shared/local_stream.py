@@ -261,6 +261,21 @@ class LocalCall:
         except ConnectionError as error:
             raise _error(grpc.StatusCode.UNAVAILABLE, f"the stream to {self.path} broke: {error}") from None
 
+    def write_nowait(self, message) -> bool:
+        """Write `message` now, from the caller's own step, where `write` would not wait either
+        (the connection is up, its transport's buffer below the high-water mark): the bytes leave
+        before the caller's next await rather than when a task scheduled behind the event loop's
+        other work runs. False (nothing written): use `write`. Call it only while no earlier
+        `write` is still pending, or the order is lost."""
+        connection = self._connection
+        if self._cancelled or not connection.done() or connection.cancelled() or connection.exception() is not None:
+            return False
+        transport = connection.result()[1].transport
+        if transport.is_closing() or transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]:
+            return False
+        transport.write(frame(MESSAGE, message.SerializeToString()))
+        return True
+
     async def done_writing(self) -> None:
         writer = await self._writer()
         with contextlib.suppress(ConnectionError):

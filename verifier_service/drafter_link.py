@@ -286,10 +286,20 @@ class DrafterLink:
         # how long the next chain will be waited for (what the drafter sheds MTP drafts by)
         message.wait_ms = self.deadlines.deadline_s(after_open=self.after_open > 0) * 1e3
         up = drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, commit=message, trace_context=trace_context or {})
-        # Not awaited: the round goes on (its event, the next round's wait for the chain) while
-        # the write completes; the next write waits for this one (a stream takes one at a time).
-        self.sending = asyncio.ensure_future(self._write_after(self.sending, up))
+        # A same-host stream with nothing pending writes at once: in a batch, the step's other
+        # requests' rounds run on the event loop before any task made here, and the drafter
+        # would otherwise get the step's commits together, after them, and answer them one by
+        # one. Else not awaited: the round goes on (its event, the next round's wait for the
+        # chain) while the write completes; the next write waits for this one.
+        if (self.sending is None or self.sending.done()) and self._write_nowait(up):
+            self.sending = None
+        else:
+            self.sending = asyncio.ensure_future(self._write_after(self.sending, up))
         return up.ByteSize()
+
+    def _write_nowait(self, message: drafter_pb2.DraftUp) -> bool:
+        write = getattr(self.call, "write_nowait", None)  # (shared.local_stream.LocalCall; not gRPC's calls)
+        return write is not None and write(message)
 
     async def flush(self) -> None:
         """Wait until every commit queued so far is written (or the stream broke)."""

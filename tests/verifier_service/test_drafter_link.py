@@ -1,0 +1,87 @@
+"""The drafter link's writes (verifier_service/drafter_link.py): over the same-host stream a
+commit leaves when it is told, not when a task scheduled behind the event loop's other work
+runs — in a batch, the step's other rounds would otherwise run first (DESIGN §9)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import tempfile
+
+import pytest
+
+from shared.local_stream import HEADER, MESSAGE, METADATA
+from shared.protocol import drafter_pb2
+from verifier_service.drafter_link import DeadlineTracker, DrafterLink, LocalDrafterStub
+from verifier_service.settings import VerifierSettings
+
+
+@pytest.fixture
+def drafter_socket():
+    """A bare listening Unix socket in the drafter's place: it reads what reached it, no event loop."""
+    directory = tempfile.mkdtemp(prefix="tandem-dl-")  # (short: a Unix socket path is at most 107 bytes)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(f"{directory}/d.sock")
+    listener.listen(1)
+    yield listener
+    listener.close()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def received(conn: socket.socket, count: int) -> list[tuple[int, bytes]]:
+    def exactly(size: int) -> bytes:
+        data = b""
+        while len(data) < size:
+            chunk = conn.recv(size - len(data))
+            assert chunk, "the stream ended early"
+            data += chunk
+        return data
+
+    frames = []
+    for _ in range(count):
+        length, kind = HEADER.unpack(exactly(HEADER.size))
+        frames.append((kind, exactly(length)))
+    return frames
+
+
+def commit(round_id: int) -> drafter_pb2.DraftCommit:
+    return drafter_pb2.DraftCommit(round_id=round_id, num_accepted=1, emitted_token_ids=[5, 6], num_verified=2)
+
+
+async def test_a_commit_over_the_local_stream_is_written_when_told(drafter_socket):
+    link = DrafterLink(LocalDrafterStub(drafter_socket.getsockname(), 1 << 20), DeadlineTracker(VerifierSettings()))
+    await link.open(drafter_pb2.DraftOpen(session_id="s", token_ids=[1, 2, 3]))
+    conn, _ = drafter_socket.accept()
+    conn.settimeout(5)
+    await link.commit(commit(0))  # (a coroutine that does not suspend: no other task runs meanwhile)
+    await link.commit(commit(1))
+    assert link.sending is None  # no write left pending in a task
+    frames = received(conn, 4)  # the metadata, the open, both commits: on the socket before any await
+    assert [kind for kind, _ in frames] == [METADATA, MESSAGE, MESSAGE, MESSAGE]
+    ups = [drafter_pb2.DraftUp.FromString(payload) for _, payload in frames[1:]]
+    assert ups[0].WhichOneof("kind") == "open" and [up.commit.round_id for up in ups[1:]] == [0, 1]
+    assert ups[1].commit.wait_ms > 0 and list(ups[2].commit.emitted_token_ids) == [5, 6]
+    await link.close()
+    conn.close()
+
+
+async def test_a_commit_behind_a_pending_write_waits_for_it(drafter_socket):
+    link = DrafterLink(LocalDrafterStub(drafter_socket.getsockname(), 1 << 20), DeadlineTracker(VerifierSettings()))
+    await link.open(drafter_pb2.DraftOpen(session_id="s", token_ids=[1]))
+    conn, _ = drafter_socket.accept()
+    conn.settimeout(5)
+    assert len(received(conn, 2)) == 2  # the metadata and the open
+    earlier = asyncio.get_running_loop().create_future()
+    link.sending = asyncio.ensure_future(earlier)  # an earlier write, not yet done
+    await link.commit(commit(0))
+    await asyncio.sleep(0.05)
+    conn.settimeout(0.05)
+    with pytest.raises(TimeoutError):  # not written past the pending one
+        conn.recv(1)
+    earlier.set_result(None)
+    await link.flush()
+    conn.settimeout(5)
+    assert drafter_pb2.DraftUp.FromString(received(conn, 1)[0][1]).commit.round_id == 0
+    await link.close()
+    conn.close()
