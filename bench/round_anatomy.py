@@ -142,6 +142,7 @@ def instrument(timers: Timers) -> None:
         ended = time.perf_counter()
         steps["round"] = (ended - started) * 1e3
         steps["speculative"] = float(event.round.speculative and event.round.retained > 0)
+        steps["asked"] = float(event.round.speculative)  # (the drafter was asked: with drafts or not)
         steps["round_id"] = running.round_id
         steps["tokens"] = len(event.token_ids)
         if last is not None:
@@ -156,13 +157,14 @@ def instrument(timers: Timers) -> None:
 def table(rounds: list[dict[str, float]], label: str) -> list[str]:
     rows = [r for r in rounds if r["round_id"] > 0]
     if not rows:
-        return [f"| {label} | 0 |" + " |" * (len(STEPS) + 1)]
+        return [f"| {label} | 0 |" + " |" * (len(STEPS) + 3)]
     for r in rows:
         accounted = sum(r.get(s, 0.0) for s in ("wait", "checks", "outcome", "tell"))
         r["rest"] = r["round"] - accounted
     cells = [f"{statistics.median(r.get(step, 0.0) for r in rows):.3f}" for step in STEPS]
     tokens = sum(r["tokens"] for r in rows) / len(rows)
-    return [f"| {label} | {len(rows)} | {tokens:.2f} | " + " | ".join(cells) + " |"]
+    means = f"{statistics.fmean(r.get('wait', 0.0) for r in rows):.3f} | {statistics.fmean(r['round'] for r in rows):.3f}"
+    return [f"| {label} | {len(rows)} | {tokens:.2f} | " + " | ".join(cells) + f" | {means} |"]
 
 
 def random_model(workdir: Path, shapes: str, prompt_length: int, new_tokens: int) -> Path:
@@ -245,10 +247,12 @@ async def main_async(args) -> None:
               f"{args.prompts} prompts x {args.max_new_tokens} tokens, {level} at a time, greedy, "
               f"k = {args.max_draft_tokens}\n")
         print("Median ms per round (rounds after each request's first).\n")
-        print("| rounds | count | tokens/round | " + " | ".join(STEPS) + " |")
-        print("| --- | ---: | ---: | " + " | ".join("---:" for _ in STEPS) + " |")
+        print("| rounds | count | tokens/round | " + " | ".join(STEPS) + " | wait (mean) | round (mean) |")
+        print("| --- | ---: | ---: | " + " | ".join("---:" for _ in STEPS) + " | ---: | ---: |")
         spec_rounds = [r for r in runs["speculative"] if r["speculative"]]
-        for line in table(spec_rounds, "speculative (with drafts)") + table(runs["plain"], "plain"):
+        empty = [r for r in runs["speculative"] if r["asked"] and not r["speculative"]]
+        for line in (table(spec_rounds, "speculative (with drafts)") + table(empty, "asked the drafter, no drafts")
+                     + table(runs["plain"], "plain")):
             print(line)
         print("\n| arm | tokens/s (wall, all requests) | ms per token | engine steps | rounds per step | "
               "ms per step (median) | loop thread busy |")

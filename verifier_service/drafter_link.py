@@ -279,19 +279,22 @@ class DrafterLink:
             self.broken = f"write failed: {error}"
             self.fault("stream_lost")
 
-    async def commit(self, message: drafter_pb2.DraftCommit, trace_context: dict[str, str] | None = None) -> int:
-        """Send a round's outcome; returns the bytes sent (0 when the stream is down)."""
+    async def commit(self, message: drafter_pb2.DraftCommit, trace_context: dict[str, str] | None = None,
+                     at_once: bool = False) -> int:
+        """Send a round's outcome; returns the bytes sent (0 when the stream is down). at_once: on
+        a same-host stream, written before this returns where that needs no waiting."""
         if not self.usable:
             return 0
         # how long the next chain will be waited for (what the drafter sheds MTP drafts by)
         message.wait_ms = self.deadlines.deadline_s(after_open=self.after_open > 0) * 1e3
         up = drafter_pb2.DraftUp(protocol_version=PROTOCOL_VERSION, commit=message, trace_context=trace_context or {})
-        # A same-host stream with nothing pending writes at once: in a batch, the step's other
-        # requests' rounds run on the event loop before any task made here, and the drafter
-        # would otherwise get the step's commits together, after them, and answer them one by
-        # one. Else not awaited: the round goes on (its event, the next round's wait for the
-        # chain) while the write completes; the next write waits for this one.
-        if (self.sending is None or self.sending.done()) and self._write_nowait(up):
+        # at_once (a request alone): the commit leaves before the round's event is written, not
+        # behind it. In a batch a task writes it: the step's outcomes wake every request's
+        # coroutine first, so the step's commits leave together, after all of them — late, but
+        # as one batch for a drafter that batches its MTP work (drafter_service/batcher.py
+        # takes what queued while its last job ran; commits one by one would start a job of one).
+        # Not awaited: the round goes on while the write completes; the next write waits for it.
+        if at_once and (self.sending is None or self.sending.done()) and self._write_nowait(up):
             self.sending = None
         else:
             self.sending = asyncio.ensure_future(self._write_after(self.sending, up))
@@ -321,10 +324,10 @@ class DrafterLink:
         return await self.resync(message_for_open, trace_context)
 
     async def tell(self, round_id: int, outcome: RoundOutcome, num_verified: int, ask_next: bool,
-                   trace_context: Callable[[], dict[str, str]], draft_cap: int = 0) -> int:
+                   trace_context: Callable[[], dict[str, str]], draft_cap: int = 0, at_once: bool = False) -> int:
         """After a round: its commit when the next round asks for a chain, else held; held rounds
         go out with it as one commit (`resume`). draft_cap: the most drafts the next chain may
-        hold (0: the session's limit). Returns the bytes sent."""
+        hold (0: the session's limit); at_once: see `commit`. Returns the bytes sent."""
         if not ask_next or self.held:
             self.hold(round_id, outcome.emitted, outcome.hidden_rows)
             return await self.resume(trace_context(), draft_cap) if ask_next else 0
@@ -332,7 +335,7 @@ class DrafterLink:
             round_id=round_id, num_accepted=outcome.num_accepted, emitted_token_ids=outcome.emitted,
             hidden=encode_hidden(outcome.hidden_rows), num_verified=num_verified,
             verify_ms=outcome.forward_ms + outcome.verify_ms, max_draft_tokens=draft_cap,
-        ), trace_context())
+        ), trace_context(), at_once)
 
     def hold(self, round_id: int, emitted: list[int], hidden_rows: Tensor) -> None:
         """A round the drafter is not told about now (the next round decodes without it)."""

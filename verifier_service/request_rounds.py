@@ -279,7 +279,8 @@ class RequestRounds:
             governor.end(len(outcome.emitted), outcome.cost_to_others_s, outcome.cost_from_others_s)
         if link is not None and completion.finish_reason is None:  # (told when it is next asked, if not now)
             ask_next = governor is None or governor.next_speculates
-            bytes_up += await link.tell(round_id, outcome, outcome.num_verified, ask_next, trace_context)
+            bytes_up += await link.tell(round_id, outcome, outcome.num_verified, ask_next, trace_context,
+                                        at_once=self.loop.num_lanes == 1)
         self._observe(begun, outcome, source, len(drafts), tokens, bytes_up, spec.max_draft_tokens)
         verify_ms = outcome.forward_ms + outcome.verify_ms
         return verifier_pb2.GenerateEvent(

@@ -1,6 +1,6 @@
 """The drafter link's writes (verifier_service/drafter_link.py): over the same-host stream a
-commit leaves when it is told, not when a task scheduled behind the event loop's other work
-runs — in a batch, the step's other rounds would otherwise run first (DESIGN §9)."""
+request alone's commit leaves when it is told, before the round's event; in a batch a task
+writes it, so that a step's commits reach the drafter together (DESIGN §9)."""
 
 from __future__ import annotations
 
@@ -49,13 +49,13 @@ def commit(round_id: int) -> drafter_pb2.DraftCommit:
     return drafter_pb2.DraftCommit(round_id=round_id, num_accepted=1, emitted_token_ids=[5, 6], num_verified=2)
 
 
-async def test_a_commit_over_the_local_stream_is_written_when_told(drafter_socket):
+async def test_a_commit_at_once_over_the_local_stream_is_written_when_told(drafter_socket):
     link = DrafterLink(LocalDrafterStub(drafter_socket.getsockname(), 1 << 20), DeadlineTracker(VerifierSettings()))
     await link.open(drafter_pb2.DraftOpen(session_id="s", token_ids=[1, 2, 3]))
     conn, _ = drafter_socket.accept()
     conn.settimeout(5)
-    await link.commit(commit(0))  # (a coroutine that does not suspend: no other task runs meanwhile)
-    await link.commit(commit(1))
+    await link.commit(commit(0), at_once=True)  # (a coroutine that does not suspend: no other task runs meanwhile)
+    await link.commit(commit(1), at_once=True)
     assert link.sending is None  # no write left pending in a task
     frames = received(conn, 4)  # the metadata, the open, both commits: on the socket before any await
     assert [kind for kind, _ in frames] == [METADATA, MESSAGE, MESSAGE, MESSAGE]
@@ -74,12 +74,30 @@ async def test_a_commit_behind_a_pending_write_waits_for_it(drafter_socket):
     assert len(received(conn, 2)) == 2  # the metadata and the open
     earlier = asyncio.get_running_loop().create_future()
     link.sending = asyncio.ensure_future(earlier)  # an earlier write, not yet done
-    await link.commit(commit(0))
+    await link.commit(commit(0), at_once=True)
     await asyncio.sleep(0.05)
     conn.settimeout(0.05)
     with pytest.raises(TimeoutError):  # not written past the pending one
         conn.recv(1)
     earlier.set_result(None)
+    await link.flush()
+    conn.settimeout(5)
+    assert drafter_pb2.DraftUp.FromString(received(conn, 1)[0][1]).commit.round_id == 0
+    await link.close()
+    conn.close()
+
+
+async def test_in_a_batch_commits_leave_together_in_a_task(drafter_socket):
+    link = DrafterLink(LocalDrafterStub(drafter_socket.getsockname(), 1 << 20), DeadlineTracker(VerifierSettings()))
+    await link.open(drafter_pb2.DraftOpen(session_id="s", token_ids=[1]))
+    conn, _ = drafter_socket.accept()
+    conn.settimeout(5)
+    assert len(received(conn, 2)) == 2  # the metadata and the open
+    await link.commit(commit(0))
+    assert link.sending is not None and not link.sending.done()  # not written yet: a task will
+    conn.settimeout(0.05)
+    with pytest.raises(TimeoutError):
+        conn.recv(1)
     await link.flush()
     conn.settimeout(5)
     assert drafter_pb2.DraftUp.FromString(received(conn, 1)[0][1]).commit.round_id == 0
