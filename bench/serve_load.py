@@ -346,11 +346,14 @@ def report(results: dict, levels: list[int], rates: list[float], args) -> None:
             if s is not None:
                 print(row(f"{kind}, concurrency {c}", s, base["tokens_per_s"] if base else None))
     if args.alpha is not None:
-        print(f"\nspeculative / plain at the same concurrency (synthetic drafter, alpha {args.alpha}):")
+        print(f"\nspeculative / plain at the same concurrency (synthetic drafter, alpha {args.alpha}; output tokens/s,"
+              " prefill in, and from the first token on: TPOT p50, plain / speculative — with one request a client"
+              " the prompts prefill at the start, not among the other requests' decode steps):")
         for c in levels:
             plain, spec = median_arm(f"plain@{c}"), median_arm(f"spec@{c}")
             if plain and spec:
-                print(f"- concurrency {c}: {spec['tokens_per_s'] / plain['tokens_per_s']:.2f}x")
+                print(f"- concurrency {c}: {spec['tokens_per_s'] / plain['tokens_per_s']:.2f}x, "
+                      f"TPOT p50 plain / spec {plain['tpot_ms']['p50'] / spec['tpot_ms']['p50']:.2f}x")
     if args.against_tree is not None or args.other_arg:
         print(f"\nthis tree against `{' '.join(filter(None, [str(args.against_tree or ''), *args.other_arg]))}` "
               f"(median of per-block ratios, {args.blocks} blocks):\n")
