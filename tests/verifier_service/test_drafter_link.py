@@ -95,11 +95,7 @@ async def test_in_a_batch_commits_leave_together_in_a_task(drafter_socket):
     assert len(received(conn, 2)) == 2  # the metadata and the open
     await link.commit(commit(0))
     assert link.sending is not None and not link.sending.done()  # not written yet: a task will
-    conn.settimeout(0.05)
-    with pytest.raises(TimeoutError):
-        conn.recv(1)
     await link.flush()
-    conn.settimeout(5)
     assert drafter_pb2.DraftUp.FromString(received(conn, 1)[0][1]).commit.round_id == 0
     await link.close()
     conn.close()
