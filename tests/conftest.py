@@ -185,3 +185,28 @@ def split_hybrid_checkpoints(tmp_path_factory):
         paths[name] = tmp_path_factory.mktemp(name.replace(".", "_"))
         reference.save_pretrained(paths[name])
     return paths
+
+
+def _frames_on(conn, count: int) -> list[tuple[int, bytes]]:
+    """`count` frames (shared.local_stream's) read from a plain blocking socket: what reached it."""
+    from shared.local_stream import HEADER
+
+    def exactly(size: int) -> bytes:
+        data = b""
+        while len(data) < size:
+            chunk = conn.recv(size - len(data))
+            assert chunk, "the stream ended early"
+            data += chunk
+        return data
+
+    frames = []
+    for _ in range(count):
+        length, kind = HEADER.unpack(exactly(HEADER.size))
+        frames.append((kind, exactly(length)))
+    return frames
+
+
+@pytest.fixture(name="frames_on")
+def frames_on_fixture():
+    """frames_on(conn, count): the next `count` local-stream frames a bare socket peer received."""
+    return _frames_on

@@ -203,24 +203,8 @@ async def test_malformed_frames_are_refused(socket_path):
         await server.close()
 
 
-def received_frames(conn: socket.socket, count: int) -> list[tuple[int, bytes]]:
-    """`count` frames read from a plain (blocking) socket: what reached the peer so far."""
-    def exactly(size: int) -> bytes:
-        data = b""
-        while len(data) < size:
-            chunk = conn.recv(size - len(data))
-            assert chunk, "the stream ended early"
-            data += chunk
-        return data
 
-    frames = []
-    for _ in range(count):
-        length, kind = HEADER.unpack(exactly(HEADER.size))
-        frames.append((kind, exactly(length)))
-    return frames
-
-
-async def test_write_nowait_sends_before_the_caller_awaits_again(socket_path):
+async def test_write_nowait_sends_before_the_caller_awaits_again(socket_path, frames_on):
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a bare peer: it reads what arrived, no event loop
     listener.bind(socket_path)
     listener.listen(1)
@@ -232,7 +216,7 @@ async def test_write_nowait_sends_before_the_caller_awaits_again(socket_path):
         conn.settimeout(5)
         assert stream.write_nowait(message(3)) and stream.write_nowait(message(4))
         # no await since the two calls: their bytes are on the socket already, behind the first
-        frames = received_frames(conn, 4)
+        frames = frames_on(conn, 4)
         assert [kind for kind, _ in frames] == [METADATA, MESSAGE, MESSAGE, MESSAGE]
         assert [list(common_pb2.SparseRow.FromString(payload).token_ids) for _, payload in frames[1:]] == [[2], [3], [4]]
         stream.cancel()

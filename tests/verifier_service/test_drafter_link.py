@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 
-from shared.local_stream import HEADER, MESSAGE, METADATA
+from shared.local_stream import MESSAGE, METADATA
 from shared.protocol import drafter_pb2
 from verifier_service.drafter_link import DeadlineTracker, DrafterLink, LocalDrafterStub
 from verifier_service.settings import VerifierSettings
@@ -29,35 +29,25 @@ def drafter_socket():
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def received(conn: socket.socket, count: int) -> list[tuple[int, bytes]]:
-    def exactly(size: int) -> bytes:
-        data = b""
-        while len(data) < size:
-            chunk = conn.recv(size - len(data))
-            assert chunk, "the stream ended early"
-            data += chunk
-        return data
-
-    frames = []
-    for _ in range(count):
-        length, kind = HEADER.unpack(exactly(HEADER.size))
-        frames.append((kind, exactly(length)))
-    return frames
+async def opened(listener: socket.socket) -> tuple[DrafterLink, socket.socket]:
+    """A link opened on the bare socket, and the socket's end of its stream."""
+    link = DrafterLink(LocalDrafterStub(listener.getsockname(), 1 << 20), DeadlineTracker(VerifierSettings()))
+    await link.open(drafter_pb2.DraftOpen(session_id="s", token_ids=[1, 2, 3]))
+    conn, _ = listener.accept()
+    conn.settimeout(5)
+    return link, conn
 
 
 def commit(round_id: int) -> drafter_pb2.DraftCommit:
     return drafter_pb2.DraftCommit(round_id=round_id, num_accepted=1, emitted_token_ids=[5, 6], num_verified=2)
 
 
-async def test_a_commit_at_once_over_the_local_stream_is_written_when_told(drafter_socket):
-    link = DrafterLink(LocalDrafterStub(drafter_socket.getsockname(), 1 << 20), DeadlineTracker(VerifierSettings()))
-    await link.open(drafter_pb2.DraftOpen(session_id="s", token_ids=[1, 2, 3]))
-    conn, _ = drafter_socket.accept()
-    conn.settimeout(5)
+async def test_a_commit_at_once_over_the_local_stream_is_written_when_told(drafter_socket, frames_on):
+    link, conn = await opened(drafter_socket)
     await link.commit(commit(0), at_once=True)  # (a coroutine that does not suspend: no other task runs meanwhile)
     await link.commit(commit(1), at_once=True)
     assert link.sending is None  # no write left pending in a task
-    frames = received(conn, 4)  # the metadata, the open, both commits: on the socket before any await
+    frames = frames_on(conn, 4)  # the metadata, the open, both commits: on the socket before any await
     assert [kind for kind, _ in frames] == [METADATA, MESSAGE, MESSAGE, MESSAGE]
     ups = [drafter_pb2.DraftUp.FromString(payload) for _, payload in frames[1:]]
     assert ups[0].WhichOneof("kind") == "open" and [up.commit.round_id for up in ups[1:]] == [0, 1]
@@ -66,12 +56,9 @@ async def test_a_commit_at_once_over_the_local_stream_is_written_when_told(draft
     conn.close()
 
 
-async def test_a_commit_behind_a_pending_write_waits_for_it(drafter_socket):
-    link = DrafterLink(LocalDrafterStub(drafter_socket.getsockname(), 1 << 20), DeadlineTracker(VerifierSettings()))
-    await link.open(drafter_pb2.DraftOpen(session_id="s", token_ids=[1]))
-    conn, _ = drafter_socket.accept()
-    conn.settimeout(5)
-    assert len(received(conn, 2)) == 2  # the metadata and the open
+async def test_a_commit_behind_a_pending_write_waits_for_it(drafter_socket, frames_on):
+    link, conn = await opened(drafter_socket)
+    assert len(frames_on(conn, 2)) == 2  # the metadata and the open
     earlier = asyncio.get_running_loop().create_future()
     link.sending = asyncio.ensure_future(earlier)  # an earlier write, not yet done
     await link.commit(commit(0), at_once=True)
@@ -82,20 +69,17 @@ async def test_a_commit_behind_a_pending_write_waits_for_it(drafter_socket):
     earlier.set_result(None)
     await link.flush()
     conn.settimeout(5)
-    assert drafter_pb2.DraftUp.FromString(received(conn, 1)[0][1]).commit.round_id == 0
+    assert drafter_pb2.DraftUp.FromString(frames_on(conn, 1)[0][1]).commit.round_id == 0
     await link.close()
     conn.close()
 
 
-async def test_in_a_batch_commits_leave_together_in_a_task(drafter_socket):
-    link = DrafterLink(LocalDrafterStub(drafter_socket.getsockname(), 1 << 20), DeadlineTracker(VerifierSettings()))
-    await link.open(drafter_pb2.DraftOpen(session_id="s", token_ids=[1]))
-    conn, _ = drafter_socket.accept()
-    conn.settimeout(5)
-    assert len(received(conn, 2)) == 2  # the metadata and the open
+async def test_in_a_batch_commits_leave_together_in_a_task(drafter_socket, frames_on):
+    link, conn = await opened(drafter_socket)
+    assert len(frames_on(conn, 2)) == 2  # the metadata and the open
     await link.commit(commit(0))
     assert link.sending is not None and not link.sending.done()  # not written yet: a task will
     await link.flush()
-    assert drafter_pb2.DraftUp.FromString(received(conn, 1)[0][1]).commit.round_id == 0
+    assert drafter_pb2.DraftUp.FromString(frames_on(conn, 1)[0][1]).commit.round_id == 0
     await link.close()
     conn.close()
