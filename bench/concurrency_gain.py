@@ -15,6 +15,7 @@ from another checkout first (services from that tree), alternating trees per blo
 
     python bench/concurrency_gain.py [--device cpu] [--requests 8] [--max-new-tokens 64] [--blocks 3]
         [--link local|grpc] [--baseline-tree /tmp/base [--baseline-link grpc|local]]
+        [--baseline-tree . --baseline-link local --traced this-tree]   (what exporting traces costs)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pairbench import REPO  # noqa: E402  (puts the repository and protocol modu
 from pairbench.common import log  # noqa: E402
 from pairbench.services import Children, ServicePair, link_flags  # noqa: E402
 from pairbench.setups import code_prompts  # noqa: E402
+from pairbench.trace_sink import TraceSink  # noqa: E402
 
 
 def config(index: int, max_new_tokens: int, tag: str):
@@ -97,14 +99,22 @@ async def main_async(args) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="concurrency-gain-"))
     children = Children(workdir, threads=args.threads)
     pairs: list[Pair] = []
+    sink = TraceSink() if args.traced != "none" else None
     try:
+        if sink is not None:
+            sink.start()
+
+        def env(name: str) -> dict[str, str] | None:  # (the traced pair exports to the sink; the other none)
+            return None if sink is None else sink.env if name == args.traced else {"OTEL_SDK_DISABLED": "true"}
+
         if args.baseline_tree:
             v_args, d_args = link_flags(args.baseline_link, workdir / "baseline.sock")
             pairs.append(Pair("baseline", children, model_dir, args.device, Path(args.baseline_tree),
-                              [*v_args, *args.baseline_verifier_arg], [*d_args, *args.baseline_drafter_arg]))
+                              [*v_args, *args.baseline_verifier_arg], [*d_args, *args.baseline_drafter_arg],
+                              env("baseline")))
         v_args, d_args = link_flags(args.link, workdir / "this-tree.sock")
         pairs.append(Pair("this-tree", children, model_dir, args.device, None, [*v_args, *args.verifier_arg],
-                          [*d_args, *args.drafter_arg]))
+                          [*d_args, *args.drafter_arg], env("this-tree")))
         log("starting services ...")
         for pair in pairs:
             await pair.ready()
@@ -139,6 +149,8 @@ async def main_async(args) -> None:
                     f"{both['wait_ms']:.0f} ms in all)")
     finally:
         children.stop()
+        if sink is not None:
+            sink.stop()
     print(f"\n### concurrency_gain: {datetime.date.today()}, {platform.node()}, device {args.device}, "
           f"model {model_dir.name}, {len(prompts)} requests (greedy and sampled alternating), "
           f"{args.max_new_tokens} new tokens, links: this tree {args.link}"
@@ -146,7 +158,9 @@ async def main_async(args) -> None:
           + (f", baseline {' '.join(args.baseline_verifier_arg) or 'defaults'}" if args.baseline_tree else "")
           + (f"; drafter flags: this tree {' '.join(args.drafter_arg) or 'defaults'}"
              + (f", baseline {' '.join(args.baseline_drafter_arg) or 'defaults'}" if args.baseline_tree else "")
-             if args.drafter_arg or args.baseline_drafter_arg else "") + "\n")
+             if args.drafter_arg or args.baseline_drafter_arg else "")
+          + (f"; traces: {args.traced} exports to a local OTLP sink ({sink.spans:,} spans, {sink.bytes / 1e6:.1f} MB"
+             f" received), the other exports none" if sink is not None else "") + "\n")
     print("| tree | block | one request, tokens/s | together, tokens/s | together / one | together = alone | alone = block 1 "
           "| speculative rounds alone / together | CPU µs a token alone, verifier / drafter | together |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -186,6 +200,9 @@ def main() -> None:
     parser.add_argument("--baseline-link", default="grpc", choices=("local", "grpc"),
                         help="the baseline's (grpc: a tree before session 40 has no local socket)")
     parser.add_argument("--baseline-tree", default=None, help="another checkout, measured alongside (may be this one)")
+    parser.add_argument("--traced", default="none", choices=("none", "this-tree", "baseline"),
+                        help="that pair's services export traces (OTLP/gRPC) to a sink this bench runs, the other "
+                             "pair's none (with --baseline-tree . : what tracing costs)")
     parser.add_argument("--verifier-arg", action="append", default=[], help="a verifier flag for this tree (repeat)")
     parser.add_argument("--baseline-verifier-arg", action="append", default=[], help="a verifier flag for the baseline (repeat)")
     parser.add_argument("--drafter-arg", action="append", default=[], help="a drafter flag for this tree (repeat)")

@@ -32,13 +32,15 @@ class Children:
             env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
         self.env = env
 
-    def start(self, name: str, argv: list[str], *, tree: Path | None = None) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], *, tree: Path | None = None,
+              env: dict[str, str] | None = None) -> subprocess.Popen:
         """tree: another checkout of tandem to run the service from (e.g. the code before a
-        change, for a side-by-side run); its modules are imported first."""
+        change, for a side-by-side run); its modules are imported first. env: variables of this
+        child's own (over the run's)."""
         log_path = self.workdir / f"{name}.log"
         handle = open(log_path, "w")
         log(f"  start {name}{f' from {tree}' if tree else ''}: {' '.join(argv[1:])}")
-        env = self.env
+        env = dict(self.env, **(env or {}))
         if tree is not None:
             tree = tree.resolve()  # (the child runs in it: relative paths would not hold)
             env = dict(env, PYTHONPATH=os.pathsep.join([str(tree), str(tree / "protos"), env["PYTHONPATH"]]))
@@ -108,19 +110,19 @@ def link_flags(link: str, socket: Path) -> tuple[list[str], list[str]]:
 
 class ServicePair:
     """A drafter and a verifier of one tree (another checkout's, or this one's: None) started as
-    children, default flags plus `verifier_args` (and `drafter_args`); `ready()` waits until both
-    serve."""
+    children, default flags plus `verifier_args` (and `drafter_args`, and `env`); `ready()` waits
+    until both serve."""
 
     def __init__(self, name: str, children: Children, model_dir: Path, device: str, tree: Path | None,
-                 verifier_args: list[str], drafter_args: list[str] = ()) -> None:
+                 verifier_args: list[str], drafter_args: list[str] = (), env: dict[str, str] | None = None) -> None:
         self.name, self.children, self.tree = name, children, tree
         self.d_port, self.v_port = free_port(), free_port()
         common = ["--model", str(model_dir), "--device", device]
         children.start(f"{name}-drafter", [sys.executable, "-m", "shared.cli", "drafter", *common,
-                                           "--port", str(self.d_port), *drafter_args], tree=tree)
+                                           "--port", str(self.d_port), *drafter_args], tree=tree, env=env)
         children.start(f"{name}-verifier", [sys.executable, "-m", "shared.cli", "verifier", *common,
                                             "--port", str(self.v_port), "--drafter", f"127.0.0.1:{self.d_port}",
-                                            *verifier_args], tree=tree)
+                                            *verifier_args], tree=tree, env=env)
 
     async def ready(self) -> None:
         await asyncio.gather(self.children.wait_serving(f"{self.name}-drafter", f"127.0.0.1:{self.d_port}", 600),
