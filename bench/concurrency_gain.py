@@ -104,8 +104,10 @@ async def main_async(args) -> None:
         if sink is not None:
             sink.start()
 
-        def env(name: str) -> dict[str, str] | None:  # (the traced pair exports to the sink; the other none)
-            return None if sink is None else sink.env if name == args.traced else {"OTEL_SDK_DISABLED": "true"}
+        def env(name: str) -> dict[str, str] | None:  # (a traced pair exports to the sink; an other none)
+            if sink is None:
+                return None
+            return sink.env if args.traced in (name, "both") else {"OTEL_SDK_DISABLED": "true"}
 
         if args.baseline_tree:
             v_args, d_args = link_flags(args.baseline_link, workdir / "baseline.sock")
@@ -159,8 +161,8 @@ async def main_async(args) -> None:
           + (f"; drafter flags: this tree {' '.join(args.drafter_arg) or 'defaults'}"
              + (f", baseline {' '.join(args.baseline_drafter_arg) or 'defaults'}" if args.baseline_tree else "")
              if args.drafter_arg or args.baseline_drafter_arg else "")
-          + (f"; traces: {args.traced} exports to a local OTLP sink ({sink.spans:,} spans, {sink.bytes / 1e6:.1f} MB"
-             f" received), the other exports none" if sink is not None else "") + "\n")
+          + (f"; traces: {args.traced} export to a local OTLP sink ({sink.spans:,} spans, {sink.bytes / 1e6:.1f} MB"
+             f" received)" if sink is not None else "") + "\n")
     print("| tree | block | one request, tokens/s | together, tokens/s | together / one | together = alone | alone = block 1 "
           "| speculative rounds alone / together | CPU µs a token alone, verifier / drafter | together |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -200,9 +202,9 @@ def main() -> None:
     parser.add_argument("--baseline-link", default="grpc", choices=("local", "grpc"),
                         help="the baseline's (grpc: a tree before session 40 has no local socket)")
     parser.add_argument("--baseline-tree", default=None, help="another checkout, measured alongside (may be this one)")
-    parser.add_argument("--traced", default="none", choices=("none", "this-tree", "baseline"),
+    parser.add_argument("--traced", default="none", choices=("none", "this-tree", "baseline", "both"),
                         help="that pair's services export traces (OTLP/gRPC) to a sink this bench runs, the other "
-                             "pair's none (with --baseline-tree . : what tracing costs)")
+                             "pair's none (with --baseline-tree . : what tracing costs); both: both pairs")
     parser.add_argument("--verifier-arg", action="append", default=[], help="a verifier flag for this tree (repeat)")
     parser.add_argument("--baseline-verifier-arg", action="append", default=[], help="a verifier flag for the baseline (repeat)")
     parser.add_argument("--drafter-arg", action="append", default=[], help="a drafter flag for this tree (repeat)")

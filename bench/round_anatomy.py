@@ -123,11 +123,11 @@ def instrument(timers: Timers) -> None:
     begin_fn, end_fn = RequestRounds.begin_round, RequestRounds.end_round
 
     @functools.wraps(begin_fn)
-    async def begin(self, running, parent, tracer):  # (in its own task: the timers are its context's)
+    async def begin(self, running, parent):  # (in its own task: the timers are its context's)
         steps: dict[str, float] = {}
         timers.open[id(running)] = (steps, time.perf_counter())
         CURRENT.set(steps)
-        return await begin_fn(self, running, parent, tracer)
+        return await begin_fn(self, running, parent)
 
     @functools.wraps(end_fn)
     async def end(self, running, begun):

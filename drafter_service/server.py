@@ -254,7 +254,7 @@ class DrafterService(drafter_pb2_grpc.DrafterServicer):
         message carries the verifier span it belongs to: the drafter's span joins that trace
         even though the stream outlives it."""
         parent = telemetry.extract_context(up.trace_context) if up.trace_context else None
-        span = telemetry.tracer("tandem.drafter").start_span("propose", context=parent, start_time=received_ns)
+        span = telemetry.start_light_span("tandem.drafter", "propose", parent, start_time=received_ns)
         if refusal is not None:
             span.set_status(Status(StatusCode.ERROR, refusal))
         elif chain is None:

@@ -140,13 +140,12 @@ class RequestRounds:
                 self.metrics.faults.labels("audit_rejected").inc()
         return chain
 
-    async def begin_round(self, running: Running, parent, tracer) -> Begun:
+    async def begin_round(self, running: Running, parent) -> Begun:
         """A round's first half: chain (bounded wait) → validate → retain → hand the round to the
         engine loop. A round granted to the loop (plain) only opens here: the loop runs it."""
         if not telemetry.traced(parent):  # tracing off: the request's no-op span stands for the round's
             return await self._begin_round_in(running, parent)
-        span = tracer.start_span("round", context=telemetry.set_span_in_context(parent),
-                                 attributes={"tandem.round_id": running.round_id})
+        span = telemetry.start_light_span("tandem.verifier", "round", parent, {"tandem.round_id": running.round_id})
         try:
             with telemetry.use_span(span):
                 return await self._begin_round_in(running, span)

@@ -274,7 +274,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             # does not wait for the event's way to the client.
             while running.may_go_on(self.finish_by):
                 if begun is None:
-                    begun = asyncio.ensure_future(self.rounds.begin_round(running, span, tracer))
+                    begun = asyncio.ensure_future(self.rounds.begin_round(running, span))
                 begun_round = await begun
                 begun = None
                 event = await self._ended(running, begun_round)
@@ -282,13 +282,13 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
                 # message for the run (the stream's writes, not the rounds, cost the host then).
                 while (event is not None and self.rounds.next_is_ready_plain(running, event)
                        and running.may_go_on(self.finish_by)):
-                    later = await self._ended(running, await self.rounds.begin_round(running, span, tracer))
+                    later = await self._ended(running, await self.rounds.begin_round(running, span))
                     if later is not None:
                         merge_events(event, later)
                 if event is None:
                     break
                 if running.may_go_on(self.finish_by):
-                    begun = asyncio.ensure_future(self.rounds.begin_round(running, span, tracer))
+                    begun = asyncio.ensure_future(self.rounds.begin_round(running, span))
                 yield event
             faults = sum(v for k, v in (link.faults if link else {}).items() if k != "resync")
             message = stats.message(len(completion.token_ids), faults)
