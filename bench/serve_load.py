@@ -26,6 +26,8 @@ gives the second verifier flags of its own, from this tree when no --against-tre
 (e.g. `--other-arg=--quantize --other-arg=fp8`: FP8 against the defaults at each concurrency);
 with --alpha, `--other-link local` pairs the drafter link over the replay drafter's Unix socket
 against gRPC (`--drafter-socket`, DESIGN §9).
+`--traced this|other|both` makes that verifier export every trace to an OTLP sink the bench runs
+(`this` or `other` alone pairs a traced verifier of this tree against an untraced one).
 With --one-at-a-time only one of the two is up at a time (each block starts and stops each, in
 alternating order: two 30B verifiers do not fit an 80 GB GPU together).
 
@@ -48,6 +50,7 @@ from urllib.request import urlopen
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pairbench.common import SHAPES, free_port, log  # noqa: E402  (puts the repo and protocol modules on sys.path)
 from pairbench.services import Children, link_flags  # noqa: E402
+from pairbench.trace_sink import TraceSink  # noqa: E402
 
 from bench.model_baseline import SMALL  # noqa: E402
 import grpc  # noqa: E402
@@ -206,6 +209,9 @@ def main() -> None:
     parser.add_argument("--one-at-a-time", action="store_true",
                         help="with --against-tree / --other-arg: one verifier up at a time (each block starts and stops "
                              "each, in alternating order), for two that do not fit the GPU together")
+    parser.add_argument("--traced", default="none", choices=("none", "this", "other", "both"),
+                        help="that verifier exports every trace (OTLP/gRPC) to a sink this bench runs, the other none "
+                             "(this / other alone pairs a traced verifier of this tree with an untraced one)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -231,7 +237,8 @@ def main() -> None:
     verifier_argv = argv_for(port, metrics_port)
     other_port, other_metrics_port = free_port(), free_port()
     other_argv = argv_for(other_port, other_metrics_port) + args.other_arg
-    paired = args.against_tree is not None or bool(args.other_arg) or args.other_link != args.link
+    paired = (args.against_tree is not None or bool(args.other_arg) or args.other_link != args.link
+              or args.traced in ("this", "other"))
     if args.other_link != args.link and args.alpha is None:
         parser.error("--link / --other-link choose the replay drafter's link: give --alpha")
     if args.one_at_a_time and not paired:
@@ -239,6 +246,7 @@ def main() -> None:
     if args.one_at_a_time and rates:
         parser.error("--one-at-a-time runs closed loops only (no --rates)")
     results: dict = {"args": vars(args) | {"out": str(args.out)}, "closed": {}, "open": {}}
+    sink = TraceSink() if args.traced != "none" else None
     try:
         if args.alpha is not None:
             results["references"] = asyncio.run(references(children, verifier_argv, address, prompts, args))
@@ -258,10 +266,17 @@ def main() -> None:
         verifiers = {"": ("verifier", verifier_argv, None, port, metrics_port)}
         if paired:
             verifiers["before:"] = ("other-verifier", other_argv, args.against_tree, other_port, other_metrics_port)
+        if sink is not None:
+            sink.start()
+
+        def env(prefix: str) -> dict[str, str] | None:  # (a traced verifier exports to the sink; an other none)
+            if sink is None:
+                return None
+            return sink.env if args.traced in ("both", "other" if prefix else "this") else {"OTEL_SDK_DISABLED": "true"}
 
         def start(prefix: str) -> Load:
             name, argv, tree, at_port, at_metrics = verifiers[prefix]
-            children.start(name, argv, tree=tree)
+            children.start(name, argv, tree=tree, env=env(prefix))
             asyncio.run(children.wait_serving(name, f"127.0.0.1:{at_port}", timeout=900))
             service = Load(f"127.0.0.1:{at_port}", prompts, args.new_tokens, at_metrics, args.temperature,
                            args.draft_tokens)
@@ -303,6 +318,10 @@ def main() -> None:
                     f"refused {s['refused']}")
     finally:
         children.stop()
+        if sink is not None:
+            sink.stop()
+            results["traces"] = {"spans": sink.spans, "bytes": sink.bytes}
+            log(f"traces ({args.traced}): {sink.spans:,} spans, {sink.bytes / 1e6:.1f} MB received")
     report(results, levels, rates, args)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1, default=str))
@@ -354,8 +373,11 @@ def report(results: dict, levels: list[int], rates: list[float], args) -> None:
             if plain and spec:
                 print(f"- concurrency {c}: {spec['tokens_per_s'] / plain['tokens_per_s']:.2f}x, "
                       f"TPOT p50 plain / spec {plain['tpot_ms']['p50'] / spec['tpot_ms']['p50']:.2f}x")
-    if args.against_tree is not None or args.other_arg:
-        print(f"\nthis tree against `{' '.join(filter(None, [str(args.against_tree or ''), *args.other_arg]))}` "
+    if any(key.startswith("before:") for key in results["closed"]):
+        that = [str(args.against_tree or ""), *args.other_arg,
+                f"--link {args.other_link}" if args.other_link != args.link else "",
+                {"this": "untraced", "other": "traced (this one untraced)"}.get(args.traced, "")]
+        print(f"\nthis verifier against the other (`{' '.join(filter(None, that))}`) "
               f"(median of per-block ratios, {args.blocks} blocks):\n")
         print("| arm | tokens/s, this | tokens/s, that | this / that | TPOT p50 that / this | TTFT p50 ms, this / that |")
         print("| --- | ---: | ---: | ---: | ---: | ---: |")
@@ -371,7 +393,7 @@ def report(results: dict, levels: list[int], rates: list[float], args) -> None:
                       f"{statistics.median(b['tokens_per_s'] for b in that):.1f} | {ratio:.3f} | {tpot:.3f} | "
                       f"{ttft[0]:.0f} / {ttft[1]:.0f} |")
         if args.alpha is not None:
-            print("\nspeculative / plain, the tree before:")
+            print("\nspeculative / plain, the other verifier:")
             for c in levels:
                 plain, spec = median_arm(f"before:plain@{c}"), median_arm(f"before:spec@{c}")
                 if plain and spec:
