@@ -105,9 +105,7 @@ async def main_async(args) -> None:
             sink.start()
 
         def env(name: str) -> dict[str, str] | None:  # (a traced pair exports to the sink; an other none)
-            if sink is None:
-                return None
-            return sink.env if args.traced in (name, "both") else {"OTEL_SDK_DISABLED": "true"}
+            return None if sink is None else sink.env(args.traced in (name, "both"))
 
         if args.baseline_tree:
             v_args, d_args = link_flags(args.baseline_link, workdir / "baseline.sock")

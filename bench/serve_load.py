@@ -270,9 +270,7 @@ def main() -> None:
             sink.start()
 
         def env(prefix: str) -> dict[str, str] | None:  # (a traced verifier exports to the sink; an other none)
-            if sink is None:
-                return None
-            return sink.env if args.traced in ("both", "other" if prefix else "this") else {"OTEL_SDK_DISABLED": "true"}
+            return None if sink is None else sink.env(args.traced in ("both", "other" if prefix else "this"))
 
         def start(prefix: str) -> Load:
             name, argv, tree, at_port, at_metrics = verifiers[prefix]

@@ -66,9 +66,8 @@ class LightSpan(trace.Span):
             self._attributes[key] = tuple(value) if isinstance(value, list) else value
 
     def set_attributes(self, attributes: Mapping) -> None:
-        if self._recording:
-            for key, value in attributes.items():
-                self._attributes[key] = tuple(value) if isinstance(value, list) else value
+        for key, value in attributes.items():
+            self.set_attribute(key, value)
 
     def add_event(self, name: str, attributes: Mapping | None = None, timestamp: int | None = None) -> None:
         if self._recording:

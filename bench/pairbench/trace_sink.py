@@ -23,9 +23,11 @@ class TraceSink(trace_service_pb2_grpc.TraceServiceServicer):
         self._lock = threading.Lock()
         self._server: grpc.Server | None = None
 
-    @property
-    def env(self) -> dict[str, str]:
-        """What makes a service export its traces here (shared/telemetry.py reads the OTEL_* variables)."""
+    def env(self, traced: bool) -> dict[str, str]:
+        """A service's variables (shared/telemetry.py reads the OTEL_* ones): its traces exported
+        here, or (traced False) none exported at all."""
+        if not traced:
+            return {"OTEL_SDK_DISABLED": "true"}
         return {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{self.port}", "OTEL_TRACES_EXPORTER": "otlp",
                 "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_SDK_DISABLED": "false"}
 

@@ -109,9 +109,7 @@ class Governor:
         explore (or wait for the verdict where every explorer's place is taken)."""
         self.load, self.ledger = load, self.ledgers[load, self.sampled]  # (the ledger its estimates and decisions use)
         self.exploring = self.awaiting = False
-        verdict = self.ledger.pays() if self.drafting else False
-        if verdict is True and not self._repays_opening():
-            verdict = False  # (as a detached request: a probe may still come, paid from the budget)
+        verdict = self._verdict() if self.drafting else False
         if verdict is None:
             self.exploring = self.ledger.explore()
             self.awaiting = not self.exploring
@@ -207,6 +205,13 @@ class Governor:
         own, server = (self.speculative, self.ledger.speculative) if speculative else (self.plain, self.ledger.plain)
         return own.per_token() if len(own) else server.per_token()
 
+    def _verdict(self) -> bool | None:
+        """The server's verdict for this request: whether speculation pays (None: not known yet),
+        False also where it pays too little to repay the opening (the request then starts as a
+        detached one: a probe may still come, paid from the budget)."""
+        verdict = self.ledger.pays()
+        return False if verdict is True and not self._repays_opening() else verdict
+
     def _repays_opening(self) -> bool:
         """Whether the tokens this request may still commit can repay the drafter's opening (what
         a speculative phase's first round loses: the stream's open and the drafter's catch-up) at
@@ -286,12 +291,12 @@ class Governor:
     def _look_for_verdict(self) -> None:
         """A request waiting for the server's verdict: speculate where it pays (or where an
         explorer's place is free again), stay plain — as if detached — where it does not."""
-        verdict = self.ledger.pays()
+        verdict = self._verdict()
         if verdict is None and not self.ledger.explore():
             self.phase_rounds = 0  # look again in verdict_rounds
             return
         self.awaiting = False
-        if verdict is False or (verdict is True and not self._repays_opening()):
+        if verdict is False:
             self._switch(False, self.settings.min_hold)
             return
         self.exploring = verdict is None
