@@ -169,7 +169,7 @@ def fused_experts(
     gate_up_kernel[(num_routes, cdiv(inter, block_n))](
         x.contiguous(), ids, sorted_routes, tile_len, gate_up_q, act, num_routes, inter, hidden,
         TOP_K=top_k, R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, PDL=pdl,
-        TABLE=table, **_fp8_arguments(gate_up, block_k, x), num_warps=warps, num_stages=stages, **launch_options(pdl),
+        TABLE=table, **expert_fp8_arguments(gate_up, block_k, x), num_warps=warps, num_stages=stages, **launch_options(pdl),
     )
     out = (torch.zeros if zero_dropped else torch.empty)((num_routes, hidden), dtype=torch.float32, device=x.device)
     block_n, block_k, warps, stages = expert_config(down, x.dtype)
@@ -177,7 +177,7 @@ def fused_experts(
     down_kernel[(num_routes, cdiv(hidden, block_n))](
         act, ids, sorted_routes, tile_len, down_q, out, num_routes, inter, hidden,
         R_PAD=r_pad, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee, PDL=down_pdl, TABLE=table,
-        PRELOAD=DOWN_PRELOAD, **_fp8_arguments(down, block_k, x), num_warps=warps, num_stages=stages,
+        PRELOAD=DOWN_PRELOAD, **expert_fp8_arguments(down, block_k, x), num_warps=warps, num_stages=stages,
         **launch_options(down_pdl),
     )
     return out
@@ -196,7 +196,7 @@ def expert_config(weight: Weight, x_dtype: torch.dtype) -> tuple[int, int, int, 
     return block_n, block_k, warps, pipeline_stages(4, (BLOCK_M * x_bytes + 2 * block_n) * block_k)
 
 
-def _fp8_arguments(weight: Weight, block_k: int, x: Tensor) -> dict:
+def expert_fp8_arguments(weight: Weight, block_k: int, x: Tensor) -> dict:
     """The expert kernels' FP8 arguments: the block scales (experts stride_se apart, block rows
     stride_sn), blocks (SBN × SBK, pieces of SUB columns) and the way (linear.fp8_way); for
     full-precision weights FP8 off and a stand-in pointer, unread."""

@@ -10,7 +10,8 @@ GEMMs over the routes sorted by expert.
   in the same order as with every expert resident, so the bits are the all-resident ones.
 
 "gather" and "grouped" need no -1 routes and never synchronise (CUDA-graph safe); "gather"
-needs every expert resident. FP8 stacks are dequantised for the experts a path runs.
+needs every expert resident. FP8 stacks are dequantised for the experts a path runs, except
+where "grouped" reads them as stored (kernels.fused.grouped, where Triton runs).
 """
 
 from __future__ import annotations
@@ -19,9 +20,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels.fused import use_triton
+from kernels.fused.fp8 import Fp8Weight
+from kernels.fused.grouped import grouped_experts
 from kernels.fused.linear import dense
 from kernels.fused.moe import silu_mul
 from kernels.moe import moe_forward
+
+
+# FP8 experts in the grouped path: prefill's products read the FP8 tiles (kernels.fused.grouped)
+# where Triton runs, rather than torch._grouped_mm over a dequantised copy of every expert
+# (bench/fp8_grouped.py measures both; docs/PERFORMANCE.md).
+GROUPED_FP8 = True
 
 
 def grouped_mm_available(dtype: torch.dtype) -> bool:
@@ -132,15 +142,16 @@ class ExpertPaths:
         t*k + rank runs weights[keys[r]] (default: the slots'); keys equal to len(weights) sort
         behind the last offset and are not computed (their rows hold garbage)."""
         gate_up, down = weights or (self.gate_up, self.down)
-        # (FP8: every expert dequantised for the call — prompt rows, compute-bound; a grouped FP8
-        # GEMM would spare the copy)
-        gate_up, down = dense(gate_up, hidden.dtype), dense(down, hidden.dtype)
         num_groups = gate_up.shape[0]
         order = torch.argsort(keys, stable=True)
-        rows = hidden[order // top_k]  # [T*k, hidden], grouped by key
         # Counts by scatter_add, not bincount: bincount sizes its output on the host (a sync).
         counts = torch.zeros(num_groups + 1, dtype=torch.int64, device=keys.device).scatter_add_(
             0, keys, torch.ones_like(keys))
+        if isinstance(gate_up, Fp8Weight) and GROUPED_FP8 and use_triton(hidden):
+            # FP8 weights read as stored: no dequantised copy of every expert a chunk
+            return grouped_experts(hidden, order, counts[:num_groups], top_k, gate_up, down), order
+        gate_up, down = dense(gate_up, hidden.dtype), dense(down, hidden.dtype)
+        rows = hidden[order // top_k]  # [T*k, hidden], grouped by key
         ends = torch.cumsum(counts[:num_groups], dim=0).to(torch.int32)
         act = silu_mul(torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=ends))
         return torch._grouped_mm(act, down.transpose(1, 2), offs=ends), order

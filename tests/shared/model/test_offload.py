@@ -248,3 +248,27 @@ def test_grouped_gemms_over_slot_groups_are_the_all_resident_bits(torch_referenc
     weights = torch.rand(10, 2, generator=g)
     assert torch.equal(few.forward(hidden, expert_ids, weights, path="grouped"),
                        full.forward(hidden, expert_ids, weights, path="grouped"))
+
+
+def test_grouped_fp8_experts_read_as_stored_are_their_dequantised_products_in_slot_groups_too():
+    """Prefill's grouped path with FP8 experts (kernels.fused.grouped, in the interpreter here):
+    every expert resident and 3 of 8 in slots give the dispatch path's outputs on the dequantised
+    weights (float32 rounding: the interpreter's dots follow memory alignment), dropped routes of
+    no expert left out of the sum as dispatch leaves them."""
+    from kernels.fused.fp8 import cat_rows, quantize
+
+    g = torch.Generator().manual_seed(4)
+    gate = quantize(0.1 * torch.randn(8, 16, 32, generator=g), (16, 16))
+    up = quantize(0.1 * torch.randn(8, 16, 32, generator=g), (16, 16))
+    gate_up, down = cat_rows([gate, up]), quantize(0.1 * torch.randn(8, 32, 16, generator=g), (16, 16))
+    hidden = torch.randn(30, 32, generator=g)
+    expert_ids = torch.randint(0, 8, (30, 2), generator=g)
+    weights = torch.rand(30, 2, generator=g)
+    full = ExpertStore(gate_up, down, device="cpu")
+    few = ExpertStore(gate_up, down, device="cpu", num_slots=3)
+    expected = ExpertStore(gate_up.dequantize(), down.dequantize(), device="cpu").forward(
+        hidden, expert_ids, weights, path="dispatch")
+    for store in (full, few):
+        torch.testing.assert_close(store.forward(hidden, expert_ids, weights, path="grouped"), expected,
+                                   rtol=1e-5, atol=1e-5)
+    assert few.counters.misses >= len(set(expert_ids.view(-1).tolist())) - 3
