@@ -13,6 +13,13 @@ from kernels.fused.fp8_kernels import tile_dot
 
 
 @triton.jit
+def _tile(tile_expert_ptr, tile_start_ptr, g, length, BLOCK_M: tl.constexpr):
+    """(expert, sorted route positions [BLOCK_M] int64, which of them are the tile's) of tile g."""
+    j = tl.arange(0, BLOCK_M)
+    return tl.load(tile_expert_ptr + g), (tl.load(tile_start_ptr + g) + j).to(tl.int64), j < length
+
+
+@triton.jit
 def grouped_gate_up_kernel(
     x_ptr, order_ptr, tile_expert_ptr, tile_start_ptr, tile_len_ptr, w_ptr, act_ptr, I, H,
     s_ptr, stride_se, stride_sn,
@@ -26,10 +33,7 @@ def grouped_gate_up_kernel(
     g = tl.program_id(0)
     length = tl.load(tile_len_ptr + g)
     if length > 0:
-        expert = tl.load(tile_expert_ptr + g)
-        j = tl.arange(0, BLOCK_M)
-        m_ok = j < length
-        m = tl.load(tile_start_ptr + g) + j  # [BLOCK_M] sorted route positions
+        expert, m, m_ok = _tile(tile_expert_ptr, tile_start_ptr, g, length, BLOCK_M)
         tokens = tl.load(order_ptr + m, mask=m_ok, other=0) // TOP_K
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < I
@@ -50,7 +54,7 @@ def grouped_gate_up_kernel(
             acc_g = tile_dot(x, wg, acc_g, s_base, s_gate, n_ok, k0, H, IEEE, FP8, SBK, BLOCK_N, BLOCK_K, SUB, EXACT, ASM)
             acc_u = tile_dot(x, wu, acc_u, s_base, s_up, n_ok, k0, H, IEEE, FP8, SBK, BLOCK_N, BLOCK_K, SUB, EXACT, ASM)
         act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        tl.store(act_ptr + m.to(tl.int64)[:, None] * I + n[None, :], act.to(act_ptr.dtype.element_ty),
+        tl.store(act_ptr + m[:, None] * I + n[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -64,10 +68,7 @@ def grouped_down_kernel(
     g = tl.program_id(0)
     length = tl.load(tile_len_ptr + g)
     if length > 0:
-        expert = tl.load(tile_expert_ptr + g)
-        j = tl.arange(0, BLOCK_M)
-        m_ok = j < length
-        m = (tl.load(tile_start_ptr + g) + j).to(tl.int64)
+        expert, m, m_ok = _tile(tile_expert_ptr, tile_start_ptr, g, length, BLOCK_M)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < H
         ks = tl.arange(0, BLOCK_K)
