@@ -12,9 +12,12 @@ Reported: median ms a layer (× 48 = a chunk's prefill share), the FP8 way's tim
 tree before's (median of the blocks' paired ratios), its relative difference from the tree
 before's outputs, and whether a prompt's routes keep their bits beside another prompt's.
 `--sweep` times candidate tiles of the FP8 way first (its tile is fixed for every route count:
-row invariance), at the largest T.
+row invariance), at the largest T. `--model` then times what a request's first token waits for:
+the whole FP8 model's prefill (`FusedModel.prefill`, random weights at those shapes, 48 layers,
+`--quantize fp8`) of one prompt and of 8 prompts together in chunks of 2,048 tokens (the
+verifier's default), with the FP8 way on and off (`expert_paths.GROUPED_FP8`), alternating.
 
-Usage: python bench/fp8_grouped.py [--tokens 512,2048,4096] [--blocks 5] [--reps 5] [--sweep]
+Usage: python bench/fp8_grouped.py [--tokens 512,2048,4096] [--blocks 5] [--reps 5] [--sweep] [--model]
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=5)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--sweep", action="store_true", help="time candidate tiles of the FP8 way first")
+    parser.add_argument("--model", action="store_true", help="then the whole FP8 model's prefill, the way on and off")
+    parser.add_argument("--prompt-tokens", type=int, default=512)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("fp8_grouped.py times GPU kernels: it needs a CUDA device")
@@ -103,6 +108,9 @@ def main() -> None:
         flops = 2 * t * TOP_K * 3 * H * I
         print(f"| {t} | {before:.3f} | {fp8:.3f} | {bf16:.3f} | {ratio:.3f} | {LAYERS * before:.0f} → {LAYERS * fp8:.0f} "
               f"| {flops / fp8 / 1e9:.0f} | {diff:.2e} | {beside(x, t, g, gate_up, down)} |")
+    if args.model:
+        del gate_up_bf16, down_bf16, gate_up, down, chunks
+        model_prefill(args)
 
 
 def beside(x: torch.Tensor, num_tokens: int, g: torch.Generator, gate_up, down) -> str:
@@ -143,6 +151,65 @@ def sweep(chunk, fp8_way, reps: int) -> None:
     grouped_module.GATE_UP_TILE, grouped_module.DOWN_TILE = saved
     if results:
         print(f"\nfastest: {min(results)[1:]} ({min(results)[0]:.3f} ms)\n")
+
+
+def model_prefill(args) -> None:
+    """The FP8 model's prefill, one prompt and 8 together (chunks of 2,048 tokens), the FP8 way on
+    and off, alternating; ms by synchronised wall time, median of the blocks."""
+    import time
+
+    import shared.model.expert_paths as expert_paths
+    from bench.model_baseline import QWEN3_30B_A3B
+    from shared.model import ModelConfig, load_model
+    from shared.model.families.qwen3_moe.fused import FusedModel
+    from shared.model.kv_cache import KVPool
+
+    length, num_prompts, chunk = args.prompt_tokens, 8, 2048
+    print("making the FP8 model (Qwen3-30B-A3B shapes, random weights) ...", file=sys.stderr, flush=True)
+    model = load_model(config=ModelConfig.from_dict(QWEN3_30B_A3B | dict(max_position_embeddings=4096)),
+                       random_weights=True, dtype=torch.bfloat16, device="cuda", seed=0, quantize="fp8")
+    c = model.config
+    pool = KVPool(num_layers=c.num_hidden_layers, num_slots=num_prompts, max_length=length,
+                  num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=torch.bfloat16, device="cuda")
+    for _ in range(num_prompts):
+        pool.acquire(length)
+    fused = FusedModel(model, max_rows=1, max_length=length)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    prompts = [torch.randint(0, c.vocab_size, (length,), device="cuda", generator=gen) for _ in range(num_prompts)]
+    per_chunk = max(1, chunk // length)
+
+    def one() -> None:
+        fused.prefill(prompts[0], [(0, length, 0)], pool.paged())
+
+    def together() -> None:
+        for first in range(0, num_prompts, per_chunk):
+            group = range(first, min(num_prompts, first + per_chunk))
+            fused.prefill(torch.cat([prompts[i] for i in group]), [(0, length, i) for i in group], pool.paged())
+
+    def timed(fn) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return 1e3 * (time.perf_counter() - start)
+
+    ms: dict[tuple[str, bool], list[float]] = {}
+    for block in range(args.blocks + 1):  # (block 0 warms both ways: compiles, allocator)
+        for way in (True, False) if block % 2 else (False, True):
+            expert_paths.GROUPED_FP8 = way
+            for name, fn in (("one prompt", one), (f"{num_prompts} prompts", together)):
+                took = timed(fn)
+                if block:
+                    ms.setdefault((name, way), []).append(took)
+    expert_paths.GROUPED_FP8 = True
+    print(f"\nthe FP8 model's prefill ({c.num_hidden_layers} layers, {length}-token prompts, chunks of {chunk} "
+          f"tokens; median ms of {args.blocks} blocks)\n")
+    print("| prompts | dequantised copy + grouped_mm (before) | FP8 tiles read | FP8 / before (paired) |")
+    print("| --- | ---: | ---: | ---: |")
+    for name in ("one prompt", f"{num_prompts} prompts"):
+        before, after = ms[name, False], ms[name, True]
+        ratio = statistics.median(a / b for a, b in zip(after, before))
+        print(f"| {name} | {statistics.median(before):.1f} | {statistics.median(after):.1f} | {ratio:.3f} |")
 
 
 if __name__ == "__main__":
