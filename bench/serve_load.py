@@ -105,6 +105,13 @@ def request_config(new_tokens: int, temperature: float, prompt_index: int, specu
                             seed=prompt_index + 1, speculation=speculation, max_draft_tokens=draft_tokens if speculation else 0)
 
 
+# The verifier's counters an arm reads (Prometheus text names; the tree before exports them too).
+SPECULATIVE_ROUNDS = 'tandem_verifier_rounds_total{kind="speculative"}'
+PLAIN_ROUNDS = 'tandem_verifier_rounds_total{kind="plain"}'
+ROUND_COUNTERS = ("tandem_verifier_batch_rounds_sum", "tandem_verifier_batch_rounds_count", SPECULATIVE_ROUNDS,
+                  PLAIN_ROUNDS, "tandem_verifier_accepted_length_sum", "tandem_verifier_accepted_length_count")
+
+
 class Load:
     def __init__(self, address: str, prompts: list[list[int]], new_tokens: int, metrics_port: int,
                  temperature: float = 0.0, draft_tokens: int = 4) -> None:
@@ -124,17 +131,29 @@ class Load:
     def metrics(self) -> list[str]:
         return urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode().splitlines()
 
-    def batch_counts(self) -> tuple[float, float]:
-        """(sum, count) of the verifier's tandem_verifier_batch_rounds histogram."""
+    def round_counts(self) -> dict[str, float]:
+        """The verifier's counters an arm reads as differences: rounds per batched forward
+        (sum, count), rounds by kind, tokens committed a round (sum, count)."""
         values = {}
         for line in self.metrics():
-            if line.startswith(("tandem_verifier_batch_rounds_sum", "tandem_verifier_batch_rounds_count")):
-                name, value = line.split()
+            if line.startswith(ROUND_COUNTERS):
+                name, value = line.rsplit(" ", 1)
                 values[name] = float(value)
-        return values.get("tandem_verifier_batch_rounds_sum", 0.0), values.get("tandem_verifier_batch_rounds_count", 0.0)
+        return values
+
+    def arm_rounds(self, before: dict[str, float]) -> dict[str, float]:
+        """An arm's mean batch, share of speculative rounds and tokens a round, from round_counts
+        before and after it."""
+        after = self.round_counts()
+        d = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+        speculative, plain = d.get(SPECULATIVE_ROUNDS, 0.0), d.get(PLAIN_ROUNDS, 0.0)
+        return dict(mean_batch=d.get("tandem_verifier_batch_rounds_sum", 0.0) / max(d.get("tandem_verifier_batch_rounds_count", 0.0), 1),
+                    speculative_share=speculative / max(speculative + plain, 1),
+                    tokens_per_round=d.get("tandem_verifier_accepted_length_sum", 0.0)
+                    / max(d.get("tandem_verifier_accepted_length_count", 0.0), 1))
 
     async def closed_loop(self, concurrency: int, per_client: int, speculation: bool) -> dict:
-        before = self.batch_counts()
+        before = self.round_counts()
         async with AsyncVerifierClient(self.address, timeout=1800) as client:
             async def worker() -> list[dict]:
                 return [await one_request(client, *self.request(speculation)) for _ in range(per_client)]
@@ -142,14 +161,11 @@ class Load:
             started = time.perf_counter()
             results = await asyncio.gather(*(worker() for _ in range(concurrency)))
             wall = time.perf_counter() - started
-        after = self.batch_counts()
-        out = summarise([r for rs in results for r in rs], wall)
-        out["mean_batch"] = (after[0] - before[0]) / max(after[1] - before[1], 1)
-        return out
+        return summarise([r for rs in results for r in rs], wall) | self.arm_rounds(before)
 
     async def open_loop(self, rate: float, num_requests: int, seed: int, speculation: bool = False) -> dict:
         rng = random.Random(seed)
-        before = self.batch_counts()
+        before = self.round_counts()
         async with AsyncVerifierClient(self.address, timeout=1800) as client:
             started = time.perf_counter()
             tasks = []
@@ -158,10 +174,7 @@ class Load:
                 await asyncio.sleep(rng.expovariate(rate))
             records = await asyncio.gather(*tasks)
             wall = time.perf_counter() - started
-        after = self.batch_counts()
-        out = summarise(records, wall)
-        out["mean_batch"] = (after[0] - before[0]) / max(after[1] - before[1], 1)
-        return out
+        return summarise(records, wall) | self.arm_rounds(before)
 
 
 def row(label: str, s: dict, base: float | None) -> str:
@@ -289,7 +302,8 @@ def main() -> None:
             s = asyncio.run(services[prefix].closed_loop(c, args.requests_per_client, speculation))
             results["closed"].setdefault(key, []).append(s)
             log(f"  block {block} {key}: {s['tokens_per_s']:.1f} tok/s, mean batch {s['mean_batch']:.1f}, "
-                f"TPOT p50 {s['tpot_ms']['p50']:.2f} ms")
+                f"TPOT p50 {s['tpot_ms']['p50']:.2f} ms, speculative rounds {s['speculative_share']:.0%}, "
+                f"{s['tokens_per_round']:.2f} tokens a round")
 
         for block in range(args.blocks):
             order = list(verifiers) if block % 2 == 0 else list(verifiers)[::-1]

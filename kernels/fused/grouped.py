@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.fused import cdiv, use_triton
+from kernels.fused import cdiv, next_power_of_2, use_triton
 from kernels.fused import linear as linear_module
 from kernels.fused.fp8 import Fp8Weight
 from kernels.fused.linear import Weight, dense
@@ -38,11 +38,14 @@ GATE_UP_TILE = (64, 64, 128, 4, 3)  # two accumulators (gate, up) a program
 DOWN_TILE = (64, 128, 128, 4, 3)
 
 
+TABLE_BLOCK = 128  # tiles a program of the table kernel writes
+
+
 @functools.cache
 def _kernels():
-    from kernels.fused.grouped_kernels import grouped_down_kernel, grouped_gate_up_kernel
+    from kernels.fused.grouped_kernels import grouped_down_kernel, grouped_gate_up_kernel, tile_table_kernel
 
-    return grouped_gate_up_kernel, grouped_down_kernel
+    return grouped_gate_up_kernel, grouped_down_kernel, tile_table_kernel
 
 
 def tile_table(counts: Tensor, block_m: int, num_routes: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -50,7 +53,21 @@ def tile_table(counts: Tensor, block_m: int, num_routes: int) -> tuple[Tensor, T
     expert with counts [E] routes of each (the sort's first sum(counts) positions): expert e's run
     cut into tiles of up to block_m. G = cdiv(num_routes, block_m) + E bounds the tiles of any
     counts summing to at most num_routes (fixed on the host: no synchronisation); tiles past the
-    last have length 0."""
+    last have length 0. Where Triton runs, one kernel (a prefill forward's host pays a launch a
+    layer, not a dozen torch ops); else torch ops, its reference."""
+    num_experts = counts.numel()
+    num_tiles = cdiv(num_routes, block_m) + num_experts
+    if use_triton(counts):
+        expert, start, length = (torch.empty(num_tiles, dtype=torch.int32, device=counts.device) for _ in range(3))
+        _kernels()[2][(cdiv(num_tiles, TABLE_BLOCK),)](
+            counts, expert, start, length, num_experts, num_tiles, E_PAD=max(16, next_power_of_2(num_experts)),
+            BLOCK_G=TABLE_BLOCK, BLOCK_M=block_m, num_warps=4)
+        return expert, start, length
+    return tile_table_reference(counts, block_m, num_routes)
+
+
+def tile_table_reference(counts: Tensor, block_m: int, num_routes: int) -> tuple[Tensor, Tensor, Tensor]:
+    """tile_table by torch ops."""
     num_experts = counts.numel()
     counts = counts.to(torch.int64)
     tiles = (counts + block_m - 1) // block_m  # [E]
@@ -106,7 +123,7 @@ def grouped_experts(
         return grouped_experts_reference(x, order, counts, top_k, gate_up, down)
     num_routes, hidden = order.numel(), x.shape[1]
     inter = down.shape[2]
-    gate_up_kernel, down_kernel = _kernels()
+    gate_up_kernel, down_kernel, _ = _kernels()
     act = torch.empty((num_routes, inter), dtype=x.dtype, device=x.device)
     out = torch.empty((num_routes, hidden), dtype=x.dtype, device=x.device)
     if num_routes == 0:

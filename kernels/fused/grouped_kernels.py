@@ -13,6 +13,32 @@ from kernels.fused.fp8_kernels import tile_dot
 
 
 @triton.jit
+def tile_table_kernel(counts_ptr, expert_ptr, start_ptr, length_ptr, E, G, E_PAD: tl.constexpr,
+                      BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """kernels.fused.grouped.tile_table's entries g of this program's BLOCK_G (one launch where the
+    torch ops take a dozen): every program sums the experts' counts [E] itself; a tile's expert is
+    the number of experts whose tiles end at or before it, its expert's sums picked by a mask."""
+    e = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + e, mask=e < E, other=0).to(tl.int32)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, axis=0)
+    route_end = tl.cumsum(counts, axis=0)
+    g = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+    expert = tl.sum(((tile_end[None, :] <= g[:, None]) & (e < E)[None, :]).to(tl.int32), axis=1)  # [BLOCK_G]: E past the last
+    valid = expert < E
+    mine = e[None, :] == tl.minimum(expert, E - 1)[:, None]  # [BLOCK_G, E_PAD]
+    first_tile = tl.sum(tl.where(mine, tile_end - tiles, 0), axis=1)
+    first_route = tl.sum(tl.where(mine, route_end - counts, 0), axis=1)
+    count = tl.sum(tl.where(mine, counts, 0), axis=1)
+    within = (g - first_tile) * BLOCK_M
+    length = tl.where(valid, tl.minimum(tl.maximum(count - within, 0), BLOCK_M), 0)
+    ok = g < G
+    tl.store(expert_ptr + g, tl.minimum(expert, E - 1), mask=ok)
+    tl.store(start_ptr + g, first_route + within, mask=ok)
+    tl.store(length_ptr + g, length, mask=ok)
+
+
+@triton.jit
 def _tile(tile_expert_ptr, tile_start_ptr, g, length, BLOCK_M: tl.constexpr):
     """(expert, sorted route positions [BLOCK_M] int64, which of them are the tile's) of tile g."""
     j = tl.arange(0, BLOCK_M)

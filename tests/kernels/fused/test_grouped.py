@@ -9,7 +9,7 @@ import torch
 
 from kernels.fused import grouped as grouped_module
 from kernels.fused.fp8 import cat_rows, quantize
-from kernels.fused.grouped import grouped_experts, grouped_experts_reference, tile_table
+from kernels.fused.grouped import grouped_experts, grouped_experts_reference, tile_table, tile_table_reference
 
 from .conftest import assert_same_row, devices_and_dtypes
 
@@ -38,11 +38,21 @@ def sort_routes(expert_ids, num_experts, skip=()):
     return order, counts
 
 
-@pytest.mark.parametrize("counts", [[0, 5, 16, 17, 0, 33], [1], [0, 0, 0], [64, 64, 1]])
+MANY = torch.randint(0, 90, (128,), generator=torch.Generator().manual_seed(5)).tolist()  # 128 experts: several programs
+
+
+@pytest.mark.parametrize("counts", [[0, 5, 16, 17, 0, 33], [1], [0, 0, 0], [64, 64, 1], MANY])
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_the_tile_table_covers_each_experts_routes_once_in_tiles_of_its_own(counts, block_m):
+@pytest.mark.parametrize("way", ["kernel", "torch"])
+def test_the_tile_table_covers_each_experts_routes_once_in_tiles_of_its_own(counts, block_m, way):
     num_routes = sum(counts) + 3  # (routes of no expert behind)
-    expert, start, length = tile_table(torch.tensor(counts), block_m, num_routes)
+    make = tile_table if way == "kernel" else tile_table_reference
+    expert, start, length = make(torch.tensor(counts), block_m, num_routes)
+    if way == "kernel":  # (the tiles past the last: length 0, whatever else they hold)
+        ref = tile_table_reference(torch.tensor(counts), block_m, num_routes)
+        used = ref[2] > 0
+        assert torch.equal(length, ref[2]) and torch.equal(expert[used], ref[0][used])
+        assert torch.equal(start[used], ref[1][used])
     assert expert.numel() == -(-num_routes // block_m) + len(counts)
     covered = []
     for e, s, n in zip(expert.tolist(), start.tolist(), length.tolist()):
