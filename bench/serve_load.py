@@ -108,8 +108,9 @@ def request_config(new_tokens: int, temperature: float, prompt_index: int, specu
 # The verifier's counters an arm reads (Prometheus text names; the tree before exports them too).
 SPECULATIVE_ROUNDS = 'tandem_verifier_rounds_total{kind="speculative"}'
 PLAIN_ROUNDS = 'tandem_verifier_rounds_total{kind="plain"}'
+DETACHES = "tandem_verifier_drafter_detaches_total"  # (counted as each request ends)
 ROUND_COUNTERS = ("tandem_verifier_batch_rounds_sum", "tandem_verifier_batch_rounds_count", SPECULATIVE_ROUNDS,
-                  PLAIN_ROUNDS, "tandem_verifier_accepted_length_sum", "tandem_verifier_accepted_length_count")
+                  PLAIN_ROUNDS, "tandem_verifier_accepted_length_sum", "tandem_verifier_accepted_length_count", DETACHES)
 
 
 class Load:
@@ -142,15 +143,16 @@ class Load:
         return values
 
     def arm_rounds(self, before: dict[str, float]) -> dict[str, float]:
-        """An arm's mean batch, share of speculative rounds and tokens a round, from round_counts
-        before and after it."""
+        """An arm's mean batch, share of speculative rounds, tokens a round and its requests'
+        detaches (the governor judged speculation slower), from round_counts before and after it."""
         after = self.round_counts()
         d = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
         speculative, plain = d.get(SPECULATIVE_ROUNDS, 0.0), d.get(PLAIN_ROUNDS, 0.0)
         return dict(mean_batch=d.get("tandem_verifier_batch_rounds_sum", 0.0) / max(d.get("tandem_verifier_batch_rounds_count", 0.0), 1),
                     speculative_share=speculative / max(speculative + plain, 1),
                     tokens_per_round=d.get("tandem_verifier_accepted_length_sum", 0.0)
-                    / max(d.get("tandem_verifier_accepted_length_count", 0.0), 1))
+                    / max(d.get("tandem_verifier_accepted_length_count", 0.0), 1),
+                    detaches=d.get(DETACHES, 0.0))
 
     async def closed_loop(self, concurrency: int, per_client: int, speculation: bool) -> dict:
         before = self.round_counts()
@@ -303,7 +305,7 @@ def main() -> None:
             results["closed"].setdefault(key, []).append(s)
             log(f"  block {block} {key}: {s['tokens_per_s']:.1f} tok/s, mean batch {s['mean_batch']:.1f}, "
                 f"TPOT p50 {s['tpot_ms']['p50']:.2f} ms, speculative rounds {s['speculative_share']:.0%}, "
-                f"{s['tokens_per_round']:.2f} tokens a round")
+                f"{s['tokens_per_round']:.2f} tokens a round, {s['detaches']:.0f} detaches")
 
         for block in range(args.blocks):
             order = list(verifiers) if block % 2 == 0 else list(verifiers)[::-1]
