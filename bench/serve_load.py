@@ -133,8 +133,8 @@ class Load:
         return urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode().splitlines()
 
     def round_counts(self) -> dict[str, float]:
-        """The verifier's counters an arm reads as differences: rounds per batched forward
-        (sum, count), rounds by kind, tokens committed a round (sum, count)."""
+        """The verifier's counters an arm reads as differences (ROUND_COUNTERS): rounds per batched
+        forward (sum, count), rounds by kind, tokens committed a round (sum, count), detaches."""
         values = {}
         for line in self.metrics():
             if line.startswith(ROUND_COUNTERS):
