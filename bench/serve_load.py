@@ -109,8 +109,11 @@ def request_config(new_tokens: int, temperature: float, prompt_index: int, specu
 SPECULATIVE_ROUNDS = 'tandem_verifier_rounds_total{kind="speculative"}'
 PLAIN_ROUNDS = 'tandem_verifier_rounds_total{kind="plain"}'
 DETACHES = "tandem_verifier_drafter_detaches_total"  # (counted as each request ends)
+PHASES = 'tandem_verifier_governor_phases_total{why="'
+QUOTE = '"'  # (by why; counted as each request ends; not in older trees)
 ROUND_COUNTERS = ("tandem_verifier_batch_rounds_sum", "tandem_verifier_batch_rounds_count", SPECULATIVE_ROUNDS,
-                  PLAIN_ROUNDS, "tandem_verifier_accepted_length_sum", "tandem_verifier_accepted_length_count", DETACHES)
+                  PLAIN_ROUNDS, "tandem_verifier_accepted_length_sum", "tandem_verifier_accepted_length_count", DETACHES,
+                  PHASES)
 
 
 class Load:
@@ -143,8 +146,9 @@ class Load:
         return values
 
     def arm_rounds(self, before: dict[str, float]) -> dict[str, float]:
-        """An arm's mean batch, share of speculative rounds, tokens a round and its requests'
-        detaches (the governor judged speculation slower), from round_counts before and after it."""
+        """An arm's mean batch, share of speculative rounds, tokens a round, its requests'
+        detaches (the governor judged speculation slower) and their phases by why (`phases`, e.g.
+        "verdict 8, explore 2"), from round_counts before and after it."""
         after = self.round_counts()
         d = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
         speculative, plain = d.get(SPECULATIVE_ROUNDS, 0.0), d.get(PLAIN_ROUNDS, 0.0)
@@ -152,7 +156,9 @@ class Load:
                     speculative_share=speculative / max(speculative + plain, 1),
                     tokens_per_round=d.get("tandem_verifier_accepted_length_sum", 0.0)
                     / max(d.get("tandem_verifier_accepted_length_count", 0.0), 1),
-                    detaches=d.get(DETACHES, 0.0))
+                    detaches=d.get(DETACHES, 0.0),
+                    phases=", ".join(f"{name[len(PHASES):].split(QUOTE)[0]} {n:.0f}" for name, n in d.items()
+                                     if name.startswith(PHASES) and n > 0))
 
     async def closed_loop(self, concurrency: int, per_client: int, speculation: bool) -> dict:
         before = self.round_counts()
@@ -305,7 +311,8 @@ def main() -> None:
             results["closed"].setdefault(key, []).append(s)
             log(f"  block {block} {key}: {s['tokens_per_s']:.1f} tok/s, mean batch {s['mean_batch']:.1f}, "
                 f"TPOT p50 {s['tpot_ms']['p50']:.2f} ms, speculative rounds {s['speculative_share']:.0%}, "
-                f"{s['tokens_per_round']:.2f} tokens a round, {s['detaches']:.0f} detaches")
+                f"{s['tokens_per_round']:.2f} tokens a round, {s['detaches']:.0f} detaches"
+                + (f"; phases: {s['phases']}" if s['phases'] else ""))
 
         for block in range(args.blocks):
             order = list(verifiers) if block % 2 == 0 else list(verifiers)[::-1]

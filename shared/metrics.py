@@ -44,6 +44,10 @@ class VerifierMetrics:
                               ["kind"], registry=r)
         self.detaches = Counter("tandem_verifier_drafter_detaches",
                                 "Times a request stopped asking its drafter because speculation did not pay", registry=r)
+        self.governor_phases = Counter("tandem_verifier_governor_phases",
+                                       "Phases of requests' rounds begun, by why (the governor's Phase: verdict, "
+                                       "verdict_plain, explore, await, calibrate, recheck, calibrated, detach, probe, "
+                                       "not_drafting)", ["why"], registry=r)
         self.records = Counter("tandem_verifier_drafter_records",
                                "Finished requests' outputs sent to the drafter's index of outputs: recorded, failed (the "
                                "drafter refused or was unreachable) or dropped (too many in flight)", ["outcome"],

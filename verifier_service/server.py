@@ -324,6 +324,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             if governor is not None:  # (cancelled requests too)
                 governor.close()
                 self.metrics.detaches.inc(governor.detaches)
+                for why, count in governor.phases.items():
+                    self.metrics.governor_phases.labels(why.value).inc(count)
             if link is not None:
                 for kind, count in link.faults.items():
                     self.metrics.faults.labels(kind).inc(count)

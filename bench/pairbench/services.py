@@ -38,7 +38,7 @@ class Children:
         change, for a side-by-side run); its modules are imported first. env: variables of this
         child's own (over the run's)."""
         log_path = self.workdir / f"{name}.log"
-        handle = open(log_path, "w")
+        handle = open(log_path, "a")  # (a service started again in a later block adds to its log)
         log(f"  start {name}{f' from {tree}' if tree else ''}: {' '.join(argv[1:])}")
         env = dict(self.env, **(env or {}))
         if tree is not None:

@@ -26,6 +26,9 @@ async def test_a_slow_drafter_is_detached_then_resumed_and_tokens_stay_the_same(
     stats = final.stats
     assert stats.drafter_detaches >= 1
     assert 0 < stats.speculative_rounds < stats.rounds
+    phases = servers.verifier.service.metrics.registry.get_sample_value  # (counted as the request ended)
+    assert phases("tandem_verifier_governor_phases_total", {"why": "detach"}) == stats.drafter_detaches
+    assert phases("tandem_verifier_governor_phases_total", {"why": "probe"}) >= 1
     assert stats.speculative_rounds == sum(r.speculative for r in rounds)
     assert all(r.retained == 0 for r in rounds if not r.speculative)  # a plain round asks for nothing
     (session,) = drafter.sessions

@@ -3,7 +3,7 @@ drafter (`request.Governor`), judged against what the server's rounds under the 
 realised (`ledger.Ledgers`)."""
 
 from verifier_service.governor.ledger import CostWindow, Ledger, Ledgers, Load
-from verifier_service.governor.request import Governor
+from verifier_service.governor.request import Governor, Phase
 from verifier_service.governor.settings import GovernorSettings
 
-__all__ = ["CostWindow", "Governor", "GovernorSettings", "Ledger", "Ledgers", "Load"]
+__all__ = ["CostWindow", "Governor", "GovernorSettings", "Ledger", "Ledgers", "Load", "Phase"]

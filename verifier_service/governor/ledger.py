@@ -83,21 +83,35 @@ class Ledger:
         # plain cost may be stale (measured under another load), so one request measures it again
         self.since_plain = 0
         self.rechecking = False  # a request is measuring plain again
+        # the plain window is stale: the recheck's first measured round replaces it (until then
+        # it stands: an empty window would leave every request without a plain cost to judge by)
+        self.plain_stale = False
         self._lock = threading.Lock()
 
     def pays(self) -> bool | None:
         """Whether speculation has paid lately (None: too few rounds of either kind to say). As
-        many rounds as one request judges on suffice: the server's verdict is its requests'."""
-        enough = min(self.settings.judge_rounds - 1, self.settings.server_window)
-        if len(self.speculative) < enough or len(self.plain) < enough:
+        many rounds as one request judges on suffice: the server's verdict is its requests' —
+        of plain ones, as many as a recheck measures (the window it leaves must give a verdict:
+        with fewer, every request arriving after a recheck explored or waited again)."""
+        s = self.settings
+        if len(self.speculative) < min(s.judge_rounds - 1, s.server_window) \
+                or len(self.plain) < min(s.recheck_measured, s.server_window):
             return None
-        s = self.settings  # the same rule as a request's detach: slower by the margin, beyond noise
+        # the same rule as a request's detach: slower by the margin, beyond noise
         return not self.speculative.slower(self.plain.per_token() * (1 + s.margin), s.confidence_z)
 
-    def counted(self, speculative: bool) -> None:
-        """A measured round of either kind (plain ones make the plain cost fresh)."""
+    def counted(self, speculative: bool, seconds: float, tokens: int, recheck: bool = False) -> None:
+        """A measured round of either kind (plain ones make the plain cost fresh; a recheck's
+        first one replaces the stale window)."""
         with self._lock:
             self.since_plain = self.since_plain + 1 if speculative else 0
+            if speculative:
+                self.speculative.add(seconds, tokens)
+                return
+            if recheck and self.plain_stale:
+                self.plain.clear()
+                self.plain_stale = False
+            self.plain.add(seconds, tokens)
 
     def take_recheck(self) -> bool:
         """Whether the caller should measure plain again (then it holds the place until recheck_done)."""
@@ -105,12 +119,13 @@ class Ledger:
             if self.rechecking or self.since_plain < self.settings.recheck_rounds:
                 return False
             self.rechecking = True
-            self.plain.clear()  # (stale by now: the recheck's rounds replace it)
+            self.plain_stale = True  # (the recheck's rounds replace it as they come)
             return True
 
     def recheck_done(self) -> None:
         with self._lock:
             self.rechecking = False
+            self.plain_stale = False  # (a recheck that measured nothing leaves the window as it was)
             self.since_plain = 0
 
     def explore(self) -> bool:

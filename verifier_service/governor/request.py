@@ -66,8 +66,33 @@ same (as for any round whose chain came late).
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+from enum import Enum
+
+import structlog
+
 from verifier_service.governor.ledger import CostWindow, Ledgers, Load
 from verifier_service.governor.settings import GovernorSettings
+
+log = structlog.get_logger("governor")
+
+
+class Phase(Enum):
+    """Why a request's phase began (its governor's `phases`; the verifier's metric
+    tandem_verifier_governor_phases by reason): the first five start a request (or restart it
+    under a new load), the rest follow a judgement."""
+
+    VERDICT = "verdict"  # the server's rounds say speculation pays: speculate
+    VERDICT_PLAIN = "verdict_plain"  # they say it does not (or too little to repay the opening): plain
+    EXPLORE = "explore"  # no verdict yet, an explorer's place: speculate to give one
+    AWAIT = "await"  # no verdict, every explorer's place taken: plain, looking again
+    NOT_DRAFTING = "not_drafting"  # the request has no drafter
+    CALIBRATE = "calibrate"  # no plain cost known: measure it
+    RECHECK = "recheck"  # the server's plain cost is stale: measure it again
+    CALIBRATED = "calibrated"  # after a calibration, speculation not slower: speculate
+    DETACH = "detach"  # speculation measured slower than plain: plain
+    PROBE = "probe"  # detached, the budget holds a probe: speculate
 
 
 class Governor:
@@ -102,6 +127,7 @@ class Governor:
         self.cost_from_others_s = 0.0  # what the other lanes added to the current round's time
         self.rounds = self.speculative_rounds = self.detaches = self.probes = self.load_changes = 0
         self.load_streak = 0  # rounds in a row begun under a load other than the one it decides for
+        self.phases: Counter[Phase] = Counter()  # phases begun, by why
         self._start(load)
 
     def _start(self, load: Load) -> None:
@@ -115,7 +141,9 @@ class Governor:
             self.awaiting = not self.exploring
         speculating = self.drafting and (verdict is True or self.exploring)
         s = self.settings
-        self._switch(speculating, s.judge_rounds if speculating else s.verdict_rounds if self.awaiting else s.min_hold)
+        why = (Phase.NOT_DRAFTING if not self.drafting else Phase.VERDICT if verdict is True
+               else Phase.EXPLORE if self.exploring else Phase.AWAIT if self.awaiting else Phase.VERDICT_PLAIN)
+        self._switch(speculating, s.judge_rounds if speculating else s.verdict_rounds if self.awaiting else s.min_hold, why)
 
     @property
     def next_speculates(self) -> bool:
@@ -190,9 +218,7 @@ class Governor:
                 ledger.charge(excess - self.reserved_s)
         if self.round_first or tokens <= 0:
             return
-        server = ledger.speculative if self.round_speculated else ledger.plain
-        server.add(seconds, tokens)
-        ledger.counted(self.round_speculated)
+        ledger.counted(self.round_speculated, seconds, tokens, recheck=self.rechecking)
         if self.round_load != self.load:
             return
         (self.speculative if self.round_speculated else self.plain).add(seconds, tokens)
@@ -262,13 +288,11 @@ class Governor:
         if self.speculating:
             self.close()  # an explorer's first judgement is its contribution
             if plain is None:
-                self._switch(False, self.settings.judge_rounds, calibrating=True)
+                self._switch(False, self.settings.judge_rounds, Phase.CALIBRATE, calibrating=True)
             elif speculative is not None and self._slower(plain):
                 self._detach()
             elif self.ledger.take_recheck():  # it pays against a plain cost measured long ago: measure it again
-                # (half a judgement's rounds, at least 3: the phase's first is not measured and it
-                # judges as its last begins; a plain round's cost varies little, one token each)
-                self._switch(False, max(3, self.settings.judge_rounds // 2), calibrating=True)
+                self._switch(False, self.settings.recheck_measured + 2, Phase.RECHECK, calibrating=True)
                 self.rechecking = True
             else:  # it pays (or nothing measured yet): judge again after another stretch
                 self.probing = False
@@ -278,14 +302,14 @@ class Governor:
             if speculative is not None and plain is not None and self._slower(plain):
                 self._detach()
             else:
-                self._switch(True, self.settings.judge_rounds)
+                self._switch(True, self.settings.judge_rounds, Phase.CALIBRATED)
         else:  # detached: probe when the budget holds what a probe is expected to lose
             expected = self._expected_probe_loss()
             if expected > 0 and self.phase_rounds < self.settings.min_hold:
                 return  # (where the server's rounds say speculation pays, a detach was likely bad luck: probe early)
             if self.ledger.credit_s >= expected and self.ledger.reserve(expected):
                 self.probes += 1
-                self._switch(True, self.settings.judge_rounds)
+                self._switch(True, self.settings.judge_rounds, Phase.PROBE)
                 self.probing, self.reserved_s = True, expected / self.settings.judge_rounds
 
     def _look_for_verdict(self) -> None:
@@ -297,16 +321,23 @@ class Governor:
             return
         self.awaiting = False
         if verdict is False:
-            self._switch(False, self.settings.min_hold)
+            self._switch(False, self.settings.min_hold, Phase.VERDICT_PLAIN)
             return
         self.exploring = verdict is None
-        self._switch(True, self.settings.judge_rounds)
+        self._switch(True, self.settings.judge_rounds, Phase.EXPLORE if self.exploring else Phase.VERDICT)
 
     def _detach(self) -> None:
         self.detaches += 1
-        self._switch(False, max(1, self.settings.min_hold // 4))
+        self._switch(False, max(1, self.settings.min_hold // 4), Phase.DETACH)
 
-    def _switch(self, speculating: bool, length: int, calibrating: bool = False) -> None:
+    def _switch(self, speculating: bool, length: int, why: Phase, calibrating: bool = False) -> None:
+        self.phases[why] += 1
+        if log.is_enabled_for(logging.DEBUG):  # (debug: what the decision saw — a phase begins every few rounds)
+            log.debug("governor phase", why=why.value, speculating=speculating, rounds=length, load=self.load.value,
+                      sampled=self.sampled, own=(self.estimate(True), self.estimate(False)),
+                      server=(self.ledger.speculative.per_token(), self.ledger.plain.per_token()),
+                      server_rounds=(len(self.ledger.speculative), len(self.ledger.plain)),
+                      credit_s=self.ledger.credit_s, committed=self.committed)
         self.speculating = speculating
         self.calibrating = calibrating
         self.probing = False

@@ -31,3 +31,11 @@ class GovernorSettings:
             raise ValueError(f"governor margin {self.margin!r} must lie in [0, 1)")
         if not (math.isfinite(self.probe_share) and 0 < self.probe_share <= 1):
             raise ValueError(f"governor probe_share {self.probe_share!r} must lie in (0, 1]")
+
+    @property
+    def recheck_measured(self) -> int:
+        """Plain rounds a recheck measures: its phase is half a judgement's rounds, at least 4 (a
+        plain round's cost varies little, one token each), of which two are not measured (its
+        first, and its last, which begins as it judges) — and what a verdict needs of plain
+        rounds, so the window a recheck leaves gives one."""
+        return max(4, self.judge_rounds // 2) - 2

@@ -4,9 +4,11 @@ and the bound on what a drafter that never pays can cost."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
-from verifier_service.governor import CostWindow, Governor, GovernorSettings, Ledgers, Load
+from verifier_service.governor import CostWindow, Governor, GovernorSettings, Ledgers, Load, Phase
 
 from .conftest import ALONE, SETTINGS, fast_drafter, round_robin, run, runs, slow_drafter
 
@@ -355,7 +357,7 @@ def test_a_plain_cost_measured_under_other_load_is_measured_again():
     settings = GovernorSettings(judge_rounds=5, min_hold=4, probe_share=0.05, window=8, server_window=8,
                                 recheck_rounds=40)
     governor = Governor(settings, Ledgers(settings))
-    rounds = [0]  # (a recheck is 3 plain rounds: half a judgement's, at least 3)
+    rounds = [0]  # (a recheck is 4 plain rounds: half a judgement's, at least 4)
 
     def cost(speculative: bool) -> tuple[float, int]:
         rounds[0] += 1
@@ -378,7 +380,7 @@ def test_a_drafter_that_pays_keeps_paying_across_plain_rechecks():
     governor = Governor(settings, Ledgers(settings))
     kinds = run(governor, 400, fast_drafter)
     assert governor.detaches == 0
-    assert sum(not k for k in kinds) <= 5 + (400 // 40 + 1) * 3  # the first calibration, then 3 plain rounds per 40
+    assert sum(not k for k in kinds) <= 5 + (400 // 40 + 1) * 4  # the first calibration, then 4 plain rounds per 40
 
 
 def test_one_request_rechecks_at_a_time_and_an_ended_one_gives_the_place_back():
@@ -388,9 +390,20 @@ def test_one_request_rechecks_at_a_time_and_an_ended_one_gives_the_place_back():
     first, second = Governor(settings, ledgers), Governor(settings, ledgers)
     # 5 speculative rounds, a 5-round calibration, then speculation: past 10 speculative rounds
     # without a plain one (its 13th measured) its next judgement (its 25th round) takes the recheck
-    run(first, 25, fast_drafter)
-    assert first.rechecking and ledgers[ALONE, False].rechecking and not first.next_speculates
-    assert not ledgers[ALONE, False].plain.rounds  # (the stale window dropped: the recheck's rounds replace it)
+    clock = [0.0]
+    run(first, 25, fast_drafter, clock)
+    ledger = ledgers[ALONE, False]
+    assert first.rechecking and ledger.rechecking and not first.next_speculates
+    # the stale window stands until the recheck's first measured round replaces it: a request
+    # arriving meanwhile still gets the server's verdict (an empty window left every request
+    # arriving after a recheck exploring, and every one judging without a plain cost calibrating)
+    stale = list(ledger.plain.rounds)
+    assert len(stale) >= settings.recheck_measured and ledger.pays() is True
+    assert Governor(settings, ledgers).next_speculates
+    run(first, 2, lambda speculative: (0.004, 1), clock)  # the recheck's first round is not measured
+    assert list(ledger.plain.rounds) == stale
+    run(first, 1, lambda speculative: (0.004, 1), clock)
+    assert list(ledger.plain.rounds) == [(pytest.approx(0.004), 1)]
     run(second, 40, fast_drafter)
     assert not second.rechecking  # the place was taken
     first.close()  # the request ended mid-recheck
@@ -433,3 +446,22 @@ def test_the_tokens_left_decide_as_the_request_goes_on():
     assert governor._repays_opening()  # 50 ms >= 20
     run(governor, 1, lambda speculative: (0.0075, 70) if speculative else (0.003, 70))  # a round of 70 tokens
     assert governor.committed == 70 and not governor._repays_opening()  # 15 ms < 20
+
+
+def test_every_phase_is_counted_by_why_it_began():
+    """`Governor.phases` (the verifier's tandem_verifier_governor_phases metric): a fresh server's
+    first requests explore or await, a drafter slower than plain detaches them and then the
+    server's verdict starts the next request plain; a fast drafter's verdict starts it speculating."""
+    ledgers = Ledgers(SETTINGS)
+    governors = [Governor(SETTINGS, ledgers) for _ in range(SETTINGS.max_explorers + 1)]
+    assert [g.phases for g in governors] == [Counter({Phase.EXPLORE: 1})] * SETTINGS.max_explorers + [Counter({Phase.AWAIT: 1})]
+    round_robin(governors, 40, slow_drafter)
+    explorer, awaiting = governors[0], governors[-1]
+    assert explorer.phases[Phase.DETACH] >= 1 and explorer.phases[Phase.DETACH] == explorer.detaches
+    assert awaiting.phases[Phase.VERDICT_PLAIN] >= 1 and Phase.DETACH not in awaiting.phases  # (it never speculated)
+    assert Governor(SETTINGS, ledgers).phases == Counter({Phase.VERDICT_PLAIN: 1})
+    assert Governor(SETTINGS, ledgers, drafting=False).phases == Counter({Phase.NOT_DRAFTING: 1})
+
+    fast = Ledgers(SETTINGS)
+    round_robin([Governor(SETTINGS, fast) for _ in range(2)], 40, fast_drafter)
+    assert Governor(SETTINGS, fast).phases == Counter({Phase.VERDICT: 1})
