@@ -465,3 +465,27 @@ def test_every_phase_is_counted_by_why_it_began():
     fast = Ledgers(SETTINGS)
     round_robin([Governor(SETTINGS, fast) for _ in range(2)], 40, fast_drafter)
     assert Governor(SETTINGS, fast).phases == Counter({Phase.VERDICT: 1})
+
+
+def test_requests_beside_a_recheck_keep_the_servers_plain_cost_and_verdict():
+    """8 lanes of a drafter that pays, rechecks every 40 of the server's speculative rounds (every
+    5 steps of 8): requests speculating without a plain round of their own judge by the server's
+    plain cost, and requests arriving keep getting its verdict — none calibrates or explores
+    after the first wave's start (when the recheck emptied the window, every request judging
+    during one calibrated: 0.91 speculative rounds at 8 lanes against 0.96 without rechecks)."""
+    settings = GovernorSettings(judge_rounds=5, min_hold=4, window=8, server_window=8, recheck_rounds=40)
+    ledgers = Ledgers(settings)
+    first = [Governor(settings, ledgers, load=Load.SHARED) for _ in range(8)]
+    round_robin(first, 12, fast_drafter, load=Load.SHARED)
+    for governor in first:
+        governor.close()  # (the requests end: a place they hold is given back)
+    for wave in range(3):
+        governors = [Governor(settings, ledgers, load=Load.SHARED) for _ in range(8)]
+        kinds = round_robin(governors, 60, fast_drafter, load=Load.SHARED)
+        for governor in governors:
+            governor.close()
+        phases = sum((g.phases for g in governors), Counter())
+        assert phases[Phase.VERDICT] == 8 and phases[Phase.RECHECK] >= 4
+        assert not phases.keys() & {Phase.CALIBRATE, Phase.EXPLORE, Phase.AWAIT, Phase.DETACH}
+        # (the recheck's plain rounds: 4 every 40 speculative ones)
+        assert sum(map(sum, kinds)) >= 0.88 * 8 * 60
