@@ -32,8 +32,9 @@ are compared with plain ones:
   batch), it may make a drafter look worth it long after it is not, and a request that keeps
   speculating never measures plain again. So after `recheck_rounds` speculative rounds on the
   server without a plain one, the next request to judge measures plain again (a short
-  calibration, one request at a time), and a request's own plain rounds that old give way to
-  the server's;
+  calibration, one request at a time; the server's window stands until its first measured
+  round replaces it, so requests beside it keep a plain cost and a verdict), and a request's
+  own plain rounds that old give way to the server's;
 - the first round of each phase stays out of the estimates (a probe's first chain pays the
   drafter's catch-up of the rounds it missed; a first plain round may lose a compute-ahead);
 - in a batch, a round also costs what it cost the other lanes: its draft rows' share of their
