@@ -321,12 +321,11 @@ class EngineLoop:
         drafter worked go into the fit (verifier_service.step_costs)."""
         costs = self.step_costs
         costs.add(sum(len(r.drafts) + 1 for _, r in rounds), seconds, drafting)
-        num_drafting = sum(1 for _, r in rounds if r.drafts)
-        step_drafts = sum(len(r.drafts) for _, r in rounds)
+        step = costs.charges(len(rounds), sum(len(r.drafts) for _, r in rounds), sum(1 for _, r in rounds if r.drafts))
         charged = []
         for (lane, r), result in zip(rounds, results, strict=True):
-            cost = costs.cost_to_others_s(len(r.drafts), len(rounds), num_drafting) + lane._owed_s
-            refund = costs.cost_from_others_s(len(r.drafts), len(rounds), step_drafts, num_drafting) + lane._waited_s
+            cost = step.to_others_s(len(r.drafts)) + lane._owed_s
+            refund = step.from_others_s(len(r.drafts)) + lane._waited_s
             if (cost or refund) and isinstance(result, RoundOutcome):
                 lane._owed_s = lane._waited_s = 0.0
                 result = replace(result, cost_to_others_s=cost, cost_from_others_s=refund)

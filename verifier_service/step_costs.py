@@ -25,11 +25,25 @@ constant added to the steps run while a drafter worked (one slope for both kinds
 intercept each), and the lanes whose drafts made the drafter work share what it added to the
 rounds of the lanes that drafted nothing: a lane drafting alone in a step of 8 owes 7 of it,
 8 lanes drafting owe nothing (each one's own rounds measure it).
+
+A step's cost is not a line in its rows everywhere: on a GPU a mixture-of-experts step's rows
+route to more distinct experts as they grow, until every expert is read — from one row to a
+lane's worth the step's time rises steeply, from a batch's plain rows to its windows far less
+(30B shapes on an H100: 8 rows ~10 ms, 40 rows ~16.7 ms). So a step's draft rows are priced at
+the slope of the steps whose rows lie between the step's plain rows (a row a lane) and its rows
+(`StepCosts.charges`; the range widened by halves and doublings until two row counts in it give
+a slope, else the whole window's): the chord over the rows its drafts added. A slope over the
+whole window, with the steps of lanes joining one prefill at a time in it, priced two explorers'
+draft rows beside six plain lanes at ~1 ms a row: they paid 9–12 ms a token against the plain
+lanes' refunded 7, where every lane speculating paid 5.1 against 10.3 plain, and the server's
+verdict kept requests plain (docs/PERFORMANCE.md, session 43). On a CPU the rows cost a line, and
+any range reads its slope.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import defaultdict, deque
+from dataclasses import dataclass
 
 
 class _Sums:
@@ -46,6 +60,13 @@ class _Sums:
         self.rows2 += sign * rows * rows
         self.rows_seconds += sign * rows * seconds
 
+    def merge(self, other: _Sums) -> None:
+        self.n += other.n
+        self.rows += other.rows
+        self.seconds += other.seconds
+        self.rows2 += other.rows2
+        self.rows_seconds += other.rows_seconds
+
     def spread(self) -> float:
         """Σ(rows − mean)² over these steps."""
         return self.rows2 - self.rows**2 / self.n if self.n else 0.0
@@ -55,10 +76,42 @@ class _Sums:
         return self.rows_seconds - self.rows * self.seconds / self.n if self.n else 0.0
 
 
+@dataclass(frozen=True)
+class StepCharges:
+    """What one step's lanes cost each other (`StepCosts.charges`): a draft row's seconds over
+    the step's rows, what the working drafter added, and the step's draft rows and lanes."""
+
+    per_row_s: float  # a draft row's seconds in this step (0 while unknown)
+    drafting_s: float  # what a drafter at work added to a lane without drafts (0 while unknown)
+    num_lanes: int
+    step_drafts: int  # the step's draft rows, all lanes
+    num_drafting_lanes: int  # lanes with drafts
+
+    def to_others_s(self, num_drafts: int) -> float:
+        """What a lane's `num_drafts` draft rows added to the other lanes' rounds: its rows'
+        share, and its share of what the working drafter added to the lanes without drafts."""
+        if num_drafts <= 0 or self.num_lanes <= 1:
+            return 0.0
+        drafting_lanes = max(self.num_drafting_lanes, 1)
+        idle_lanes = self.num_lanes - drafting_lanes
+        return self.per_row_s * num_drafts * (self.num_lanes - 1) + self.drafting_s * idle_lanes / drafting_lanes
+
+    def from_others_s(self, num_drafts: int) -> float:
+        """What the other lanes added to the round of a lane with `num_drafts` drafts: their draft
+        rows, and, for a lane without drafts, the working drafter's addition (what to_others_s
+        charges them for this lane)."""
+        others = self.step_drafts - num_drafts
+        if self.num_lanes <= 1 or others <= 0:
+            return 0.0
+        drafting = self.drafting_s if num_drafts == 0 and self.num_drafting_lanes > 0 else 0.0
+        return self.per_row_s * others + drafting
+
+
 class StepCosts:
     """Seconds per step row: the slope of a least-squares fit through the last `window` steps'
-    (rows, seconds), with an intercept for the steps run while a drafter worked and one for the
-    others. None until the steps' rows vary (a slope needs two row counts of one kind)."""
+    (rows, seconds) — over the steps whose rows lie in a range (`per_row_s(lo, hi)`), or all —
+    with an intercept for the steps run while a drafter worked and one for the others. None
+    until the steps' rows vary (a slope needs two row counts of one kind)."""
 
     def __init__(self, window: int = 256, min_steps: int = 8) -> None:
         if window < 2 or not 2 <= min_steps <= window:
@@ -66,6 +119,8 @@ class StepCosts:
         self.min_steps = min_steps
         self.steps: deque[tuple[int, float, bool]] = deque(maxlen=window)  # (rows, seconds, drafting)
         self._sums = {False: _Sums(), True: _Sums()}  # by whether a drafter worked during the step
+        # the same sums by (drafting, rows): a range's slope adds the row counts inside it
+        self._by_rows: dict[tuple[bool, int], _Sums] = defaultdict(_Sums)
 
     def add(self, rows: int, seconds: float, drafting: bool = False) -> None:
         if rows < 1 or not seconds >= 0:
@@ -73,23 +128,53 @@ class StepCosts:
         if len(self.steps) == self.steps.maxlen:
             old_rows, old_seconds, old_drafting = self.steps[0]
             self._sums[old_drafting].update(old_rows, old_seconds, sign=-1)
+            old = self._by_rows[old_drafting, old_rows]
+            old.update(old_rows, old_seconds, sign=-1)
+            if old.n == 0:
+                del self._by_rows[old_drafting, old_rows]
         self.steps.append((rows, seconds, drafting))
         self._sums[drafting].update(rows, seconds, sign=1)
+        self._by_rows[drafting, rows].update(rows, seconds, sign=1)
 
-    def _slope(self) -> float | None:
-        """The pooled within-kind slope (unclamped), None while unknown."""
-        sums = self._sums.values()
-        if sum(s.n for s in sums) < self.min_steps:
-            return None
+    @staticmethod
+    def _pooled_slope(sums: list[_Sums]) -> float | None:
         spread = sum(s.spread() for s in sums)
         if spread < 0.5:  # (rows all but constant within each kind: no slope to read; integer rows make this exact)
             return None
         return sum(s.covariance() for s in sums) / spread
 
-    def per_row_s(self) -> float | None:
-        """The marginal seconds of one more row in a step (>= 0), None while unknown."""
+    def _slope(self) -> float | None:
+        """The pooled within-kind slope over the whole window (unclamped), None while unknown."""
+        if sum(s.n for s in self._sums.values()) < self.min_steps:
+            return None
+        return self._pooled_slope(list(self._sums.values()))
+
+    def _range_slope(self, lo: int, hi: int) -> float | None:
+        """The pooled within-kind slope over the steps of lo..hi rows, None without
+        `min_steps` steps and two row counts (of one kind) in it."""
+        inside = {False: _Sums(), True: _Sums()}
+        for (drafting, rows), sums in self._by_rows.items():
+            if lo <= rows <= hi:
+                inside[drafting].merge(sums)
+        if inside[False].n + inside[True].n < self.min_steps:
+            return None
+        return self._pooled_slope(list(inside.values()))
+
+    def per_row_s(self, lo: int | None = None, hi: int | None = None) -> float | None:
+        """The marginal seconds of one more row in a step (>= 0), None while unknown: the slope
+        over the steps of `lo`..`hi` rows (widened by halves and doublings until it has one),
+        or over all of them."""
         slope = self._slope()
-        return None if slope is None else max(slope, 0.0)
+        if slope is None:
+            return None
+        if lo is not None and hi is not None:
+            widest = max(rows for _, rows in self._by_rows)
+            while lo > 1 or hi < widest:
+                local = self._range_slope(lo, hi)
+                if local is not None:
+                    return max(local, 0.0)
+                lo, hi = max(lo // 2, 1), hi * 2
+        return max(slope, 0.0)
 
     def drafting_s(self) -> float | None:
         """What a drafter at work adds to a step of the same rows (>= 0), None while unknown
@@ -101,26 +186,10 @@ class StepCosts:
         added = (working.seconds - slope * working.rows) / working.n - (idle.seconds - slope * idle.rows) / idle.n
         return max(added, 0.0)
 
-    def cost_to_others_s(self, num_drafts: int, num_lanes: int, num_drafting_lanes: int = 1) -> float:
-        """What a round's `num_drafts` draft rows added to the other lanes' rounds of a step of
-        `num_lanes` lanes, `num_drafting_lanes` of them with drafts: its rows' share, and its
-        share of what the working drafter added to the rounds of the lanes without drafts (each
-        part 0 while unknown)."""
-        if num_drafts <= 0 or num_lanes <= 1:
-            return 0.0
-        per_row = self.per_row_s() or 0.0
-        drafting = self.drafting_s() or 0.0
-        idle_lanes = num_lanes - max(num_drafting_lanes, 1)
-        return per_row * num_drafts * (num_lanes - 1) + drafting * idle_lanes / max(num_drafting_lanes, 1)
-
-    def cost_from_others_s(self, num_drafts: int, num_lanes: int, step_drafts: int, num_drafting_lanes: int) -> float:
-        """What the other lanes of a step (`num_lanes` lanes, `step_drafts` draft rows in all,
-        `num_drafting_lanes` lanes with drafts) added to the round of a lane with `num_drafts`
-        drafts: their draft rows, and, for a lane without drafts, what the working drafter
-        added to the step (what cost_to_others_s charges them for this lane; 0 while unknown)."""
-        others = step_drafts - num_drafts
-        if num_lanes <= 1 or others <= 0:
-            return 0.0
-        per_row = self.per_row_s() or 0.0
-        drafting = (self.drafting_s() or 0.0) if num_drafts == 0 and num_drafting_lanes > 0 else 0.0
-        return per_row * others + drafting
+    def charges(self, num_lanes: int, step_drafts: int, num_drafting_lanes: int) -> StepCharges:
+        """What the lanes of a step of `num_lanes` lanes and `step_drafts` draft rows
+        (`num_drafting_lanes` lanes with drafts) cost each other: its draft rows priced at the
+        slope over the steps between its plain rows and its rows (each part 0 while unknown)."""
+        per_row = self.per_row_s(num_lanes, num_lanes + step_drafts) if step_drafts > 0 else None
+        drafting = self.drafting_s() if step_drafts > 0 else None
+        return StepCharges(per_row or 0.0, drafting or 0.0, num_lanes, step_drafts, num_drafting_lanes)

@@ -270,7 +270,7 @@ class OutcomeEngine(FakeEngine):
 class KnownCosts(StepCosts):
     """2 ms a row, whatever the steps measured (they are recorded all the same)."""
 
-    def per_row_s(self):
+    def per_row_s(self, lo=None, hi=None):
         return 0.002
 
 
