@@ -35,7 +35,9 @@ class Lane:
         self._committed = 0  # rounds run (every round: turns and granted ones, in order)
         self._follower: tuple[int, list[int], RoundRequest] | None = None  # (after round, assumed emitted, round)
         self._owed_s = 0.0  # lane-seconds the other lanes waited for this one (a step's gather), not yet charged
-        self._waited_s = 0.0  # seconds this lane waited, ready, for other lanes (a step's gather), not yet refunded
+        # seconds this lane waited for other lanes (a step's gather) or other sessions' jobs (a
+        # prefill chunk between its steps), not yet refunded
+        self._waited_s = 0.0
         self._drafting = False  # its last round verified drafts (until a granted plain round): its drafter works
         self.left = False
 

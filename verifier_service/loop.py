@@ -43,7 +43,8 @@ of the device (DESIGN §9, "The engine loop"):
   the time they waited, ready, for this lane before its step (the gather: a lane waiting for
   its drafter's chain holds the batch up to `gather_s`); and what they added to it
   (`RoundOutcome.cost_from_others_s`, which its governor takes off its own cost): their draft
-  rows, the working drafter's addition to a round without drafts, its wait for them.
+  rows, the working drafter's addition to a round without drafts, its wait for them, and the
+  jobs that ran between its steps (other sessions' prefills: the same for either kind of round).
 
 A plain round run ahead is the round the coroutine would have asked for (its drafts: none), so
 running it early changes no token: the output law is the rounds' (DESIGN §2–3).
@@ -203,7 +204,9 @@ class EngineLoop:
             after_job = job is not None
             if job is not None:
                 self._deliver()
+                started = time.perf_counter()
                 self._run_job(job)
+                self._stalled(time.perf_counter() - started)
             else:
                 expected = self._step(rounds)
         self._deliver()
@@ -275,6 +278,18 @@ class EngineLoop:
             return
         if job.future is not None:
             _post(job.aloop, _settle, job.future, result, None)
+
+    def _stalled(self, seconds: float) -> None:
+        """A job ran for `seconds` between steps (another session's prefill chunk, a begin, a
+        close): every lane's round in progress waited for it, whether it drafted or not, so
+        each is refunded it (without it, the first lanes of requests arriving together — the
+        explorers of a fresh server — measured the prefills of the others as their rounds'
+        cost, and the lanes waiting plain behind those prefills did not, and the verdict kept
+        a batch plain: docs/PERFORMANCE.md, session 43)."""
+        with self._cond:
+            lanes = [lane for lane in self._lanes.values() if not lane.left]
+        for lane in lanes:
+            lane._waited_s += seconds
 
     def _step(self, rounds: list[tuple[Lane, RoundRequest]]) -> list[Lane]:
         lanes = [lane for lane, _ in rounds]

@@ -28,16 +28,13 @@ rounds of the lanes that drafted nothing: a lane drafting alone in a step of 8 o
 
 A step's cost is not a line in its rows everywhere: on a GPU a mixture-of-experts step's rows
 route to more distinct experts as they grow, until every expert is read — from one row to a
-lane's worth the step's time rises steeply, from a batch's plain rows to its windows far less
-(30B shapes on an H100: 8 rows ~10 ms, 40 rows ~16.7 ms). So a step's draft rows are priced at
-the slope of the steps whose rows lie between the step's plain rows (a row a lane) and its rows
-(`StepCosts.charges`; the range widened by halves and doublings until two row counts in it give
-a slope, else the whole window's): the chord over the rows its drafts added. A slope over the
-whole window, with the steps of lanes joining one prefill at a time in it, priced two explorers'
-draft rows beside six plain lanes at ~1 ms a row: they paid 9–12 ms a token against the plain
-lanes' refunded 7, where every lane speculating paid 5.1 against 10.3 plain, and the server's
-verdict kept requests plain (docs/PERFORMANCE.md, session 43). On a CPU the rows cost a line, and
-any range reads its slope.
+lane's worth the step's time rises steeply, from a batch's plain rows to its windows far less.
+So a step's draft rows are priced at the slope of the steps whose rows lie between the step's
+plain rows (a row a lane) and its rows (`StepCosts.charges`; the range widened by halves and
+doublings until two row counts in it give a slope, else the whole window's): the chord over the
+rows its drafts added. A line through the whole window, the steps of lanes joining one prefill
+at a time among them, priced the draft rows of a batch's explorers at the steep part's slope
+(docs/PERFORMANCE.md, session 43). On a CPU the rows cost a line, and any range reads its slope.
 """
 
 from __future__ import annotations

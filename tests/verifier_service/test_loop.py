@@ -5,6 +5,7 @@ alternate; failures reach every lane of their step and the callers of their job.
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -376,3 +377,24 @@ def test_batch_settings_are_validated():
         BatchSettings(max_rounds=1, gather_s=-1.0)
     with pytest.raises(ValueError, match="max_lead"):
         BatchSettings(max_rounds=1, gather_s=0.0, max_lead=0)
+
+
+async def test_a_job_between_steps_is_refunded_to_every_lane_it_held_up():
+    # another session's prefill chunk runs between two steps of a and b: each one's next round
+    # is refunded its time (it is the same whether the round drafts or not), a lane that left
+    # before it is not
+    engine = OutcomeEngine()
+    loop = EngineLoop("test-loop", BatchSettings(max_rounds=8, gather_s=0.5), step_costs=KnownCosts())
+    loop.start(engine)
+    try:
+        a, b, gone = (loop.join(Session(n)) for n in ("a", "b", "gone"))
+        await asyncio.gather(*(round_of(lane) for lane in (a, b, gone)))
+        gone.leave()
+        await loop.run(time.sleep, 0.1)  # (the job: 0.1 s on the loop's thread)
+        after_a, after_b = await asyncio.gather(round_of(a, [5]), round_of(b))
+        assert 0.1 <= after_a.cost_from_others_s < 0.1 + 0.05
+        assert 0.1 + 0.002 * 1 <= after_b.cost_from_others_s < 0.1 + 0.002 + 0.05  # (and a's draft row)
+        again = await asyncio.gather(round_of(a), round_of(b))
+        assert [o.cost_from_others_s for o in again] == [0.0, 0.0]  # refunded once
+    finally:
+        loop.shutdown(wait=True)
