@@ -30,9 +30,9 @@ A step's cost is not a line in its rows everywhere: on a GPU a mixture-of-expert
 route to more distinct experts as they grow, until every expert is read — from one row to a
 lane's worth the step's time rises steeply, from a batch's plain rows to its windows far less.
 So a step's draft rows are priced at the slope of the steps whose rows lie between the step's
-plain rows (a row a lane) and its rows (`StepCosts.charges`; the range widened by halves and
-doublings until two row counts in it give a slope, else the whole window's): the chord over the
-rows its drafts added. A line through the whole window, the steps of lanes joining one prefill
+plain rows (a row a lane) and its rows (`StepCosts.charges`; the range widened upward until
+`min_steps` steps of two row counts give a slope, never below the plain rows; else unknown): the
+chord over the rows its drafts added. A line through the whole window, the steps of lanes joining one prefill
 at a time among them, priced the draft rows of a batch's explorers at the steep part's slope
 (docs/PERFORMANCE.md, session 43). On a CPU the rows cost a line, and any range reads its slope.
 """
@@ -159,18 +159,21 @@ class StepCosts:
 
     def per_row_s(self, lo: int | None = None, hi: int | None = None) -> float | None:
         """The marginal seconds of one more row in a step (>= 0), None while unknown: the slope
-        over the steps of `lo`..`hi` rows (widened by halves and doublings until it has one),
-        or over all of them."""
+        over the steps of `lo`..`hi` rows (`hi` doubled until it has one; never below `lo`: the
+        steps of fewer rows — lanes joining one at a time, the steep part of a MoE step's
+        cost — say nothing of rows added above them), or over all of them."""
         slope = self._slope()
         if slope is None:
             return None
         if lo is not None and hi is not None:
             widest = max(rows for _, rows in self._by_rows)
-            while lo > 1 or hi < widest:
+            while True:
                 local = self._range_slope(lo, hi)
                 if local is not None:
                     return max(local, 0.0)
-                lo, hi = max(lo // 2, 1), hi * 2
+                if hi >= widest:
+                    return None
+                hi *= 2
         return max(slope, 0.0)
 
     def drafting_s(self) -> float | None:
