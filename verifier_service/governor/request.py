@@ -81,7 +81,7 @@ log = structlog.get_logger("governor")
 
 class Phase(Enum):
     """Why a request's phase began (its governor's `phases`; the verifier's metric
-    tandem_verifier_governor_phases by reason): the first five start a request (or restart it
+    tandem_verifier_governor_phases{why}): the first five start a request (or restart it
     under a new load), the rest follow a judgement."""
 
     VERDICT = "verdict"  # the server's rounds say speculation pays: speculate
