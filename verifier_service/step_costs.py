@@ -190,6 +190,8 @@ class StepCosts:
         """What the lanes of a step of `num_lanes` lanes and `step_drafts` draft rows
         (`num_drafting_lanes` lanes with drafts) cost each other: its draft rows priced at the
         slope over the steps between its plain rows and its rows (each part 0 while unknown)."""
-        per_row = self.per_row_s(num_lanes, num_lanes + step_drafts) if step_drafts > 0 else None
-        drafting = self.drafting_s() if step_drafts > 0 else None
+        if step_drafts <= 0 or num_lanes <= 1:  # (nobody's rows cost anyone else: no fit read)
+            return StepCharges(0.0, 0.0, num_lanes, step_drafts, num_drafting_lanes)
+        per_row = self.per_row_s(num_lanes, num_lanes + step_drafts)
+        drafting = self.drafting_s()
         return StepCharges(per_row or 0.0, drafting or 0.0, num_lanes, step_drafts, num_drafting_lanes)
