@@ -129,6 +129,8 @@ class Governor:
         self.rounds = self.speculative_rounds = self.detaches = self.probes = self.load_changes = 0
         self.load_streak = 0  # rounds in a row begun under a load other than the one it decides for
         self.phases: Counter[Phase] = Counter()  # phases begun, by why
+        # what the rounds since the last phase began cost the other lanes and were refunded (the debug log's)
+        self.charged_s = self.refunded_s = 0.0
         self._start(load)
 
     def _start(self, load: Load) -> None:
@@ -202,6 +204,8 @@ class Governor:
         self.committed += tokens
         self.cost_to_others_s = cost_to_others_s
         self.cost_from_others_s = cost_from_others_s
+        self.charged_s += cost_to_others_s
+        self.refunded_s += cost_from_others_s
 
     def _record(self, seconds: float, tokens: int) -> None:
         """Close the last round: the budget and the cost estimates of the load it began under
@@ -338,7 +342,9 @@ class Governor:
                       sampled=self.sampled, own=(self.estimate(True), self.estimate(False)),
                       server=(self.ledger.speculative.per_token(), self.ledger.plain.per_token()),
                       server_rounds=(len(self.ledger.speculative), len(self.ledger.plain)),
-                      credit_s=self.ledger.credit_s, committed=self.committed)
+                      credit_s=self.ledger.credit_s, committed=self.committed,
+                      charged_s=self.charged_s, refunded_s=self.refunded_s)
+        self.charged_s = self.refunded_s = 0.0
         self.speculating = speculating
         self.calibrating = calibrating
         self.probing = False

@@ -489,3 +489,24 @@ def test_requests_beside_a_recheck_keep_the_servers_plain_cost_and_verdict():
         assert not phases.keys() & {Phase.CALIBRATE, Phase.EXPLORE, Phase.AWAIT, Phase.DETACH}
         # (the recheck's plain rounds: 4 every 40 speculative ones)
         assert sum(map(sum, kinds)) >= 0.88 * 8 * 60
+
+
+def test_a_phase_s_debug_line_says_what_its_decision_saw():
+    """The `governor phase` debug line (TANDEM_LOG_LEVEL=debug): why, the estimates it judged by,
+    and what the rounds since the phase before cost the other lanes and were refunded."""
+    from structlog.testing import capture_logs
+    with capture_logs() as lines:
+        governor = Governor(SETTINGS, Ledgers(SETTINGS))
+        clock = [0.0]
+        for _ in range(SETTINGS.judge_rounds - 1):  # speculative rounds that charge the others 1 ms each
+            governor.begin(clock[0])
+            clock[0] += 0.040
+            governor.end(3, cost_to_others_s=0.001, cost_from_others_s=0.0005)
+        governor.begin(clock[0])  # its last round begins: the judgement (no plain cost known: it calibrates)
+    explore, calibrate = (line for line in lines if line["event"] == "governor phase")
+    assert explore["why"] == "explore" and explore["charged_s"] == 0.0
+    assert calibrate["why"] == "calibrate" and not calibrate["speculating"]
+    assert calibrate["charged_s"] == pytest.approx(0.001 * (SETTINGS.judge_rounds - 1))
+    assert calibrate["refunded_s"] == pytest.approx(0.0005 * (SETTINGS.judge_rounds - 1))
+    assert calibrate["own"][1] is None and calibrate["own"][0] == pytest.approx((0.040 + 0.001 - 0.0005) / 3)
+    assert governor.charged_s == 0.0  # (counted afresh for the next phase)
