@@ -109,11 +109,15 @@ def request_config(new_tokens: int, temperature: float, prompt_index: int, specu
 SPECULATIVE_ROUNDS = 'tandem_verifier_rounds_total{kind="speculative"}'
 PLAIN_ROUNDS = 'tandem_verifier_rounds_total{kind="plain"}'
 DETACHES = "tandem_verifier_drafter_detaches_total"  # (counted as each request ends)
-PHASES = 'tandem_verifier_governor_phases_total{why="'
-QUOTE = '"'  # (by why; counted as each request ends; not in older trees)
+PHASES = 'tandem_verifier_governor_phases_total{why="'  # (by why; counted as each request ends; not in older trees)
 ROUND_COUNTERS = ("tandem_verifier_batch_rounds_sum", "tandem_verifier_batch_rounds_count", SPECULATIVE_ROUNDS,
                   PLAIN_ROUNDS, "tandem_verifier_accepted_length_sum", "tandem_verifier_accepted_length_count", DETACHES,
                   PHASES)
+
+
+def phase_why(name: str) -> str:
+    """The why of a PHASES counter's name."""
+    return name[len(PHASES):].rstrip('"}')
 
 
 class Load:
@@ -157,7 +161,7 @@ class Load:
                     tokens_per_round=d.get("tandem_verifier_accepted_length_sum", 0.0)
                     / max(d.get("tandem_verifier_accepted_length_count", 0.0), 1),
                     detaches=d.get(DETACHES, 0.0),
-                    phases=", ".join(f"{name[len(PHASES):].split(QUOTE)[0]} {n:.0f}" for name, n in d.items()
+                    phases=", ".join(f"{phase_why(name)} {n:.0f}" for name, n in d.items()
                                      if name.startswith(PHASES) and n > 0))
 
     async def closed_loop(self, concurrency: int, per_client: int, speculation: bool) -> dict:

@@ -281,11 +281,9 @@ class EngineLoop:
 
     def _stalled(self, seconds: float) -> None:
         """A job ran for `seconds` between steps (another session's prefill chunk, a begin, a
-        close): every lane's round in progress waited for it, whether it drafted or not, so
-        each is refunded it (without it, the first lanes of requests arriving together — the
-        explorers of a fresh server — measured the prefills of the others as their rounds'
-        cost, and the lanes waiting plain behind those prefills did not, and the verdict kept
-        a batch plain: docs/PERFORMANCE.md, session 43)."""
+        close): every lane's round in progress waited for it, drafting or not, so each is
+        refunded it — else the lanes decoding during others' prefills (a fresh batch's first,
+        its explorers) measured them as their own cost (docs/PERFORMANCE.md, session 43)."""
         with self._cond:
             lanes = [lane for lane in self._lanes.values() if not lane.left]
         for lane in lanes:

@@ -115,8 +115,7 @@ class StepCosts:
             raise ValueError(f"step costs window {window} and min_steps {min_steps}: need 2 <= min_steps <= window")
         self.min_steps = min_steps
         self.steps: deque[tuple[int, float, bool]] = deque(maxlen=window)  # (rows, seconds, drafting)
-        self._sums = {False: _Sums(), True: _Sums()}  # by whether a drafter worked during the step
-        # the same sums by (drafting, rows): a range's slope adds the row counts inside it
+        # running sums by (whether a drafter worked during the step, rows): a range adds its row counts
         self._by_rows: dict[tuple[bool, int], _Sums] = defaultdict(_Sums)
 
     def add(self, rows: int, seconds: float, drafting: bool = False) -> None:
@@ -124,62 +123,54 @@ class StepCosts:
             raise ValueError(f"a step of {rows} rows in {seconds} s")
         if len(self.steps) == self.steps.maxlen:
             old_rows, old_seconds, old_drafting = self.steps[0]
-            self._sums[old_drafting].update(old_rows, old_seconds, sign=-1)
             old = self._by_rows[old_drafting, old_rows]
             old.update(old_rows, old_seconds, sign=-1)
             if old.n == 0:
                 del self._by_rows[old_drafting, old_rows]
         self.steps.append((rows, seconds, drafting))
-        self._sums[drafting].update(rows, seconds, sign=1)
         self._by_rows[drafting, rows].update(rows, seconds, sign=1)
 
-    @staticmethod
-    def _pooled_slope(sums: list[_Sums]) -> float | None:
-        spread = sum(s.spread() for s in sums)
+    def _kinds(self, lo: int = 1, hi: int | None = None) -> dict[bool, _Sums]:
+        """The sums of the steps of lo..hi rows (hi None: no bound), by kind of step."""
+        kinds = {False: _Sums(), True: _Sums()}
+        for (drafting, rows), sums in self._by_rows.items():
+            if lo <= rows and (hi is None or rows <= hi):
+                kinds[drafting].merge(sums)
+        return kinds
+
+    def _slope(self, lo: int = 1, hi: int | None = None) -> float | None:
+        """The pooled within-kind slope (unclamped) over the steps of lo..hi rows, None without
+        `min_steps` steps and two row counts (of one kind) among them."""
+        kinds = self._kinds(lo, hi).values()
+        if sum(s.n for s in kinds) < self.min_steps:
+            return None
+        spread = sum(s.spread() for s in kinds)
         if spread < 0.5:  # (rows all but constant within each kind: no slope to read; integer rows make this exact)
             return None
-        return sum(s.covariance() for s in sums) / spread
+        return sum(s.covariance() for s in kinds) / spread
 
-    def _slope(self) -> float | None:
-        """The pooled within-kind slope over the whole window (unclamped), None while unknown."""
-        if sum(s.n for s in self._sums.values()) < self.min_steps:
-            return None
-        return self._pooled_slope(list(self._sums.values()))
-
-    def _range_slope(self, lo: int, hi: int) -> float | None:
-        """The pooled within-kind slope over the steps of lo..hi rows, None without
-        `min_steps` steps and two row counts (of one kind) in it."""
-        inside = {False: _Sums(), True: _Sums()}
-        for (drafting, rows), sums in self._by_rows.items():
-            if lo <= rows <= hi:
-                inside[drafting].merge(sums)
-        if inside[False].n + inside[True].n < self.min_steps:
-            return None
-        return self._pooled_slope(list(inside.values()))
-
-    def per_row_s(self, lo: int | None = None, hi: int | None = None) -> float | None:
+    def per_row_s(self, lo: int = 1, hi: int | None = None) -> float | None:
         """The marginal seconds of one more row in a step (>= 0), None while unknown: the slope
         over the steps of `lo`..`hi` rows (`hi` doubled until it has one; never below `lo`: the
         steps of fewer rows — lanes joining one at a time, the steep part of a MoE step's
-        cost — say nothing of rows added above them), or over all of them."""
-        slope = self._slope()
-        if slope is None:
+        cost — say nothing of rows added above them); by default over all of them."""
+        if not self._by_rows:
             return None
-        if lo is not None and hi is not None:
-            widest = max(rows for _, rows in self._by_rows)
-            while True:
-                local = self._range_slope(lo, hi)
-                if local is not None:
-                    return max(local, 0.0)
-                if hi >= widest:
-                    return None
-                hi *= 2
-        return max(slope, 0.0)
+        widest = max(rows for _, rows in self._by_rows)
+        hi = widest if hi is None else hi
+        while True:
+            slope = self._slope(lo, hi)
+            if slope is not None:
+                return max(slope, 0.0)
+            if hi >= widest:
+                return None
+            hi *= 2
 
     def drafting_s(self) -> float | None:
         """What a drafter at work adds to a step of the same rows (>= 0), None while unknown
         (fewer than `min_steps` steps of either kind)."""
-        idle, working = self._sums[False], self._sums[True]
+        kinds = self._kinds()
+        idle, working = kinds[False], kinds[True]
         slope = self._slope()
         if slope is None or idle.n < self.min_steps or working.n < self.min_steps:
             return None
