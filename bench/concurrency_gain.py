@@ -9,7 +9,11 @@ alternating order. Reported per block: one request's tokens/s (the alone phase's
 summed walls), the together phase's aggregate tokens/s (its tokens over its wall), their ratio,
 and whether every request's tokens together equal its tokens alone (exact mode: they must), and
 the CPU time each service spent a token in each phase (Linux's /proc: every thread, user and
-system; a service's work, which scheduling noise moves less than the walls).
+system; a service's work, which scheduling noise moves less than the walls). Per phase also
+where the verifier's time went: its engine loop's wall by what it did (its metric
+tandem_verifier_engine_seconds: stepping, jobs, gathering a step's lanes, idle, the rest) and
+its event loop's CPU (the main thread's, where request coroutines run) as shares of the phase's
+wall — whether the model's steps or the host's work between them set the pace.
 The claim is the median of the blocks' ratios. With --baseline-tree the same is measured
 from another checkout first (services from that tree), alternating trees per block.
 
@@ -30,12 +34,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.request import urlopen
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pairbench import REPO  # noqa: E402  (puts the repository and protocol modules on sys.path)
 from pairbench.common import log  # noqa: E402
-from pairbench.services import Children, ServicePair, link_flags  # noqa: E402
+from pairbench.services import Children, ServicePair, free_port, link_flags  # noqa: E402
 from pairbench.setups import code_prompts  # noqa: E402
 from pairbench.trace_sink import TraceSink  # noqa: E402
 
@@ -48,22 +53,45 @@ def config(index: int, max_new_tokens: int, tag: str):
                             top_p=0.95 if sampled else 1.0, seed=index, request_id=f"{tag}-r{index}")
 
 
-def cpu_seconds(pid: int) -> float:
-    """The process's CPU time so far, every thread's, user and system (Linux: /proc; else 0)."""
+ENGINE_STATES = ("step", "job", "gather", "idle", "other")
+
+
+def cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """The process's CPU time so far, every thread's (or one thread's), user and system (Linux:
+    /proc; else 0)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        stat = Path(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat")
+        fields = stat.read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def engine_seconds(metrics_port: int) -> dict[str, float]:
+    """The verifier's engine loop seconds by state so far (empty where a tree has no such metric)."""
+    text = urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    spent = {}
+    for line in text.splitlines():
+        if line.startswith("tandem_verifier_engine_seconds_total{"):
+            state = line.split('state="', 1)[1].split('"', 1)[0]
+            spent[state] = float(line.rsplit(" ", 1)[1])
+    return spent
+
+
 class Pair(ServicePair):
     """The drafter and verifier of one tree, default flags; a phase of requests through them."""
 
-    def cpu(self) -> tuple[float, float]:
-        """(the verifier's, the drafter's) CPU seconds so far."""
+    def __init__(self, name: str, children: Children, model_dir: Path, device: str, tree: Path | None,
+                 verifier_args: list[str], drafter_args: list[str], env: dict[str, str] | None) -> None:
+        self.metrics_port = free_port()  # (where the verifier's engine loop says what it did)
+        super().__init__(name, children, model_dir, device, tree,
+                         [*verifier_args, "--metrics-port", str(self.metrics_port)], drafter_args, env)
+
+    def cpu(self) -> tuple[float, float, float]:
+        """(the verifier's, the drafter's, the verifier's main thread's) CPU seconds so far."""
         procs = self.children.procs
-        return (cpu_seconds(procs[f"{self.name}-verifier"][0].pid), cpu_seconds(procs[f"{self.name}-drafter"][0].pid))
+        verifier = procs[f"{self.name}-verifier"][0].pid
+        return (cpu_seconds(verifier), cpu_seconds(procs[f"{self.name}-drafter"][0].pid), cpu_seconds(verifier, verifier))
 
     async def phase(self, prompts: list[list[int]], together: bool, max_new_tokens: int, tag: str) -> dict:
         """(tokens per request, summed request walls, phase wall, the services' CPU seconds)."""
@@ -76,7 +104,7 @@ class Pair(ServicePair):
                 waits = [r["draft_wait_ms"] for r in g.rounds if r["speculative"]]
                 return g.token_ids, time.perf_counter() - started, {**g.stats, "wait_ms": sum(waits)}
 
-            cpu_before = self.cpu()
+            cpu_before, engine_before = self.cpu(), engine_seconds(self.metrics_port)
             started = time.perf_counter()
             if together:
                 results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
@@ -84,11 +112,14 @@ class Pair(ServicePair):
                 results = [await one(i) for i in range(len(prompts))]
             wall = time.perf_counter() - started
             cpu = [after - before for before, after in zip(cpu_before, self.cpu())]
+            engine = {state: (seconds - engine_before.get(state, 0.0)) / wall
+                      for state, seconds in engine_seconds(self.metrics_port).items()}
         rounds = sum(stats.get("rounds", 0) for _, _, stats in results)
         speculative = sum(stats.get("speculative_rounds", 0) for _, _, stats in results)
         return {"tokens": [ids for ids, _, _ in results], "walls": sum(w for _, w, _ in results), "wall": wall,
                 "speculative": speculative / rounds if rounds else 0.0,
-                "wait_ms": sum(stats["wait_ms"] for _, _, stats in results), "cpu": cpu}
+                "wait_ms": sum(stats["wait_ms"] for _, _, stats in results), "cpu": cpu[:2],
+                "engine": engine, "event_loop": cpu[2] / wall}
 
 
 async def main_async(args) -> None:
@@ -141,7 +172,9 @@ async def main_async(args) -> None:
                     spec_alone=alone["speculative"], spec_together=both["speculative"],
                     cpu_alone=[1e6 * c / tokens_alone for c in alone["cpu"]],
                     cpu_together=[1e6 * c / tokens_both for c in both["cpu"]],
-                    stable=sum(a == b for a, b in zip(alone["tokens"], reference[pair.name]))))
+                    stable=sum(a == b for a, b in zip(alone["tokens"], reference[pair.name])),
+                    engine_alone=alone["engine"], engine_together=both["engine"],
+                    loop_alone=alone["event_loop"], loop_together=both["event_loop"]))
                 log(f"block {block + 1}/{args.blocks} {pair.name}: one request {one_tps:.1f} tokens/s, "
                     f"{len(prompts)} together {together_tps:.1f} ({together_tps / one_tps:.2f}x), identical "
                     f"{rows[-1]['identical']}/{len(prompts)}, speculative rounds {alone['speculative']:.0%} alone, "
@@ -169,6 +202,16 @@ async def main_async(args) -> None:
               f"| {r['identical']}/{len(prompts)} | {r['stable']}/{len(prompts)} "
               f"| {r['spec_alone']:.0%} / {r['spec_together']:.0%} "
               f"| {r['cpu_alone'][0]:.0f} / {r['cpu_alone'][1]:.0f} | {r['cpu_together'][0]:.0f} / {r['cpu_together'][1]:.0f} |")
+    print()
+    print("Where the verifier's wall went (shares of each phase's wall): its engine loop "
+          + " / ".join(ENGINE_STATES) + "; its event loop's CPU\n")
+    print("| tree | block | engine loop, alone | event loop, alone | engine loop, together | event loop, together |")
+    print("| --- | ---: | --- | ---: | --- | ---: |")
+    for r in rows:
+        shares = [" / ".join(f"{r[key].get(state, 0.0):.0%}" for state in ENGINE_STATES) if r[key] else "—"
+                  for key in ("engine_alone", "engine_together")]
+        print(f"| {r['tree']} | {r['block'] + 1} | {shares[0]} | {r['loop_alone']:.0%} | {shares[1]} "
+              f"| {r['loop_together']:.0%} |")
     print()
     for pair in pairs:
         ratios = [r["ratio"] for r in rows if r["tree"] == pair.name]

@@ -110,14 +110,21 @@ SPECULATIVE_ROUNDS = 'tandem_verifier_rounds_total{kind="speculative"}'
 PLAIN_ROUNDS = 'tandem_verifier_rounds_total{kind="plain"}'
 DETACHES = "tandem_verifier_drafter_detaches_total"  # (counted as each request ends)
 PHASES = 'tandem_verifier_governor_phases_total{why="'  # (by why; counted as each request ends; not in older trees)
+ENGINE = 'tandem_verifier_engine_seconds_total{state="'  # (the engine loop's wall by what it did; not in older trees)
 ROUND_COUNTERS = ("tandem_verifier_batch_rounds_sum", "tandem_verifier_batch_rounds_count", SPECULATIVE_ROUNDS,
                   PLAIN_ROUNDS, "tandem_verifier_accepted_length_sum", "tandem_verifier_accepted_length_count", DETACHES,
-                  PHASES)
+                  PHASES, ENGINE)
 
 
-def phase_why(name: str) -> str:
-    """The why of a PHASES counter's name."""
-    return name[len(PHASES):].rstrip('"}')
+def label_of(name: str, prefix: str) -> str:
+    """The label value of a counter's name that starts with `prefix` (PHASES: the why, ENGINE: the state)."""
+    return name[len(prefix):].rstrip('"}')
+
+
+def engine_shares(arm: dict, wall: float) -> dict:
+    """The arm with its engine loop's seconds as a line of shares of its wall (`engine`, e.g.
+    "step 58%, job 18%, gather 3%, idle 17%, other 4%"; empty for a tree without the metric)."""
+    return arm | {"engine": ", ".join(f"{state} {seconds / wall:.0%}" for state, seconds in arm["engine_s"].items())}
 
 
 class Load:
@@ -151,8 +158,9 @@ class Load:
 
     def arm_rounds(self, before: dict[str, float]) -> dict[str, float]:
         """An arm's mean batch, share of speculative rounds, tokens a round, its requests'
-        detaches (the governor judged speculation slower) and their phases by why (`phases`, e.g.
-        "verdict 8, explore 2"), from round_counts before and after it."""
+        detaches (the governor judged speculation slower), their phases by why (`phases`, e.g.
+        "verdict 8, explore 2") and the engine loop's seconds by state (`engine_s`), from
+        round_counts before and after it."""
         after = self.round_counts()
         d = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
         speculative, plain = d.get(SPECULATIVE_ROUNDS, 0.0), d.get(PLAIN_ROUNDS, 0.0)
@@ -161,8 +169,9 @@ class Load:
                     tokens_per_round=d.get("tandem_verifier_accepted_length_sum", 0.0)
                     / max(d.get("tandem_verifier_accepted_length_count", 0.0), 1),
                     detaches=d.get(DETACHES, 0.0),
-                    phases=", ".join(f"{phase_why(name)} {n:.0f}" for name, n in d.items()
-                                     if name.startswith(PHASES) and n > 0))
+                    phases=", ".join(f"{label_of(name, PHASES)} {n:.0f}" for name, n in d.items()
+                                     if name.startswith(PHASES) and n > 0),
+                    engine_s={label_of(name, ENGINE): n for name, n in d.items() if name.startswith(ENGINE)})
 
     async def closed_loop(self, concurrency: int, per_client: int, speculation: bool) -> dict:
         before = self.round_counts()
@@ -173,7 +182,7 @@ class Load:
             started = time.perf_counter()
             results = await asyncio.gather(*(worker() for _ in range(concurrency)))
             wall = time.perf_counter() - started
-        return summarise([r for rs in results for r in rs], wall) | self.arm_rounds(before)
+        return summarise([r for rs in results for r in rs], wall) | engine_shares(self.arm_rounds(before), wall)
 
     async def open_loop(self, rate: float, num_requests: int, seed: int, speculation: bool = False) -> dict:
         rng = random.Random(seed)
@@ -186,7 +195,7 @@ class Load:
                 await asyncio.sleep(rng.expovariate(rate))
             records = await asyncio.gather(*tasks)
             wall = time.perf_counter() - started
-        return summarise(records, wall) | self.arm_rounds(before)
+        return summarise(records, wall) | engine_shares(self.arm_rounds(before), wall)
 
 
 def row(label: str, s: dict, base: float | None) -> str:
@@ -316,7 +325,8 @@ def main() -> None:
             log(f"  block {block} {key}: {s['tokens_per_s']:.1f} tok/s, mean batch {s['mean_batch']:.1f}, "
                 f"TPOT p50 {s['tpot_ms']['p50']:.2f} ms, speculative rounds {s['speculative_share']:.0%}, "
                 f"{s['tokens_per_round']:.2f} tokens a round, {s['detaches']:.0f} detaches"
-                + (f"; phases: {s['phases']}" if s['phases'] else ""))
+                + (f"; phases: {s['phases']}" if s['phases'] else "")
+                + (f"; engine loop: {s['engine']}" if s['engine'] else ""))
 
         for block in range(args.blocks):
             order = list(verifiers) if block % 2 == 0 else list(verifiers)[::-1]

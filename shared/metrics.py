@@ -6,7 +6,10 @@ process (tests, the demo) apart.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
 
 ROUND_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 17)
@@ -62,6 +65,13 @@ class VerifierMetrics:
         self._rounds_of = {True: self.rounds.labels("speculative"), False: self.rounds.labels("plain")}
         self._drafts_of: dict[str, tuple] = {}
 
+    def engine_time(self, read: Callable[[], Mapping[str, float]]) -> None:
+        """Export the engine loop's seconds by what its thread did (`read()`: state -> seconds
+        so far, read at each scrape: nothing on the loop's way)."""
+        self.registry.register(_SecondsByState(
+            "tandem_verifier_engine_seconds", "The engine loop thread's wall time by what it did: step (the model's "
+            "work), job (prefill chunks, begins, closes), gather (waiting for a step's lanes), idle, other", read))
+
     def round_done(self, *, tokens: int, emitted: int, seconds: float, speculative: bool, source: str,
                    retained: int, accepted: int, slot_hit_rate: float) -> None:
         """A round's counts: tokens delivered, tokens committed (emitted), its drafts by source."""
@@ -77,6 +87,22 @@ class VerifierMetrics:
                                                     self.drafts.labels(source, "accepted"))
             drafts[0].inc(retained)
             drafts[1].inc(accepted)
+
+
+class _SecondsByState:
+    """A counter family read from a callable at scrape time."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], Mapping[str, float]]) -> None:
+        self.name, self.documentation, self.read = name, documentation, read
+
+    def describe(self):
+        return [CounterMetricFamily(self.name, self.documentation, labels=["state"])]
+
+    def collect(self):
+        family = CounterMetricFamily(self.name, self.documentation, labels=["state"])
+        for state, seconds in self.read().items():
+            family.add_metric([state], seconds)
+        yield family
 
 
 class DrafterMetrics:

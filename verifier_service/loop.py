@@ -44,7 +44,11 @@ of the device (DESIGN §9, "The engine loop"):
   its drafter's chain holds the batch up to `gather_s`); and what they added to it
   (`RoundOutcome.cost_from_others_s`, which its governor takes off its own cost): their draft
   rows, the working drafter's addition to a round without drafts, its wait for them, and the
-  jobs that ran between its steps (other sessions' prefills: the same for either kind of round).
+  jobs that ran between its steps (other sessions' prefills: the same for either kind of round);
+- time: the loop's thread accounts its wall time by what it did (`LoopTime`: stepping, running
+  jobs, gathering a step's lanes, idle; the rest is its own bookkeeping between them) — the
+  verifier's metric tandem_verifier_engine_seconds{state}: whether the loop is busy stepping or
+  waits for the host (request coroutines, the drafter).
 
 A plain round run ahead is the round the coroutine would have asked for (its drafts: none), so
 running it early changes no token: the output law is the rounds' (DESIGN §2–3).
@@ -59,6 +63,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Any, Protocol
 
 from verifier_service.lane import Lane, deliver_all
@@ -79,6 +84,16 @@ class BatchSettings:
             raise ValueError(f"gather_s {self.gather_s} must lie in [0, 1)")
         if self.max_lead < 1:
             raise ValueError(f"max_lead {self.max_lead} must be >= 1")
+
+
+class LoopTime(Enum):
+    """What the loop's thread spent its time on (`EngineLoop.seconds`)."""
+
+    STEP = "step"  # a step's run_rounds (the model's work, and its wait for the device's results)
+    JOB = "job"  # jobs between steps (prefill chunks, begins, closes)
+    GATHER = "gather"  # waiting, bounded, for the last step's lanes to be ready again
+    IDLE = "idle"  # nothing to run: waiting for a lane's round or a job
+    OTHER = "other"  # the rest: planning steps, charging rounds, delivering outcomes
 
 
 class Stepper(Protocol):
@@ -135,6 +150,10 @@ class EngineLoop:
         # outcomes of steps run, by event loop (host steps: sent when the next step starts, or
         # before the loop waits or runs a job)
         self._undelivered: dict[asyncio.AbstractEventLoop, list[tuple[Lane, Any]]] = {}
+        # the loop thread's wall time by what it did (LoopTime.OTHER: the rest, read by `time_spent`)
+        self.seconds = dict.fromkeys(LoopTime, 0.0)
+        self._born = time.perf_counter()
+        self._waiting: tuple[LoopTime, float] | None = None  # (the wait in progress, since when)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
         # Stopped before the interpreter finalises (as concurrent.futures' workers are): a
@@ -171,6 +190,14 @@ class EngineLoop:
             self._lanes[id(session)] = lane
         return lane
 
+    def time_spent(self) -> dict[LoopTime, float]:
+        """The loop thread's seconds so far by what it did (any thread; a moment's snapshot)."""
+        now, waiting, spent = time.perf_counter(), self._waiting, dict(self.seconds)
+        if waiting is not None:  # (a long idle wait is idle time before it ends)
+            spent[waiting[0]] += now - waiting[1]
+        spent[LoopTime.OTHER] = max(now - self._born - sum(spent.values()), 0.0)
+        return spent
+
     @property
     def num_lanes(self) -> int:
         return len(self._lanes)
@@ -206,7 +233,9 @@ class EngineLoop:
                 self._deliver()
                 started = time.perf_counter()
                 self._run_job(job)
-                self._stalled(time.perf_counter() - started)
+                seconds = time.perf_counter() - started
+                self.seconds[LoopTime.JOB] += seconds
+                self._stalled(seconds)
             else:
                 expected = self._step(rounds)
         self._deliver()
@@ -238,14 +267,22 @@ class EngineLoop:
                         gather_from, waited_for = now, waiting
                     if now < gather_until:
                         self._deliver()
-                        self._cond.wait(gather_until - now)
+                        self._wait(LoopTime.GATHER, gather_until - now)
                         continue
                 if ready:
                     if waited_for:
                         _owe(waited_for, ready, time.monotonic() - gather_from)
                     return None, self._plan(ready), []
             self._deliver()
-            self._cond.wait()
+            self._wait(LoopTime.IDLE)
+
+    def _wait(self, why: LoopTime, timeout: float | None = None) -> None:
+        """Under the lock: wait for a notify (or the timeout), the time counted as `why`."""
+        started = time.perf_counter()
+        self._waiting = (why, started)
+        self._cond.wait(timeout)
+        self._waiting = None
+        self.seconds[why] += time.perf_counter() - started
 
     def _end_exhausted(self) -> None:
         """Under the lock: a lane granted plain rounds its session cannot decode learns so (its
@@ -303,7 +340,9 @@ class EngineLoop:
             results: list[RoundOutcome | BaseException] = list(self._stepper.run_rounds([r for _, r in rounds]))
         except Exception as error:  # every round of the step fails; the loop goes on
             results = [error] * len(lanes)
+            self.seconds[LoopTime.STEP] += time.perf_counter() - started
         else:
+            self.seconds[LoopTime.STEP] += time.perf_counter() - started
             # The fit's second kind of step is one run on the threads left beside a drafter (a CPU
             # verifier with its drafter on this host). Where the threads never change (a GPU, a
             # drafter elsewhere) steps with a drafter at work are the steps with draft rows, whose

@@ -93,6 +93,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         self.metrics.kv_blocks_held.set_function(lambda: self.admission.blocks_held)
         self.drafter_health = DrafterHealth(settings.drafter or "", self.metrics.drafter_reachable, log)
         self.metrics.drafter_reachable.set(-1 if self.channel is None else 0)
+        self.metrics.engine_time(lambda: {state.value: s for state, s in self.worker.time_spent().items()})
 
     def _drafting(self, drafting: bool) -> None:
         """On the engine loop's thread: a drafter on this host works (or stopped): the native step

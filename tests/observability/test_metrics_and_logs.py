@@ -45,6 +45,10 @@ async def test_metrics_are_scrapable_and_match_the_request(tiny_mtp_model, free_
     assert v[("tandem_verifier_ttft_seconds_count", ())] == 1
     assert v[("tandem_verifier_active_sessions", ())] == 0
     assert ("tandem_verifier_expert_slot_hit_rate", ()) in v
+    engine = {state: v[("tandem_verifier_engine_seconds_total", (("state", state),))]
+              for state in ("step", "job", "gather", "idle", "other")}
+    assert engine["step"] > 0 and engine["job"] > 0  # (its rounds' steps; loading, its prefill)
+    assert all(seconds >= 0 for seconds in engine.values())
     proposals = sum(value for (name, _), value in d.items() if name == "tandem_drafter_proposals_total")
     assert proposals >= final.stats.rounds - 1
     assert d[("tandem_drafter_draft_tokens_total", (("source", "MTP"),))] >= final.stats.proposed

@@ -11,7 +11,7 @@ import pytest
 
 import torch
 
-from verifier_service.loop import BatchSettings, EngineLoop, LoopClosed, RoundsExhausted
+from verifier_service.loop import BatchSettings, EngineLoop, LoopClosed, LoopTime, RoundsExhausted
 from verifier_service.rounds import RoundOutcome, RoundRequest
 from verifier_service.step_costs import StepCosts
 
@@ -398,3 +398,28 @@ async def test_a_job_between_steps_is_refunded_to_every_lane_it_held_up():
         assert [o.cost_from_others_s for o in again] == [0.0, 0.0]  # refunded once
     finally:
         loop.shutdown(wait=True)
+
+
+async def test_the_loop_accounts_its_threads_time_by_what_it_did(make_loop, engine):
+    # a job of 0.1 s counts as job time, a step held 0.1 s on the device as step time, a lane the
+    # step waits for as gather time, and the loop idle in between as idle time — while it waits,
+    # before the wait ends; the states sum to the loop's age
+    born = time.perf_counter()
+    loop = make_loop(gather_s=0.08)
+    await loop.run(time.sleep, 0.1)
+    a, b = loop.join(Session("a")), loop.join(Session("b"))
+    engine.gate.clear()
+    a.turn(RoundRequest(a.session, []))
+    b.turn(RoundRequest(b.session, []))
+    await asyncio.sleep(0.1)
+    engine.gate.set()
+    await asyncio.gather(a.outcome(), b.outcome())
+    await round_of(a)  # (b does not come back: the step waits for it, bounded)
+    await asyncio.sleep(0.1)
+    spent = loop.time_spent()
+    assert 0.1 <= spent[LoopTime.JOB] < 0.15
+    assert 0.1 <= spent[LoopTime.STEP] < 0.2
+    assert 0.07 <= spent[LoopTime.GATHER] < 0.15
+    assert spent[LoopTime.IDLE] >= 0.1  # (the wait still in progress included)
+    assert spent[LoopTime.OTHER] >= 0
+    assert 0.38 <= sum(spent.values()) <= time.perf_counter() - born
