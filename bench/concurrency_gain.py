@@ -149,8 +149,10 @@ async def main_async(args) -> None:
         log("starting services ...")
         for pair in pairs:
             await pair.ready()
-        for pair in pairs:  # warm-up: every request once, untimed
+        for pair in pairs:  # warm-up, untimed: every request once together, then one alone (on a GPU a
+            # lone session's first chains pay the drafter's own warm-up: docs/PERFORMANCE.md, session 44)
             await pair.phase(prompts, True, args.max_new_tokens, "warm")
+            await pair.phase(prompts[:1], False, args.max_new_tokens, "warm-alone")
         rows = []
         reference: dict[str, list[list[int]]] = {}
         for block in range(args.blocks):
