@@ -338,18 +338,19 @@ class EngineLoop:
         started = time.perf_counter()
         try:
             results: list[RoundOutcome | BaseException] = list(self._stepper.run_rounds([r for _, r in rounds]))
+            failed = False
         except Exception as error:  # every round of the step fails; the loop goes on
-            results = [error] * len(lanes)
-            self.seconds[LoopTime.STEP] += time.perf_counter() - started
-        else:
-            self.seconds[LoopTime.STEP] += time.perf_counter() - started
+            results, failed = [error] * len(lanes), True
+        seconds = time.perf_counter() - started  # (the account's and the cost fit's: one measure)
+        self.seconds[LoopTime.STEP] += seconds
+        if not failed:
             # The fit's second kind of step is one run on the threads left beside a drafter (a CPU
             # verifier with its drafter on this host). Where the threads never change (a GPU, a
             # drafter elsewhere) steps with a drafter at work are the steps with draft rows, whose
             # cost is far from linear in rows on a GPU: a fitted drafter term would be the draft
             # rows' cost read twice, and a lane drafting among 7 plain ones charged it 7-fold.
             yielded = drafting and self.on_drafting is not None
-            results = self._charged(rounds, results, time.perf_counter() - started, yielded)
+            results = self._charged(rounds, results, seconds, yielded)
         with self._cond:
             for lane, result in zip(lanes, results, strict=True):
                 lane._ran(result)

@@ -141,13 +141,17 @@ class StepCosts:
     def _slope(self, lo: int = 1, hi: int | None = None) -> float | None:
         """The pooled within-kind slope (unclamped) over the steps of lo..hi rows, None without
         `min_steps` steps and two row counts (of one kind) among them."""
-        kinds = self._kinds(lo, hi).values()
-        if sum(s.n for s in kinds) < self.min_steps:
+        return self._pooled_slope(self._kinds(lo, hi))
+
+    def _pooled_slope(self, kinds: dict[bool, _Sums]) -> float | None:
+        """`_slope` of sums by kind already gathered."""
+        sums = kinds.values()
+        if sum(s.n for s in sums) < self.min_steps:
             return None
-        spread = sum(s.spread() for s in kinds)
+        spread = sum(s.spread() for s in sums)
         if spread < 0.5:  # (rows all but constant within each kind: no slope to read; integer rows make this exact)
             return None
-        return sum(s.covariance() for s in kinds) / spread
+        return sum(s.covariance() for s in sums) / spread
 
     def per_row_s(self, lo: int = 1, hi: int | None = None) -> float | None:
         """The marginal seconds of one more row in a step (>= 0), None while unknown: the slope
@@ -171,7 +175,7 @@ class StepCosts:
         (fewer than `min_steps` steps of either kind)."""
         kinds = self._kinds()
         idle, working = kinds[False], kinds[True]
-        slope = self._slope()
+        slope = self._pooled_slope(kinds)  # (the whole window's: one gathering for both)
         if slope is None or idle.n < self.min_steps or working.n < self.min_steps:
             return None
         added = (working.seconds - slope * working.rows) / working.n - (idle.seconds - slope * idle.rows) / idle.n
