@@ -94,7 +94,8 @@ class Pair(ServicePair):
         return (cpu_seconds(verifier), cpu_seconds(procs[f"{self.name}-drafter"][0].pid), cpu_seconds(verifier, verifier))
 
     async def phase(self, prompts: list[list[int]], together: bool, max_new_tokens: int, tag: str) -> dict:
-        """(tokens per request, summed request walls, phase wall, the services' CPU seconds)."""
+        """Tokens per request, summed request walls, the phase's wall, the services' CPU seconds, the
+        engine loop's states and the event loop's CPU as shares of the wall."""
         from shared.client import AsyncVerifierClient
 
         async with AsyncVerifierClient(f"127.0.0.1:{self.v_port}", timeout=600) as client:
