@@ -61,15 +61,18 @@ CONTEXT_TABLE = Extension("drafter_service.proposers._context_table",
 # a row's product differed by how many rows shared the call. Off, the bits follow the code alone:
 # the same on every clone, machine and compiler.)
 CPU_ROWS = Extension("kernels.fused._cpu_rows", sources=["kernels/fused/_cpu_rows.c", "kernels/fused/_cpu_step.c",
-                                                        "kernels/fused/_cpu_wide.c"],
-                     libraries=["m"], depends=["kernels/_machine_clones.h", "kernels/fused/_cpu_rows.h"],
+                                                        "kernels/fused/_cpu_wide.c", "kernels/fused/_cpu_draws.c"],
+                     libraries=["m"], depends=["kernels/_machine_clones.h", "kernels/fused/_cpu_rows.h",
+                                               "kernels/_sampling_core.h"],
                      extra_compile_args=["-std=gnu11", "-O3", "-Wno-psabi", "-fno-trapping-math", "-ffp-contract=off"])
 
 # The processed distribution of sampled rows on the CPU (kernels/sampling.py); likewise.
 # (-fno-trapping-math: no FP exception flags are read, so the normaliser's selects may be
-# vectorised; no result changes, unlike -ffast-math's reassociation.)
+# vectorised; no result changes, unlike -ffast-math's reassociation. -ffp-contract=off: its
+# arithmetic (kernels/_sampling_core.h) is also the step's draws' (_cpu_draws.c, in the module
+# above): compiled alike, the two give the same bits.)
 SAMPLING_ROWS = Extension("kernels._sampling_rows", sources=["kernels/_sampling_rows.c"], libraries=["m"],
-                          depends=["kernels/_machine_clones.h"],
-                          extra_compile_args=["-std=gnu11", "-O3", "-fno-trapping-math"])
+                          depends=["kernels/_machine_clones.h", "kernels/_sampling_core.h"],
+                          extra_compile_args=["-std=gnu11", "-O3", "-fno-trapping-math", "-ffp-contract=off"])
 
 setup(cmdclass={"build_py": BuildPyWithProtos}, ext_modules=[CONTEXT_TABLE, CPU_ROWS, SAMPLING_ROWS])

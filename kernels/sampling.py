@@ -21,7 +21,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from kernels.rng import uniform
+from kernels.fused import cpu_rows
+from kernels.rng import MAX_POSITION, seed_key, uniform
 
 DEFAULT_MAX_SUPPORT = 64
 PAD_ID = -1  # padding entries of a sparse row: id -1, prob 0, always after the real ones
@@ -193,32 +194,59 @@ def _native_rows(logits: Tensor, params: SamplingParams, top_k: int, width: int,
     return SparseRows(token_ids, probs)
 
 
-def draw_rows(logits: Tensor, rows: list[int], params: SamplingParams, u: list[float], out: Tensor) -> bool:
-    """out[rows[i]] = sample(process_logits(logits[rows], params), u)[i] for every i, by
-    _sampling_rows.c in one call (its processed rows, sample's arithmetic: the same tokens,
-    without a dozen torch calls a group — each drops the interpreter lock and waits to take it
-    back while the service's event loop holds it). False where it does not apply (not built,
-    not CPU rows of float32 / bf16 / float64, greedy params): nothing is written then.
+@dataclass(frozen=True)
+class DrawWindow:
+    """A session's rows of one step to draw its own tokens from (`draw_windows`): rows first_row
+    .. first_row + num_rows - 1 of the logits, row j with the pick stream's u at position + j
+    (kernels.rng.uniform_at(seed, position + j)); drafts (fewer than num_rows): the window's
+    drafts — its rows are drawn in order, up to the first draft they reject; None: every row."""
+
+    first_row: int
+    num_rows: int
+    params: SamplingParams
+    seed: int
+    position: int
+    drafts: tuple[int, ...] | None = None
+
+
+def draw_windows(logits: Tensor, windows: list[DrawWindow], out: Tensor, threads: int | None = None) -> bool:
+    """Each window's own tokens into out (indexed by row) by kernels/fused/_cpu_draws.c, in one
+    call on the CPU step's threads (a window whole on one thread: the tokens do not depend on
+    them): row j's token is sample(process_logits(logits[row j], params), u(position + j)) for j
+    up to the first draft the row's token differs from (or the row after the last draft; every
+    row where the window's drafts are None); out's later rows keep
+    their values — in exact mode no verdict reads them (rounds.greedy_verdict stops there). False
+    where it does not apply (not built, not CPU rows of float32 / bf16 / float64, a greedy
+    window): nothing is written then. threads: torch's count when None.
 
     logits [R, vocab] contiguous; out [>= R] int64 contiguous, on the CPU."""
-    native = _native()
-    if (native is None or params.greedy or logits.device.type != "cpu" or logits.dtype not in NATIVE_TYPES
-            or logits.dim() != 2 or not logits.is_contiguous() or out.device.type != "cpu" or out.dtype != torch.int64
-            or out.dim() != 1 or not out.is_contiguous()):
+    native = cpu_rows.native()
+    if (native is None or logits.device.type != "cpu" or logits.dtype not in NATIVE_TYPES or logits.dim() != 2
+            or not logits.is_contiguous() or out.device.type != "cpu" or out.dtype != torch.int64 or out.dim() != 1
+            or not out.is_contiguous() or any(w.params.greedy for w in windows)):
         return False
     num_rows, vocab_size = logits.shape
-    if len(u) != len(rows):
-        raise ValueError(f"draw_rows: {len(u)} uniforms for {len(rows)} rows")
-    if any(not 0 <= r < min(num_rows, out.shape[0]) for r in rows):
-        raise IndexError(f"draw_rows: a row of {rows} is outside the logits' {num_rows} rows or out's {out.shape[0]}")
-    if not rows:
-        return True
-    width = min(params.max_support, vocab_size)
-    top_k = params.top_k if params.top_k < vocab_size else 0
-    row_ids, uniforms = array("q", rows), array("d", u)
-    native.draw(logits.data_ptr(), NATIVE_TYPES[logits.dtype], vocab_size, row_ids.buffer_info()[0], len(rows),
-                float(params.temperature), top_k, float(params.top_p), float(params.min_p), width, max(width, top_k),
-                uniforms.buffer_info()[0], out.data_ptr())
+    fields, drafts, params = array("q"), array("q"), array("d")
+    for w in windows:
+        if w.num_rows < 1 or w.first_row < 0 or w.first_row + w.num_rows > min(num_rows, out.shape[0]):
+            raise IndexError(f"draw_windows: rows {w.first_row}..{w.first_row + w.num_rows - 1} are outside the "
+                             f"logits' {num_rows} rows or out's {out.shape[0]}")
+        if w.drafts is not None and len(w.drafts) >= w.num_rows:
+            raise ValueError(f"draw_windows: {len(w.drafts)} drafts for a window of {w.num_rows} rows")
+        if not 0 <= w.position <= MAX_POSITION - w.num_rows:
+            raise ValueError(f"draw_windows: position {w.position} must lie in [0, 2**61)")
+        k0, k1 = seed_key(w.seed)
+        width = min(w.params.max_support, vocab_size)
+        top_k = w.params.top_k if w.params.top_k < vocab_size else 0
+        fields.extend((w.first_row, w.num_rows, len(drafts), -1 if w.drafts is None else len(w.drafts), top_k, width,
+                       max(width, top_k), k0, k1, w.position))
+        drafts.extend(w.drafts or ())
+        params.extend((w.params.temperature, w.params.top_p, w.params.min_p))
+    if windows:
+        drafts.append(0)  # (never read: an address for a call whose windows have no drafts)
+        native.draw_windows(logits.data_ptr(), NATIVE_TYPES[logits.dtype], vocab_size, len(windows),
+                            fields.buffer_info()[0], drafts.buffer_info()[0], params.buffer_info()[0], out.data_ptr(),
+                            torch.get_num_threads() if threads is None else threads)
     return True
 
 

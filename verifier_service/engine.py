@@ -286,7 +286,7 @@ class Engine:
             row += size
         num_rows = row
         out = self.runner.run(windows)
-        drawn = own_tokens(sessions, window_rows, out.logits, out.greedy_ids, decided)
+        drawn = own_tokens(sessions, window_rows, out.logits, out.greedy_ids, decided, [r.drafts for r in rounds])
         processed = process_targets(sessions, window_rows, out.logits)  # (probabilistic windows with drafts)
         host_hidden, ids = self._ring_read(self._ring_copy(
             _head(out.hidden, num_rows), _head(out.greedy_ids if drawn is None else drawn, num_rows)), num_rows)

@@ -6,7 +6,9 @@ rows processed per sampling group, probabilistic rounds verified together on the
   (gathered by one small asynchronous index copy): one processing per group, not per session.
 - A window's own tokens are drawn where its logits are (`own_tokens`): the pick stream's u of
   each row's position computed on the host (`uniform_at`, plain integers) and the draw by
-  `sample`. In exact mode the verdict follows from them as from greedy ids, and a plain
+  `sample`; on the CPU every window of a step in one native call on the step's threads
+  (kernels.sampling.draw_windows: a window's rows only up to the first draft they reject). In
+  exact mode the verdict follows from them as from greedy ids, and a plain
   round's token is the draw verify_chain would make in either mode: neither needs p's rows
   on the host, and the decode step ahead can be fed the token without a host read.
 - A probabilistic round with drafts is verified from its window's p rows (and the drafter's
@@ -27,8 +29,9 @@ import torch
 from torch import Tensor
 
 from kernels.rng import seed_as_int64, uniform_at
-from kernels.sampling import PAD_ID, SamplingParams, SparseRows, draw_rows, process_logits, sample
+from kernels.sampling import PAD_ID, DrawWindow, SamplingParams, SparseRows, draw_windows, process_logits, sample
 from kernels.speculative import Mode, verify_chains
+from shared.threads import step_threads
 from verifier_service.audit import accept_key
 from verifier_service.rounds import Session, greedy_verdict
 
@@ -113,12 +116,15 @@ def drawn_here(session: Session, num_drafts: int) -> bool:
 
 
 def own_tokens(sessions: list[Session], num_rows: list[int], logits: Tensor, greedy_ids: Tensor,
-               positions: list[int]) -> Tensor | None:
+               positions: list[int], drafts: list[list[int]] | None = None) -> Tensor | None:
     """[rows] where the logits are: each window row's own token — for the sessions drawn here
     (`drawn_here`), the draw from p with the pick stream's u of the position the row decides
     (positions[i] + j for row j of sessions[i]); for the others the greedy id. In exact mode
     a window's verdict is then greedy_verdict(drafts, own tokens), verify_chain's verdict
     (and a plain round's token is its first row's). None when no session is drawn here.
+    drafts: each window's drafts (None: not given, every row drawn); given, a window's rows are
+    drawn on the CPU only up to the first draft they reject — the rows after it keep their
+    greedy ids, which no verdict reads (greedy_verdict stops at that row).
 
     logits: [>= rows, vocab], greedy_ids: [>= rows]: the windows' rows, consecutive."""
     starts = _starts(num_rows)
@@ -126,11 +132,15 @@ def own_tokens(sessions: list[Session], num_rows: list[int], logits: Tensor, gre
     if not groups:
         return None
     token_ids = greedy_ids[: starts[-1]].clone()
+    # on the CPU, every window's draws in one native call on the step's threads (the same tokens
+    # as below, up to each window's first rejected draft)
+    windows = [DrawWindow(starts[i], num_rows[i], params, sessions[i].spec.seed, positions[i],
+                          None if drafts is None else tuple(drafts[i]))
+               for params, members in groups.items() for i in members]
+    if draw_windows(logits, windows, token_ids, step_threads()):
+        return token_ids
     for params, members in groups.items():
         u = [uniform_at(sessions[i].spec.seed, positions[i] + j) for i in members for j in range(num_rows[i])]
-        # on the CPU, the group's draws in one native call (the same tokens as below)
-        if draw_rows(logits, [row for i in members for row in range(starts[i], starts[i + 1])], params, u, token_ids):
-            continue
         rows, where = _gather(logits, starts, members)
         # one row: u as a kernel argument, nothing to copy
         drawn = sample(process_logits(rows, params), u[0] if len(u) == 1 else _to_device(u, torch.float64, logits.device))

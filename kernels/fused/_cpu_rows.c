@@ -904,6 +904,7 @@ static PyMethodDef methods[] = {
     {"argmax", argmax, METH_VARARGS, "Greedy ids of float32 rows (see kernels/fused/cpu_rows.py)."},
     {"step_plan", step_plan, METH_VARARGS, "A qwen3_moe step's plan (see kernels/fused/cpu_step.py)."},
     {"step_run", step_run, METH_VARARGS, "A qwen3_moe step as one call (see kernels/fused/cpu_step.py)."},
+    {"draw_windows", draw_windows, METH_VARARGS, "A step's sampled windows drawn (see kernels/sampling.py)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -209,5 +209,8 @@ KERNEL void wide_products(const float *pairs_at, Py_ssize_t pair_stride, Py_ssiz
 /* The step's entry points (_cpu_step.c), in the module's method table (_cpu_rows.c). */
 KERNEL PyObject *step_plan(PyObject *self, PyObject *args);
 KERNEL PyObject *step_run(PyObject *self, PyObject *args);
+/* The step's thread pool for a call outside a step (_cpu_step.c), and a step's draws (_cpu_draws.c). */
+KERNEL void pool_parallel(row_kernel kernel, const void *call, Py_ssize_t *claim, int threads);
+KERNEL PyObject *draw_windows(PyObject *self, PyObject *args);
 
 #endif

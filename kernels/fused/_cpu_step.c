@@ -303,6 +303,20 @@ static void parallel(row_kernel kernel, const void *call, Py_ssize_t *claim, flo
     while (load_acquire(&pool.finished) < joined) sched_yield();
 }
 
+/* kernel(call) outside a step (a step's draws, _cpu_draws.c) on up to `threads` threads: the
+   caller's, and the helpers where no step holds them; the interpreter lock dropped meanwhile. */
+KERNEL void pool_parallel(row_kernel kernel, const void *call, Py_ssize_t *claim, int threads) {
+    float *scratch[1 + MAX_HELPERS] = {NULL};
+    const int team = threads > 1 && pthread_mutex_trylock(&pool_user) == 0;
+    const int helpers = team ? MIN(ensure_helpers(threads - 1), threads - 1) : 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (helpers) set_stepping(1, helpers);
+    parallel(kernel, call, claim, scratch, helpers);
+    if (helpers) set_stepping(0, 0);
+    Py_END_ALLOW_THREADS
+    if (team) pthread_mutex_unlock(&pool_user);
+}
+
 /* One product as the per-op path's `linear` (one split over all of K) or `linear_partials`. */
 static void product(const void *x, Py_ssize_t num_rows, Py_ssize_t num_in, const void *weight, Py_ssize_t num_out,
                     Py_ssize_t weight_stride, Py_ssize_t splits, Py_ssize_t step, float *out, int type, int wtype,

@@ -8,7 +8,7 @@ import torch
 from kernels.rng import uniform, uniform_at
 import kernels.sampling as sampling_module
 from kernels.sampling import (
-    PAD_ID, SamplingParams, SparseRows, draw, lookup, process_logits, sample, sample_gumbel,
+    PAD_ID, DrawWindow, SamplingParams, SparseRows, draw, draw_windows, lookup, process_logits, sample, sample_gumbel,
 )
 
 
@@ -260,42 +260,60 @@ def test_a_host_u_draws_what_the_pick_stream_tensor_draws(seed):
 
 @pytest.mark.parametrize("params", CANDIDATE_PARAMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_native_draws_are_the_draws_of_the_processed_rows(params, dtype):
-    # draw_rows (one native call) against its definition, sample(process_logits(rows), u): the
-    # same token for every row and u — random u, and u at each row's running sums exactly and
-    # one ulp either side (where `cdf <= u` flips), 0 and the largest double below 1. Rows drawn
-    # are a subset in any order; the others keep out's values.
+def test_window_draws_are_the_draws_of_the_processed_rows(params, dtype):
+    # draw_windows (one native call on the step's threads) against its definition: row j of a
+    # window gets sample(process_logits(row), uniform_at(seed, position + j)) — seeds and
+    # positions past 2**32 (Philox's high words) — drawn in order up to the first draft it
+    # rejects; the rows after it, and rows in no window, keep out's values. The same tokens on
+    # 1, 2 and 4 threads.
     generator = torch.Generator().manual_seed(len(str(params)) + len(str(dtype)))
-    logits = (torch.randn(7, 2000, generator=generator) * 3).to(dtype)
+    logits = (torch.randn(12, 2000, generator=generator) * 3).to(dtype)
     logits[3, ::4] = float("-inf")  # (a masked row)
     sampling = SamplingParams(**params)
     rows = process_logits(logits, sampling)
-    for r in range(logits.shape[0]):
-        cdf = torch.cumsum(rows.probs[r], dim=0)
-        boundaries = [float(c) for c in cdf[: min(6, cdf.shape[0])]]
-        us = [0.0, math.nextafter(1.0, 0.0)] + torch.rand(8, generator=generator, dtype=torch.float64).tolist()
-        us += [v for c in boundaries for v in (math.nextafter(c, 0.0), c, math.nextafter(c, 2.0))]
-        us = [u for u in us if 0.0 <= u < 1.0]
-        for u in us:
-            out = torch.full((9,), -7, dtype=torch.int64)
-            assert sampling_module.draw_rows(logits, [r], sampling, [u], out)
-            expected = sample(SparseRows(rows.token_ids[r : r + 1], rows.probs[r : r + 1]), u)
-            assert int(out[r]) == int(expected[0]), (r, u)
-            assert (out[torch.arange(9) != r] == -7).all()
-    picks = [5, 0, 3, 6]
-    us = torch.rand(len(picks), generator=generator, dtype=torch.float64).tolist()
-    out = torch.full((7,), -7, dtype=torch.int64)
-    assert sampling_module.draw_rows(logits, picks, sampling, us, out)
-    expected = sample(SparseRows(rows.token_ids[picks], rows.probs[picks]), torch.tensor(us, dtype=torch.float64))
-    assert out[picks].tolist() == expected.tolist() and out[[1, 2, 4]].tolist() == [-7] * 3
+    seeds = [0, 7, 2**40 + 3, 2**64 - 1]
+    positions = [0, 5, 2**33 + 11, 2**61 - 9]
+
+    def expected(row: int, seed: int, position: int) -> int:
+        return int(sample(SparseRows(rows.token_ids[row : row + 1], rows.probs[row : row + 1]), uniform_at(seed, position))[0])
+
+    # windows: rows 0-4 (4 drafts, the first two right, then a wrong one), 5 (a plain row), 7-9
+    # (2 drafts, both right: the bonus row is drawn too), 10-11 (drafts not given: every row
+    # drawn); row 6 in none
+    shapes = [(0, 5, 2), (5, 1, 0), (7, 3, 2), (10, 2, None)]  # (first row, rows, drafts it accepts)
+    windows = []
+    for w, (first, num_rows, num_right) in enumerate(shapes):
+        if num_right is None:
+            windows.append(DrawWindow(first, num_rows, sampling, seeds[w], positions[w]))
+            continue
+        drafts = [expected(first + j, seeds[w], positions[w] + j) for j in range(num_right)]
+        if num_right < num_rows - 1:  # then a draft the row's token rejects, and filler after it
+            wrong = (expected(first + num_right, seeds[w], positions[w] + num_right) + 1) % 2000
+            drafts += [wrong] * (num_rows - 1 - num_right)
+        windows.append(DrawWindow(first, num_rows, sampling, seeds[w], positions[w], tuple(drafts)))
+    drawn_rows = {0: (0, 0), 1: (0, 1), 2: (0, 2), 5: (1, 0), 7: (2, 0), 8: (2, 1), 9: (2, 2), 10: (3, 0), 11: (3, 1)}
+    for threads in (1, 2, 4):
+        out = torch.full((13,), -7, dtype=torch.int64)
+        assert draw_windows(logits, windows, out, threads)
+        for row in range(13):
+            if row in drawn_rows:
+                w, j = drawn_rows[row]
+                assert int(out[row]) == expected(row, seeds[w], positions[w] + j), (threads, row)
+            else:  # after a window's first rejection (rows 3, 4), in no window (6), past the logits (12)
+                assert int(out[row]) == -7, (threads, row)
 
 
-def test_native_draws_refuse_what_they_do_not_take():
-    logits = torch.randn(2, 50)
-    out = torch.zeros(2, dtype=torch.int64)
-    assert not sampling_module.draw_rows(logits, [0], SamplingParams(temperature=0.0), [0.5], out)  # greedy
-    assert not sampling_module.draw_rows(logits.to(torch.float16), [0], SamplingParams(), [0.5], out)
-    with pytest.raises(ValueError, match="uniforms"):
-        sampling_module.draw_rows(logits, [0, 1], SamplingParams(), [0.5], out)
+def test_window_draws_refuse_what_they_do_not_take():
+    logits = torch.randn(3, 50)
+    out = torch.zeros(3, dtype=torch.int64)
+    greedy = DrawWindow(0, 1, SamplingParams(temperature=0.0), 0, 0)
+    sampled = DrawWindow(0, 1, SamplingParams(), 0, 0)
+    assert not draw_windows(logits, [sampled, greedy], out)  # a greedy window: nothing drawn here
+    assert not draw_windows(logits.to(torch.float16), [sampled], out)
+    assert (out == 0).all()
     with pytest.raises(IndexError, match="outside"):
-        sampling_module.draw_rows(logits, [2], SamplingParams(), [0.5], out)
+        draw_windows(logits, [DrawWindow(2, 2, SamplingParams(), 0, 0, (1,))], out)
+    with pytest.raises(ValueError, match="drafts for a window of 2 rows"):
+        draw_windows(logits, [DrawWindow(0, 2, SamplingParams(), 0, 0, (1, 2))], out)
+    with pytest.raises(ValueError, match="position"):
+        draw_windows(logits, [DrawWindow(0, 1, SamplingParams(), 0, 2**61)], out)

@@ -68,11 +68,14 @@ def test_plain_rounds_draw_what_each_session_draws_alone(session):
     assert own_tokens([sessions[2]], [1], logits, logits.argmax(-1), positions[2:3]) is None  # greedy only
 
 
+@pytest.mark.parametrize("given", [True, False], ids=["drafts given", "drafts not given"])
 @pytest.mark.parametrize("mode", list(Mode))
-def test_exact_windows_verdicts_follow_from_their_own_tokens(mode, session):
+def test_exact_windows_verdicts_follow_from_their_own_tokens(mode, given, session):
     """A window's own tokens drawn where its logits are: in exact mode greedy_verdict over them
-    is verify_chain's verdict; probabilistic windows with drafts keep their greedy ids (their
-    p rows are verified on the host), plain ones are drawn."""
+    is verify_chain's verdict — with the drafts given (the engine's call: on the CPU a window's
+    rows are drawn up to the first it rejects) or not (every row drawn); probabilistic windows
+    with drafts keep their greedy ids (their p rows are verified on the host), plain ones are
+    drawn."""
     rng = random.Random(3)
     sessions, num_rows = [], []
     for i in range(12):
@@ -82,20 +85,25 @@ def test_exact_windows_verdicts_follow_from_their_own_tokens(mode, session):
     logits = torch.randn(sum(num_rows), VOCAB, generator=torch.Generator().manual_seed(5)) * 2
     greedy = logits.argmax(-1)
     positions = [len(s.token_ids) for s in sessions]
-    tokens = own_tokens(sessions, num_rows, logits, greedy, positions).tolist()
-    start = 0
-    for i, (s, n) in enumerate(zip(sessions, num_rows)):
+    starts = [sum(num_rows[:i]) for i in range(len(num_rows))]
+    # drafts: the likeliest tokens, one in three replaced, so windows accept and reject
+    drafts = [[int(t) if rng.random() < 0.67 else rng.randrange(VOCAB) for t in logits[start : start + n].argmax(-1)[: n - 1]]
+              for start, n in zip(starts, num_rows)]
+    tokens = own_tokens(sessions, num_rows, logits, greedy, positions, drafts if given else None).tolist()
+    rejected = []  # (exact mode's drawn windows with drafts: whether one was rejected)
+    for i, (s, n, start) in enumerate(zip(sessions, num_rows, starts)):
         rows = logits[start : start + n]
         target = process_logits(rows, s.spec.sampling)
-        # drafts: the likeliest tokens, one in three replaced, so windows accept and reject
-        drafts = [int(t) if rng.random() < 0.67 else rng.randrange(VOCAB) for t in rows.argmax(-1)[: n - 1]]
         mine = tokens[start : start + n]
-        if s.spec.sampling.greedy or (mode is Mode.PROBABILISTIC and drafts):
+        if s.spec.sampling.greedy or (mode is Mode.PROBABILISTIC and drafts[i]):
             assert mine == greedy[start : start + n].tolist()
         else:
-            alone = verify_chain(target, drafts, None, mode=mode, seed=s.spec.seed, base_position=positions[i])
-            assert greedy_verdict(drafts, mine) == (alone.emitted(), int(alone.num_accepted[0]))
-        start += n
+            alone = verify_chain(target, drafts[i], None, mode=mode, seed=s.spec.seed, base_position=positions[i])
+            assert greedy_verdict(drafts[i], mine) == (alone.emitted(), int(alone.num_accepted[0]))
+            if drafts[i]:
+                rejected.append(int(alone.num_accepted[0]) < len(drafts[i]))
+    if mode is Mode.EXACT:  # windows that reject a draft, and windows that accept every one
+        assert any(rejected) and not all(rejected)
 
 
 def test_grouped_processing_gives_each_window_its_own_rows(session):
