@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
-import os
 import platform
 import statistics
 import sys
@@ -39,7 +38,7 @@ from urllib.request import urlopen
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pairbench import REPO  # noqa: E402  (puts the repository and protocol modules on sys.path)
-from pairbench.common import log  # noqa: E402
+from pairbench.common import cpu_seconds, log  # noqa: E402
 from pairbench.services import Children, ServicePair, free_port, link_flags  # noqa: E402
 from pairbench.setups import code_prompts  # noqa: E402
 from pairbench.trace_sink import TraceSink  # noqa: E402
@@ -54,17 +53,6 @@ def config(index: int, max_new_tokens: int, tag: str):
 
 
 ENGINE_STATES = ("step", "job", "gather", "idle", "other")
-
-
-def cpu_seconds(pid: int, thread: int | None = None) -> float:
-    """The process's CPU time so far, every thread's (or one thread's), user and system (Linux:
-    /proc; else 0)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat")
-        fields = stat.read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def engine_seconds(metrics_port: int) -> dict[str, float]:

@@ -7,7 +7,9 @@ defaults: the fused path, CUDA graphs on CUDA). Arms, each a median of µs per r
 - `plain`: one greedy session decoding with decode-ahead (the service's plain rounds);
 - `plain sampled`: the same at temperature 0.8 (draws made on the device);
 - `verify`: one greedy session verifying 4 random drafts a round (a window of 5 rows);
-- `plain x8` / `verify x8`: eight sessions in one step.
+- `plain x8` / `verify x8`: eight sessions in one step;
+- `plain mixed x8` / `verify mixed x8`: the same, every other session sampled (temperature 0.8,
+  exact mode: its window's own tokens drawn; the random drafts are mostly rejected at once).
 With --against-tree DIR every pair runs a worker process importing this tree and one importing
 DIR, in alternating order; the table gives each tree's median and the median of the paired
 ratios (this / other). Host work is what differs between trees here: with the small embedded
@@ -34,7 +36,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ARMS = ("plain", "plain sampled", "verify", "plain x8", "verify x8")
+ARMS = ("plain", "plain sampled", "verify", "plain x8", "verify x8", "plain mixed x8", "verify mixed x8")
 
 
 def spec(prompt: list[int], new_tokens: int, *, temperature: float, seed: int, request_id: str):
@@ -97,8 +99,11 @@ def worker(args) -> dict[str, float]:
         busy = BusyThread(share) if share else None
         for arm in ARMS:
             count = 8 if arm.endswith("x8") else 1
-            temperature = 0.8 if arm == "plain sampled" else 0.0
-            sessions = [engine.open(spec(prompt(), 5 * new_tokens, temperature=temperature, seed=i, request_id=str(i)))
+            def sampled(i: int) -> bool:
+                return arm == "plain sampled" or ("mixed" in arm and i % 2 == 1)
+
+            sessions = [engine.open(spec(prompt(), 5 * new_tokens, temperature=0.8 if sampled(i) else 0.0, seed=i,
+                                         request_id=str(i)))
                         for i in range(count)]
             out[arm_name(arm, share)] = timed(sessions, 4 if arm.startswith("verify") else 0,
                                               decode_ahead=arm.startswith("plain"))

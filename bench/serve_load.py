@@ -48,7 +48,7 @@ from pathlib import Path
 from urllib.request import urlopen
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pairbench.common import SHAPES, free_port, log  # noqa: E402  (puts the repo and protocol modules on sys.path)
+from pairbench.common import SHAPES, cpu_seconds, free_port, log  # noqa: E402  (puts the repo and protocol modules on sys.path)
 from pairbench.services import Children, link_flags  # noqa: E402
 from pairbench.trace_sink import TraceSink  # noqa: E402
 
@@ -129,8 +129,11 @@ def engine_shares(arm: dict, wall: float) -> dict:
 
 class Load:
     def __init__(self, address: str, prompts: list[list[int]], new_tokens: int, metrics_port: int,
-                 temperature: float = 0.0, draft_tokens: int = 4) -> None:
+                 temperature: float = 0.0, draft_tokens: int = 4, pids: tuple[int, int | None] = (0, None)) -> None:
         self.address = address
+        # (the verifier's process, whose main thread runs its event loop, and the replay drafter's:
+        # their CPU shares of an arm's wall say whether either is saturated)
+        self.pids = pids
         self.draft_tokens = draft_tokens
         self.prompts = prompts
         self.new_tokens = new_tokens
@@ -173,8 +176,13 @@ class Load:
                                      if name.startswith(PHASES) and n > 0),
                     engine_s={label_of(name, ENGINE): n for name, n in d.items() if name.startswith(ENGINE)})
 
+    def cpu(self) -> tuple[float, float]:
+        """CPU seconds so far of the verifier's event loop (its main thread) and of the replay drafter."""
+        verifier, drafter = self.pids
+        return cpu_seconds(verifier, verifier) if verifier else 0.0, cpu_seconds(drafter) if drafter else 0.0
+
     async def closed_loop(self, concurrency: int, per_client: int, speculation: bool) -> dict:
-        before = self.round_counts()
+        before, cpu_before = self.round_counts(), self.cpu()
         async with AsyncVerifierClient(self.address, timeout=1800) as client:
             async def worker() -> list[dict]:
                 return [await one_request(client, *self.request(speculation)) for _ in range(per_client)]
@@ -182,7 +190,9 @@ class Load:
             started = time.perf_counter()
             results = await asyncio.gather(*(worker() for _ in range(concurrency)))
             wall = time.perf_counter() - started
-        return summarise([r for rs in results for r in rs], wall) | engine_shares(self.arm_rounds(before), wall)
+        cpu = [(after - before) / wall for before, after in zip(cpu_before, self.cpu())]
+        return (summarise([r for rs in results for r in rs], wall) | engine_shares(self.arm_rounds(before), wall)
+                | dict(event_loop_cpu=cpu[0], drafter_cpu=cpu[1]))
 
     async def open_loop(self, rate: float, num_requests: int, seed: int, speculation: bool = False) -> dict:
         rng = random.Random(seed)
@@ -310,8 +320,9 @@ def main() -> None:
             name, argv, tree, at_port, at_metrics = verifiers[prefix]
             children.start(name, argv, tree=tree, env=env(prefix))
             asyncio.run(children.wait_serving(name, f"127.0.0.1:{at_port}", timeout=900))
+            drafter = children.procs.get("replay-drafter")
             service = Load(f"127.0.0.1:{at_port}", prompts, args.new_tokens, at_metrics, args.temperature,
-                           args.draft_tokens)
+                           args.draft_tokens, (children.procs[name][0].pid, drafter[0].pid if drafter else None))
             asyncio.run(service.closed_loop(1, 1, False))  # warm-up
             return service
 
@@ -326,7 +337,9 @@ def main() -> None:
                 f"TPOT p50 {s['tpot_ms']['p50']:.2f} ms, speculative rounds {s['speculative_share']:.0%}, "
                 f"{s['tokens_per_round']:.2f} tokens a round, {s['detaches']:.0f} detaches"
                 + (f"; phases: {s['phases']}" if s['phases'] else "")
-                + (f"; engine loop: {s['engine']}" if s['engine'] else ""))
+                + (f"; engine loop: {s['engine']}" if s['engine'] else "")
+                + f"; CPU of a core: the verifier's event loop {s['event_loop_cpu']:.0%}"
+                + (f", the replay drafter {s['drafter_cpu']:.0%}" if speculation else ""))
 
         for block in range(args.blocks):
             order = list(verifiers) if block % 2 == 0 else list(verifiers)[::-1]

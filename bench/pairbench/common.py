@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import statistics
 import sys
+from pathlib import Path
 
 SETUPS = ("cpu-embedded", "gpu-embedded", "cpu-synthetic", "gpu-synthetic")
 PROMPTS = (
@@ -74,6 +76,17 @@ def request_spec(prompt: list[int], new_tokens: int, *, temperature: float = 0.0
         max_draft_tokens=max_draft_tokens, retention=RetentionPolicy(), retention_schedule="", retention_min_cum=0.0,
         eos_token_ids=frozenset(), stop_sequences=(),
     )
+
+
+def cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """The process's CPU time so far, every thread's (or one thread's), user and system (Linux:
+    /proc; else 0)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat")
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def log(*parts: object) -> None:
