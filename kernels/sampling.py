@@ -234,7 +234,8 @@ def draw_windows(logits: Tensor, windows: list[DrawWindow], out: Tensor, threads
         if w.drafts is not None and len(w.drafts) >= w.num_rows:
             raise ValueError(f"draw_windows: {len(w.drafts)} drafts for a window of {w.num_rows} rows")
         if not 0 <= w.position <= MAX_POSITION - w.num_rows:
-            raise ValueError(f"draw_windows: position {w.position} must lie in [0, 2**61)")
+            raise ValueError(f"draw_windows: position {w.position} must lie in [0, 2**61) with its window's "
+                             f"{w.num_rows} rows")
         k0, k1 = seed_key(w.seed)
         width = min(w.params.max_support, vocab_size)
         top_k = w.params.top_k if w.params.top_k < vocab_size else 0
