@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+import kernels.sampling as sampling_module
 from kernels.sampling import SamplingParams, SparseRows, draw, process_logits
 from kernels.speculative import Mode, verify_chain
 from shared.model.kv_cache import CacheLength
@@ -68,14 +69,18 @@ def test_plain_rounds_draw_what_each_session_draws_alone(session):
     assert own_tokens([sessions[2]], [1], logits, logits.argmax(-1), positions[2:3]) is None  # greedy only
 
 
+@pytest.mark.parametrize("way", ["native", "torch"])
 @pytest.mark.parametrize("given", [True, False], ids=["drafts given", "drafts not given"])
 @pytest.mark.parametrize("mode", list(Mode))
-def test_exact_windows_verdicts_follow_from_their_own_tokens(mode, given, session):
+def test_exact_windows_verdicts_follow_from_their_own_tokens(mode, given, way, session, monkeypatch):
     """A window's own tokens drawn where its logits are: in exact mode greedy_verdict over them
     is verify_chain's verdict — with the drafts given (the engine's call: on the CPU a window's
-    rows are drawn up to the first it rejects) or not (every row drawn); probabilistic windows
-    with drafts keep their greedy ids (their p rows are verified on the host), plain ones are
-    drawn."""
+    rows are drawn up to the first it rejects) or not (every row drawn), natively (the CPU's
+    draws) or by torch ops (the GPU's way, and the CPU's without the native module);
+    probabilistic windows with drafts keep their greedy ids (their p rows are verified on the
+    host), plain ones are drawn."""
+    if way == "torch":
+        monkeypatch.setattr(sampling_module.cpu_rows, "native", lambda: None)
     rng = random.Random(3)
     sessions, num_rows = [], []
     for i in range(12):
