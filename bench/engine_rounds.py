@@ -99,10 +99,8 @@ def worker(args) -> dict[str, float]:
         busy = BusyThread(share) if share else None
         for arm in ARMS:
             count = 8 if arm.endswith("x8") else 1
-            def sampled(i: int) -> bool:
-                return arm == "plain sampled" or ("mixed" in arm and i % 2 == 1)
-
-            sessions = [engine.open(spec(prompt(), 5 * new_tokens, temperature=0.8 if sampled(i) else 0.0, seed=i,
+            sampled = [arm == "plain sampled" or ("mixed" in arm and i % 2 == 1) for i in range(count)]
+            sessions = [engine.open(spec(prompt(), 5 * new_tokens, temperature=0.8 if sampled[i] else 0.0, seed=i,
                                          request_id=str(i)))
                         for i in range(count)]
             out[arm_name(arm, share)] = timed(sessions, 4 if arm.startswith("verify") else 0,

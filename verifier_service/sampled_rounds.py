@@ -133,12 +133,13 @@ def own_tokens(sessions: list[Session], num_rows: list[int], logits: Tensor, gre
         return None
     token_ids = greedy_ids[: starts[-1]].clone()
     # on the CPU, every window's draws in one native call on the step's threads (the same tokens
-    # as below, up to each window's first rejected draft)
-    windows = [DrawWindow(starts[i], num_rows[i], params, sessions[i].spec.seed, positions[i],
-                          None if drafts is None else tuple(drafts[i]))
-               for params, members in groups.items() for i in members]
-    if draw_windows(logits, windows, token_ids, step_threads()):
-        return token_ids
+    # as below, up to each window's first rejected draft); elsewhere no windows are built for it
+    if logits.device.type == "cpu":
+        windows = [DrawWindow(starts[i], num_rows[i], params, sessions[i].spec.seed, positions[i],
+                              None if drafts is None else tuple(drafts[i]))
+                   for params, members in groups.items() for i in members]
+        if draw_windows(logits, windows, token_ids, step_threads()):
+            return token_ids
     for params, members in groups.items():
         u = [uniform_at(sessions[i].spec.seed, positions[i] + j) for i in members for j in range(num_rows[i])]
         rows, where = _gather(logits, starts, members)

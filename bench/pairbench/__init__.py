@@ -6,6 +6,7 @@
   runs      the arms, requests and interleaved paired blocks
   report    paired-ratio analysis and the markdown tables
   setups    the embedded and synthetic setups end to end
+  load      bench/serve_load.py's loop of requests against one verifier and what each arm reads
 
 Importing the package puts the repository (and, when `tandem.v1` is not installed, the
 generated protocol modules beside their .proto sources) on sys.path, before any module

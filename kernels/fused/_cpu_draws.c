@@ -37,8 +37,7 @@ static void draw_window(const struct draws_call *c, Py_ssize_t w, const struct r
                         double *probs) {
     const int64_t *at = c->windows + w * W_FIELDS;
     const double *params = c->params + w * 3;
-    struct process_call row = {.logits = c->logits, .type = c->type, .rows = at[W_FIRST] + at[W_ROWS],
-                               .vocab = c->vocab, .top_k = at[W_TOP_K], .width = at[W_WIDTH],
+    struct process_call row = {.logits = c->logits, .type = c->type, .vocab = c->vocab, .top_k = at[W_TOP_K], .width = at[W_WIDTH],
                                .candidates = at[W_CANDIDATES], .temperature = params[0], .top_p = params[1],
                                .min_p = params[2]};
     const int64_t *drafts = c->drafts + at[W_DRAFTS_AT];
