@@ -20,6 +20,8 @@ from another checkout first (services from that tree), alternating trees per blo
     python bench/concurrency_gain.py [--device cpu] [--requests 8] [--max-new-tokens 64] [--blocks 3]
         [--link local|grpc] [--baseline-tree /tmp/base [--baseline-link grpc|local]]
         [--baseline-tree . --baseline-link local --traced this-tree]   (what exporting traces costs)
+        [--client-link local --baseline-tree . --baseline-link local]   (what gRPC's events cost: clients
+                                                                         on the verifier's --local-socket)
 """
 
 from __future__ import annotations
@@ -70,10 +72,13 @@ class Pair(ServicePair):
     """The drafter and verifier of one tree, default flags; a phase of requests through them."""
 
     def __init__(self, name: str, children: Children, model_dir: Path, device: str, tree: Path | None,
-                 verifier_args: list[str], drafter_args: list[str], env: dict[str, str] | None) -> None:
+                 verifier_args: list[str], drafter_args: list[str], env: dict[str, str] | None,
+                 client_socket: Path | None = None) -> None:
         self.metrics_port = free_port()  # (where the verifier's engine loop says what it did)
+        self.client_socket = client_socket  # (the verifier's --local-socket, which the clients then take)
+        socket_args = ["--local-socket", str(client_socket)] if client_socket else []
         super().__init__(name, children, model_dir, device, tree,
-                         [*verifier_args, "--metrics-port", str(self.metrics_port)], drafter_args, env)
+                         [*verifier_args, *socket_args, "--metrics-port", str(self.metrics_port)], drafter_args, env)
 
     def cpu(self) -> tuple[float, float, float]:
         """(the verifier's, the drafter's, the verifier's main thread's) CPU seconds so far."""
@@ -86,7 +91,8 @@ class Pair(ServicePair):
         engine loop's states and the event loop's CPU as shares of the wall."""
         from shared.client import AsyncVerifierClient
 
-        async with AsyncVerifierClient(f"127.0.0.1:{self.v_port}", timeout=600) as client:
+        socket = str(self.client_socket) if self.client_socket else None
+        async with AsyncVerifierClient(f"127.0.0.1:{self.v_port}", timeout=600, local_socket=socket) as client:
             async def one(index: int) -> tuple[list[int], float, dict]:
                 started = time.perf_counter()
                 g = await client.generate(prompts[index], config(index, max_new_tokens, tag))
@@ -131,10 +137,12 @@ async def main_async(args) -> None:
             v_args, d_args = link_flags(args.baseline_link, workdir / "baseline.sock")
             pairs.append(Pair("baseline", children, model_dir, args.device, Path(args.baseline_tree),
                               [*v_args, *args.baseline_verifier_arg], [*d_args, *args.baseline_drafter_arg],
-                              env("baseline")))
+                              env("baseline"),
+                              workdir / "baseline-gen.sock" if args.baseline_client_link == "local" else None))
         v_args, d_args = link_flags(args.link, workdir / "this-tree.sock")
         pairs.append(Pair("this-tree", children, model_dir, args.device, None, [*v_args, *args.verifier_arg],
-                          [*d_args, *args.drafter_arg], env("this-tree")))
+                          [*d_args, *args.drafter_arg], env("this-tree"),
+                          workdir / "this-tree-gen.sock" if args.client_link == "local" else None))
         log("starting services ...")
         for pair in pairs:
             await pair.ready()
@@ -177,8 +185,8 @@ async def main_async(args) -> None:
             sink.stop()
     print(f"\n### concurrency_gain: {datetime.date.today()}, {platform.node()}, device {args.device}, "
           f"model {model_dir.name}, {len(prompts)} requests (greedy and sampled alternating), "
-          f"{args.max_new_tokens} new tokens, links: this tree {args.link}"
-          + (f", baseline {args.baseline_link}" if args.baseline_tree else "") + f"; verifier flags: this tree {' '.join(args.verifier_arg) or 'defaults'}"
+          f"{args.max_new_tokens} new tokens, links (drafter, client): this tree {args.link}, {args.client_link}"
+          + (f"; baseline {args.baseline_link}, {args.baseline_client_link}" if args.baseline_tree else "") + f"; verifier flags: this tree {' '.join(args.verifier_arg) or 'defaults'}"
           + (f", baseline {' '.join(args.baseline_verifier_arg) or 'defaults'}" if args.baseline_tree else "")
           + (f"; drafter flags: this tree {' '.join(args.drafter_arg) or 'defaults'}"
              + (f", baseline {' '.join(args.baseline_drafter_arg) or 'defaults'}" if args.baseline_tree else "")
@@ -233,6 +241,10 @@ def main() -> None:
                         help="this tree's drafter link: local (as `tandem demo` starts the pair) or grpc")
     parser.add_argument("--baseline-link", default="grpc", choices=("local", "grpc"),
                         help="the baseline's (grpc: a tree before session 40 has no local socket)")
+    parser.add_argument("--client-link", default="grpc", choices=("grpc", "local"),
+                        help="how this tree's clients reach the verifier: grpc (its port) or local (its --local-socket)")
+    parser.add_argument("--baseline-client-link", default="grpc", choices=("grpc", "local"),
+                        help="the same for the baseline (local needs a tree with --local-socket)")
     parser.add_argument("--baseline-tree", default=None, help="another checkout, measured alongside (may be this one)")
     parser.add_argument("--traced", default="none", choices=("none", "this-tree", "baseline", "both"),
                         help="that pair's services export traces (OTLP/gRPC) to a sink this bench runs, the other "

@@ -97,7 +97,7 @@ class Gateway:
                                                    settings.verifier_tls_key, prefix="verifier_tls_")
         self.client = client or AsyncVerifierClient(
             settings.verifier, timeout=settings.timeout_s, credentials=credentials, token=settings.verifier_token,
-            channel_options=[("grpc.service_config", ROUND_ROBIN)])
+            channel_options=[("grpc.service_config", ROUND_ROBIN)], local_socket=settings.verifier_socket)
         self.created = int(time.time())
         self.metrics = GatewayMetrics()
         self.drain = Drain()

@@ -14,6 +14,7 @@ ENV_PREFIX = "TANDEM_GATEWAY_"
 @dataclass(frozen=True)
 class GatewaySettings:
     verifier: str = field(default="127.0.0.1:50051", metadata={"help": "verifier address (host:port, dns:///name:port, ipv4:a:p,b:p); requests are spread round-robin"})
+    verifier_socket: str | None = field(default=None, metadata={"help": "a verifier's --local-socket on this host: Generate streams go over this Unix socket instead of gRPC (no gRPC cost an event on either side); health checks stay on --verifier"})
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind (loopback unless told otherwise)"})
     port: int = field(default=8000, metadata={"help": "HTTP port to bind; 0 picks a free one"})
     model: str | None = field(default=None, metadata={"help": "checkpoint directory or model name the verifiers serve (its chat template and name); none = the embedded demo model"})
@@ -32,6 +33,8 @@ class GatewaySettings:
         if not self.verifier:
             raise ValueError("verifier must name an address (host:port)")
         base.validate_address(self.verifier, "verifier")
+        if self.verifier_socket is not None and not self.verifier_socket:
+            raise ValueError("verifier_socket must not be empty (leave it unset for gRPC)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port {self.port} must lie in [0, 65535]")
         if self.default_max_tokens < 1:

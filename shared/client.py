@@ -16,6 +16,7 @@ call is made.
 
 from __future__ import annotations
 
+import asyncio
 import operator
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from shared.protocol import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
+from shared.local_stream import LocalCall
 from shared.security import bearer_metadata, open_channel
 
 __all__ = [
@@ -303,14 +305,20 @@ def _channel_options(extra) -> list[tuple[str, object]]:
 
 class AsyncVerifierClient:
     """`grpc.aio` client of `Verifier.Generate`. The channel opens on first use (inside the
-    running event loop); `timeout` is the deadline of each whole call, in seconds."""
+    running event loop); `timeout` is the deadline of each whole call, in seconds.
+    local_socket: a verifier's `--local-socket` on this host — Generate streams go over it
+    instead of gRPC (the same events and errors); health checks stay on `target`."""
 
     def __init__(
         self, target: str, *, timeout: float | None = None, channel_options=None,
         credentials: grpc.ChannelCredentials | None = None, token: str | None = None,
+        local_socket: str | None = None,
     ) -> None:
+        if local_socket is not None and not local_socket:
+            raise ValueError("local_socket must not be empty (leave it unset for gRPC)")
         self.target = target
         self.timeout = timeout
+        self.local_socket = local_socket
         self._options = _channel_options(channel_options)
         self._credentials = credentials
         self._metadata = bearer_metadata(token)
@@ -327,6 +335,10 @@ class AsyncVerifierClient:
         """The request's events as they arrive; leaving the loop early cancels the call
         (wrap in `contextlib.aclosing` to cancel at once rather than when collected)."""
         request = config.to_request(prompt)
+        if self.local_socket is not None:
+            async for event in self._stream_local(request):
+                yield event
+            return
         call = self._get_stub().Generate(request, timeout=self.timeout, metadata=self._metadata)
         try:
             async for event in call:
@@ -335,6 +347,27 @@ class AsyncVerifierClient:
             raise VerifierError.from_rpc_error(error) from error
         finally:
             call.cancel()  # no-op once the call is done
+
+    async def _stream_local(self, request: verifier_pb2.GenerateRequest) -> AsyncIterator[verifier_pb2.GenerateEvent]:
+        call = LocalCall(self.local_socket, verifier_pb2.GenerateEvent, self._metadata or (), MAX_MESSAGE_BYTES)
+        deadline = None if self.timeout is None else asyncio.get_running_loop().time() + self.timeout
+        try:
+            await call.write(request)
+            await call.done_writing()
+            events = aiter(call)
+            while True:
+                try:
+                    async with asyncio.timeout_at(deadline):  # (the whole call's deadline, as gRPC's)
+                        event = await anext(events)
+                except StopAsyncIteration:
+                    return
+                yield event
+        except TimeoutError:
+            raise VerifierError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except grpc.RpcError as error:
+            raise VerifierError.from_rpc_error(error) from error
+        finally:
+            call.cancel()
 
     async def generate(self, prompt: Prompt, config: GenerationConfig) -> Generation:
         accumulator = GenerationAccumulator()

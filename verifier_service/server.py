@@ -26,12 +26,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kernels.speculative import Gate, Mode
 from shared import security, telemetry
+from shared.local_stream import LocalContext, LocalStreamServer
 from shared.threads import model_threads, set_step_threads, use_device, use_threads
 from shared.metrics import VerifierMetrics
 from shared.model import resident_bytes
 from shared.model.registry import resolve_model
 from shared.protocol import drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from shared.service import ServiceServer, require_model, run_until_signalled
+from shared.service import MAX_MESSAGE_BYTES, ServiceServer, StartupError, require_model, run_until_signalled
 from shared.tokenizer import load_tokenizer
 from verifier_service.admission import Admission, AdmissionLimits, AdmissionRefused
 from verifier_service.audit import HonestyAudit
@@ -377,6 +378,17 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
             async for event in events:
                 yield event
 
+    async def generate_local(self, requests: LocalContext, context: LocalContext) -> AsyncIterator[verifier_pb2.GenerateEvent]:
+        """Generate over the local socket (`--local-socket`): the stream's one message is the
+        request (parsed by the transport, a malformed one refused INVALID_ARGUMENT as on gRPC)."""
+        request = await requests.read()
+        if request is grpc.aio.EOF:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the stream carried no GenerateRequest")
+        async with contextlib.aclosing(self.Generate(request, context)) as events:
+            del request
+            async for event in events:
+                yield event
+
     def _drafter_trusted(self) -> bool:
         """Whether the probabilistic rule may take this verifier's drafter at its word (DESIGN §10)."""
         s = self.settings
@@ -403,9 +415,25 @@ class VerifierServer(ServiceServer):
     service_name = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
     def __init__(self, settings: VerifierSettings, *, model=None, tokenizer=None) -> None:
-        interceptors = [security.BearerTokenInterceptor(settings.auth_token)] if settings.auth_token else []
-        super().__init__(settings, interceptors=interceptors)
+        token = security.BearerTokenInterceptor(settings.auth_token) if settings.auth_token else None
+        super().__init__(settings, interceptors=[token] if token else [])
         self.service = VerifierService(settings, model=model, tokenizer=tokenizer)
+        self.local: LocalStreamServer | None = None
+        if settings.local_socket:  # (the same token, checked on a local stream's metadata)
+            self.local = LocalStreamServer(settings.local_socket, self.service.generate_local,
+                                           verifier_pb2.GenerateRequest, limit=MAX_MESSAGE_BYTES,
+                                           check=token.check if token else None)
+
+    async def start(self) -> int:
+        port = await super().start()
+        if self.local is not None:
+            try:
+                await self.local.start()
+            except OSError as error:
+                await self.stop(0)
+                raise StartupError(f"local_socket = {self.settings.local_socket}: {error}") from None
+            log.info("serving Generate on a local socket", path=self.settings.local_socket)
+        return port
 
     def preflight(self) -> None:
         if self.service.model is None:
@@ -436,6 +464,8 @@ class VerifierServer(ServiceServer):
         return self.service.active + self.service.admission.queued
 
     async def close(self) -> None:
+        if self.local is not None:
+            await self.local.close()
         if self.service.prefiller is not None:
             await self.service.prefiller.close()
         if self.service.recorder is not None:

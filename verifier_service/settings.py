@@ -18,6 +18,7 @@ class VerifierSettings:
     port: int = field(default=50051, metadata={"help": "port to bind; 0 picks a free one"})
     drafter: str | None = field(default=None, metadata={"help": "drafter address (host:port, dns:///name:port, ipv4:a:p,b:p); none = decode without drafts"})
     drafter_socket: str | None = field(default=None, metadata={"help": "the drafter's --local-socket (a drafter on this host): Draft streams go over this Unix socket instead of gRPC, saving gRPC's share of every speculative round's round trip (docs/PERFORMANCE.md); Record and health checks stay on --drafter, which it needs"})
+    local_socket: str | None = field(default=None, metadata={"help": "also serve Generate on this Unix socket path (created owner-only) for clients on this host (shared.client's local_socket, the gateway's --verifier-socket): the same requests, events and status codes without gRPC's per-event cost (docs/PERFORMANCE.md); --auth-token, if set, is checked there too"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     parallel: int = field(default=1, metadata={"help": "processes the model is split over (DESIGN §13): each holds 1/N of the routed experts (expert parallel) and of the attention heads (tensor parallel); on CUDA one GPU each (from --device's index up), on the CPU gloo processes. The fused path; --num-expert-slots applies to each process's experts"})
     parallel_dense: str = field(default="split", metadata={"help": "with --parallel: split (the dense weights too: each process 1/N of the attention heads and KV (the hybrid family's linear-attention heads and states too), of any dense MLP and of the lm_head's vocabulary; two collectives a layer and one for the logits) or whole (every process all but its experts; one collective a layer: the better trade where the dense weights are a small share of a step's bytes)."})
@@ -91,6 +92,8 @@ class VerifierSettings:
                 raise ValueError("drafter_socket needs drafter too (the drafter's gRPC address: its Record and health)")
             if not self.drafter_socket:
                 raise ValueError("drafter_socket must not be empty (leave it unset for gRPC streams)")
+        if self.local_socket is not None and not self.local_socket:
+            raise ValueError("local_socket must not be empty (leave it unset for gRPC only)")
         if self.probabilistic_drafters not in ("none", "authenticated", "any"):
             raise ValueError(f"probabilistic_drafters {self.probabilistic_drafters!r} must be none, authenticated or any")
         if self.draw_secret is not None and not self.draw_secret:

@@ -4,6 +4,8 @@ both in this process."""
 
 import asyncio
 import json
+import shutil
+import tempfile
 import urllib.error
 import urllib.request
 
@@ -37,6 +39,20 @@ async def test_completions_equal_the_verifier_and_tandem_generate(edge, embedded
     assert await asyncio.to_thread(cli.main, argv) == 0
     out = capsys.readouterr().out.strip().splitlines()[-1]  # (the in-process verifier logs to stdout too)
     assert json.loads(out)["text"] == reply.choices[0].text
+
+
+async def test_a_gateway_beside_its_verifier_streams_over_the_local_socket(edge, embedded):
+    folder = tempfile.mkdtemp(prefix="tandem-test-")  # (a Unix socket's path is at most 107 bytes)
+    try:
+        path = f"{folder}/v.sock"
+        client = await edge.start(embedded, verifier={"local_socket": path}, verifier_socket=path)
+        reply = await client.completions.create(model="tandem-demo-moe", prompt=PROMPT, max_tokens=12, temperature=0.8,
+                                                seed=5)
+        expected = await direct(edge.address, PROMPT, max_new_tokens=12, temperature=0.8, seed=5)
+        assert reply.choices[0].text == expected.text
+        assert edge.verifier.local.served == 1  # the gateway's call came over the socket, not gRPC
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 async def test_streamed_completions_and_chat_give_the_same_text(edge, embedded):
@@ -128,6 +144,8 @@ def test_settings_are_validated():
         GatewaySettings(timeout_s=0)
     with pytest.raises(ValueError, match="verifier_tls_cert and verifier_tls_key"):
         GatewaySettings(verifier_tls_cert="c.pem")
+    with pytest.raises(ValueError, match="verifier_socket"):
+        GatewaySettings(verifier_socket="")
     for bad in (0, -1, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="max_body_mb"):
             GatewaySettings(max_body_mb=bad)
