@@ -25,7 +25,8 @@ alternating block by block (order reversed each block); the report adds this / t
 gives the second verifier flags of its own, from this tree when no --against-tree is given
 (e.g. `--other-arg=--quantize --other-arg=fp8`: FP8 against the defaults at each concurrency);
 with --alpha, `--other-link local` pairs the drafter link over the replay drafter's Unix socket
-against gRPC (`--drafter-socket`, DESIGN §9).
+against gRPC (`--drafter-socket`, DESIGN §9); `--other-client-link local` pairs clients on the
+verifier's `--local-socket` against clients on its gRPC port.
 `--traced this|other|both` makes that verifier export every trace to an OTLP sink the bench runs
 (`this` or `other` alone pairs a traced verifier of this tree against an untraced one).
 With --one-at-a-time only one of the two is up at a time (each block starts and stops each, in
@@ -88,6 +89,10 @@ def main() -> None:
                         help="with --alpha: the verifier's Draft streams over gRPC or the drafter's Unix socket")
     parser.add_argument("--other-link", default="grpc", choices=("grpc", "local"),
                         help="the same for the second verifier (--other-link local alone pairs the two links)")
+    parser.add_argument("--client-link", default="grpc", choices=("grpc", "local"),
+                        help="how the clients reach the verifier: grpc (its port) or local (its --local-socket)")
+    parser.add_argument("--other-client-link", default="grpc", choices=("grpc", "local"),
+                        help="the same for the second verifier (local needs a tree with --local-socket)")
     parser.add_argument("--draft-tokens", type=int, default=4, help="max_draft_tokens of the speculative requests")
     parser.add_argument("--blocks", type=int, default=1, help="repeats of the whole concurrency sweep")
     parser.add_argument("--max-position-embeddings", type=int, default=0,
@@ -126,11 +131,14 @@ def main() -> None:
                 "--max-sessions", str(max(levels)), "--max-context", str(args.prompt_tokens + args.new_tokens + 32),
                 "--grace-s", "2", *args.verifier_arg]
 
-    verifier_argv = argv_for(port, metrics_port)
+    sockets = {"": workdir / "clients.sock" if args.client_link == "local" else None,
+               "before:": workdir / "other-clients.sock" if args.other_client_link == "local" else None}
+    verifier_argv = argv_for(port, metrics_port) + (["--local-socket", str(sockets[""])] if sockets[""] else [])
     other_port, other_metrics_port = free_port(), free_port()
-    other_argv = argv_for(other_port, other_metrics_port) + args.other_arg
+    other_argv = argv_for(other_port, other_metrics_port) + args.other_arg \
+        + (["--local-socket", str(sockets["before:"])] if sockets["before:"] else [])
     paired = (args.against_tree is not None or bool(args.other_arg) or args.other_link != args.link
-              or args.traced in ("this", "other"))
+              or args.other_client_link != args.client_link or args.traced in ("this", "other"))
     if args.other_link != args.link and args.alpha is None:
         parser.error("--link / --other-link choose the replay drafter's link: give --alpha")
     if args.one_at_a_time and not paired:
@@ -170,7 +178,8 @@ def main() -> None:
             asyncio.run(children.wait_serving(name, f"127.0.0.1:{at_port}", timeout=900))
             drafter = children.procs.get("replay-drafter")
             service = Load(f"127.0.0.1:{at_port}", prompts, args.new_tokens, at_metrics, args.temperature,
-                           args.draft_tokens, (children.procs[name][0].pid, drafter[0].pid if drafter else None))
+                           args.draft_tokens, (children.procs[name][0].pid, drafter[0].pid if drafter else None),
+                           str(sockets[prefix]) if sockets[prefix] else None)
             asyncio.run(service.closed_loop(1, 1, False))  # warm-up
             return service
 

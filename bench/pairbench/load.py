@@ -87,8 +87,10 @@ def engine_shares(arm: dict, wall: float) -> dict:
 
 class Load:
     def __init__(self, address: str, prompts: list[list[int]], new_tokens: int, metrics_port: int,
-                 temperature: float = 0.0, draft_tokens: int = 4, pids: tuple[int, int | None] = (0, None)) -> None:
+                 temperature: float = 0.0, draft_tokens: int = 4, pids: tuple[int, int | None] = (0, None),
+                 local_socket: str | None = None) -> None:
         self.address = address
+        self.local_socket = local_socket  # (the verifier's --local-socket: the clients' streams go there)
         # (the verifier's process, whose main thread runs its event loop, and the replay drafter's:
         # their CPU shares of an arm's wall say whether either is saturated)
         self.pids = pids
@@ -141,7 +143,7 @@ class Load:
 
     async def closed_loop(self, concurrency: int, per_client: int, speculation: bool) -> dict:
         before, cpu_before = self.round_counts(), self.cpu()
-        async with AsyncVerifierClient(self.address, timeout=1800) as client:
+        async with AsyncVerifierClient(self.address, timeout=1800, local_socket=self.local_socket) as client:
             async def worker() -> list[dict]:
                 return [await one_request(client, *self.request(speculation)) for _ in range(per_client)]
 
@@ -155,7 +157,7 @@ class Load:
     async def open_loop(self, rate: float, num_requests: int, seed: int, speculation: bool = False) -> dict:
         rng = random.Random(seed)
         before = self.round_counts()
-        async with AsyncVerifierClient(self.address, timeout=1800) as client:
+        async with AsyncVerifierClient(self.address, timeout=1800, local_socket=self.local_socket) as client:
             started = time.perf_counter()
             tasks = []
             for _ in range(num_requests):
