@@ -33,7 +33,7 @@ from shared.model import DTYPES, load_model, resident_bytes
 from shared.model.registry import resolve_model
 from shared.protocol import PROTOCOL_VERSION, common_pb2, drafter_pb2, drafter_pb2_grpc
 from shared.local_stream import LocalStreamServer
-from shared.service import MAX_MESSAGE_BYTES, ServiceServer, StartupError, require_model, run_until_signalled
+from shared.service import MAX_MESSAGE_BYTES, ServiceServer, require_model, run_until_signalled
 from shared.worker import ModelWorker
 
 log = structlog.get_logger("drafter")
@@ -317,21 +317,9 @@ class DrafterServer(ServiceServer):
             if settings.auth_token else None
         super().__init__(settings, interceptors=[token] if token else [])
         self.service = DrafterService(settings, model=model)
-        self.local: LocalStreamServer | None = None
         if settings.local_socket:  # (the same token, checked on a local stream's metadata)
             self.local = LocalStreamServer(settings.local_socket, self.service.Draft, drafter_pb2.DraftUp,
                                            limit=MAX_MESSAGE_BYTES, check=token.check if token else None)
-
-    async def start(self) -> int:
-        port = await super().start()
-        if self.local is not None:
-            try:
-                await self.local.start()
-            except OSError as error:
-                await self.stop(0)
-                raise StartupError(f"local_socket = {self.settings.local_socket}: {error}") from None
-            log.info("serving Draft streams on a local socket", path=self.settings.local_socket)
-        return port
 
     def preflight(self) -> None:
         if self.service.model is None:
@@ -359,8 +347,6 @@ class DrafterServer(ServiceServer):
         return sum(self.service.streams_by_peer.values())
 
     async def close(self) -> None:
-        if self.local is not None:
-            await self.local.close()
         await self.service.mtp_batcher.close()
         self.service.worker.shutdown()
 

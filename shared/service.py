@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from shared import security, telemetry
+from shared.local_stream import LocalStreamServer
 from shared.logs import configure_logging
 from shared.metrics import serve_metrics
 
@@ -70,6 +71,9 @@ class ServiceServer:
         self.port: int | None = None
         self.loaded: asyncio.Task | None = None
         self.metrics_server = None
+        # The service's stream method on a Unix socket as well (its `local_socket` setting, for
+        # clients on this host: shared/local_stream.py); set by the subclass.
+        self.local: LocalStreamServer | None = None
 
     # -- subclass hooks -----------------------------------------------------------------
 
@@ -127,6 +131,13 @@ class ServiceServer:
                                f"{error.strerror or error}") from None
         await self.server.start()
         self.loaded = asyncio.create_task(self._load_then_serve())
+        if self.local is not None:
+            try:
+                await self.local.start()
+            except OSError as error:
+                await self.stop(0)
+                raise StartupError(f"local_socket = {self.settings.local_socket}: {error}") from None
+            log.info("serving on a local socket", path=self.settings.local_socket)
         return self.port
 
     async def wait_loaded(self) -> None:
@@ -140,6 +151,8 @@ class ServiceServer:
         while self.in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await self.server.stop(max(0.0, deadline - time.monotonic()))
+        if self.local is not None:
+            await self.local.close()
         await self.close()
         await self._end_loading()
         if self.metrics_server is not None:

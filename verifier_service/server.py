@@ -32,7 +32,7 @@ from shared.metrics import VerifierMetrics
 from shared.model import resident_bytes
 from shared.model.registry import resolve_model
 from shared.protocol import drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from shared.service import MAX_MESSAGE_BYTES, ServiceServer, StartupError, require_model, run_until_signalled
+from shared.service import MAX_MESSAGE_BYTES, ServiceServer, require_model, run_until_signalled
 from shared.tokenizer import load_tokenizer
 from verifier_service.admission import Admission, AdmissionLimits, AdmissionRefused
 from verifier_service.audit import HonestyAudit
@@ -418,22 +418,10 @@ class VerifierServer(ServiceServer):
         token = security.BearerTokenInterceptor(settings.auth_token) if settings.auth_token else None
         super().__init__(settings, interceptors=[token] if token else [])
         self.service = VerifierService(settings, model=model, tokenizer=tokenizer)
-        self.local: LocalStreamServer | None = None
         if settings.local_socket:  # (the same token, checked on a local stream's metadata)
             self.local = LocalStreamServer(settings.local_socket, self.service.generate_local,
                                            verifier_pb2.GenerateRequest, limit=MAX_MESSAGE_BYTES,
                                            check=token.check if token else None)
-
-    async def start(self) -> int:
-        port = await super().start()
-        if self.local is not None:
-            try:
-                await self.local.start()
-            except OSError as error:
-                await self.stop(0)
-                raise StartupError(f"local_socket = {self.settings.local_socket}: {error}") from None
-            log.info("serving Generate on a local socket", path=self.settings.local_socket)
-        return port
 
     def preflight(self) -> None:
         if self.service.model is None:
@@ -464,8 +452,6 @@ class VerifierServer(ServiceServer):
         return self.service.active + self.service.admission.queued
 
     async def close(self) -> None:
-        if self.local is not None:
-            await self.local.close()
         if self.service.prefiller is not None:
             await self.service.prefiller.close()
         if self.service.recorder is not None:
