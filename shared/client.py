@@ -30,6 +30,7 @@ from shared.protocol import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
+from shared import telemetry
 from shared.local_stream import LocalCall
 from shared.security import bearer_metadata, open_channel
 
@@ -349,7 +350,10 @@ class AsyncVerifierClient:
             call.cancel()  # no-op once the call is done
 
     async def _stream_local(self, request: verifier_pb2.GenerateRequest) -> AsyncIterator[verifier_pb2.GenerateEvent]:
-        call = LocalCall(self.local_socket, verifier_pb2.GenerateEvent, self._metadata or (), MAX_MESSAGE_BYTES)
+        carrier: dict[str, str] = {}
+        telemetry.inject_context(carrier)  # (the caller's trace, which gRPC's instrumentation carries on a port)
+        call = LocalCall(self.local_socket, verifier_pb2.GenerateEvent, [*self._metadata, *carrier.items()],
+                         MAX_MESSAGE_BYTES)
         deadline = None if self.timeout is None else asyncio.get_running_loop().time() + self.timeout
         try:
             await call.write(request)

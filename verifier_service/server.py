@@ -209,8 +209,10 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         )
 
     async def Generate(
-        self, request: verifier_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: verifier_pb2.GenerateRequest, context: grpc.aio.ServicerContext, parent=None
     ) -> AsyncIterator[verifier_pb2.GenerateEvent]:
+        """parent: the caller's trace context where no gRPC instrumentation made it current
+        (the local socket's metadata)."""
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry when health is SERVING")
         if self.draining:
@@ -247,7 +249,7 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         # The request's span is current only between yields, never while this generator is
         # suspended: gRPC may close it from another context (a client gone while an event
         # waits to be sent), where a context entered here could not be left.
-        span = tracer.start_span("Generate", attributes={"tandem.request_id": spec.request_id,
+        span = tracer.start_span("Generate", context=parent, attributes={"tandem.request_id": spec.request_id,
                                                          "tandem.mode": asked_mode.value,
                                                          "tandem.verified_as": spec.mode.value})
         try:
@@ -384,7 +386,8 @@ class VerifierService(verifier_pb2_grpc.VerifierServicer):
         request = await requests.read()
         if request is grpc.aio.EOF:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the stream carried no GenerateRequest")
-        async with contextlib.aclosing(self.Generate(request, context)) as events:
+        parent = telemetry.extract_context(dict(context.metadata))  # (its trace's, as gRPC's instrumentation does)
+        async with contextlib.aclosing(self.Generate(request, context, parent)) as events:
             del request
             async for event in events:
                 yield event

@@ -85,6 +85,34 @@ async def test_one_trace_from_client_to_drafter(spans, tiny_mtp_model, link):
     assert record.attributes["tandem.request_id"] == f"trace-me-{link}" and record.attributes["tandem.output_tokens"] >= 12
 
 
+async def test_a_clients_trace_crosses_the_verifiers_local_socket(spans, tiny_mtp_model):
+    """A client on the verifier's --local-socket (no gRPC instrumentation on that path): its
+    trace context rides in the stream's metadata, and the request's spans join its trace."""
+    import shutil
+    import tempfile
+
+    from shared.client import AsyncVerifierClient, GenerationConfig
+
+    folder = tempfile.mkdtemp(prefix="tandem-test-")  # (a Unix socket's path is at most 107 bytes)
+    pair = Pair()
+    try:
+        await pair.start(tiny_mtp_model, local_socket=f"{folder}/v.sock")
+        async with AsyncVerifierClient(f"127.0.0.1:{pair.verifier.port}", local_socket=f"{folder}/v.sock") as client:
+            with telemetry.tracer("test-client").start_as_current_span("client") as client_span:
+                config = GenerationConfig(max_new_tokens=6, temperature=0.8, seed=3, request_id="trace-local")
+                generation = await client.generate([3, 14, 15, 92], config)
+        assert len(generation.token_ids) == 6
+    finally:
+        await pair.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+    trace_id = client_span.get_span_context().trace_id
+    finished = [s for s in spans.get_finished_spans() if s.context.trace_id == trace_id]
+    (generate,) = [s for s in finished if s.name == "Generate"]
+    assert generate.parent.span_id == client_span.get_span_context().span_id  # the client's span, no gRPC span between
+    assert generate.attributes["tandem.request_id"] == "trace-local"
+    assert any(s.name == "round" and s.parent.span_id == generate.context.span_id for s in finished)
+
+
 def test_tracing_off_installs_nothing():
     assert telemetry.setup_tracing("x", environ={"OTEL_SDK_DISABLED": "true"}) in (True, False)
     assert telemetry._exporter({}) is None
