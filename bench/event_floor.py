@@ -22,8 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "protos")]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pairbench import REPO  # noqa: E402,F401  (puts the repository and protocol modules on sys.path)
+from pairbench.common import cpu_seconds, free_port  # noqa: E402
 
 STREAMS, EVENTS = 8, 64
 
@@ -84,20 +85,10 @@ async def drive(transport: str, where: str, rounds: int) -> None:
             assert counts == [EVENTS] * STREAMS, counts
 
 
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(transport: str, rounds: int, workdir: Path) -> tuple[float, float]:
     """(server CPU µs an event, wall µs an event)."""
-    import socket
-
     if transport == "grpc":
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            where = f"127.0.0.1:{s.getsockname()[1]}"
+        where = f"127.0.0.1:{free_port()}"
     else:
         where = str(workdir / f"events-{time.monotonic_ns()}.sock")
     ready = mp.Event()
