@@ -356,12 +356,13 @@ class AsyncVerifierClient:
                          MAX_MESSAGE_BYTES)
         deadline = None if self.timeout is None else asyncio.get_running_loop().time() + self.timeout
         try:
-            await call.write(request)
-            await call.done_writing()
+            async with asyncio.timeout_at(deadline):  # (the whole call's deadline, as gRPC's: the connect too)
+                await call.write(request)
+                await call.done_writing()
             events = aiter(call)
             while True:
                 try:
-                    async with asyncio.timeout_at(deadline):  # (the whole call's deadline, as gRPC's)
+                    async with asyncio.timeout_at(deadline):
                         event = await anext(events)
                 except StopAsyncIteration:
                     return
