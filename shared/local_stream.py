@@ -317,7 +317,7 @@ class LocalCall:
                                                            f"({len(payload)} bytes)") from None
                 yield response
             elif kind == STATUS:
-                code, details = _parse_status(payload)
+                code, details = parse_status(payload)
                 if code == grpc.StatusCode.OK:
                     return
                 raise _error(code, details)
@@ -325,7 +325,7 @@ class LocalCall:
                 raise _error(grpc.StatusCode.INTERNAL, f"unexpected frame kind {kind} from the server")
 
 
-def _parse_status(payload: bytes) -> tuple[grpc.StatusCode, str]:
+def parse_status(payload: bytes) -> tuple[grpc.StatusCode, str]:
     try:
         status = json.loads(payload)
         return grpc.StatusCode[status["code"]], str(status.get("details", ""))

@@ -22,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from shared import security, telemetry
+from shared.front import FrontError, Fronts
 from shared.local_stream import LocalStreamServer
 from shared.logs import configure_logging
 from shared.metrics import serve_metrics
@@ -74,6 +75,9 @@ class ServiceServer:
         # The service's stream method on a Unix socket as well (its `local_socket` setting, for
         # clients on this host: shared/local_stream.py); set by the subclass.
         self.local: LocalStreamServer | None = None
+        # Front processes serving the port instead of this process (shared/front.py: they relay
+        # the service's stream method to `local`); set by the subclass.
+        self.fronts: Fronts | None = None
 
     # -- subclass hooks -----------------------------------------------------------------
 
@@ -109,6 +113,8 @@ class ServiceServer:
         await self.load()
         for name in ("", self.service_name):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.fronts is not None:
+            self.fronts.set_health(True)
 
     async def start(self) -> int:
         self.register()
@@ -120,24 +126,33 @@ class ServiceServer:
         s = self.settings
         self.preflight()
         credentials = security.server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca)
-        try:
-            self.port = security.add_port(self.server, s.address, credentials)
-        except RuntimeError as error:
-            raise StartupError(f"port = {s.port}, host = {s.host}: {error}") from None
+        if self.fronts is None:
+            try:
+                self.port = security.add_port(self.server, s.address, credentials)
+            except RuntimeError as error:
+                raise StartupError(f"port = {s.port}, host = {s.host}: {error}") from None
         try:  # before the gRPC server starts: nothing is half-started when this port is busy
             self.metrics_server = serve_metrics(self.metrics_registry, s.host, s.metrics_port)
         except OSError as error:
             raise StartupError(f"metrics_port = {s.metrics_port}: cannot serve /metrics on {s.host}: "
                                f"{error.strerror or error}") from None
-        await self.server.start()
+        if self.fronts is None:
+            await self.server.start()
         self.loaded = asyncio.create_task(self._load_then_serve())
         if self.local is not None:
             try:
                 await self.local.start()
             except OSError as error:
                 await self.stop(0)
-                raise StartupError(f"local_socket = {self.settings.local_socket}: {error}") from None
-            log.info("serving on a local socket", path=self.settings.local_socket)
+                raise StartupError(f"local_socket = {self.local.path}: {error}") from None
+            log.info("serving on a local socket", path=self.local.path)
+        if self.fronts is not None:
+            try:
+                self.port = await self.fronts.start()
+            except FrontError as error:
+                await self.stop(0)
+                raise StartupError(f"port = {s.port}, host = {s.host}: {error}") from None
+            log.info("front processes serve the port", processes=self.fronts.count, port=self.port)
         return self.port
 
     async def wait_loaded(self) -> None:
@@ -146,11 +161,16 @@ class ServiceServer:
     async def stop(self, grace: float | None = None) -> None:
         grace = self.settings.grace_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
+        if self.fronts is not None:
+            self.fronts.set_health(False)
         deadline = time.monotonic() + grace
         self.begin_drain(deadline - min(1.0, grace / 4))  # the last moments: final events go out
         while self.in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        await self.server.stop(max(0.0, deadline - time.monotonic()))
+        if self.fronts is None:
+            await self.server.stop(max(0.0, deadline - time.monotonic()))
+        else:
+            await self.fronts.stop(max(0.0, deadline - time.monotonic()))
         if self.local is not None:
             await self.local.close()
         await self.close()

@@ -14,6 +14,8 @@ import contextlib
 import dataclasses
 import os
 import secrets
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kernels.speculative import Gate, Mode
 from shared import security, telemetry
+from shared.front import FrontConfig, Fronts
 from shared.local_stream import LocalContext, LocalStreamServer
 from shared.threads import model_threads, set_step_threads, use_device, use_threads
 from shared.metrics import VerifierMetrics
@@ -421,10 +424,19 @@ class VerifierServer(ServiceServer):
         token = security.BearerTokenInterceptor(settings.auth_token) if settings.auth_token else None
         super().__init__(settings, interceptors=[token] if token else [])
         self.service = VerifierService(settings, model=model, tokenizer=tokenizer)
-        if settings.local_socket:  # (the same token, checked on a local stream's metadata)
-            self.local = LocalStreamServer(settings.local_socket, self.service.generate_local,
-                                           verifier_pb2.GenerateRequest, limit=MAX_MESSAGE_BYTES,
-                                           check=token.check if token else None)
+        # (fronts without --local-socket relay to a socket in a directory of this process's own)
+        self._private_dir = tempfile.mkdtemp(prefix="tandem-verifier-") \
+            if settings.front_processes and not settings.local_socket else None
+        path = settings.local_socket or (os.path.join(self._private_dir, "generate.sock") if self._private_dir else None)
+        if path:  # (the same token, checked on a local stream's metadata)
+            self.local = LocalStreamServer(path, self.service.generate_local, verifier_pb2.GenerateRequest,
+                                           limit=MAX_MESSAGE_BYTES, check=token.check if token else None)
+        if settings.front_processes:
+            s = settings
+            self.fronts = Fronts(s.front_processes, FrontConfig(
+                address=s.address, service_name=self.service_name, method="Generate", socket=path,
+                message_limit=MAX_MESSAGE_BYTES, max_connection_age_s=s.max_connection_age_s,
+                auth_token=s.auth_token, tls_cert=s.tls_cert, tls_key=s.tls_key, tls_client_ca=s.tls_client_ca))
 
     def preflight(self) -> None:
         if self.service.model is None:
@@ -465,6 +477,8 @@ class VerifierServer(ServiceServer):
         if self.service.watchdog is not None:
             self.service.watchdog.cancel()
         await asyncio.to_thread(self.service.close_ranks)
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
 
 
 async def serve(settings: VerifierSettings) -> None:

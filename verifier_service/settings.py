@@ -19,6 +19,7 @@ class VerifierSettings:
     drafter: str | None = field(default=None, metadata={"help": "drafter address (host:port, dns:///name:port, ipv4:a:p,b:p); none = decode without drafts"})
     drafter_socket: str | None = field(default=None, metadata={"help": "the drafter's --local-socket (a drafter on this host): Draft streams go over this Unix socket instead of gRPC, saving gRPC's share of every speculative round's round trip (docs/PERFORMANCE.md); Record and health checks stay on --drafter, which it needs"})
     local_socket: str | None = field(default=None, metadata={"help": "also serve Generate on this Unix socket path (created owner-only) for clients on this host (shared.client's local_socket, the gateway's --verifier-socket): the same requests, events and status codes without gRPC's per-event cost (docs/PERFORMANCE.md); --auth-token, if set, is checked there too"})
+    front_processes: int = field(default=0, metadata={"help": "processes that serve the gRPC port instead of this one (0 = this process serves it): each relays Generate to this process's local socket (--local-socket, else a private one) as bytes, so gRPC's per-event work (docs/PERFORMANCE.md) runs outside the process whose interpreter lock the engine needs between steps; health and reflection are answered there too, health as this process says. Several share the port"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     parallel: int = field(default=1, metadata={"help": "processes the model is split over (DESIGN §13): each holds 1/N of the routed experts (expert parallel) and of the attention heads (tensor parallel); on CUDA one GPU each (from --device's index up), on the CPU gloo processes. The fused path; --num-expert-slots applies to each process's experts"})
     parallel_dense: str = field(default="split", metadata={"help": "with --parallel: split (the dense weights too: each process 1/N of the attention heads and KV (the hybrid family's linear-attention heads and states too), of any dense MLP and of the lm_head's vocabulary; two collectives a layer and one for the logits) or whole (every process all but its experts; one collective a layer: the better trade where the dense weights are a small share of a step's bytes)."})
@@ -74,7 +75,7 @@ class VerifierSettings:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 1")
-        for name in ("num_expert_slots", "max_context", "max_queued", "kv_cache_tokens"):
+        for name in ("num_expert_slots", "max_context", "max_queued", "kv_cache_tokens", "front_processes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} {getattr(self, name)} must be >= 0")
         if self.parallel < 1:

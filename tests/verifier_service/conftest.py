@@ -158,6 +158,21 @@ class Servers:
 
 
 @pytest.fixture
+def socket_path():
+    folder = tempfile.mkdtemp(prefix="tandem-test-")  # (a Unix socket's path is at most 107 bytes)
+    yield f"{folder}/v.sock"
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+async def wait_idle(verifier: VerifierServer, timeout_s: float = 10.0) -> None:
+    """Until no request is in flight (a session released, its admission returned)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while verifier.in_flight():
+        assert asyncio.get_running_loop().time() < deadline, "a request stayed in flight"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
 async def servers():
     s = Servers()
     yield s

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
-import tempfile
 from pathlib import Path
 
 import grpc
@@ -19,26 +17,13 @@ from shared.service import StartupError
 from verifier_service.server import VerifierServer
 from verifier_service.settings import VerifierSettings
 
+from .conftest import wait_idle
+
 PROMPT = [5, 17, 3, 42, 8]
-
-
-@pytest.fixture
-def socket_path():
-    folder = tempfile.mkdtemp(prefix="tandem-test-")  # (a Unix socket's path is at most 107 bytes)
-    yield f"{folder}/v.sock"
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def target(servers) -> str:
     return f"127.0.0.1:{servers.verifier.port}"
-
-
-async def wait_idle(verifier: VerifierServer, timeout_s: float = 10.0) -> None:
-    """Until no request is in flight (a session released, its admission returned)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while verifier.in_flight():
-        assert asyncio.get_running_loop().time() < deadline, "a request stayed in flight"
-        await asyncio.sleep(0.01)
 
 
 async def test_same_generation_as_over_grpc(servers, tiny_model, socket_path):
