@@ -8,12 +8,13 @@ Each block runs the N requests alone (one after another) and together (all N at 
 alternating order. Reported per block: one request's tokens/s (the alone phase's tokens over its
 summed walls), the together phase's aggregate tokens/s (its tokens over its wall), their ratio,
 and whether every request's tokens together equal its tokens alone (exact mode: they must), and
-the CPU time each service spent a token in each phase (Linux's /proc: every thread, user and
-system; a service's work, which scheduling noise moves less than the walls). Per phase also
-where the verifier's time went: its engine loop's wall by what it did (its metric
-tandem_verifier_engine_seconds: stepping, jobs, gathering a step's lanes, idle, the rest) and
-its event loop's CPU (the main thread's, where request coroutines run) as shares of the phase's
-wall — whether the model's steps or the host's work between them set the pace.
+the CPU time each service spent a token in each phase (Linux's /proc: every thread and child
+process (a verifier's fronts), user and system; a service's work, which scheduling noise moves
+less than the walls). Per phase also where the verifier's time went: its engine loop's wall by
+what it did (its metric tandem_verifier_engine_seconds: stepping, jobs, gathering a step's
+lanes, idle, the rest) and its event loop's CPU (the main thread's, where request coroutines
+run) as shares of the phase's wall — whether the model's steps or the host's work between them
+set the pace.
 The claim is the median of the blocks' ratios. With --baseline-tree the same is measured
 from another checkout first (services from that tree), alternating trees per block.
 
@@ -22,6 +23,8 @@ from another checkout first (services from that tree), alternating trees per blo
         [--baseline-tree . --baseline-link local --traced this-tree]   (what exporting traces costs)
         [--client-link local --baseline-tree . --baseline-link local]   (what gRPC's events cost: clients
                                                                          on the verifier's --local-socket)
+        [--baseline-tree . --baseline-link local --verifier-arg=--front-processes --verifier-arg=1]
+                                                                        (the port served by a front process)
 """
 
 from __future__ import annotations

@@ -79,14 +79,30 @@ def request_spec(prompt: list[int], new_tokens: int, *, temperature: float = 0.0
 
 
 def cpu_seconds(pid: int, thread: int | None = None) -> float:
-    """The process's CPU time so far, every thread's (or one thread's), user and system (Linux:
-    /proc; else 0)."""
+    """The process's CPU time so far, every thread's (or one thread's), user and system, with its
+    live child processes' (a verifier's front processes and ranks: the service's work too)
+    (Linux: /proc; else 0)."""
     try:
         stat = Path(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat")
         fields = stat.read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own if thread is not None else own + sum(cpu_seconds(child) for child in _children(pid))
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return []
+    children = []
+    for task in tasks:
+        try:
+            children += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return children
 
 
 def log(*parts: object) -> None:
