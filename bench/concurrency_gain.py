@@ -8,9 +8,10 @@ Each block runs the N requests alone (one after another) and together (all N at 
 alternating order. Reported per block: one request's tokens/s (the alone phase's tokens over its
 summed walls), the together phase's aggregate tokens/s (its tokens over its wall), their ratio,
 and whether every request's tokens together equal its tokens alone (exact mode: they must), and
-the CPU time each service spent a token in each phase (Linux's /proc: every thread and child
-process (a verifier's fronts), user and system; a service's work, which scheduling noise moves
-less than the walls). Per phase also where the verifier's time went: its engine loop's wall by
+the CPU time each service and the clients (this process) spent a token in each phase (Linux's
+/proc: every thread and child process (a verifier's fronts), user and system; a service's work,
+which scheduling noise moves less than the walls), and how many cores the three kept busy
+together (their CPU over the phase's wall: on a small host, what is left). Per phase also where the verifier's time went: its engine loop's wall by
 what it did (its metric tandem_verifier_engine_seconds: stepping, jobs, gathering a step's
 lanes, idle, the rest) and its event loop's CPU (the main thread's, where request coroutines
 run) as shares of the phase's wall — whether the model's steps or the host's work between them
@@ -83,11 +84,13 @@ class Pair(ServicePair):
         super().__init__(name, children, model_dir, device, tree,
                          [*verifier_args, *socket_args, "--metrics-port", str(self.metrics_port)], drafter_args, env)
 
-    def cpu(self) -> tuple[float, float, float]:
-        """(the verifier's, the drafter's, the verifier's main thread's) CPU seconds so far."""
+    def cpu(self) -> tuple[float, float, float, float]:
+        """(the verifier's, the drafter's, the clients' (this process's), the verifier's main thread's)
+        CPU seconds so far."""
         procs = self.children.procs
         verifier = procs[f"{self.name}-verifier"][0].pid
-        return (cpu_seconds(verifier), cpu_seconds(procs[f"{self.name}-drafter"][0].pid), cpu_seconds(verifier, verifier))
+        return (cpu_seconds(verifier), cpu_seconds(procs[f"{self.name}-drafter"][0].pid), time.process_time(),
+                cpu_seconds(verifier, verifier))
 
     async def phase(self, prompts: list[list[int]], together: bool, max_new_tokens: int, tag: str) -> dict:
         """Tokens per request, summed request walls, the phase's wall, the services' CPU seconds, the
@@ -116,8 +119,8 @@ class Pair(ServicePair):
         speculative = sum(stats.get("speculative_rounds", 0) for _, _, stats in results)
         return {"tokens": [ids for ids, _, _ in results], "walls": sum(w for _, w, _ in results), "wall": wall,
                 "speculative": speculative / rounds if rounds else 0.0,
-                "wait_ms": sum(stats["wait_ms"] for _, _, stats in results), "cpu": cpu[:2],
-                "engine": engine, "event_loop": cpu[2] / wall}
+                "wait_ms": sum(stats["wait_ms"] for _, _, stats in results), "cpu": cpu[:3],
+                "cores": sum(cpu[:3]) / wall, "engine": engine, "event_loop": cpu[3] / wall}
 
 
 async def main_async(args) -> None:
@@ -176,7 +179,7 @@ async def main_async(args) -> None:
                     cpu_together=[1e6 * c / tokens_both for c in both["cpu"]],
                     stable=sum(a == b for a, b in zip(alone["tokens"], reference[pair.name])),
                     engine_alone=alone["engine"], engine_together=both["engine"],
-                    loop_alone=alone["event_loop"], loop_together=both["event_loop"]))
+                    loop_alone=alone["event_loop"], loop_together=both["event_loop"], cores_together=both["cores"]))
                 log(f"block {block + 1}/{args.blocks} {pair.name}: one request {one_tps:.1f} tokens/s, "
                     f"{len(prompts)} together {together_tps:.1f} ({together_tps / one_tps:.2f}x), identical "
                     f"{rows[-1]['identical']}/{len(prompts)}, speculative rounds {alone['speculative']:.0%} alone, "
@@ -197,13 +200,15 @@ async def main_async(args) -> None:
           + (f"; traces: {args.traced} export to a local OTLP sink ({sink.spans:,} spans, {sink.bytes / 1e6:.1f} MB"
              f" received)" if sink is not None else "") + "\n")
     print("| tree | block | one request, tokens/s | together, tokens/s | together / one | together = alone | alone = block 1 "
-          "| speculative rounds alone / together | CPU µs a token alone, verifier / drafter | together |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| speculative rounds alone / together | CPU µs a token alone, verifier / drafter / clients | together "
+          "| cores busy together |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['tree']} | {r['block'] + 1} | {r['one']:.1f} | {r['together']:.1f} | {r['ratio']:.2f} "
               f"| {r['identical']}/{len(prompts)} | {r['stable']}/{len(prompts)} "
               f"| {r['spec_alone']:.0%} / {r['spec_together']:.0%} "
-              f"| {r['cpu_alone'][0]:.0f} / {r['cpu_alone'][1]:.0f} | {r['cpu_together'][0]:.0f} / {r['cpu_together'][1]:.0f} |")
+              f"| {' / '.join(f'{c:.0f}' for c in r['cpu_alone'])} | {' / '.join(f'{c:.0f}' for c in r['cpu_together'])} "
+              f"| {r['cores_together']:.2f} |")
     print()
     print("Where the verifier's wall went (shares of each phase's wall): its engine loop "
           + " / ".join(ENGINE_STATES) + "; its event loop's CPU\n")
@@ -225,7 +230,7 @@ async def main_async(args) -> None:
             print(f"this tree / baseline, {what} tokens/s: median of paired ratios {statistics.median(paired):.2f} "
                   f"({min(paired):.2f}-{max(paired):.2f})")
         for key, what in (("cpu_alone", "one request"), ("cpu_together", "together")):
-            for index, service in enumerate(("verifier", "drafter")):
+            for index, service in enumerate(("verifier", "drafter", "clients")):
                 paired = [mine[key][index] / base[key][index] for base, mine in blocks if base[key][index]]
                 if paired:
                     print(f"this tree / baseline, {what}, the {service}'s CPU a token: median of paired ratios "
