@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from shared.client import AsyncVerifierClient, GenerationConfig, VerifierError
+from shared.security import channel_credentials, make_test_pki
 from shared.service import StartupError
 from verifier_service.server import VerifierServer
 from verifier_service.settings import VerifierSettings
@@ -119,6 +120,18 @@ async def test_token_checked_at_the_front(servers, tiny_model):
         assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
     async with AsyncVerifierClient(target(servers), token="s3cret") as known:
         assert len((await known.generate(PROMPT, config)).token_ids) == 4
+
+
+async def test_tls_at_the_front(servers, tiny_model, tmp_path):
+    pki = make_test_pki(tmp_path)
+    await servers.start(tiny_model, front_processes=1, tls_cert=str(pki["server_cert"]), tls_key=str(pki["server_key"]))
+    address = f"localhost:{servers.verifier.port}"
+    async with AsyncVerifierClient(address, credentials=channel_credentials(str(pki["ca"]))) as client:
+        assert len((await client.generate(PROMPT, GenerationConfig(max_new_tokens=4))).token_ids) == 4
+    async with AsyncVerifierClient(address, timeout=5) as plaintext:  # (to a TLS port)
+        with pytest.raises(VerifierError) as refused:
+            await plaintext.generate(PROMPT, GenerationConfig(max_new_tokens=4))
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE
 
 
 async def test_deadline_frees_the_session(servers, tiny_model):
