@@ -26,9 +26,11 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import structlog
@@ -94,8 +96,11 @@ class Fronts:
         config = self.config
         if self.port is not None:  # (the others join the first one's port)
             config = dataclasses.replace(config, address=f"{config.address.rpartition(':')[0]}:{self.port}")
+        # (this package importable there whatever the service's working directory)
+        root = str(Path(__file__).resolve().parents[1])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "shared.front", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+            sys.executable, "-m", "shared.front", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
         process.stdin.write((json.dumps(dataclasses.asdict(config)) + "\n" + self._health + "\n").encode())
         try:
             line = (await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)).decode().strip()
