@@ -1,6 +1,7 @@
 """What both gRPC services share: the server lifecycle and the process entry point.
 
-A `ServiceServer` binds its port (TLS when configured), registers health checking
+A `ServiceServer` binds its port (TLS when configured; or its front processes do, relaying
+its stream method to its local socket: shared/front.py), registers health checking
 (NOT_SERVING until the model is loaded) and reflection, starts the Prometheus endpoint,
 loads the model in the background, and drains on stop: health NOT_SERVING while the port
 stays open (so load balancers see it), new work refused with UNAVAILABLE, in-flight work
