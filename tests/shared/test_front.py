@@ -57,31 +57,37 @@ async def call(port: int, max_new_tokens: int) -> list[int]:
         return [event.token_ids[0] async for event in generate(verifier_pb2.GenerateRequest(max_new_tokens=max_new_tokens))]
 
 
-async def test_events_and_statuses_relayed(service):
-    fronts = Fronts(1, config(service.path))
-    port = await fronts.start()
-    try:
-        assert await call(port, 5) == [0, 1, 2, 3, 4]
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await call(port, 99)
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert refused.value.details() == "scripted refusal naming max_new_tokens"
-        with pytest.raises(grpc.aio.AioRpcError) as cut:
-            await call(port, 7)
-        assert cut.value.code() == grpc.StatusCode.UNAVAILABLE and "without a status" in cut.value.details()
-    finally:
+@pytest.fixture
+async def started():
+    """Start Fronts for a config (the port); every one stopped at the test's end."""
+    running: list[Fronts] = []
+
+    async def start(front_config: FrontConfig) -> int:
+        running.append(Fronts(1, front_config))
+        return await running[-1].start()
+
+    yield start
+    for fronts in running:
         await fronts.stop(0)
 
 
-async def test_no_service_behind_the_socket_is_unavailable(service):
-    fronts = Fronts(1, config(service.path + ".missing"))
-    port = await fronts.start()
-    try:
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await call(port, 3)
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "local socket" in refused.value.details()
-    finally:
-        await fronts.stop(0)
+async def test_events_and_statuses_relayed(service, started):
+    port = await started(config(service.path))
+    assert await call(port, 5) == [0, 1, 2, 3, 4]
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await call(port, 99)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert refused.value.details() == "scripted refusal naming max_new_tokens"
+    with pytest.raises(grpc.aio.AioRpcError) as cut:
+        await call(port, 7)
+    assert cut.value.code() == grpc.StatusCode.UNAVAILABLE and "without a status" in cut.value.details()
+
+
+async def test_no_service_behind_the_socket_is_unavailable(service, started):
+    port = await started(config(service.path + ".missing"))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await call(port, 3)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "local socket" in refused.value.details()
 
 
 async def test_a_front_ends_with_its_control_pipe(service):
