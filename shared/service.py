@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -23,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from shared import security, telemetry
-from shared.front import FrontError, Fronts
+from shared.front import FrontConfig, FrontError, Fronts
 from shared.local_stream import LocalStreamServer
 from shared.logs import configure_logging
 from shared.metrics import serve_metrics
@@ -65,6 +68,7 @@ class ServiceServer:
     """Subclasses set `service_name` and implement `make_service` and `register`."""
 
     service_name = ""  # fully-qualified gRPC service name, e.g. "tandem.v1.Verifier"
+    front_method = ""  # the unary-stream method front processes relay (a service that may have fronts)
 
     def __init__(self, settings, *, interceptors=()) -> None:
         self.settings = settings
@@ -77,8 +81,21 @@ class ServiceServer:
         # clients on this host: shared/local_stream.py); set by the subclass.
         self.local: LocalStreamServer | None = None
         # Front processes serving the port instead of this process (shared/front.py: they relay
-        # the service's stream method to `local`); set by the subclass.
+        # `front_method` to `local`), where the settings ask for them (`front_processes`).
         self.fronts: Fronts | None = None
+        self._private_dir: str | None = None
+
+    def local_path(self) -> str | None:
+        """Where the subclass serves its stream method on this host: the `local_socket` setting,
+        else, where front processes relay to it, a socket in an owner-only directory of this
+        process's own (removed at stop); None: no local socket."""
+        s = self.settings
+        if getattr(s, "local_socket", None):
+            return s.local_socket
+        if not getattr(s, "front_processes", 0):
+            return None
+        self._private_dir = tempfile.mkdtemp(prefix="tandem-")
+        return os.path.join(self._private_dir, "local.sock")
 
     # -- subclass hooks -----------------------------------------------------------------
 
@@ -127,6 +144,11 @@ class ServiceServer:
         s = self.settings
         self.preflight()
         credentials = security.server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca)
+        if getattr(s, "front_processes", 0):
+            self.fronts = Fronts(s.front_processes, FrontConfig(
+                address=s.address, service_name=self.service_name, method=self.front_method, socket=self.local.path,
+                message_limit=MAX_MESSAGE_BYTES, max_connection_age_s=s.max_connection_age_s,
+                auth_token=s.auth_token, tls_cert=s.tls_cert, tls_key=s.tls_key, tls_client_ca=s.tls_client_ca))
         if self.fronts is None:
             try:
                 self.port = security.add_port(self.server, s.address, credentials)
@@ -174,6 +196,8 @@ class ServiceServer:
             await self.fronts.stop(max(0.0, deadline - time.monotonic()))
         if self.local is not None:
             await self.local.close()
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
         await self.close()
         await self._end_loading()
         if self.metrics_server is not None:

@@ -14,8 +14,6 @@ import contextlib
 import dataclasses
 import os
 import secrets
-import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,7 +26,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kernels.speculative import Gate, Mode
 from shared import security, telemetry
-from shared.front import FrontConfig, Fronts
 from shared.local_stream import LocalContext, LocalStreamServer
 from shared.threads import model_threads, set_step_threads, use_device, use_threads
 from shared.metrics import VerifierMetrics
@@ -419,24 +416,16 @@ class VerifierServer(ServiceServer):
     """A verifier on a real port: start(), wait_loaded(), stop(grace)."""
 
     service_name = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+    front_method = "Generate"
 
     def __init__(self, settings: VerifierSettings, *, model=None, tokenizer=None) -> None:
         token = security.BearerTokenInterceptor(settings.auth_token) if settings.auth_token else None
         super().__init__(settings, interceptors=[token] if token else [])
         self.service = VerifierService(settings, model=model, tokenizer=tokenizer)
-        # (fronts without --local-socket relay to a socket in a directory of this process's own)
-        self._private_dir = tempfile.mkdtemp(prefix="tandem-verifier-") \
-            if settings.front_processes and not settings.local_socket else None
-        path = settings.local_socket or (os.path.join(self._private_dir, "generate.sock") if self._private_dir else None)
+        path = self.local_path()
         if path:  # (the same token, checked on a local stream's metadata)
             self.local = LocalStreamServer(path, self.service.generate_local, verifier_pb2.GenerateRequest,
                                            limit=MAX_MESSAGE_BYTES, check=token.check if token else None)
-        if settings.front_processes:
-            s = settings
-            self.fronts = Fronts(s.front_processes, FrontConfig(
-                address=s.address, service_name=self.service_name, method="Generate", socket=path,
-                message_limit=MAX_MESSAGE_BYTES, max_connection_age_s=s.max_connection_age_s,
-                auth_token=s.auth_token, tls_cert=s.tls_cert, tls_key=s.tls_key, tls_client_ca=s.tls_client_ca))
 
     def preflight(self) -> None:
         if self.service.model is None:
@@ -477,8 +466,6 @@ class VerifierServer(ServiceServer):
         if self.service.watchdog is not None:
             self.service.watchdog.cancel()
         await asyncio.to_thread(self.service.close_ranks)
-        if self._private_dir is not None:
-            shutil.rmtree(self._private_dir, ignore_errors=True)
 
 
 async def serve(settings: VerifierSettings) -> None:
