@@ -35,7 +35,7 @@ from pathlib import Path
 import grpc
 import structlog
 
-from shared.local_stream import END, MESSAGE, METADATA, STATUS, FrameTooLarge, frame, parse_status, read_frame
+from shared.local_stream import LocalCall
 
 log = structlog.get_logger("tandem")
 READY, ERROR = "ready", "error"
@@ -164,40 +164,41 @@ class Fronts:
 
 # -- the front ----------------------------------------------------------------------------------
 
+class _Raw:
+    """A message as bytes, for LocalCall: the relay parses neither requests nor events."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 (protobuf's name, which LocalCall calls)
+        return self.payload
+
+    FromString = staticmethod(bytes)  # (an event's frame payload, as it came)
+
+
 class Relay:
-    """The service's stream method: request bytes to the local socket, event bytes back."""
+    """The service's stream method: request bytes to the local socket (the transport's own
+    client, `LocalCall`), event bytes back, its failures as the call's status."""
 
     def __init__(self, config: FrontConfig) -> None:
         self.config = config
 
     async def call(self, raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        metadata = [[key, value] for key, value in context.invocation_metadata() or () if isinstance(value, str)]
+        metadata = [(key, value) for key, value in context.invocation_metadata() or () if isinstance(value, str)]
+        call = LocalCall(self.config.socket, _Raw, metadata, self.config.message_limit)
+        failed = None
         try:
-            reader, writer = await asyncio.open_unix_connection(self.config.socket)
-        except OSError as error:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the service's local socket: {error.strerror or error}")
-        try:
-            writer.write(frame(METADATA, json.dumps(metadata).encode()) + frame(MESSAGE, raw) + frame(END, b""))
+            await call.write(_Raw(raw))
             del raw
-            while True:
-                try:
-                    got = await read_frame(reader, self.config.message_limit)
-                except (FrameTooLarge, asyncio.IncompleteReadError, ConnectionError):
-                    got = None
-                if got is None:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the service ended the stream without a status")
-                kind, payload = got
-                if kind == MESSAGE:
-                    yield payload
-                elif kind == STATUS:
-                    code, details = parse_status(payload)
-                    if code != grpc.StatusCode.OK:
-                        await context.abort(code, details)
-                    return
-                else:
-                    await context.abort(grpc.StatusCode.INTERNAL, f"unexpected frame kind {kind} from the service")
+            await call.done_writing()
+            async for payload in call:
+                yield payload
+        except grpc.aio.AioRpcError as error:
+            failed = error.code(), error.details()
         finally:
-            writer.close()  # (a call the client left: the service sees the stream end at its next write)
+            call.cancel()  # (a call the client left: the service sees the stream end at its next write)
+        if failed is not None:  # (outside the except: the abort's traceback holds no request)
+            await context.abort(*failed)
 
 
 async def serve(config: FrontConfig, control: asyncio.StreamReader) -> int:
