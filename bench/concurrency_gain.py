@@ -22,8 +22,8 @@ from another checkout first (services from that tree), alternating trees per blo
     python bench/concurrency_gain.py [--device cpu] [--requests 8] [--max-new-tokens 64] [--blocks 3]
         [--link local|grpc] [--baseline-tree /tmp/base [--baseline-link grpc|local]]
         [--baseline-tree . --baseline-link local --traced this-tree]   (what exporting traces costs)
-        [--client-link local --baseline-tree . --baseline-link local]   (what gRPC's events cost: clients
-                                                                         on the verifier's --local-socket)
+        [--client-link grpc --baseline-tree . --baseline-link local]    (what gRPC's events cost: clients
+                                                                         held on the verifier's port)
         [--baseline-tree . --baseline-link local --verifier-arg=--front-processes --verifier-arg=1]
                                                                         (the port served by a front process)
 """
@@ -77,8 +77,9 @@ class Pair(ServicePair):
 
     def __init__(self, name: str, children: Children, model_dir: Path, device: str, tree: Path | None,
                  verifier_args: list[str], drafter_args: list[str], env: dict[str, str] | None,
-                 client_socket: Path | None = None) -> None:
+                 client_link: str = "default", client_socket: Path | None = None) -> None:
         self.metrics_port = free_port()  # (where the verifier's engine loop says what it did)
+        self.client_link = client_link  # default: the client's own choice (the socket its verifier names)
         self.client_socket = client_socket  # (the verifier's --local-socket, which the clients then take)
         socket_args = ["--local-socket", str(client_socket)] if client_socket else []
         super().__init__(name, children, model_dir, device, tree,
@@ -98,7 +99,8 @@ class Pair(ServicePair):
         from shared.client import AsyncVerifierClient
 
         socket = str(self.client_socket) if self.client_socket else None
-        async with AsyncVerifierClient(f"127.0.0.1:{self.v_port}", timeout=600, local_socket=socket) as client:
+        async with AsyncVerifierClient(f"127.0.0.1:{self.v_port}", timeout=600, local_socket=socket,
+                                       discover_local=self.client_link == "default") as client:
             async def one(index: int) -> tuple[list[int], float, dict]:
                 started = time.perf_counter()
                 g = await client.generate(prompts[index], config(index, max_new_tokens, tag))
@@ -143,11 +145,11 @@ async def main_async(args) -> None:
             v_args, d_args = link_flags(args.baseline_link, workdir / "baseline.sock")
             pairs.append(Pair("baseline", children, model_dir, args.device, Path(args.baseline_tree),
                               [*v_args, *args.baseline_verifier_arg], [*d_args, *args.baseline_drafter_arg],
-                              env("baseline"),
+                              env("baseline"), args.baseline_client_link,
                               workdir / "baseline-gen.sock" if args.baseline_client_link == "local" else None))
         v_args, d_args = link_flags(args.link, workdir / "this-tree.sock")
         pairs.append(Pair("this-tree", children, model_dir, args.device, None, [*v_args, *args.verifier_arg],
-                          [*d_args, *args.drafter_arg], env("this-tree"),
+                          [*d_args, *args.drafter_arg], env("this-tree"), args.client_link,
                           workdir / "this-tree-gen.sock" if args.client_link == "local" else None))
         log("starting services ...")
         for pair in pairs:
@@ -249,10 +251,13 @@ def main() -> None:
                         help="this tree's drafter link: local (as `tandem demo` starts the pair) or grpc")
     parser.add_argument("--baseline-link", default="grpc", choices=("local", "grpc"),
                         help="the baseline's (grpc: a tree before session 40 has no local socket)")
-    parser.add_argument("--client-link", default="grpc", choices=("grpc", "local"),
-                        help="how this tree's clients reach the verifier: grpc (its port) or local (its --local-socket)")
-    parser.add_argument("--baseline-client-link", default="grpc", choices=("grpc", "local"),
-                        help="the same for the baseline (local needs a tree with --local-socket)")
+    parser.add_argument("--client-link", default="default", choices=("default", "grpc", "local"),
+                        help="how this tree's clients reach the verifier: default (the client's own way: the local "
+                             "socket a verifier names to callers on its host, else its port), grpc (its port only) "
+                             "or local (its --local-socket)")
+    parser.add_argument("--baseline-client-link", default="default", choices=("default", "grpc", "local"),
+                        help="the same for the baseline (local needs a tree with --local-socket; a tree that names "
+                             "no socket keeps default clients on its port)")
     parser.add_argument("--baseline-tree", default=None, help="another checkout, measured alongside (may be this one)")
     parser.add_argument("--traced", default="none", choices=("none", "this-tree", "baseline", "both"),
                         help="that pair's services export traces (OTLP/gRPC) to a sink this bench runs, the other "

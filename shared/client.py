@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import operator
+import os
+import stat
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Self
@@ -31,7 +33,7 @@ from shared.protocol import (
     verifier_pb2_grpc,
 )
 from shared import telemetry
-from shared.local_stream import LocalCall
+from shared.local_stream import LocalCall, loopback_target
 from shared.security import bearer_metadata, open_channel
 
 __all__ = [
@@ -49,6 +51,7 @@ __all__ = [
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 """Largest message either way on the client's channels."""
+DISCOVERY_TIMEOUT_S = 5.0  # the longest a first call waits for the verifier to name its local socket
 
 _MODES = {"exact": common_pb2.MODE_EXACT, "probabilistic": common_pb2.MODE_PROBABILISTIC}
 _GATES = {"top": common_pb2.GATE_TOP, "pick": common_pb2.GATE_PICK}
@@ -307,19 +310,28 @@ def _channel_options(extra) -> list[tuple[str, object]]:
 class AsyncVerifierClient:
     """`grpc.aio` client of `Verifier.Generate`. The channel opens on first use (inside the
     running event loop); `timeout` is the deadline of each whole call, in seconds.
-    local_socket: a verifier's `--local-socket` on this host — Generate streams go over it
-    instead of gRPC (the same events and errors); health checks stay on `target`."""
+
+    Generate streams take a verifier's local socket on this host where there is one (the same
+    events and errors without gRPC's per-event cost; health checks stay on `target`):
+    `local_socket`, a path; else, with `discover_local` (the default) and a plain-text target
+    naming one loopback address ("127.0.0.1:50051", "localhost:50051"), the one the verifier
+    names when first asked (GetServerInfo). A discovered socket that no longer answers is
+    dropped (that call goes over gRPC) and asked for again at the next call."""
 
     def __init__(
         self, target: str, *, timeout: float | None = None, channel_options=None,
         credentials: grpc.ChannelCredentials | None = None, token: str | None = None,
-        local_socket: str | None = None,
+        local_socket: str | None = None, discover_local: bool = True,
     ) -> None:
         if local_socket is not None and not local_socket:
             raise ValueError("local_socket must not be empty (leave it unset for gRPC)")
         self.target = target
         self.timeout = timeout
-        self.local_socket = local_socket
+        self.local_socket = local_socket  # the socket Generate streams take now; None: gRPC
+        self._explicit_local = local_socket is not None
+        self._discover = (discover_local and local_socket is None and credentials is None
+                          and loopback_target(target))
+        self._discovery: asyncio.Lock | None = None
         self._options = _channel_options(channel_options)
         self._credentials = credentials
         self._metadata = bearer_metadata(token)
@@ -332,12 +344,40 @@ class AsyncVerifierClient:
             self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
         return self._stub
 
+    async def _local_path(self) -> str | None:
+        """The local socket to stream over, asking the verifier first where not yet known."""
+        if self._discover and self.local_socket is None:
+            if self._discovery is None:
+                self._discovery = asyncio.Lock()
+            async with self._discovery:  # (concurrent first calls ask once)
+                if self._discover and self.local_socket is None:
+                    await self._ask_verifier()
+        return self.local_socket
+
+    async def _ask_verifier(self) -> None:
+        timeout = DISCOVERY_TIMEOUT_S if self.timeout is None else min(self.timeout, DISCOVERY_TIMEOUT_S)
+        try:
+            info = await self._get_stub().GetServerInfo(verifier_pb2.GetServerInfoRequest(), timeout=timeout,
+                                                        metadata=self._metadata)
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:  # a verifier that offers none
+                self._discover = False
+            return  # (else not reachable yet, say: asked again at the next call)
+        self._discover = False
+        try:  # (a path from another host's verifier, behind a forwarded port, is not one here)
+            if info.local_socket and stat.S_ISSOCK(os.stat(info.local_socket).st_mode):
+                self.local_socket = info.local_socket
+        except OSError:
+            pass
+
     async def stream(self, prompt: Prompt, config: GenerationConfig) -> AsyncIterator[verifier_pb2.GenerateEvent]:
         """The request's events as they arrive; leaving the loop early cancels the call
         (wrap in `contextlib.aclosing` to cancel at once rather than when collected)."""
         request = config.to_request(prompt)
-        if self.local_socket is not None:
-            async for event in self._stream_local(request):
+        path = await self._local_path()
+        call = await self._connect_local(path) if path is not None else None
+        if call is not None:
+            async for event in self._stream_local(call, request):
                 yield event
             return
         call = self._get_stub().Generate(request, timeout=self.timeout, metadata=self._metadata)
@@ -349,14 +389,30 @@ class AsyncVerifierClient:
         finally:
             call.cancel()  # no-op once the call is done
 
-    async def _stream_local(self, request: verifier_pb2.GenerateRequest) -> AsyncIterator[verifier_pb2.GenerateEvent]:
+    async def _connect_local(self, path: str) -> LocalCall | None:
+        """A call on the local socket, connected; None where a discovered socket no longer answers
+        (the verifier restarted, say: forgotten, asked for again next time), so this call takes gRPC."""
         carrier: dict[str, str] = {}
         telemetry.inject_context(carrier)  # (the caller's trace, which gRPC's instrumentation carries on a port)
-        call = LocalCall(self.local_socket, verifier_pb2.GenerateEvent, [*self._metadata, *carrier.items()],
-                         MAX_MESSAGE_BYTES)
+        call = LocalCall(path, verifier_pb2.GenerateEvent, [*self._metadata, *carrier.items()], MAX_MESSAGE_BYTES)
+        try:
+            async with asyncio.timeout(self.timeout):
+                await call.connect()
+        except (grpc.RpcError, TimeoutError) as error:
+            call.cancel()
+            if self._explicit_local:
+                if isinstance(error, TimeoutError):
+                    raise VerifierError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+                raise VerifierError.from_rpc_error(error) from error
+            self.local_socket, self._discover = None, True
+            return None
+        return call
+
+    async def _stream_local(self, call: LocalCall, request: verifier_pb2.GenerateRequest
+                            ) -> AsyncIterator[verifier_pb2.GenerateEvent]:
         deadline = None if self.timeout is None else asyncio.get_running_loop().time() + self.timeout
         try:
-            async with asyncio.timeout_at(deadline):  # (the whole call's deadline, as gRPC's: the connect too)
+            async with asyncio.timeout_at(deadline):  # (the whole call's deadline, as gRPC's)
                 await call.write(request)
                 await call.done_writing()
             events = aiter(call)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import os
 import stat
@@ -45,6 +46,40 @@ PEER = "unix:local"
 
 class FrameTooLarge(Exception):
     pass
+
+
+def is_local_peer(peer: str) -> bool:
+    """Whether a gRPC peer string (`context.peer()`: "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000",
+    "unix:...") is a process on this host: a loopback address or a Unix socket."""
+    kind, _, rest = peer.partition(":")
+    if kind == "unix":
+        return True
+    if kind == "ipv4":
+        host = rest.rpartition(":")[0]
+    elif kind == "ipv6":
+        host = rest.rpartition(":")[0].strip("[]")
+    else:
+        return False
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+def loopback_target(target: str) -> bool:
+    """Whether a client's gRPC target names one server on this host by itself ("127.0.0.1:50051",
+    "localhost:50051", "[::1]:50051"): not a name resolved to several (dns:///, a list)."""
+    if "://" in target or "," in target or target.startswith(("ipv4:", "ipv6:", "unix:")):
+        return False
+    host = target.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def frame(kind: int, payload: bytes) -> bytes:
@@ -247,6 +282,11 @@ class LocalCall:
             raise _error(grpc.StatusCode.UNAVAILABLE, f"cannot connect to {self.path}: {error.strerror or error}") from None
         writer.write(frame(METADATA, json.dumps(metadata).encode()))
         return reader, writer
+
+    async def connect(self) -> None:
+        """Wait for the connection (its metadata sent): UNAVAILABLE where nothing listens at the
+        path, before anything of the call left this process."""
+        await self._writer()
 
     async def _writer(self) -> asyncio.StreamWriter:
         if self._cancelled:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import tempfile
@@ -87,14 +88,16 @@ class ServiceServer:
 
     def local_path(self) -> str | None:
         """Where the subclass serves its stream method on this host: the `local_socket` setting,
-        else, where front processes relay to it, a socket in an owner-only directory of this
-        process's own (removed at stop); None: no local socket."""
+        else, where front processes relay to it or it offers its callers a socket
+        (`offer_local_socket`), one in an owner-only directory of this process's own (made at
+        start, removed at stop); None: no local socket."""
         s = self.settings
         if getattr(s, "local_socket", None):
             return s.local_socket
-        if not getattr(s, "front_processes", 0):
+        offered = getattr(s, "offer_local_socket", False) and not s.tls_cert  # (a TLS caller is told of none)
+        if not (getattr(s, "front_processes", 0) or offered):
             return None
-        self._private_dir = tempfile.mkdtemp(prefix="tandem-")
+        self._private_dir = os.path.join(tempfile.gettempdir(), f"tandem-{secrets.token_hex(8)}")
         return os.path.join(self._private_dir, "local.sock")
 
     # -- subclass hooks -----------------------------------------------------------------
@@ -164,6 +167,8 @@ class ServiceServer:
         self.loaded = asyncio.create_task(self._load_then_serve())
         if self.local is not None:
             try:
+                if self._private_dir is not None:
+                    os.mkdir(self._private_dir, 0o700)
                 await self.local.start()
             except OSError as error:
                 await self.stop(0)

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kernels.speculative import Gate, Mode
 from shared import security, telemetry
-from shared.local_stream import LocalContext, LocalStreamServer
+from shared.local_stream import LocalContext, LocalStreamServer, is_local_peer
 from shared.threads import model_threads, set_step_threads, use_device, use_threads
 from shared.metrics import VerifierMetrics
 from shared.model import resident_bytes
@@ -426,6 +426,8 @@ class VerifierServer(ServiceServer):
         if path:  # (the same token, checked on a local stream's metadata)
             self.local = LocalStreamServer(path, self.service.generate_local, verifier_pb2.GenerateRequest,
                                            limit=MAX_MESSAGE_BYTES, check=token.check if token else None)
+        # Named to gRPC callers on this host (GetServerInfo); not where they chose TLS.
+        self.offered_socket = path if path and settings.offer_local_socket and not settings.tls_cert else ""
 
     def preflight(self) -> None:
         if self.service.model is None:
@@ -436,8 +438,16 @@ class VerifierServer(ServiceServer):
         # INVALID_ARGUMENT (gRPC's own deserialiser would fail it as UNKNOWN).
         handler = grpc.unary_stream_rpc_method_handler(
             self.service.generate_raw, response_serializer=verifier_pb2.GenerateEvent.SerializeToString)
+        info = grpc.unary_unary_rpc_method_handler(
+            self.server_info, request_deserializer=verifier_pb2.GetServerInfoRequest.FromString,
+            response_serializer=verifier_pb2.ServerInfo.SerializeToString)
         self.server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(self.service_name, {"Generate": handler}),))
+            (grpc.method_handlers_generic_handler(self.service_name, {"Generate": handler, "GetServerInfo": info}),))
+
+    async def server_info(self, request: verifier_pb2.GetServerInfoRequest,
+                          context: grpc.aio.ServicerContext) -> verifier_pb2.ServerInfo:
+        """The local socket, for a caller on this host only (its path means nothing elsewhere)."""
+        return verifier_pb2.ServerInfo(local_socket=self.offered_socket if is_local_peer(context.peer()) else "")
 
     async def load(self) -> None:
         await self.service.load()

@@ -17,6 +17,14 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
 
     def __init__(self) -> None:
         self.requests: list[verifier_pb2.GenerateRequest] = []
+        self.info_calls = 0
+        self.offered: str | None = None  # GetServerInfo's local socket (None: not implemented, as before it was)
+
+    async def GetServerInfo(self, request, context):
+        self.info_calls += 1
+        if self.offered is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        return verifier_pb2.ServerInfo(local_socket=self.offered)
 
     async def Generate(self, request, context):
         self.requests.append(request)

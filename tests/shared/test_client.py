@@ -136,6 +136,22 @@ async def test_async_generate_by_ids(aio_verifier):
     assert servicer.requests[-1].sampling.seed == 9
 
 
+@pytest.mark.parametrize("offered", [None, "/nonexistent-tandem/local.sock"])
+async def test_async_client_asks_once_and_stays_on_grpc_without_a_socket_here(aio_verifier, offered):
+    """An older verifier (GetServerInfo unimplemented), or one whose path is no socket on this
+    host (another host's, behind a forwarded port): asked once, Generate stays on gRPC."""
+    target, servicer = aio_verifier
+    servicer.offered, servicer.info_calls = offered, 0
+    async with AsyncVerifierClient(target, timeout=10) as client:
+        for _ in range(2):
+            assert (await client.generate([1, 2, 3], GenerationConfig(max_new_tokens=8))).token_ids == [3, 2, 1]
+        assert client.local_socket is None
+    assert servicer.info_calls == 1
+    async with AsyncVerifierClient(target, timeout=10, discover_local=False) as quiet:
+        await quiet.generate([1, 2, 3], GenerationConfig(max_new_tokens=8))
+    assert servicer.info_calls == 1
+
+
 async def test_async_generate_by_text(aio_verifier):
     target, _ = aio_verifier
     async with AsyncVerifierClient(target) as client:

@@ -12,7 +12,8 @@ import tempfile
 import grpc
 import pytest
 
-from shared.local_stream import HEADER, MESSAGE, METADATA, LocalCall, LocalStreamServer, frame
+from shared.local_stream import (HEADER, MESSAGE, METADATA, LocalCall, LocalStreamServer, frame, is_local_peer,
+                                 loopback_target)
 from shared.protocol import common_pb2
 from shared.security import BearerTokenInterceptor
 
@@ -224,3 +225,20 @@ async def test_write_nowait_sends_before_the_caller_awaits_again(socket_path, fr
         conn.close()
     finally:
         listener.close()
+
+
+@pytest.mark.parametrize("peer, local", [
+    ("ipv4:127.0.0.1:5000", True), ("ipv4:127.3.2.1:1", True), ("ipv6:[::1]:5000", True),
+    ("ipv6:[::ffff:127.0.0.1]:5000", True), ("unix:/tmp/x.sock", True), ("unix:", True),
+    ("ipv4:10.0.0.7:5000", False), ("ipv6:[2001:db8::1]:5000", False), ("ipv6:[::ffff:10.0.0.7]:1", False),
+    ("ipv4:not-an-address:1", False), ("", False), ("dns:localhost", False)])
+def test_a_peer_on_this_host_is_a_loopback_address_or_a_unix_socket(peer, local):
+    assert is_local_peer(peer) is local
+
+
+@pytest.mark.parametrize("target, loopback", [
+    ("127.0.0.1:50051", True), ("localhost:50051", True), ("[::1]:50051", True), ("127.0.0.2:1", True),
+    ("10.0.0.7:50051", False), ("verifier:50051", False), ("dns:///localhost:50051", False),
+    ("ipv4:127.0.0.1:50051", False), ("ipv4:127.0.0.1:1,127.0.0.1:2", False), ("unix:/tmp/v.sock", False)])
+def test_a_target_names_one_loopback_server_or_not(target, loopback):
+    assert loopback_target(target) is loopback

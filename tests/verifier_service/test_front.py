@@ -59,6 +59,7 @@ async def test_same_generation_as_the_verifiers_own(servers, tiny_model, socket_
             assert len(through_front.token_ids) == 24
             assert through_front.finish_reason == direct.finish_reason == "length"
             assert sum(r["num_rounds"] for r in through_front.rounds) == 24
+        assert fronted.local_socket is None  # (a front names no socket: its callers stay on it)
     await wait_idle(servers.verifier)
 
 

@@ -30,7 +30,7 @@ async def test_same_generation_as_over_grpc(servers, tiny_model, socket_path):
     await servers.start(tiny_model, local_socket=socket_path)
     configs = [GenerationConfig(max_new_tokens=24, temperature=0.0),
                GenerationConfig(max_new_tokens=24, temperature=0.9, top_p=0.9, seed=11)]
-    async with AsyncVerifierClient(target(servers)) as remote, \
+    async with AsyncVerifierClient(target(servers), discover_local=False) as remote, \
             AsyncVerifierClient(target(servers), local_socket=socket_path) as local:
         for config in configs:
             over_grpc = await remote.generate(PROMPT, config)
@@ -46,7 +46,7 @@ async def test_same_generation_as_over_grpc(servers, tiny_model, socket_path):
 async def test_refusals_carry_grpc_codes_and_messages(servers, tiny_model, socket_path):
     await servers.start(tiny_model, local_socket=socket_path, max_new_tokens_limit=32)
     config = GenerationConfig(max_new_tokens=64)
-    async with AsyncVerifierClient(target(servers)) as remote, \
+    async with AsyncVerifierClient(target(servers), discover_local=False) as remote, \
             AsyncVerifierClient(target(servers), local_socket=socket_path) as local:
         errors = []
         for client in (remote, local):
