@@ -41,16 +41,19 @@ async def test_completions_equal_the_verifier_and_tandem_generate(edge, embedded
     assert json.loads(out)["text"] == reply.choices[0].text
 
 
-async def test_a_gateway_beside_its_verifier_streams_over_the_local_socket(edge, embedded):
+@pytest.mark.parametrize("named", [False, True])
+async def test_a_gateway_beside_its_verifier_streams_over_the_local_socket(edge, embedded, named):
+    """named: the gateway's --verifier-socket; else the socket the verifier offers (no flags)."""
     folder = tempfile.mkdtemp(prefix="tandem-test-")  # (a Unix socket's path is at most 107 bytes)
     try:
         path = f"{folder}/v.sock"
-        client = await edge.start(embedded, verifier={"local_socket": path}, verifier_socket=path)
+        client = await (edge.start(embedded, verifier={"local_socket": path}, verifier_socket=path) if named
+                        else edge.start(embedded))
         reply = await client.completions.create(model="tandem-demo-moe", prompt=PROMPT, max_tokens=12, temperature=0.8,
                                                 seed=5)
+        assert edge.verifier.local.served == 1  # the gateway's call came over the socket, not gRPC
         expected = await direct(edge.address, PROMPT, max_new_tokens=12, temperature=0.8, seed=5)
         assert reply.choices[0].text == expected.text
-        assert edge.verifier.local.served == 1  # the gateway's call came over the socket, not gRPC
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -14,6 +14,8 @@ import pytest
 from shared.client import AsyncVerifierClient, GenerationConfig, VerifierError
 from shared.protocol import verifier_pb2, verifier_pb2_grpc
 from shared.security import channel_credentials, make_test_pki
+from verifier_service.server import VerifierServer
+from verifier_service.settings import VerifierSettings
 
 from .conftest import wait_idle
 
@@ -117,3 +119,8 @@ async def test_a_tls_verifier_offers_no_socket(servers, tiny_model, tmp_path):
     async with AsyncVerifierClient(f"localhost:{servers.verifier.port}", credentials=credentials) as client:
         assert len((await client.generate(PROMPT, GREEDY)).token_ids) == 12
         assert client.local_socket is None
+
+
+async def test_a_server_never_started_leaves_no_directory(tiny_model):
+    server = VerifierServer(VerifierSettings(port=0), model=tiny_model)
+    assert server.local is not None and not os.path.exists(os.path.dirname(server.local.path))
