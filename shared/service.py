@@ -94,11 +94,16 @@ class ServiceServer:
         s = self.settings
         if getattr(s, "local_socket", None):
             return s.local_socket
-        offered = getattr(s, "offer_local_socket", False) and not s.tls_cert  # (a TLS caller is told of none)
-        if not (getattr(s, "front_processes", 0) or offered):
+        if not (getattr(s, "front_processes", 0) or self.offers_local()):
             return None
         self._private_dir = os.path.join(tempfile.gettempdir(), f"tandem-{secrets.token_hex(8)}")
         return os.path.join(self._private_dir, "local.sock")
+
+    def offers_local(self) -> bool:
+        """Whether callers on this host are told of the local socket (`offer_local_socket`), so
+        that they stream over it; never under TLS, which its callers chose."""
+        s = self.settings
+        return bool(getattr(s, "offer_local_socket", False)) and not s.tls_cert
 
     # -- subclass hooks -----------------------------------------------------------------
 

@@ -426,8 +426,7 @@ class VerifierServer(ServiceServer):
         if path:  # (the same token, checked on a local stream's metadata)
             self.local = LocalStreamServer(path, self.service.generate_local, verifier_pb2.GenerateRequest,
                                            limit=MAX_MESSAGE_BYTES, check=token.check if token else None)
-        # Named to gRPC callers on this host (GetServerInfo); not where they chose TLS.
-        self.offered_socket = path if path and settings.offer_local_socket and not settings.tls_cert else ""
+        self.offered_socket = path if path and self.offers_local() else ""  # (GetServerInfo's, on this host)
 
     def preflight(self) -> None:
         if self.service.model is None:
