@@ -8,6 +8,9 @@
     with VerifierClient("localhost:50051") as client:
         result = client.generate([1, 2, 3], GenerationConfig())
 
+On the verifier's host the async client streams Generate over the verifier's local socket, which
+the verifier names when first asked (`AsyncVerifierClient`'s `discover_local`; DESIGN §9).
+
 Both clients raise `VerifierError` (the gRPC status code and the server's message) for every
 failed call, including a verifier that cannot be reached (UNAVAILABLE) or a deadline that
 passed (DEADLINE_EXCEEDED). A bad `GenerationConfig` raises ValueError/TypeError before any
