@@ -17,6 +17,8 @@ import os
 import secrets
 import shutil
 import signal
+import socket
+import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -65,6 +67,48 @@ def require_model(name_or_path: str | None) -> None:
         raise StartupError(f"model = {name_or_path}: {error}") from None
 
 
+PRIVATE_PREFIX = "tandem-"  # a private socket's directory: tandem-<16 hex digits>, owner-only
+STALE_AFTER_S = 60.0  # a private directory whose socket has not answered for this long is a dead server's
+
+
+def sweep_private_dirs(folder: str, now: float | None = None) -> list[str]:
+    """Remove the private socket directories a killed service left in `folder` (a process gone
+    without its stop: SIGKILL, a lost rank's exit): this user's, named as `local_path` names them,
+    holding nothing but a socket that no server answers, untouched for STALE_AFTER_S (a service
+    starting now binds its socket within moments of making its directory). The removed paths."""
+    now = time.time() if now is None else now
+    removed = []
+    for entry in os.scandir(folder):
+        name = entry.name
+        if not (name.startswith(PRIVATE_PREFIX) and len(name) == len(PRIVATE_PREFIX) + 16
+                and all(c in "0123456789abcdef" for c in name[len(PRIVATE_PREFIX):])):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if (not entry.is_dir(follow_symlinks=False) or info.st_uid != os.getuid()
+                    or now - info.st_mtime < STALE_AFTER_S or os.listdir(entry.path) != ["local.sock"]):
+                continue
+            sock = os.path.join(entry.path, "local.sock")
+            if not stat.S_ISSOCK(os.lstat(sock).st_mode) or _answers(sock):
+                continue
+            os.unlink(sock)
+            os.rmdir(entry.path)
+        except OSError:
+            continue  # (another sweeper, or it changed under us: left as it is)
+        removed.append(entry.path)
+    return removed
+
+
+def _answers(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
+
+
 class ServiceServer:
     """Subclasses set `service_name` and implement `make_service` and `register`."""
 
@@ -96,7 +140,7 @@ class ServiceServer:
             return s.local_socket
         if not (getattr(s, "front_processes", 0) or self.offers_local()):
             return None
-        self._private_dir = os.path.join(tempfile.gettempdir(), f"tandem-{secrets.token_hex(8)}")
+        self._private_dir = os.path.join(tempfile.gettempdir(), f"{PRIVATE_PREFIX}{secrets.token_hex(8)}")
         return os.path.join(self._private_dir, "local.sock")
 
     def offers_local(self) -> bool:
@@ -173,6 +217,9 @@ class ServiceServer:
         if self.local is not None:
             try:
                 if self._private_dir is not None:
+                    removed = sweep_private_dirs(os.path.dirname(self._private_dir))
+                    if removed:
+                        log.info("removed dead services' socket directories", paths=removed)
                     os.mkdir(self._private_dir, 0o700)
                 await self.local.start()
             except OSError as error:

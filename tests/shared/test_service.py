@@ -2,6 +2,8 @@
 one line naming the setting (exit status 2 from the CLI), and nothing is left half-started."""
 
 import asyncio
+import os
+import time
 import socket
 import subprocess
 import sys
@@ -9,7 +11,7 @@ import sys
 import grpc
 import pytest
 
-from shared.service import ServiceServer, StartupError, server_options
+from shared.service import STALE_AFTER_S, ServiceServer, StartupError, server_options, sweep_private_dirs
 from verifier_service.server import VerifierServer
 from verifier_service.settings import VerifierSettings
 
@@ -222,3 +224,34 @@ def test_ctrl_c_while_the_command_line_is_read_is_one_line_too(monkeypatch, caps
     monkeypatch.setattr(cli, "build_parser", interrupted)
     assert cli.main(["verifier"]) == 130
     assert capsys.readouterr().err == "tandem: interrupted\n"
+
+
+def test_a_killed_services_socket_directory_is_swept_and_nothing_else(tmp_path):
+    """What a SIGKILLed verifier leaves (a private directory, its socket answered by nobody) goes
+    at the next start; a live server's, a fresh one's, one holding more, another name stay."""
+    old = time.time() - 2 * STALE_AFTER_S
+
+    def private(name: str, *, listening: bool = False, mtime: float = old, extra: bool = False):
+        folder = tmp_path / name
+        folder.mkdir(mode=0o700)
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(str(folder / "local.sock"))
+        if listening:
+            server.listen()
+        else:
+            server.close()  # (the file stays: nobody answers it)
+        if extra:
+            (folder / "notes.txt").write_text("mine")
+        os.utime(folder, (mtime, mtime))
+        return folder, server
+
+    dead, _ = private("tandem-0123456789abcdef")
+    live, server = private("tandem-00000000000000aa", listening=True)
+    fresh, _ = private("tandem-00000000000000bb", mtime=time.time())
+    fuller, _ = private("tandem-00000000000000cc", extra=True)
+    other, _ = private("tandem-test-abc")
+    try:
+        assert sweep_private_dirs(str(tmp_path)) == [str(dead)]
+        assert not dead.exists() and all(p.exists() for p in (live, fresh, fuller, other))
+    finally:
+        server.close()
