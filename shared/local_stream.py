@@ -29,6 +29,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import socket
 import stat
 import struct
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -194,7 +195,7 @@ class LocalStreamServer:
         if path.exists() or path.is_symlink():
             if not stat.S_ISSOCK(path.lstat().st_mode):
                 raise OSError(f"{self.path} exists and is not a socket")
-            if await _answers(self.path):
+            if answers(self.path):
                 raise OSError(f"{self.path}: another server listens on it")
             path.unlink()
         old_mask = os.umask(0o177)  # created 0600: no window where another user may connect
@@ -251,12 +252,15 @@ class LocalStreamServer:
                 await writer.wait_closed()
 
 
-async def _answers(path: str) -> bool:
-    try:
-        _, writer = await asyncio.open_unix_connection(path)
-    except OSError:
-        return False
-    writer.close()
+def answers(path: str) -> bool:
+    """Whether a server listens on the Unix socket at `path` (a connect the kernel completes at
+    once, whatever the server's event loop is doing)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
     return True
 
 

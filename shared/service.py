@@ -17,7 +17,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import stat
 import tempfile
 import time
@@ -30,7 +29,7 @@ from grpc_reflection.v1alpha import reflection
 
 from shared import security, telemetry
 from shared.front import FrontConfig, FrontError, Fronts
-from shared.local_stream import LocalStreamServer
+from shared.local_stream import LocalStreamServer, answers
 from shared.logs import configure_logging
 from shared.metrics import serve_metrics
 
@@ -68,6 +67,7 @@ def require_model(name_or_path: str | None) -> None:
 
 
 PRIVATE_PREFIX = "tandem-"  # a private socket's directory: tandem-<16 hex digits>, owner-only
+PRIVATE_SOCKET = "local.sock"  # the socket in it
 STALE_AFTER_S = 60.0  # a private directory whose socket has not answered for this long is a dead server's
 
 
@@ -86,10 +86,10 @@ def sweep_private_dirs(folder: str, now: float | None = None) -> list[str]:
         try:
             info = entry.stat(follow_symlinks=False)
             if (not entry.is_dir(follow_symlinks=False) or info.st_uid != os.getuid()
-                    or now - info.st_mtime < STALE_AFTER_S or os.listdir(entry.path) != ["local.sock"]):
+                    or now - info.st_mtime < STALE_AFTER_S or os.listdir(entry.path) != [PRIVATE_SOCKET]):
                 continue
-            sock = os.path.join(entry.path, "local.sock")
-            if not stat.S_ISSOCK(os.lstat(sock).st_mode) or _answers(sock):
+            sock = os.path.join(entry.path, PRIVATE_SOCKET)
+            if not stat.S_ISSOCK(os.lstat(sock).st_mode) or answers(sock):
                 continue
             os.unlink(sock)
             os.rmdir(entry.path)
@@ -97,16 +97,6 @@ def sweep_private_dirs(folder: str, now: float | None = None) -> list[str]:
             continue  # (another sweeper, or it changed under us: left as it is)
         removed.append(entry.path)
     return removed
-
-
-def _answers(path: str) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except OSError:
-            return False
-    return True
 
 
 class ServiceServer:
@@ -141,7 +131,7 @@ class ServiceServer:
         if not (getattr(s, "front_processes", 0) or self.offers_local()):
             return None
         self._private_dir = os.path.join(tempfile.gettempdir(), f"{PRIVATE_PREFIX}{secrets.token_hex(8)}")
-        return os.path.join(self._private_dir, "local.sock")
+        return os.path.join(self._private_dir, PRIVATE_SOCKET)
 
     def offers_local(self) -> bool:
         """Whether callers on this host are told of the local socket (`offer_local_socket`), so
